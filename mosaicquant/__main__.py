@@ -1,0 +1,5 @@
+import sys
+
+from mosaicquant.harness.cli import main
+
+sys.exit(main())

@@ -1,0 +1,131 @@
+"""The ``mosaicquant`` command line (argparse lives here and nowhere else).
+
+Commands:
+    run      sweep methods × suites × seeds on one model and write one record per cell
+    ls       list methods, suites, models, corpora
+    report   render tables from a results directory
+
+Bad input (unknown name, out-of-range option, missing asset, unwritable directory) prints
+one line ``mosaicquant: error: ...`` and exits with code 2, before any long work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mosaicquant.harness.errors import MosaicQuantError
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mosaicquant", description="W4A4 LLM quantization benchmarking harness")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run a sweep and write result records")
+    r.add_argument("--spec", help="YAML run spec (command-line options override it)")
+    r.add_argument("--model", help="built-in name (see 'mosaicquant ls models'), local folder, .gguf file or hub id")
+    r.add_argument("--methods", help="comma-separated name[:key=value...] list, e.g. fp16,rtn:wbits=8:abits=8,rtn")
+    r.add_argument("--suites", help="comma-separated suite list, e.g. accuracy")
+    r.add_argument("--seeds", help="comma-separated seeds (default 0)")
+    r.add_argument("--corpus", help="text corpus for calibration and perplexity (default enwiki-sample)")
+    r.add_argument("--calib-samples", type=int, dest="calib_samples", help="calibration sequences (default 128)")
+    r.add_argument("--calib-seqlen", type=int, dest="calib_seqlen", help="calibration sequence length (default 2048)")
+    r.add_argument("--max-chunks", type=int, dest="max_chunks", help="perplexity: evaluate at most N chunks")
+    r.add_argument("--out", help="results directory (default results)")
+    r.add_argument("--device", help="cpu (default), cuda or cuda:N")
+    r.add_argument("--dtype", help="float32 (default on CPU), bfloat16 or float16")
+    r.add_argument("--report", action="store_true", help="render the report when the sweep ends")
+
+    ls = sub.add_parser("ls", help="list what is available")
+    ls.add_argument("what", nargs="?", default="all", choices=["all", "methods", "suites", "models", "corpora", "backends"])
+
+    rep = sub.add_parser("report", help="render tables from a results directory")
+    rep.add_argument("dir", help="results directory")
+    rep.add_argument("-o", "--output", help="Markdown file to write (default DIR/report.md)")
+    return p
+
+
+def _cmd_run(args) -> int:
+    from mosaicquant.harness.runner import run_sweep, validate_run
+    from mosaicquant.harness.spec import load_run_spec
+
+    overrides = {k: getattr(args, k) for k in ("model", "methods", "suites", "seeds", "corpus", "calib_samples",
+                                                "calib_seqlen", "max_chunks", "out", "device", "dtype")}
+    spec = load_run_spec(args.spec, overrides)
+    validate_run(spec)
+    result = run_sweep(spec)
+    print(f"[mosaicquant] done: {len(result.written)} written, {len(result.skipped)} already finished, "
+          f"{len(result.failed)} failed; records in {spec.out}")
+    if args.report:
+        from mosaicquant.reports.tables import write_tables
+
+        path = write_tables(spec.out)
+        print(f"[mosaicquant] report: {path}")
+        print(path.read_text())
+    return 1 if result.failed else 0
+
+
+def _cmd_ls(args) -> int:
+    from mosaicquant.harness import data, models
+    from mosaicquant.harness.registry import BACKENDS, METHODS, SUITES
+
+    what = args.what
+    if what in ("all", "methods"):
+        print("methods:")
+        for e in METHODS.entries():
+            print(f"  {e.name:<16} {e.description}  [options: {', '.join(e.config.field_names()) or '-'}]")
+    if what in ("all", "suites"):
+        print("suites:")
+        for e in SUITES.entries():
+            print(f"  {e.name:<16} {e.description}  [options: {', '.join(e.config.field_names()) or '-'}]")
+    if what in ("all", "backends"):
+        print("backends:")
+        for e in BACKENDS.entries():
+            print(f"  {e.name:<16} {e.description}")
+        if not BACKENDS.names():
+            print("  (none registered)")
+    if what in ("all", "models"):
+        print("models (built-in; also a local folder, a .gguf file or a hub id):")
+        for name, info in models.BUILTIN_MODELS.items():
+            print(f"  {name:<16} {getattr(info, 'description', info)}")
+    if what in ("all", "corpora"):
+        print("corpora:")
+        for name, info in data.CORPORA.items():
+            print(f"  {name:<16} {getattr(info, 'description', info)}")
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from mosaicquant.reports.tables import write_tables
+
+    path = write_tables(args.dir, args.output)
+    print(path.read_text())
+    print(f"[mosaicquant] report written to {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``mosaicquant`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run":
+            return _cmd_run(args)
+        if args.command == "ls":
+            return _cmd_ls(args)
+        if args.command == "report":
+            return _cmd_report(args)
+    except MosaicQuantError as exc:
+        print(f"mosaicquant: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mosaicquant: interrupted; finished records are kept and a rerun resumes", file=sys.stderr)
+        return 130
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

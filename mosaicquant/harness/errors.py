@@ -1,0 +1,28 @@
+"""Errors the harness raises for bad input: the CLI prints them as one line and exits 2."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+__all__ = ["MosaicQuantError", "UserInputError", "AssetError", "unknown_name"]
+
+
+class MosaicQuantError(Exception):
+    """Base class of the errors that carry a message meant for the user."""
+
+
+class UserInputError(MosaicQuantError, ValueError):
+    """A value the user gave is not allowed (unknown name, out-of-range option, bad spec)."""
+
+
+class AssetError(MosaicQuantError):
+    """A model or data asset is missing and cannot be fetched (no network, bad hash, ...)."""
+
+
+def unknown_name(kind: str, name: str, available: Iterable[str]) -> UserInputError:
+    """Build the "Unknown method 'qaurot'. Did you mean: quarot? Available: ..." error."""
+    names = sorted(available)
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+    hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    return UserInputError(f"Unknown {kind} '{name}'.{hint} Available: {', '.join(names) or '(none)'}")

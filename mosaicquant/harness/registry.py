@@ -1,0 +1,193 @@
+"""Registries of methods, suites and backends.
+
+Built-ins are listed in-source (:data:`BUILTIN_MODULES`) and imported on first lookup, so
+they work from a plain checkout. Third-party plugins register through the entry-point
+groups ``mosaicquant.methods``, ``mosaicquant.suites`` and ``mosaicquant.backends``: the
+entry point's name is the plugin's name and loading it must register that name (usually
+by importing a module whose functions carry ``@register_method(...)``), e.g. in a plugin's
+``pyproject.toml``::
+
+    [project.entry-points."mosaicquant.methods"]
+    mymethod = "my_package.my_method"
+
+A method is ``fn(model, config, ctx) -> model`` (see :class:`QuantContext`); a suite is
+``fn(model, config, ctx) -> dict[str, Metric]`` (see :mod:`mosaicquant.harness.suites`).
+
+Example:
+    >>> from dataclasses import dataclass
+    >>> from mosaicquant.harness.config import Config
+    >>> @dataclass(frozen=True)
+    ... class NoopConfig(Config):
+    ...     pass
+    >>> @register_method("noop-demo", config=NoopConfig)
+    ... def noop(model, config, ctx):
+    ...     return model
+    >>> get_method("noop-demo").config is NoopConfig
+    True
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mosaicquant.harness.config import Config
+from mosaicquant.harness.errors import UserInputError, unknown_name
+
+__all__ = [
+    "Entry",
+    "Registry",
+    "METHODS",
+    "SUITES",
+    "BACKENDS",
+    "BUILTIN_MODULES",
+    "register_method",
+    "register_suite",
+    "register_backend",
+    "get_method",
+    "get_suite",
+    "get_backend",
+]
+
+#: modules whose import registers the built-in plugins, per registry kind
+BUILTIN_MODULES: dict[str, list[str]] = {
+    "method": [
+        "mosaicquant.baselines.fp16",
+        "mosaicquant.baselines.rtn",
+    ],
+    "suite": [
+        "mosaicquant.harness.suites.accuracy",
+    ],
+    "backend": [],
+}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registered plugin."""
+
+    name: str
+    fn: Callable[..., Any]
+    config: type[Config]
+    kind: str
+    source: str
+    description: str
+
+
+class Registry:
+    """Name → plugin map for one kind (method, suite or backend)."""
+
+    def __init__(self, kind: str, group: str):
+        self.kind = kind
+        self.group = group
+        self._entries: dict[str, Entry] = {}
+        self._builtins_loaded = False
+        self._loading_source = "direct registration"
+
+    def register(self, name: str, fn: Callable[..., Any], config: type[Config], description: str = "") -> Entry:
+        """Add ``name``; a second registration of the same name is an error."""
+        if not name or name != name.strip() or ":" in name or "," in name:
+            raise ValueError(f"{self.kind} name {name!r} must be non-empty and contain no ':' or ','")
+        if not (isinstance(config, type) and issubclass(config, Config)):
+            raise TypeError(f"{self.kind} {name!r}: config must be a Config subclass, got {config!r}")
+        if name in self._entries:
+            raise ValueError(
+                f"duplicate {self.kind} name {name!r}: already registered by {self._entries[name].source}"
+            )
+        doc = description or (fn.__doc__ or "").strip().splitlines()[0:1]
+        entry = Entry(name, fn, config, self.kind, self._loading_source,
+                      doc if isinstance(doc, str) else (doc[0] if doc else ""))
+        self._entries[name] = entry
+        return entry
+
+    def _load_builtins(self) -> None:
+        if self._builtins_loaded:
+            return
+        self._builtins_loaded = True
+        self._loading_source = "builtin"
+        try:
+            for module in BUILTIN_MODULES.get(self.kind, []):
+                importlib.import_module(module)
+        finally:
+            self._loading_source = "direct registration"
+
+    def _entry_points(self) -> dict[str, importlib.metadata.EntryPoint]:
+        return {ep.name: ep for ep in importlib.metadata.entry_points(group=self.group)}
+
+    def names(self) -> list[str]:
+        """Names of built-ins, registered plugins and (not yet loaded) entry points."""
+        self._load_builtins()
+        return sorted(set(self._entries) | set(self._entry_points()))
+
+    def get(self, name: str) -> Entry:
+        """Look ``name`` up, loading its entry point if needed.
+
+        Raises:
+            UserInputError: unknown name, with a did-you-mean and the list of names.
+        """
+        self._load_builtins()
+        if name in self._entries:
+            return self._entries[name]
+        eps = self._entry_points()
+        if name in eps:
+            self._loading_source = f"entry point {eps[name].value}"
+            try:
+                eps[name].load()
+            except Exception as exc:
+                raise UserInputError(
+                    f"{self.kind} plugin {name!r} ({eps[name].value}) failed to load: {type(exc).__name__}: {exc}"
+                ) from exc
+            finally:
+                self._loading_source = "direct registration"
+            if name not in self._entries:
+                raise UserInputError(
+                    f"{self.kind} plugin {name!r} ({eps[name].value}) loaded but registered no {self.kind} named {name!r}"
+                )
+            return self._entries[name]
+        raise unknown_name(self.kind, name, self.names())
+
+    def entries(self) -> list[Entry]:
+        return [self.get(n) for n in self.names()]
+
+
+METHODS = Registry("method", "mosaicquant.methods")
+SUITES = Registry("suite", "mosaicquant.suites")
+BACKENDS = Registry("backend", "mosaicquant.backends")
+
+
+def _decorator(registry: Registry, name: str, config: type[Config], description: str):
+    def wrap(fn):
+        registry.register(name, fn, config, description)
+        return fn
+
+    return wrap
+
+
+def register_method(name: str, *, config: type[Config], description: str = ""):
+    """Decorator: register ``fn(model, config, ctx) -> model`` as method ``name``."""
+    return _decorator(METHODS, name, config, description)
+
+
+def register_suite(name: str, *, config: type[Config], description: str = ""):
+    """Decorator: register ``fn(model, config, ctx) -> metrics`` as suite ``name``."""
+    return _decorator(SUITES, name, config, description)
+
+
+def register_backend(name: str, *, config: type[Config], description: str = ""):
+    """Decorator: register an execution backend ``name``."""
+    return _decorator(BACKENDS, name, config, description)
+
+
+def get_method(name: str) -> Entry:
+    return METHODS.get(name)
+
+
+def get_suite(name: str) -> Entry:
+    return SUITES.get(name)
+
+
+def get_backend(name: str) -> Entry:
+    return BACKENDS.get(name)

@@ -1,0 +1,213 @@
+"""Self-describing result records: one JSON file per (model, method spec, suite, seed).
+
+A record holds the metric values with their direction ("higher is better"), the full
+configs, what the method reported about itself (bits, KV-cache bits, execution path,
+memory), the calibration set, versions (torch, triton, transformers, CUDA, driver, GPU),
+the git commit, the date and the seed. Records are written atomically (temporary file in
+the same folder, fsync, rename), so an interrupted sweep never leaves a half-written one,
+and a rerun skips every cell whose record says ``"status": "ok"``.
+
+Reports (:mod:`mosaicquant.reports`) read only records.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mosaicquant.harness.errors import UserInputError
+
+__all__ = [
+    "SCHEMA",
+    "Metric",
+    "record_path",
+    "write_record",
+    "read_record",
+    "load_records",
+    "environment",
+    "git_info",
+    "ensure_writable_dir",
+]
+
+SCHEMA = "mosaicquant.result/1"
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One measured value.
+
+    Attributes:
+        value: the number.
+        higher_is_better: direction, used by ``mosaicquant compare``.
+        unit: e.g. ``"tok/s"``, ``"bytes"``, or ``None`` for a plain number.
+        spread: optional measure of spread (e.g. the half interquartile range), same unit.
+    """
+
+    value: float
+    higher_is_better: bool
+    unit: str | None = None
+    spread: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "higher_is_better": self.higher_is_better, "unit": self.unit,
+                "spread": self.spread}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text).strip("_")[:80]
+
+
+def record_path(out_dir: str | Path, model: str, method_label: str, suite_label: str, seed: int) -> Path:
+    """File of the record for one cell: readable slug plus a hash of the full key."""
+    key = json.dumps([model, method_label, suite_label, seed])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+    name = f"{_slug(Path(model).name or model)}__{_slug(method_label)}__{_slug(suite_label)}__s{seed}__{digest}.json"
+    return Path(out_dir) / name
+
+
+def ensure_writable_dir(path: str | Path) -> Path:
+    """Create ``path`` if needed and check a file can be written there.
+
+    Raises:
+        UserInputError: naming the directory and the reason.
+    """
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=p)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UserInputError(f"results directory {str(p)!r} is not writable: {exc.strerror or exc}") from None
+    return p
+
+
+def write_record(path: str | Path, record: dict[str, Any]) -> Path:
+    """Write ``record`` as JSON atomically (temp file, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(record, fh, indent=2, sort_keys=True, default=_json_default)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _json_default(obj):
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    try:
+        import torch
+
+        if isinstance(obj, torch.Tensor):
+            return obj.tolist()
+        if isinstance(obj, (torch.dtype, torch.device)):
+            return str(obj)
+    except ImportError:
+        pass
+    if hasattr(obj, "item"):
+        return obj.item()
+    return str(obj)
+
+
+def read_record(path: str | Path) -> dict[str, Any]:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def load_records(out_dir: str | Path) -> list[dict[str, Any]]:
+    """All records (``*.json`` with our schema) in a results directory, sorted by file name.
+
+    Raises:
+        UserInputError: the directory does not exist.
+    """
+    p = Path(out_dir)
+    if not p.is_dir():
+        raise UserInputError(f"results directory {str(p)!r} does not exist")
+    records = []
+    for f in sorted(p.glob("*.json")):
+        try:
+            rec = read_record(f)
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(rec, dict) and rec.get("schema") == SCHEMA:
+            rec["_path"] = str(f)
+            records.append(rec)
+    return records
+
+
+def git_info() -> dict[str, Any]:
+    """Commit and dirty flag of the source tree this package runs from (if it is a git checkout)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=10)
+        if commit.returncode != 0:
+            return {"commit": None, "dirty": None}
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10)
+        return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def environment() -> dict[str, Any]:
+    """Versions and hardware: python, torch, triton, transformers, CUDA, driver, GPU, CPU."""
+    env: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+    from importlib.metadata import PackageNotFoundError, version
+
+    for pkg in ("torch", "triton", "transformers", "mosaicquant", "lm_eval", "nvidia-modelopt", "torchao"):
+        try:
+            env[pkg] = version(pkg)
+        except PackageNotFoundError:
+            env[pkg] = None
+    try:
+        import torch
+
+        env["cuda"] = torch.version.cuda
+        env["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+        env["torch_threads"] = torch.get_num_threads()
+    except Exception as exc:  # noqa: BLE001 - recorded, never fatal for a record
+        env["torch_error"] = repr(exc)
+    env["driver"] = None
+    if env.get("gpu"):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            env["driver"] = pynvml.nvmlSystemGetDriverVersion()
+            pynvml.nvmlShutdown()
+        except Exception as exc:  # noqa: BLE001
+            env["driver_error"] = repr(exc)
+    return env
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

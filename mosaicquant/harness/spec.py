@@ -1,0 +1,213 @@
+"""Run specifications: which model, which methods (each with its config), which suites, seeds.
+
+Grammar (command line and YAML alike): a method or suite is ``name[:key=value[:key=value…]]``;
+``--methods`` takes a comma-separated list, so one sweep can hold several configs of one
+method (``fp16,rtn:wbits=8:abits=8,rtn``). Each cell is labelled by its canonical spec: the
+name followed by the options that differ from the defaults, in the config's field order
+(``rtn:abits=8:wbits=8`` and ``rtn:wbits=8:abits=8`` are one cell, labelled the latter).
+
+A YAML run spec looks like::
+
+    model: smollm2-135m
+    methods: [fp16, "rtn:wbits=8:abits=8", {name: rtn, wbits: 4}]
+    suites: [accuracy]
+    seeds: [0]
+    corpus: enwiki-sample
+    calib_samples: 16
+    calib_seqlen: 1024
+    max_chunks: 8
+    out: results/smollm2
+
+Command-line options override the file's values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mosaicquant.harness.config import Config, check_range, parse_kv_pairs
+from mosaicquant.harness.errors import UserInputError
+from mosaicquant.harness.registry import Entry, get_method, get_suite
+
+__all__ = ["PluginSpec", "RunSpec", "parse_plugin_spec", "parse_plugin_list", "load_run_spec"]
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    """A method or suite with its validated config."""
+
+    name: str
+    config: Config
+    kind: str
+
+    @property
+    def label(self) -> str:
+        over = self.config.overrides()
+        return ":".join([self.name] + [f"{k}={_fmt(v)}" for k, v in over.items()])
+
+    @property
+    def entry(self) -> Entry:
+        return get_method(self.name) if self.kind == "method" else get_suite(self.name)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def parse_plugin_spec(item: str | dict, kind: str) -> PluginSpec:
+    """Parse ``"name:k=v:k=v"`` (or ``{"name": ..., k: v}``) into a validated :class:`PluginSpec`.
+
+    Raises:
+        UserInputError: unknown name (with a did-you-mean), unknown option, bad value.
+    """
+    if isinstance(item, dict):
+        data = dict(item)
+        if "name" not in data:
+            raise UserInputError(f"{kind} entry {item!r} needs a 'name'")
+        name = str(data.pop("name"))
+        options = data
+    else:
+        text = str(item).strip()
+        if not text:
+            raise UserInputError(f"empty {kind} name")
+        name, _, rest = text.partition(":")
+        options = parse_kv_pairs(rest)
+    entry = get_method(name) if kind == "method" else get_suite(name)
+    try:
+        config = entry.config.from_dict(options)
+    except UserInputError as exc:
+        raise UserInputError(f"{kind} {name!r}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise UserInputError(f"{kind} {name!r}: {exc}") from None
+    return PluginSpec(name=name, config=config, kind=kind)
+
+
+def parse_plugin_list(text: str | list, kind: str) -> list[PluginSpec]:
+    """Parse a comma-separated list (or a YAML list) of plugin specs; duplicates are merged."""
+    items = text if isinstance(text, list) else [t for t in _split_top(text) if t.strip()]
+    out: list[PluginSpec] = []
+    seen = set()
+    for item in items:
+        spec = parse_plugin_spec(item, kind)
+        if spec.label not in seen:
+            seen.add(spec.label)
+            out.append(spec)
+    if not out:
+        raise UserInputError(f"no {kind}s given")
+    return out
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas that start a new ``name[:...]`` item (values may not contain commas)."""
+    return [t.strip() for t in str(text).split(",")]
+
+
+@dataclass
+class RunSpec:
+    """Everything a sweep needs, validated before any long work starts."""
+
+    model: str
+    methods: list[PluginSpec]
+    suites: list[PluginSpec]
+    seeds: list[int] = field(default_factory=lambda: [0])
+    corpus: str = "enwiki-sample"
+    calib_samples: int = 128
+    calib_seqlen: int = 2048
+    out: str = "results"
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def validate(self) -> None:
+        check_range("calib_samples", self.calib_samples, 1, None, integer=True)
+        check_range("calib_seqlen", self.calib_seqlen, 2, None, integer=True)
+        for s in self.seeds:
+            check_range("seed", s, 0, 2**31 - 1, integer=True)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise UserInputError(f"dtype={self.dtype!r} is not allowed: choose one of 'float32', 'bfloat16', 'float16'")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise UserInputError(f"device={self.device!r} is not allowed: use 'cpu', 'cuda' or 'cuda:N'")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "methods": [m.label for m in self.methods],
+            "suites": [s.label for s in self.suites],
+            "seeds": list(self.seeds),
+            "corpus": self.corpus,
+            "calib_samples": self.calib_samples,
+            "calib_seqlen": self.calib_seqlen,
+            "out": self.out,
+            "device": self.device,
+            "dtype": self.dtype,
+        }
+
+
+_RUN_KEYS = {"model", "methods", "suites", "seeds", "corpus", "calib_samples", "calib_seqlen", "out",
+             "device", "dtype", "max_chunks"}
+
+
+def load_run_spec(path: str | None, overrides: dict[str, Any]) -> RunSpec:
+    """Merge a YAML run spec (optional) with command-line overrides (``None`` = not given).
+
+    ``max_chunks`` given at the top level is passed to the ``accuracy`` suite.
+
+    Raises:
+        UserInputError: unreadable file, unknown keys, missing model/methods/suites, bad values.
+    """
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise UserInputError(f"run spec {path!r} cannot be read: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            raise UserInputError(f"run spec {path!r} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise UserInputError(f"run spec {path!r} must be a mapping of keys to values")
+        unknown = sorted(set(data) - _RUN_KEYS)
+        if unknown:
+            raise UserInputError(f"run spec {path!r} has unknown keys {unknown}: allowed {sorted(_RUN_KEYS)}")
+    for key, value in overrides.items():
+        if value is not None:
+            data[key] = value
+    for key in ("model", "methods", "suites"):
+        if not data.get(key):
+            raise UserInputError(f"no {key} given: use --{key} (or '{key}:' in the run spec)")
+    suites_raw = data["suites"]
+    suites = parse_plugin_list(suites_raw, "suite")
+    if data.get("max_chunks") is not None:
+        suites = [
+            PluginSpec(s.name, s.config.replace(max_chunks=int(data["max_chunks"])), "suite")
+            if "max_chunks" in s.config.field_names() else s
+            for s in suites
+        ]
+    seeds = data.get("seeds", [0])
+    if isinstance(seeds, str):
+        try:
+            seeds = [int(s) for s in seeds.split(",") if s.strip()]
+        except ValueError:
+            raise UserInputError(f"seeds={seeds!r}: expected comma-separated integers") from None
+    if isinstance(seeds, int):
+        seeds = [seeds]
+    spec = RunSpec(
+        model=str(data["model"]),
+        methods=parse_plugin_list(data["methods"], "method"),
+        suites=suites,
+        seeds=[int(s) for s in seeds],
+        corpus=str(data.get("corpus", "enwiki-sample")),
+        calib_samples=int(data.get("calib_samples", 128)),
+        calib_seqlen=int(data.get("calib_seqlen", 2048)),
+        out=str(data.get("out", "results")),
+        device=str(data.get("device", "cpu")),
+        dtype=str(data.get("dtype", "float32")),
+    )
+    spec.validate()
+    return spec

@@ -1,0 +1,286 @@
+"""The packed 4-bit format of a MosaicQuant linear layer (dense base + sparse residual).
+
+This module is the single definition of the format: the method writes it, the simulated
+(fake-quant) layer reads it through :meth:`PackedW4.dequantize`, and the kernels
+(:mod:`mosaicquant.kernels`) execute it. Same integers, same FP16 scales everywhere.
+
+Layout, for a weight ``W [N, K]`` (out, in):
+
+Dense base (:class:`PackedW4`)
+    ``qweight``: ``uint8 [N, ceil(K / 2)]``: signed 4-bit two's-complement values packed
+    along K, element ``k`` in the **low** nibble of byte ``k // 2`` when ``k`` is even and in
+    the **high** nibble when odd; an odd K pads the last high nibble with 0.
+    ``scales``: ``float16 [N, G]``: symmetric scales, ``G = 1`` (per output channel) or
+    ``K // group_size``. Value: ``W[n, k] ≈ q[n, k] * scales[n, k // group_size]``.
+
+Sparse residual (:class:`ResidualBlocks`)
+    The weight is tiled into blocks of ``Bn × Bk`` (block row ``i`` covers rows
+    ``i*Bn .. min((i+1)*Bn, N)``, block column ``j`` covers ``j*Bk .. min((j+1)*Bk, K)``;
+    edge blocks are ragged and zero-padded in storage). Kept blocks are stored in
+    block-row-major order (sorted by ``(i, j)``):
+
+    - ``coords``: ``int32 [nb, 2]``: ``(i, j)`` of each kept block.
+    - ``row_ptr``: ``int32 [n_block_rows + 1]``: CSR pointer; the blocks of block row ``i``
+      are ``row_ptr[i] .. row_ptr[i+1]``.
+    - ``values``: ``uint8 [nb, Bn, Bk // 2]``: the block's signed 4-bit values, packed along
+      its K like the base (padding nibbles are 0).
+    - ``scales``: ``float16 [nb, Bn]``: one symmetric scale per row of a block.
+
+    Value: ``W[n, k] += values[b, n - i*Bn, k - j*Bk] * scales[b, n - i*Bn]`` for the kept
+    block ``b = (i, j)`` containing ``(n, k)``.
+
+Activations are quantized per token, symmetric, 4-bit (``mosaicquant.methods.quant``
+conventions), once; the base and every residual block multiply the same integers::
+
+    y = s_a ⊙ (Xq · Qwᵀ) ⊙ s_w + Σ_b s_a ⊙ (Xq[:, k∈b] · R_bᵀ) ⊙ s_{r,b}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mosaicquant.methods.quant import Quantized
+
+__all__ = ["pack_int4", "unpack_int4", "PackedW4", "ResidualBlocks", "parse_block_shape"]
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Pack signed 4-bit integers ``[..., K]`` (values in [-8, 7]) into ``uint8 [..., ceil(K/2)]``.
+
+    Raises:
+        ValueError: a value outside [-8, 7].
+    """
+    if q.numel() and (q.min() < -8 or q.max() > 7):
+        raise ValueError(
+            f"pack_int4 takes values in [-8, 7], got [{int(q.min())}, {int(q.max())}]"
+        )
+    k = q.shape[-1]
+    qi = q.to(torch.int16)
+    if k % 2:
+        qi = torch.nn.functional.pad(qi, (0, 1))
+    nib = (qi & 0xF).to(torch.uint8)
+    return nib[..., 0::2] | (nib[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: ``uint8 [..., ceil(K/2)]`` → ``int8 [..., K]``."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"unpack_int4 takes uint8, got {packed.dtype}")
+    lo = (packed & 0xF).to(torch.int8)
+    hi = (packed >> 4).to(torch.int8)
+    both = torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    both = torch.where(both >= 8, both - 16, both)
+    return both[..., :k].contiguous()
+
+
+def parse_block_shape(block: int | str | tuple[int, int]) -> tuple[int, int]:
+    """Parse a block shape: ``128`` → (128, 128); ``"64x128"`` → (64, 128) (rows × cols).
+
+    Raises:
+        ValueError: not positive, or an odd column count (blocks are packed two per byte).
+    """
+    if isinstance(block, tuple):
+        bn, bk = block
+    elif isinstance(block, int):
+        bn = bk = block
+    else:
+        text = str(block).lower().strip()
+        try:
+            parts = [int(p) for p in text.split("x")]
+        except ValueError:
+            raise ValueError(f"block={block!r}: expected 'B' or 'BNxBK', e.g. 128 or 64x128") from None
+        if len(parts) == 1:
+            bn = bk = parts[0]
+        elif len(parts) == 2:
+            bn, bk = parts
+        else:
+            raise ValueError(f"block={block!r}: expected 'B' or 'BNxBK', e.g. 128 or 64x128")
+    if bn < 1 or bk < 2 or bk % 2:
+        raise ValueError(
+            f"block={block!r}: rows must be >= 1 and columns an even number >= 2, got {bn}x{bk}"
+        )
+    return int(bn), int(bk)
+
+
+@dataclass
+class ResidualBlocks:
+    """Kept residual blocks of one layer in the packed format (see module docstring)."""
+
+    shape: tuple[int, int]
+    block_shape: tuple[int, int]
+    coords: torch.Tensor
+    row_ptr: torch.Tensor
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.coords.shape[0])
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """Number of block rows and block columns of the tiling."""
+        n, k = self.shape
+        bn, bk = self.block_shape
+        return -(-n // bn), -(-k // bk)
+
+    @classmethod
+    def empty(cls, shape: tuple[int, int], block_shape: tuple[int, int], device=None) -> "ResidualBlocks":
+        bn, bk = block_shape
+        nbr = -(-shape[0] // bn)
+        return cls(
+            shape=tuple(shape),
+            block_shape=tuple(block_shape),
+            coords=torch.zeros(0, 2, dtype=torch.int32, device=device),
+            row_ptr=torch.zeros(nbr + 1, dtype=torch.int32, device=device),
+            values=torch.zeros(0, bn, bk // 2, dtype=torch.uint8, device=device),
+            scales=torch.zeros(0, bn, dtype=torch.float16, device=device),
+        )
+
+    @classmethod
+    def from_blocks(
+        cls,
+        shape: tuple[int, int],
+        block_shape: tuple[int, int],
+        coords: torch.Tensor,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+    ) -> "ResidualBlocks":
+        """Build from unsorted kept blocks.
+
+        Args:
+            shape: ``(N, K)`` of the layer.
+            block_shape: ``(Bn, Bk)``.
+            coords: ``[nb, 2]`` block coordinates ``(i, j)``.
+            q: ``int8 [nb, Bn, Bk]`` 4-bit values, zero outside the layer's edge.
+            scales: ``[nb, Bn]`` per-row scales (stored as FP16).
+        """
+        bn, bk = block_shape
+        nbr, nbc = -(-shape[0] // bn), -(-shape[1] // bk)
+        coords = coords.to(torch.int64).reshape(-1, 2)
+        if coords.numel():
+            if (coords[:, 0] < 0).any() or (coords[:, 0] >= nbr).any() or (coords[:, 1] < 0).any() or (coords[:, 1] >= nbc).any():
+                raise ValueError(f"block coordinates outside the {nbr}x{nbc} block grid")
+            key = coords[:, 0] * nbc + coords[:, 1]
+            if key.unique().numel() != key.numel():
+                raise ValueError("duplicate residual block coordinates")
+            order = torch.argsort(key)
+        else:
+            order = torch.zeros(0, dtype=torch.int64, device=coords.device)
+        coords = coords[order]
+        counts = torch.bincount(coords[:, 0], minlength=nbr) if coords.numel() else torch.zeros(nbr, dtype=torch.int64, device=coords.device)
+        row_ptr = torch.zeros(nbr + 1, dtype=torch.int64, device=coords.device)
+        row_ptr[1:] = torch.cumsum(counts, 0)
+        return cls(
+            shape=tuple(int(s) for s in shape),
+            block_shape=(bn, bk),
+            coords=coords.to(torch.int32),
+            row_ptr=row_ptr.to(torch.int32),
+            values=pack_int4(q[order].reshape(-1, bn, bk)),
+            scales=scales[order].reshape(-1, bn).to(torch.float16),
+        )
+
+    def to_dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The residual as a dense ``[N, K]`` tensor (zero outside kept blocks)."""
+        n, k = self.shape
+        bn, bk = self.block_shape
+        nbr, nbc = self.grid
+        out = torch.zeros(nbr * bn, nbc * bk, dtype=torch.float32, device=self.values.device)
+        if self.num_blocks:
+            vals = unpack_int4(self.values, bk).to(torch.float32) * self.scales.to(torch.float32).unsqueeze(-1)
+            view = out.view(nbr, bn, nbc, bk).permute(0, 2, 1, 3)
+            view[self.coords[:, 0].long(), self.coords[:, 1].long()] = vals
+        return out[:n, :k].to(dtype)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of residual values, scales and indices (coords + row pointer)."""
+        return {
+            "residual_values": self.values.numel() * self.values.element_size(),
+            "residual_scales": self.scales.numel() * self.scales.element_size(),
+            "residual_indices": self.coords.numel() * self.coords.element_size()
+            + self.row_ptr.numel() * self.row_ptr.element_size(),
+        }
+
+    def to(self, device) -> "ResidualBlocks":
+        return ResidualBlocks(
+            self.shape, self.block_shape, self.coords.to(device), self.row_ptr.to(device),
+            self.values.to(device), self.scales.to(device),
+        )
+
+
+@dataclass
+class PackedW4:
+    """A 4-bit symmetric weight (dense base) with an optional sparse 4-bit residual."""
+
+    shape: tuple[int, int]
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    group_size: int | None = None
+    residual: ResidualBlocks | None = None
+    bias: torch.Tensor | None = None
+    meta: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_quantized(
+        cls,
+        qt: Quantized,
+        residual: ResidualBlocks | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> "PackedW4":
+        """Pack a symmetric 4-bit :class:`Quantized` weight ``[N, K]``.
+
+        Raises:
+            ValueError: not 4-bit symmetric, or not 2-D.
+        """
+        if qt.bits != 4 or qt.zero is not None:
+            raise ValueError(f"PackedW4 holds 4-bit symmetric weights, got bits={qt.bits}, "
+                             f"{'asymmetric' if qt.zero is not None else 'symmetric'}")
+        if qt.q.dim() != 2:
+            raise ValueError(f"PackedW4 takes a 2-D weight, got shape {tuple(qt.q.shape)}")
+        return cls(
+            shape=(int(qt.q.shape[0]), int(qt.q.shape[1])),
+            qweight=pack_int4(qt.q),
+            scales=qt.scale.reshape(qt.q.shape[0], -1).to(torch.float16),
+            group_size=qt.group_size,
+            residual=residual,
+            bias=bias,
+        )
+
+    def int_weight(self) -> torch.Tensor:
+        """The base's integers, ``int8 [N, K]``."""
+        return unpack_int4(self.qweight, self.shape[1])
+
+    def dequantize_base(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        g = self.group_size or k
+        q = self.int_weight().to(torch.float32).view(n, k // g, g)
+        return (q * self.scales.to(torch.float32).unsqueeze(-1)).view(n, k).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Base plus residual as a float ``[N, K]`` weight (what the simulated layer multiplies)."""
+        w = self.dequantize_base(torch.float32)
+        if self.residual is not None and self.residual.num_blocks:
+            w = w + self.residual.to_dense(torch.float32)
+        return w.to(dtype)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of base values, base scales, residual values/scales/indices (bias excluded)."""
+        out = {
+            "base_values": self.qweight.numel() * self.qweight.element_size(),
+            "base_scales": self.scales.numel() * self.scales.element_size(),
+            "residual_values": 0,
+            "residual_scales": 0,
+            "residual_indices": 0,
+        }
+        if self.residual is not None:
+            out.update(self.residual.nbytes())
+        return out
+
+    def to(self, device) -> "PackedW4":
+        return PackedW4(
+            self.shape, self.qweight.to(device), self.scales.to(device), self.group_size,
+            self.residual.to(device) if self.residual is not None else None,
+            self.bias.to(device) if self.bias is not None else None, dict(self.meta),
+        )

@@ -1,0 +1,254 @@
+"""Uniform integer quantizers: the one implementation every method uses.
+
+All quantizers work along the **last dimension** of a tensor, in groups:
+
+- weights ``W [N, K]``: per output channel (``group_size=None``) or per group of
+  ``g`` input columns (``group_size=g``);
+- activations ``X [..., K]``: per token (``group_size=None``) or per group of ``g``
+  channels of a token.
+
+Conventions (shared with the packed format and the kernels, so the simulated model and
+the kernel-backed model compute the same function):
+
+- symmetric, ``b`` bits: ``qmax = 2**(b-1) - 1``; ``scale = clip * absmax / qmax``;
+  ``q = clamp(round(x / scale), -(qmax + 1), qmax)``; ``x̂ = q * scale``.
+  (The extra negative level is only reachable when ``clip < 1``.)
+- asymmetric, ``b`` bits: ``lo = clip * min(min(x), 0)``, ``hi = clip * max(max(x), 0)``;
+  ``scale = (hi - lo) / (2**b - 1)``; ``zero = round(-lo / scale)``;
+  ``q = clamp(round(x / scale) + zero, 0, 2**b - 1)``; ``x̂ = (q - zero) * scale``.
+- ``round`` is round-half-to-even (``torch.round``; ``rint`` in the kernels).
+- an all-zero group gets ``scale = 1`` (its values quantize to 0 exactly).
+- ``scale_dtype=torch.float16`` rounds the scale to FP16 *before* quantizing, so the
+  stored FP16 scale is the one the integers were computed with.
+
+Weight clipping search (RTN/GPTQ ``find_params`` convention): for each group, shrink the
+range by ``p = 1 - i / grid`` for ``i = 0 .. int(max_shrink * grid) - 1`` and keep the
+``p`` that minimises ``sum |x̂ - x| ** norm`` (defaults grid 100, max shrink 0.8, norm 2.4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "Quantized",
+    "qrange",
+    "quantize",
+    "fake_quantize",
+    "quantize_with_clip_search",
+    "check_bits",
+]
+
+MIN_BITS = 2
+MAX_BITS = 8
+
+
+def check_bits(bits: int, name: str = "bits") -> int:
+    """Validate a bit width (2..8 for integer quantization).
+
+    Raises:
+        ValueError: naming the value and the allowed range.
+    """
+    if not isinstance(bits, int) or isinstance(bits, bool) or not MIN_BITS <= bits <= MAX_BITS:
+        raise ValueError(f"{name}={bits!r} is out of range: allowed integers {MIN_BITS}..{MAX_BITS}")
+    return bits
+
+
+def qrange(bits: int, symmetric: bool) -> tuple[int, int]:
+    """Integer range ``(qmin, qmax)`` of a ``bits``-bit quantizer."""
+    check_bits(bits)
+    if symmetric:
+        return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    return 0, 2**bits - 1
+
+
+@dataclass
+class Quantized:
+    """Integers and scales of a quantized tensor.
+
+    Attributes:
+        q: integer values, ``int8`` (4-bit values lie in [-8, 7] or [0, 15]), same shape as the input.
+        scale: ``float32`` scales, shape ``[..., n_groups]`` (``n_groups = K // group_size`` or 1).
+        zero: zero points like ``scale`` (asymmetric) or ``None`` (symmetric).
+        bits: bit width.
+        group_size: group length along the last dim, or ``None`` for one group per row.
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    bits: int
+    group_size: int | None
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Return ``(q - zero) * scale`` in ``dtype``."""
+        k = self.q.shape[-1]
+        g = self.group_size or k
+        q = self.q.to(torch.float32).reshape(*self.q.shape[:-1], k // g, g)
+        if self.zero is not None:
+            q = q - self.zero.unsqueeze(-1)
+        return (q * self.scale.unsqueeze(-1)).reshape(self.q.shape).to(dtype)
+
+
+def _grouped(x: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    k = x.shape[-1]
+    if group_size is None:
+        return x.reshape(*x.shape[:-1], 1, k)
+    if group_size <= 0 or k % group_size != 0:
+        raise ValueError(
+            f"group_size={group_size} must be a positive divisor of the last dimension {k}"
+        )
+    return x.reshape(*x.shape[:-1], k // group_size, group_size)
+
+
+def _params(
+    xg: torch.Tensor,
+    bits: int,
+    symmetric: bool,
+    clip: torch.Tensor | float,
+    scale_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and zero) per group of ``xg [..., G, g]``; returns shapes ``[..., G]``."""
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        absmax = xg.abs().amax(dim=-1) * clip
+        scale = absmax / qmax
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        if scale_dtype is not None:
+            scale = scale.to(scale_dtype).to(torch.float32)
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return scale, None
+    levels = 2**bits - 1
+    lo = xg.amin(dim=-1).clamp(max=0) * clip
+    hi = xg.amax(dim=-1).clamp(min=0) * clip
+    scale = (hi - lo) / levels
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if scale_dtype is not None:
+        scale = scale.to(scale_dtype).to(torch.float32)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = torch.round(-lo / scale)
+    return scale, zero
+
+
+def _apply(
+    xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, symmetric: bool
+) -> torch.Tensor:
+    qmin, qmax = qrange(bits, symmetric)
+    q = torch.round(xg / scale.unsqueeze(-1))
+    if zero is not None:
+        q = q + zero.unsqueeze(-1)
+    return q.clamp_(qmin, qmax)
+
+
+def quantize(
+    x: torch.Tensor,
+    bits: int,
+    *,
+    symmetric: bool = True,
+    group_size: int | None = None,
+    clip_ratio: float = 1.0,
+    scale_dtype: torch.dtype | None = None,
+) -> Quantized:
+    """Quantize ``x`` along its last dimension (per row, or per group of ``group_size``).
+
+    Args:
+        x: float tensor ``[..., K]``.
+        bits: 2..8.
+        symmetric: signed symmetric grid (True) or unsigned grid with a zero point.
+        group_size: group length along K (must divide K) or ``None`` (one group per row).
+        clip_ratio: fraction of the range kept, in (0, 1].
+        scale_dtype: e.g. ``torch.float16`` to round scales to their storage type first.
+
+    Returns:
+        :class:`Quantized` with ``int8`` integers and ``float32`` scales.
+
+    Raises:
+        ValueError: bits or clip ratio out of range, a group size that does not divide K,
+            or a non-finite input.
+
+    Example:
+        >>> qt = quantize(torch.tensor([[1.0, -2.0, 0.5, 4.0]]), 4)
+        >>> qt.q.tolist(), qt.scale.tolist()
+        ([[2, -3, 1, 7]], [[0.5714285969734192]])
+    """
+    check_bits(bits)
+    if not 0.0 < clip_ratio <= 1.0:
+        raise ValueError(f"clip_ratio={clip_ratio!r} is out of range: allowed (0, 1]")
+    xf = x.to(torch.float32)
+    if not torch.isfinite(xf).all():
+        raise ValueError("cannot quantize a tensor holding NaN or Inf values")
+    xg = _grouped(xf, group_size)
+    scale, zero = _params(xg, bits, symmetric, clip_ratio, scale_dtype)
+    q = _apply(xg, scale, zero, bits, symmetric).reshape(x.shape).to(torch.int8)
+    return Quantized(q=q, scale=scale, zero=zero, bits=bits, group_size=group_size)
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    bits: int,
+    *,
+    symmetric: bool = True,
+    group_size: int | None = None,
+    clip_ratio: float = 1.0,
+) -> torch.Tensor:
+    """Quantize and dequantize ``x`` in one step (the simulated quantizer), keeping its dtype.
+
+    Computed in float32; no input validation beyond shapes (this is the hot path of
+    simulated activations; callers validate their configs once).
+    """
+    xf = x.to(torch.float32)
+    xg = _grouped(xf, group_size)
+    scale, zero = _params(xg, bits, symmetric, clip_ratio, None)
+    q = _apply(xg, scale, zero, bits, symmetric)
+    if zero is not None:
+        q = q - zero.unsqueeze(-1)
+    return (q * scale.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
+
+
+def quantize_with_clip_search(
+    x: torch.Tensor,
+    bits: int,
+    *,
+    symmetric: bool = True,
+    group_size: int | None = None,
+    grid: int = 100,
+    max_shrink: float = 0.8,
+    norm: float = 2.4,
+    scale_dtype: torch.dtype | None = None,
+) -> Quantized:
+    """Quantize with a per-group search over range shrink factors (RTN/GPTQ weight clipping).
+
+    Tries ``p = 1 - i / grid`` for ``i in range(int(max_shrink * grid))`` and keeps, per
+    group, the ``p`` minimising ``sum |dequant(quant(x; p)) - x| ** norm``.
+
+    Raises:
+        ValueError: as :func:`quantize`, or grid/max_shrink/norm out of range.
+    """
+    check_bits(bits)
+    if grid < 1:
+        raise ValueError(f"grid={grid!r} must be >= 1")
+    if not 0.0 <= max_shrink < 1.0:
+        raise ValueError(f"max_shrink={max_shrink!r} is out of range: allowed [0, 1)")
+    if norm <= 0:
+        raise ValueError(f"norm={norm!r} must be > 0")
+    xf = x.to(torch.float32)
+    if not torch.isfinite(xf).all():
+        raise ValueError("cannot quantize a tensor holding NaN or Inf values")
+    xg = _grouped(xf, group_size)
+    best_err = torch.full(xg.shape[:-1], float("inf"), device=xf.device)
+    best_p = torch.ones(xg.shape[:-1], device=xf.device)
+    for i in range(max(1, int(max_shrink * grid))):
+        p = 1.0 - i / grid
+        scale, zero = _params(xg, bits, symmetric, p, scale_dtype)
+        q = _apply(xg, scale, zero, bits, symmetric)
+        if zero is not None:
+            q = q - zero.unsqueeze(-1)
+        err = ((q * scale.unsqueeze(-1) - xg).abs_().pow_(norm)).sum(dim=-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_p = torch.where(better, torch.full_like(best_p, p), best_p)
+    scale, zero = _params(xg, bits, symmetric, best_p, scale_dtype)
+    q = _apply(xg, scale, zero, bits, symmetric).reshape(x.shape).to(torch.int8)
+    return Quantized(q=q, scale=scale, zero=zero, bits=bits, group_size=group_size)
