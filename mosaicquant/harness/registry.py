@@ -57,9 +57,12 @@ BUILTIN_MODULES: dict[str, list[str]] = {
     "method": [
         "mosaicquant.baselines.fp16",
         "mosaicquant.baselines.rtn",
+        "mosaicquant.methods.mosaicquant",
     ],
     "suite": [
         "mosaicquant.harness.suites.accuracy",
+        "mosaicquant.harness.suites.memory",
+        "mosaicquant.harness.suites.analysis",
     ],
     "backend": [],
 }
@@ -106,13 +109,13 @@ class Registry:
     def _load_builtins(self) -> None:
         if self._builtins_loaded:
             return
-        self._builtins_loaded = True
         self._loading_source = "builtin"
         try:
             for module in BUILTIN_MODULES.get(self.kind, []):
                 importlib.import_module(module)
         finally:
             self._loading_source = "direct registration"
+        self._builtins_loaded = True
 
     def _entry_points(self) -> dict[str, importlib.metadata.EntryPoint]:
         return {ep.name: ep for ep in importlib.metadata.entry_points(group=self.group)}

@@ -1,0 +1,95 @@
+"""Analysis suite: how much output distortion each residual selection recovers (SPEC §1.8).
+
+It analyses the *float* model's linears (run it with ``--methods fp16``) after the
+configured transform: per analysed layer and linear, the fraction of exact output
+distortion recovered on held-out calibration tokens, against budget, for every block score,
+for channel allocation at equal budget, and for an across-layer allocation. Metrics are
+named ``recovered/<score>/<budget>`` (mean over analysed linears), ``recovered_global/...``
+(across-layer allocation) and ``layer/<i>/<linear>/<score>/<budget>`` (per linear); the
+Δ-budget plot reads them.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from mosaicquant.harness import data as data_mod
+from mosaicquant.harness.config import Config, check_choice, check_range
+from mosaicquant.harness.errors import UserInputError
+from mosaicquant.harness.registry import register_suite
+from mosaicquant.harness.results import Metric
+from mosaicquant.methods.analysis import BLOCK_SCORES, AnalysisSpec, distortion_analysis, parse_layers
+from mosaicquant.methods.calibration import decoder_layers
+from mosaicquant.methods.format import parse_block_shape
+from mosaicquant.methods.mosaicquant import apply_transform
+
+HELDOUT_SEED_OFFSET = 100_003
+
+
+@dataclass(frozen=True)
+class AnalysisConfig(Config):
+    """Analysis options.
+
+    Attributes:
+        transform: rotation, smoothquant or none (as MosaicQuant's).
+        base: dense base, rtn or gptq.
+        block: block shape, ``B`` or ``BNxBK``.
+        budgets: comma-separated fractions of blocks.
+        scores: comma-separated block scores (hessian, delta, exact-greedy, frobenius, random).
+        channel: also evaluate input/output channel allocation at equal budget.
+        layers: ``all``, ``every:K`` or a comma list of layer indices.
+        online_o: with rotation, also rotate the o_proj input online.
+    """
+
+    description = "distortion recovered vs residual budget per score/allocation (analyses the float model)"
+
+    transform: str = "rotation"
+    base: str = "rtn"
+    block: str = "64"
+    budgets: str = "0.05,0.1,0.2,0.3"
+    scores: str = "hessian,delta,exact-greedy,frobenius,random"
+    channel: bool = True
+    layers: str = "every:6"
+    online_o: bool = True
+
+    def validate(self):
+        check_choice("transform", self.transform, ("rotation", "smoothquant", "none"))
+        check_choice("base", self.base, ("rtn", "gptq"))
+        try:
+            parse_block_shape(self.block)
+            budgets = [float(b) for b in self.budgets.split(",")]
+        except ValueError as exc:
+            raise UserInputError(f"analysis: {exc}") from None
+        for b in budgets:
+            check_range("budget", b, 0.0, 1.0)
+        for s in self.scores.split(","):
+            check_choice("score", s, BLOCK_SCORES)
+
+
+@register_suite("analysis", config=AnalysisConfig, description=AnalysisConfig.description)
+def analysis(model, config: AnalysisConfig, ctx):
+    """Distortion-recovered curves on the float model of this cell."""
+    if ctx.method_info.get("wbits", 16) != 16 or ctx.method_info.get("abits", 16) != 16:
+        raise UserInputError("the analysis suite analyses the float model's linears: run it with --methods fp16")
+    calib = ctx.calibration()
+    heldout = data_mod.calibration_tokens(ctx.tokenizer, ctx.corpus, calib.shape[0], calib.shape[1],
+                                          ctx.seed + HELDOUT_SEED_OFFSET)
+    work = copy.deepcopy(model)
+    transform_info = apply_transform(work, config.transform, calib, seed=ctx.seed, online_o=config.online_o)
+    layers = parse_layers(config.layers, len(decoder_layers(work)))
+    spec = AnalysisSpec(budgets=tuple(float(b) for b in config.budgets.split(",")),
+                        scores=tuple(config.scores.split(",")), block_shape=parse_block_shape(config.block),
+                        base=config.base, channel=config.channel, seed=ctx.seed)
+    out = distortion_analysis(work, calib, heldout, layers, spec, log=ctx.log)
+    ctx.method_info["analysis"] = {"layers": layers, "transform": transform_info.get("transform", config.transform)
+                                   if isinstance(transform_info, dict) else config.transform}
+    metrics = {}
+    for (score, budget), value in out["mean"].items():
+        metrics[f"recovered/{score}/{budget:g}"] = Metric(value, higher_is_better=True)
+    for (score, budget), value in out["global"].items():
+        metrics[f"recovered_global/{score}/{budget:g}"] = Metric(value, higher_is_better=True)
+    for r in out["per_layer"]:
+        metrics[f"layer/{r['layer']}/{r['linear']}/{r['score']}/{r['budget']:g}"] = Metric(
+            r["recovered"], higher_is_better=True)
+    return metrics

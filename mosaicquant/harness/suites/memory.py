@@ -1,0 +1,68 @@
+"""Memory suite: bytes of the quantized weights by part, and peak device memory on a GPU.
+
+Weight bytes come from the layers' formats: packed 4-bit layers count base values, base
+scales, residual values, residual scales and indices exactly as stored; other quantized
+layers count ``wbits`` per weight plus FP16 scales; unquantized linears count BF16. The
+16-bit parts every method keeps (embeddings, norms, output head) are reported separately.
+On a CUDA device, one forward pass of ``seqlen`` tokens measures peak allocated memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mosaicquant.harness.config import Config, check_range
+from mosaicquant.harness.registry import register_suite
+from mosaicquant.harness.results import Metric
+from mosaicquant.methods.qlinear import FakeQuantLinear, weight_memory
+
+
+@dataclass(frozen=True)
+class MemoryConfig(Config):
+    """Memory options.
+
+    Attributes:
+        seqlen: tokens of the forward pass whose peak memory is measured (GPU only).
+    """
+
+    description = "weight bytes (base, scales, residual, indices) and peak device memory"
+
+    seqlen: int = 2048
+
+    def validate(self):
+        check_range("seqlen", self.seqlen, 1, None, integer=True)
+
+
+@register_suite("memory", config=MemoryConfig, description=MemoryConfig.description)
+def memory(model, config: MemoryConfig, ctx):
+    """Weight memory of the quantized linears, and peak memory of a forward pass on a GPU."""
+    mem = weight_memory(model)
+    if mem["linear_bf16_equivalent"] == 0:
+        linear_params = sum(m.weight.numel() for n, m in model.named_modules()
+                            if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings())
+        mem["linear_bf16_equivalent"] = 2 * linear_params
+        mem["base_values"] = 2 * linear_params
+        mem["total_quantized_linears"] = 2 * linear_params
+    quantized_ids = {id(p) for m in model.modules() if isinstance(m, FakeQuantLinear) for p in m.parameters()}
+    other = sum(2 * p.numel() for p in model.parameters() if id(p) not in quantized_ids)
+    if not any(isinstance(m, FakeQuantLinear) for m in model.modules()):
+        other -= mem["linear_bf16_equivalent"]
+    metrics = {k: Metric(float(v), higher_is_better=False, unit="bytes") for k, v in mem.items()}
+    metrics["other_params_bf16"] = Metric(float(other), higher_is_better=False, unit="bytes")
+    metrics["linear_weight_ratio_vs_bf16"] = Metric(mem["total_quantized_linears"] / mem["linear_bf16_equivalent"],
+                                                    higher_is_better=False)
+    base = mem["base_values"] + mem["base_scales"]
+    metrics["residual_overhead_vs_base"] = Metric(
+        (mem["residual_values"] + mem["residual_scales"] + mem["residual_indices"]) / base if base else 0.0,
+        higher_is_better=False)
+    if ctx.device.type == "cuda":
+        tokens = ctx.test_tokens()[: config.seqlen].unsqueeze(0).to(ctx.device)
+        torch.cuda.synchronize(ctx.device)
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        model(input_ids=tokens, use_cache=False)
+        torch.cuda.synchronize(ctx.device)
+        metrics["peak_device_bytes"] = Metric(float(torch.cuda.max_memory_allocated(ctx.device)),
+                                              higher_is_better=False, unit="bytes")
+    return metrics

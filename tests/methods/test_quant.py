@@ -1,0 +1,94 @@
+"""Quantizers: bit-exact against hand-computed cases."""
+
+import pytest
+import torch
+
+from mosaicquant.methods.quant import fake_quantize, qrange, quantize, quantize_with_clip_search
+
+
+def test_qrange():
+    assert qrange(4, True) == (-8, 7)
+    assert qrange(4, False) == (0, 15)
+    assert qrange(8, True) == (-128, 127)
+    assert qrange(2, True) == (-2, 1)
+
+
+def test_symmetric_per_row_hand_computed():
+    x = torch.tensor([[1.0, -2.0, 0.5, 3.5], [0.0, 0.0, 0.0, 0.0], [-7.0, 1.0, 2.0, 3.0]])
+    qt = quantize(x, 4)
+    # row 0: scale 3.5/7 = 0.5 -> 2, -4, 1, 7 ; row 1: all zero -> scale 1 ; row 2: scale 1
+    assert qt.scale.squeeze(-1).tolist() == [0.5, 1.0, 1.0]
+    assert qt.q.tolist() == [[2, -4, 1, 7], [0, 0, 0, 0], [-7, 1, 2, 3]]
+    assert torch.equal(qt.dequantize(), torch.tensor([[1.0, -2.0, 0.5, 3.5], [0, 0, 0, 0], [-7.0, 1, 2, 3]]))
+
+
+def test_round_half_to_even():
+    # scale = 7/7 = 1: 2.5 -> 2, 3.5 -> 4, -0.5 -> 0
+    qt = quantize(torch.tensor([[2.5, 3.5, -0.5, 7.0]]), 4)
+    assert qt.q.tolist() == [[2, 4, 0, 7]]
+
+
+def test_clip_ratio_reaches_extra_negative_level():
+    qt = quantize(torch.tensor([[-7.0, 7.0, 1.0]]), 4, clip_ratio=0.5)
+    # scale = 0.5 * 7 / 7 = 0.5: -14 -> clamp -8 ; 14 -> 7 ; 2
+    assert qt.q.tolist() == [[-8, 7, 2]]
+
+
+def test_asymmetric_hand_computed():
+    x = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    qt = quantize(x, 2, symmetric=False)
+    # lo 0, hi 3, scale 1, zero 0
+    assert qt.q.tolist() == [[0, 1, 2, 3]] and qt.zero.tolist() == [[0.0]]
+    x = torch.tensor([[-1.0, 0.0, 2.0]])
+    qt = quantize(x, 2, symmetric=False)
+    # lo -1, hi 2, scale 1, zero 1 -> q = x + 1
+    assert qt.q.tolist() == [[0, 1, 3]]
+    assert torch.equal(qt.dequantize(), x)
+
+
+def test_per_group():
+    x = torch.tensor([[1.0, 2.0, 70.0, -35.0]])
+    qt = quantize(x, 8, group_size=2)
+    assert torch.allclose(qt.scale, torch.tensor([[2 / 127, 70 / 127]]))
+    assert qt.q.tolist() == [[64, 127, 127, -64]]
+
+
+def test_fake_quantize_matches_quantize_dequantize():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(13, 67, generator=g)
+    for sym in (True, False):
+        qt = quantize(x, 4, symmetric=sym, clip_ratio=0.9)
+        assert torch.equal(fake_quantize(x, 4, symmetric=sym, clip_ratio=0.9), qt.dequantize())
+
+
+def test_fp16_scales_are_the_stored_ones():
+    x = torch.randn(7, 33, generator=torch.Generator().manual_seed(1))
+    qt = quantize(x, 4, scale_dtype=torch.float16)
+    assert torch.equal(qt.scale, qt.scale.half().float())
+    # the integers were computed with the rounded scale
+    q = torch.round(x / qt.scale).clamp(-8, 7)
+    assert torch.equal(q.to(torch.int8), qt.q)
+
+
+def test_clip_search_never_worse_than_no_clip():
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(2)) ** 3
+    plain = quantize(x, 4)
+    searched = quantize_with_clip_search(x, 4)
+    err = lambda qt: ((qt.dequantize() - x).abs() ** 2.4).sum(-1)  # noqa: E731
+    assert (err(searched) <= err(plain) + 1e-6).all()
+    assert (err(searched) < err(plain)).any()
+
+
+@pytest.mark.parametrize("bad", [1, 9, 16, 4.0, True])
+def test_bits_out_of_range(bad):
+    with pytest.raises(ValueError, match="bits"):
+        quantize(torch.ones(2, 2), bad)
+
+
+def test_bad_group_and_nan():
+    with pytest.raises(ValueError, match="group_size=3"):
+        quantize(torch.ones(2, 4), 4, group_size=3)
+    with pytest.raises(ValueError, match="NaN"):
+        quantize(torch.tensor([[1.0, float("nan")]]), 4)
+    with pytest.raises(ValueError, match="clip_ratio"):
+        quantize(torch.ones(2, 4), 4, clip_ratio=1.5)
