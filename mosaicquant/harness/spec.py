@@ -59,6 +59,8 @@ def _fmt(value: Any) -> str:
         return str(value).lower()
     if isinstance(value, (list, tuple)):
         return ",".join(map(str, value))
+    if isinstance(value, float):
+        return f"{value:g}"
     return str(value)
 
 
@@ -92,7 +94,7 @@ def parse_plugin_spec(item: str | dict, kind: str) -> PluginSpec:
 
 def parse_plugin_list(text: str | list, kind: str) -> list[PluginSpec]:
     """Parse a comma-separated list (or a YAML list) of plugin specs; duplicates are merged."""
-    items = text if isinstance(text, list) else [t for t in _split_top(text) if t.strip()]
+    items = text if isinstance(text, list) else [t for t in _split_top(text, kind) if t.strip()]
     out: list[PluginSpec] = []
     seen = set()
     for item in items:
@@ -105,9 +107,24 @@ def parse_plugin_list(text: str | list, kind: str) -> list[PluginSpec]:
     return out
 
 
-def _split_top(text: str) -> list[str]:
-    """Split on commas that start a new ``name[:...]`` item (values may not contain commas)."""
-    return [t.strip() for t in str(text).split(",")]
+def _split_top(text: str, kind: str) -> list[str]:
+    """Split a comma-separated list of ``name[:key=value...]`` items.
+
+    A value may itself hold commas (``analysis:budgets=0.1,0.3``): a comma-separated piece
+    continues the previous item when that item has options and the piece does not start
+    with a registered name.
+    """
+    from mosaicquant.harness.registry import METHODS, SUITES
+
+    names = set((METHODS if kind == "method" else SUITES).names())
+    out: list[str] = []
+    for piece in str(text).split(","):
+        head = piece.strip().split(":", 1)[0]
+        if out and "=" in out[-1] and head not in names:
+            out[-1] = out[-1] + "," + piece.strip()
+        else:
+            out.append(piece.strip())
+    return out
 
 
 @dataclass

@@ -16,9 +16,14 @@ from mosaicquant.harness.results import load_records
 
 __all__ = ["records_frame", "summary_table", "render_markdown", "write_tables"]
 
-#: which metrics a summary shows per suite, in order (others stay in the CSV)
+#: which metrics a summary shows per suite (others stay in the CSV)
 SUMMARY_METRICS = {
     "accuracy": ["ppl"],
+    "memory": ["total_quantized_linears", "linear_weight_ratio_vs_bf16", "residual_overhead_vs_base",
+               "peak_device_bytes"],
+    "analysis": ["recovered/hessian/0.1", "recovered/delta/0.1", "recovered/frobenius/0.1", "recovered/random/0.1",
+                 "recovered/exact-greedy/0.1", "recovered/channel-in/0.1", "recovered/channel-out/0.1",
+                 "recovered_global/hessian/0.1"],
 }
 
 
@@ -64,11 +69,15 @@ def summary_table(records: list[dict[str, Any]]) -> pd.DataFrame:
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for rec in records:
         key = (rec["model"]["name"], rec["method"]["label"])
+        suite = rec["suite"]["name"]
+        if suite == "analysis":
+            # one row per analysis config: it analyses the float model, not the cell's method
+            cfg = rec["suite"]["config"]
+            key = (key[0], f"{key[1]} [analysis: {cfg.get('transform')}, {cfg.get('base')} base, block {cfg.get('block')}]")
         info = rec.get("method_info", {})
         row = rows.setdefault(key, {"model": key[0], "method": key[1], "W": info.get("wbits"),
                                     "A": info.get("abits"), "KV": info.get("kv_bits"),
                                     "exec path": info.get("exec_path"), "_vals": {}, "_fail": []})
-        suite = rec["suite"]["name"]
         if rec.get("status") != "ok":
             err = rec.get("error") or {}
             row["_fail"].append(f"{rec['suite']['label']} failed: {err.get('type', '')}: {err.get('message', '')}"[:200])
@@ -132,6 +141,12 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
         parts.append(f"> Caveat: {c}\n")
     parts.append("## Summary\n")
     parts.append(render_markdown(df))
+    from mosaicquant.reports.plots import plot_budget_curves
+
+    fig = plot_budget_curves(records, results_dir / "budget_curves.png")
+    if fig is not None:
+        parts.append("## Distortion recovered against residual budget\n")
+        parts.append(f"![budget curves]({fig.name})\n")
     out_path.write_text("\n".join(parts))
     df.to_csv(results_dir / "summary.csv", index=False)
     records_frame(records).to_csv(results_dir / "records_long.csv", index=False)

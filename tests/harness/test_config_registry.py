@@ -131,3 +131,9 @@ def test_run_spec_yaml_and_overrides(tmp_path):
 def test_check_range_message():
     with pytest.raises(UserInputError, match=r"budget=1.5 is out of range: allowed numbers 0..1"):
         check_range("budget", 1.5, 0, 1)
+
+
+def test_values_with_commas_in_a_list():
+    specs = parse_plugin_list("accuracy,analysis:budgets=0.1,0.3:scores=hessian,delta:layers=all,memory", "suite")
+    assert [s.name for s in specs] == ["accuracy", "analysis", "memory"]
+    assert specs[1].config.budgets == "0.1,0.3" and specs[1].config.scores == "hessian,delta"
