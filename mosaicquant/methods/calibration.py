@@ -109,20 +109,35 @@ def _run_layer(layer: nn.Module, inputs) -> list[tuple[torch.Tensor, dict]]:
 
 
 def collect_stats(layer: nn.Module, inputs, keep_hessian: bool = True) -> dict[str, LinearStats]:
-    """Run ``layer`` on ``inputs`` and return the input statistics of each of its ``nn.Linear``."""
+    """Run ``layer`` on ``inputs`` and return the input statistics of each of its ``nn.Linear``.
+
+    Linears that read the same input tensor (q/k/v, gate/up) share one :class:`LinearStats`
+    object, so each distinct input's Hessian is accumulated once.
+    """
     stats: dict[str, LinearStats] = {}
+    seen: dict[int, tuple[torch.Tensor, str]] = {}
     handles = []
     for name, mod in layer.named_modules():
         if isinstance(mod, nn.Linear):
             stats[name] = LinearStats(mod.in_features, keep_hessian=keep_hessian)
 
             def hook(module, args, output, _name=name):
-                stats[_name].add(args[0])
+                x = args[0]
+                first = seen.get(id(x))
+                if first is not None and first[0] is x:
+                    stats[_name] = stats[first[1]]
+                    return
+                # keep a reference so the id cannot be reused by another tensor in this batch
+                seen[id(x)] = (x, _name)
+                stats[_name].add(x)
 
             handles.append(mod.register_forward_hook(hook))
     try:
-        _run_layer(layer, inputs)
+        for batch in inputs:
+            seen.clear()
+            _run_layer(layer, [batch])
     finally:
+        seen.clear()
         for h in handles:
             h.remove()
     return stats

@@ -1,0 +1,362 @@
+"""Check and time the W4A4 kernels (dense, ZipperEngine fused, unfused) against BF16 cuBLAS.
+
+Shapes: the linear layers of Llama-3-8B and Qwen3-8B (random weights of the real shapes),
+M = 1 … 8192. Variants per (shape, M):
+
+- ``bf16``: ``F.linear`` (cuBLAS), the baseline every ratio refers to;
+- ``int8_mm``: ``torch._int_mm`` on pre-quantized int8 operands (no activation quantization);
+- ``act_quant``: the activation quantizer alone;
+- ``w4a4``: activation quantization + dense W4A4 GEMM;
+- ``zip{p}``: activation quantization + ZipperEngine with a ``p`` % residual budget (random
+  block selection, 128×128 blocks), fusion mode ``auto``; ``zip10_inline`` / ``zip10_tail``
+  force a mode;
+- ``unfused10``: activation quantization + dense GEMM (fp32 out) + residual kernel (+ add).
+
+Each variant is checked against its PyTorch reference before it is timed. Timing: CUDA
+graphs of back-to-back calls whose weights rotate through copies larger than 3× L2
+(launch overhead excluded, as in decode with CUDA graphs), median over replays.
+Results: ``results.json`` / ``results.csv`` under ``--out``, a short table printed last.
+
+Usage (on the GPU machine)::
+
+    PYTHONUNBUFFERED=1 python benchmarks/zipper.py --out $OUT
+    TRITON_INTERPRET=1 python benchmarks/zipper.py --dry   # CPU: correctness on tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mosaicquant.kernels._tiles import TileConfig, pick_config  # noqa: E402
+from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton  # noqa: E402
+from mosaicquant.kernels.residual_gemm import residual_add_triton  # noqa: E402
+from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_triton  # noqa: E402
+from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm_reference, zipper_gemm_triton  # noqa: E402
+from mosaicquant.methods.format import ResidualBlocks  # noqa: E402
+
+MODELS = {
+    "llama3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    "qwen3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)},
+}
+DEFAULT_MS = (1, 4, 8, 16, 32, 64, 128, 512, 2048, 8192)
+BLOCK = (128, 128)
+ROTATE_BYTES = 3 * 60 * 2**20
+# bf16 output vs fp32 reference: one bf16 ulp relative, plus an absolute floor at 1e-3 of the output range.
+CHECK_RTOL = 2.0**-7
+CHECK_ATOL_FRAC = 1e-3
+
+
+def random_residual(n: int, k: int, budget: float, device, gen: torch.Generator) -> ResidualBlocks:
+    """Random kept blocks (budget = fraction of all blocks), random 4-bit values and scales."""
+    bn, bk = BLOCK
+    nbr, nbc = -(-n // bn), -(-k // bk)
+    total = nbr * nbc
+    nb = int(round(budget * total))
+    if nb == 0:
+        return ResidualBlocks.empty((n, k), BLOCK, device=device)
+    idx = torch.randperm(total, generator=gen, device="cpu")[:nb].sort().values.to(device)
+    coords = torch.stack([idx // nbc, idx % nbc], 1).to(torch.int32)
+    counts = torch.bincount(coords[:, 0].long(), minlength=nbr)
+    row_ptr = torch.zeros(nbr + 1, dtype=torch.int32, device=device)
+    row_ptr[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    values = torch.randint(0, 256, (nb, bn, bk // 2), dtype=torch.uint8, device=device, generator=None)
+    scales = (torch.rand(nb, bn, device=device) * 0.02 + 0.001).to(torch.float16)
+    return ResidualBlocks((n, k), BLOCK, coords, row_ptr, values, scales)
+
+
+def clone_residual(r: ResidualBlocks) -> ResidualBlocks:
+    return ResidualBlocks(r.shape, r.block_shape, r.coords.clone(), r.row_ptr.clone(), r.values.clone(), r.scales.clone())
+
+
+def check(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
+    out = out.float()
+    ref = ref.float()
+    atol = CHECK_ATOL_FRAC * ref.abs().max().item()
+    err = (out - ref).abs()
+    ok = bool(torch.isfinite(out).all()) and bool((err <= CHECK_RTOL * ref.abs() + atol).all())
+    rel = (err.max() / ref.abs().max().clamp_min(1e-30)).item()
+    return ok, rel
+
+
+def time_calls(calls, min_us: float = 400.0, replays: int = 15) -> tuple[float, float, str]:
+    """Median µs per call (and spread: IQR/median) of ``calls`` (a list of closures cycled in order)."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for c in calls:
+            c()
+        return (time.perf_counter() - t0) / len(calls) * 1e6, 0.0, "cpu-wall"
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for c in calls:
+        c()
+    end.record()
+    torch.cuda.synchronize()
+    est = start.elapsed_time(end) * 1e3 / len(calls)
+    reps = max(1, math.ceil(min_us / max(est, 1e-3) / len(calls)))
+    seq = calls * min(reps, 64)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in seq:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(seq))
+    med = statistics.median(times)
+    q = statistics.quantiles(times, n=4)
+    del graph
+    return med, (q[2] - q[0]) / med, "cudagraph"
+
+
+def measure_ceilings(device) -> dict:
+    if device.type != "cuda":
+        return {}
+    warm = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(50):  # bring the clocks up before measuring
+        warm @ warm
+    torch.cuda.synchronize()
+    del warm
+    # An element-wise kernel, not copy_(): a captured device-to-device copy_ becomes a graph
+    # memcpy node served by the copy engines, which is slower than the SMs' streaming rate.
+    src = torch.randn(2**28, device=device)
+    dst = torch.empty_like(src)
+    us, _, _ = time_calls([lambda: torch.mul(src, 1.0, out=dst)], min_us=5000, replays=5)
+    copy_tbs = 2 * src.numel() * src.element_size() / (us * 1e-6) / 1e12
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    us, _, _ = time_calls([lambda: a @ b], min_us=20000, replays=5)
+    return {"copy_TBps_read_plus_write": copy_tbs, "bf16_mm_8192_TFLOPs": 2 * 8192**3 / (us * 1e-6) / 1e12}
+
+
+def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_filter):
+    kp = (k + 1) // 2
+    w_bf16 = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)
+    n_bf = max(2, math.ceil(ROTATE_BYTES / w_bf16.numel() / 2))
+    w_bf16s = [w_bf16] + [w_bf16.clone() for _ in range(n_bf - 1)]
+    qweight = torch.randint(0, 256, (n, kp), dtype=torch.uint8, device=device)
+    w_scale = (torch.rand(n, device=device) * 0.01 + 0.001).to(torch.float16)
+    w4_bytes = qweight.numel() + 2 * n
+    n_w4 = max(2, math.ceil(ROTATE_BYTES / w4_bytes))
+    qweights = [qweight] + [qweight.clone() for _ in range(n_w4 - 1)]
+    w_scales = [w_scale] + [w_scale.clone() for _ in range(n_w4 - 1)]
+    residuals = {}
+    for b in sorted(set(budgets) | {10}):
+        r = random_residual(n, k, b / 100, device, gen)
+        rs = [r] + [clone_residual(r) for _ in range(n_w4 - 1)]
+        residuals[b] = (rs, [residual_block_map(x) for x in rs])
+    w_i8 = torch.randint(-8, 8, (k, n), dtype=torch.int8, device=device)
+    n_i8 = max(2, math.ceil(ROTATE_BYTES / w_i8.numel()))
+    w_i8s = [w_i8] + [w_i8.clone() for _ in range(n_i8 - 1)]
+
+    for m in ms:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        x[:, :: max(1, k // 7)] *= 8  # a few outlier channels, never all-equal rows
+        # The act-quant reference runs on the CPU: torch's CUDA division by a Python scalar
+        # multiplies by the reciprocal, which can move a scale by one ulp.
+        ap_cpu, as_cpu = quantize_activations_reference(x.cpu())
+        ap, a_s = quantize_activations_triton(x)
+        act_ok = torch.equal(ap.cpu(), ap_cpu) and torch.equal(a_s.cpu(), as_cpu)
+        ap_ref, as_ref = ap, a_s  # each GEMM is checked on the integers it is given
+        flops = 2.0 * m * n * k
+        io_bytes = m * k * 2 + m * n * 2
+
+        def add(variant, calls, ok, rel, wbytes, extra=None):
+            if variants_filter and variant not in variants_filter and not variant.startswith("cfg"):
+                return
+            try:
+                us, spread, how = time_calls(calls)
+            except Exception as exc:  # recorded, the run goes on
+                rows.append({"n": n, "k": k, "m": m, "variant": variant, "error": repr(exc)[:200]})
+                print(f"  {variant}: ERROR {exc!r}"[:200], flush=True)
+                return
+            row = {
+                "n": n, "k": k, "m": m, "variant": variant, "us": us, "spread_iqr_over_median": spread,
+                "timing": how, "TFLOPs": flops / (us * 1e-6) / 1e12, "GBps": (wbytes + io_bytes) / (us * 1e-6) / 1e9,
+                "check_ok": ok, "max_rel_err": rel,
+            }
+            if extra:
+                row.update(extra)
+            rows.append(row)
+
+        def bf16_call(i):
+            return lambda: F.linear(x, w_bf16s[i])
+        add("bf16", [bf16_call(i) for i in range(n_bf)], True, 0.0, n * k * 2)
+
+        x_i8 = torch.randint(-8, 8, (m, k), dtype=torch.int8, device=device)
+        try:
+            torch._int_mm(x_i8, w_i8)
+            add("int8_mm", [(lambda i=i: torch._int_mm(x_i8, w_i8s[i])) for i in range(n_i8)], True, 0.0, n * k)
+        except RuntimeError as exc:
+            rows.append({"n": n, "k": k, "m": m, "variant": "int8_mm", "error": str(exc)[:200]})
+
+        add("act_quant", [lambda: quantize_activations_triton(x)], act_ok, 0.0, 0)
+
+        ref = w4a4_gemm_reference(ap_ref, as_ref, qweight, w_scale, k, out_fp32=True)
+        ok, rel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k), ref)
+        ok = ok and act_ok
+
+        def w4_call(i, cfg=None):
+            def call():
+                p, s = quantize_activations_triton(x)
+                return w4a4_gemm_triton(p, s, qweights[i], w_scales[i], k, config=cfg)
+            return call
+        cfg = pick_config(m, n, kp, device)
+        add("w4a4", [w4_call(i) for i in range(n_w4)], ok, rel, w4_bytes, {"config": repr(cfg)})
+        for j, ecfg in enumerate(explore_cfgs(m)):
+            try:
+                eok, erel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k, config=ecfg), ref)
+            except Exception as exc:
+                print(f"  cfg{j}: ERROR {exc!r}"[:200], flush=True)
+                continue
+            add(f"cfg{j}_w4a4", [w4_call(i, ecfg) for i in range(n_w4)], eok, erel, w4_bytes, {"config": repr(ecfg)})
+
+        for b, mode in [(b, "auto") for b in budgets] + [(10, "inline"), (10, "tail")]:
+            rs, maps = residuals[b]
+            res_bytes = sum(rs[0].nbytes().values())
+            zref = zipper_gemm_reference(ap_ref, as_ref, qweight, w_scale, k, rs[0], out_fp32=True)
+            zok, zrel = check(zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], block_map=maps[0], mode=mode), zref)
+
+            def z_call(i, b=b, mode=mode):
+                rs_, maps_ = residuals[b]
+                def call():
+                    p, s = quantize_activations_triton(x)
+                    return zipper_gemm_triton(p, s, qweights[i], w_scales[i], k, rs_[i], block_map=maps_[i], mode=mode)
+                return call
+            name = f"zip{b}" if mode == "auto" else f"zip{b}_{mode}"
+            add(name, [z_call(i) for i in range(n_w4)], zok and act_ok, zrel, w4_bytes + res_bytes,
+                {"blocks": rs[0].num_blocks})
+            if b == 10 and mode == "auto":
+                dense = w4a4_gemm_triton(ap, a_s, qweight, w_scale, k, out_fp32=True)
+                uok, urel = check(residual_add_triton(ap, a_s, dense, rs[0], k), zref)
+
+                def u_call(i):
+                    def call():
+                        p, s = quantize_activations_triton(x)
+                        d = w4a4_gemm_triton(p, s, qweights[i], w_scales[i], k, out_fp32=True)
+                        return residual_add_triton(p, s, d, rs[i], k)
+                    return call
+                add("unfused10", [u_call(i) for i in range(n_w4)], uok and act_ok, urel, w4_bytes + res_bytes)
+        shown = [r for r in rows if r.get("n") == n and r.get("k") == k and r.get("m") == m and "us" in r]
+        base = next((r["us"] for r in shown if r["variant"] == "bf16"), float("nan"))
+        for r in shown:
+            r["speedup_vs_bf16"] = base / r["us"]
+        print(f"N={n} K={k} M={m}: " + "  ".join(
+            f"{r['variant']}={r['us']:.1f}us({r['speedup_vs_bf16']:.2f}x{'' if r['check_ok'] else ' FAIL'})" for r in shown
+        ), flush=True)
+
+
+def versions(device) -> dict:
+    import triton
+    info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if device.type == "cuda":
+        info.update({"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda,
+                     "sms": torch.cuda.get_device_properties(device).multi_processor_count})
+    return info
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "results/zipper"))
+    parser.add_argument("--models", default="llama3-8b,qwen3-8b")
+    parser.add_argument("--layers", default="qkv,o,gate_up,down")
+    parser.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)))
+    parser.add_argument("--budgets", default="0,5,10,20")
+    parser.add_argument("--variants", default="", help="comma list to time (default all)")
+    parser.add_argument("--explore", action="store_true", help="also time alternative tile configs of the dense kernel")
+    parser.add_argument("--dry", action="store_true", help="tiny shapes, correctness only (CPU interpreter)")
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    ms = [int(v) for v in args.ms.split(",")]
+    budgets = [int(v) for v in args.budgets.split(",")]
+    shapes: dict[tuple[int, int], list[str]] = {}
+    if args.dry:
+        global ROTATE_BYTES
+        ROTATE_BYTES = 1
+        shapes = {(320, 384): ["dry"]}
+        ms = [1, 13, 67]
+    else:
+        for model in args.models.split(","):
+            for layer in args.layers.split(","):
+                shapes.setdefault(MODELS[model][layer], []).append(f"{model}.{layer}")
+
+    def explore_cfgs(m):
+        if not args.explore:
+            return []
+        if m <= 2:
+            bm = 1 << (m - 1).bit_length()
+            return [TileConfig(bm, bn, bkp, split_k=s, num_warps=w, num_stages=st, use_dot=False)
+                    for bn, bkp, s, w, st in [(32, 128, 1, 4, 4), (16, 128, 2, 4, 6), (64, 32, 2, 4, 6), (128, 64, 1, 8, 3)]]
+        if m in (16, 32):
+            return [TileConfig(16, bn, bkp, split_k=s, num_warps=w, num_stages=st)
+                    for bn, bkp, s, w, st in [(64, 64, 2, 4, 6), (128, 64, 2, 4, 4), (64, 64, 4, 4, 3)]]
+        if m == 8192:
+            return [TileConfig(128, 256, 64, num_warps=8, num_stages=3), TileConfig(128, 128, 64, num_warps=4, num_stages=4),
+                    TileConfig(256, 128, 64, num_warps=8, num_stages=4)]
+        return []
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"versions": versions(device), "ceilings": measure_ceilings(device), "block": BLOCK,
+            "rotate_bytes": ROTATE_BYTES, "shapes": {f"{n}x{k}": v for (n, k), v in shapes.items()}}
+    print(json.dumps(meta), flush=True)
+    rows: list[dict] = []
+    variants_filter = set(v for v in args.variants.split(",") if v)
+    t0 = time.time()
+    for (n, k), names in shapes.items():
+        print(f"== {n}x{k} ({', '.join(names)})  t={time.time() - t0:.0f}s", flush=True)
+        bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_filter)
+        (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    keys = sorted({key for r in rows for key in r})
+    with open(out / "results.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+
+    failed = [r for r in rows if r.get("check_ok") is False]
+    print(f"\nchecks: {len(rows) - len(failed)} ok, {len(failed)} FAILED; {time.time() - t0:.0f}s")
+    cols = ["w4a4", "zip0", "zip10", "zip20", "zip10_inline", "zip10_tail", "unfused10", "int8_mm"]
+    print("speedup vs bf16 (same run, median); bf16 us in first column")
+    print(f"{'shape':>12} {'M':>5} {'bf16us':>8} " + " ".join(f"{c:>12}" for c in cols))
+    for (n, k) in shapes:
+        for m in ms:
+            sel = {r["variant"]: r for r in rows if r.get("n") == n and r.get("k") == k and r.get("m") == m and "us" in r}
+            if "bf16" not in sel:
+                continue
+            cells = [f"{sel[c]['speedup_vs_bf16']:>11.2f}{'!' if not sel[c]['check_ok'] else ' '}" if c in sel else f"{'-':>12}" for c in cols]
+            print(f"{n}x{k:<6} {m:>5} {sel['bf16']['us']:>8.1f} " + " ".join(cells))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,34 @@
+"""Triton kernels of the W4A4 engine (ZipperEngine) and their PyTorch references.
+
+- :mod:`.act_quant`: BF16 activations → packed 4-bit + per-token scale;
+- :mod:`.w4a4_gemm`: dense W4A4 GEMM;
+- :mod:`.zipper`: ZipperEngine, the dense GEMM with the sparse residual fused in;
+- :mod:`.residual_gemm`: the residual as a separate kernel (unfused pipeline);
+- :mod:`.quant_linear`: ``QuantLinear``, the module that runs the packed format.
+
+Every kernel has a launcher that checks its arguments and a PyTorch reference; the kernel
+preference (``"auto"`` / ``"triton"`` / ``"torch"``, argument or ``MOSAICQUANT_KERNEL``)
+picks between them (:func:`resolve_kernel`).
+"""
+
+from mosaicquant.kernels._common import KERNEL_ENV_VAR, KERNEL_PREFERENCES, resolve_kernel
+from mosaicquant.kernels._tiles import TileConfig, pick_config
+from mosaicquant.kernels.act_quant import quantize_activations
+from mosaicquant.kernels.quant_linear import QuantLinear
+from mosaicquant.kernels.residual_gemm import residual_add
+from mosaicquant.kernels.w4a4_gemm import w4a4_gemm
+from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm
+
+__all__ = [
+    "KERNEL_ENV_VAR",
+    "KERNEL_PREFERENCES",
+    "resolve_kernel",
+    "TileConfig",
+    "pick_config",
+    "quantize_activations",
+    "w4a4_gemm",
+    "zipper_gemm",
+    "residual_add",
+    "residual_block_map",
+    "QuantLinear",
+]

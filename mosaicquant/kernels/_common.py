@@ -1,0 +1,131 @@
+"""Pieces the kernel launchers share: the kernel preference and argument checks.
+
+Kernel preference (``kernel=`` argument, else the ``MOSAICQUANT_KERNEL`` environment
+variable, else ``"auto"``):
+
+- ``"triton"``: run the Triton kernels (a CUDA device, or Triton's CPU interpreter when
+  ``TRITON_INTERPRET=1``);
+- ``"torch"``: run the plain PyTorch reference of each kernel (any device);
+- ``"auto"``: ``"triton"`` when CUDA is available or ``TRITON_INTERPRET=1``, else ``"torch"``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mosaicquant.harness.errors import UserInputError, unknown_name
+
+__all__ = [
+    "KERNEL_PREFERENCES",
+    "KERNEL_ENV_VAR",
+    "resolve_kernel",
+    "triton_interpreting",
+    "check_tensor",
+]
+
+KERNEL_PREFERENCES = ("auto", "triton", "torch")
+KERNEL_ENV_VAR = "MOSAICQUANT_KERNEL"
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton runs on its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_kernel(kernel: str | None = None) -> str:
+    """Resolve a kernel preference to the backend that will run: ``"triton"`` or ``"torch"``.
+
+    Args:
+        kernel: ``"auto"``, ``"triton"``, ``"torch"`` or ``None`` (read ``MOSAICQUANT_KERNEL``,
+            default ``"auto"``).
+
+    Returns:
+        ``"triton"`` or ``"torch"``.
+
+    Raises:
+        UserInputError: an unknown preference, or ``"triton"`` where neither CUDA nor the
+            interpreter is available.
+    """
+    pref = kernel if kernel is not None else os.environ.get(KERNEL_ENV_VAR, "auto")
+    pref = str(pref).strip().lower()
+    if pref not in KERNEL_PREFERENCES:
+        raise unknown_name("kernel preference", pref, KERNEL_PREFERENCES)
+    can_triton = torch.cuda.is_available() or triton_interpreting()
+    if pref == "auto":
+        return "triton" if can_triton else "torch"
+    if pref == "triton" and not can_triton:
+        raise UserInputError(
+            "kernel='triton' needs a CUDA device or TRITON_INTERPRET=1 (Triton's CPU interpreter); "
+            "use kernel='torch' or 'auto' on this machine"
+        )
+    return pref
+
+
+def check_tensor(
+    name: str,
+    tensor: torch.Tensor,
+    *,
+    dtypes: tuple[torch.dtype, ...],
+    dim: int | None = None,
+    shape: tuple[int | None, ...] | None = None,
+    contiguous_last: bool = True,
+) -> None:
+    """Check one launcher argument and raise a message that names what is wrong.
+
+    Args:
+        name: argument name used in the message.
+        tensor: the tensor to check.
+        dtypes: allowed dtypes.
+        dim: required number of dimensions.
+        shape: required sizes, ``None`` entries are free.
+        contiguous_last: require unit stride along the last dimension (coalesced loads).
+
+    Raises:
+        UserInputError: not a tensor, wrong dtype, rank, shape or stride.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise UserInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise UserInputError(f"{name} has dtype {str(tensor.dtype).replace('torch.', '')}; allowed: {allowed}")
+    if dim is not None and tensor.dim() != dim:
+        raise UserInputError(f"{name} must be {dim}-D, got shape {tuple(tensor.shape)}")
+    if shape is not None:
+        want = tuple(shape)
+        got = tuple(tensor.shape)
+        if len(want) != len(got) or any(w is not None and w != g for w, g in zip(want, got)):
+            shown = "[" + ", ".join("*" if w is None else str(w) for w in want) + "]"
+            raise UserInputError(f"{name} must have shape {shown}, got {list(got)}")
+    if contiguous_last and tensor.dim() and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        raise UserInputError(f"{name} must have unit stride along its last dimension, got strides {tensor.stride()}")
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    """All given tensors on one device; returns it.
+
+    Raises:
+        UserInputError: naming the tensors and their devices.
+    """
+    devs = {k: t.device for k, t in tensors.items() if t is not None}
+    if len({str(d) for d in devs.values()}) > 1:
+        listing = ", ".join(f"{k} on {d}" for k, d in devs.items())
+        raise UserInputError(f"tensors must be on one device, got {listing}")
+    return next(iter(devs.values()))
+
+
+def check_triton_device(device: torch.device) -> None:
+    """The Triton path runs on CUDA tensors, or on CPU tensors under the interpreter.
+
+    Raises:
+        UserInputError: CPU tensors without ``TRITON_INTERPRET=1`` (or CUDA tensors under it).
+    """
+    if device.type == "cuda" and not triton_interpreting():
+        return
+    if device.type == "cpu" and triton_interpreting():
+        return
+    raise UserInputError(
+        f"the Triton kernels take CUDA tensors (or CPU tensors with TRITON_INTERPRET=1); got a tensor on "
+        f"{device} with TRITON_INTERPRET={'1' if triton_interpreting() else '0'}; use kernel='torch' instead"
+    )

@@ -1,0 +1,163 @@
+"""Tile configurations of the 4-bit GEMM kernels and the heuristic that picks one.
+
+Sizes are in *packed* K: ``block_kp`` bytes of a row hold ``2 * block_kp`` K elements.
+The heuristic is a small table by M (the kernels are memory-bound at small M and
+tensor-core-bound at large M); ``benchmarks/zipper.py`` measures the choices and
+``benchmarks/NOTES.md`` records why the table holds what it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from mosaicquant.harness.errors import UserInputError
+
+__all__ = ["TileConfig", "pick_config", "LOCK_SLOTS"]
+
+# Up to this many rows the GEMMs use CUDA-core multiply-adds instead of tensor-core dots
+# (0: never; measured ALU-bound and no faster than the dot path, benchmarks/NOTES.md v2).
+FMA_MAX_M = 0
+# Size of the per-device split-K counter buffer (int32 slots, one per output tile).
+LOCK_SLOTS = 1 << 16
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch parameters of one GEMM launch.
+
+    Attributes:
+        block_m: rows of X per program.
+        block_n: output channels per program.
+        block_kp: packed K bytes per step (``2 * block_kp`` K elements).
+        split_k: number of programs sharing one output tile along K (fp32 partials, fixed-order sum).
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the K loop.
+        group_m: program-id swizzle (M tiles per group) for L2 reuse of weight tiles.
+        use_dot: tensor-core int8 dots (``block_m >= 16``) or CUDA-core multiply-adds
+            (a handful of rows; any power-of-two ``block_m``).
+    """
+
+    block_m: int
+    block_n: int
+    block_kp: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+    use_dot: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_kp"):
+            v = getattr(self, name)
+            if name == "block_m" and not self.use_dot and v >= 1 and not v & (v - 1):
+                continue
+            if v < 16 or v & (v - 1):
+                raise UserInputError(f"TileConfig.{name}={v} must be a power of two >= 16 (tl.dot tiles)")
+        if self.split_k < 1:
+            raise UserInputError(f"TileConfig.split_k={self.split_k} must be >= 1")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise UserInputError(f"TileConfig.num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
+        if self.num_stages < 1 or self.group_m < 1:
+            raise UserInputError("TileConfig.num_stages and group_m must be >= 1")
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def pick_config(
+    m: int,
+    n: int,
+    kp: int,
+    device: torch.device,
+    residual_block: tuple[int, int] | None = None,
+) -> TileConfig:
+    """Choose tiles for an ``[m, 2*kp] x [n, 2*kp]^T`` 4-bit GEMM.
+
+    Args:
+        m, n, kp: GEMM sizes (``kp`` in packed bytes).
+        device: where it runs (CPU means Triton's interpreter: few, large programs).
+        residual_block: ``(Bn, Bk)`` of fused residual blocks; tiles must then nest in
+            blocks (``block_n`` divides ``Bn``, ``2 * block_kp`` divides ``Bk``).
+
+    Returns:
+        A :class:`TileConfig`.
+
+    Raises:
+        UserInputError: a residual block shape the kernels cannot tile (``Bn`` not a
+            multiple of 16 or ``Bk`` not a multiple of 32).
+    """
+    if device.type != "cuda":
+        cfg = TileConfig(block_m=64 if m > 16 else 16, block_n=64, block_kp=64, num_warps=4, num_stages=1)
+    elif m <= FMA_MAX_M:
+        cfg = TileConfig(block_m=triton_next_pow2(m), block_n=64 if m <= 2 else 32, block_kp=64, num_warps=4,
+                         num_stages=4, use_dot=False)
+    elif m <= 16:
+        cfg = TileConfig(block_m=16, block_n=64, block_kp=64, num_warps=4, num_stages=4)
+    elif m <= 64:
+        cfg = TileConfig(block_m=max(16, triton_next_pow2(m)), block_n=64, block_kp=64, num_warps=4, num_stages=4)
+    elif m <= 256:
+        cfg = TileConfig(block_m=64, block_n=64, block_kp=64, num_warps=4, num_stages=4)
+    elif m < 2048:
+        cfg = TileConfig(block_m=128, block_n=128, block_kp=64, num_warps=8, num_stages=3)
+    else:
+        cfg = TileConfig(block_m=256, block_n=128, block_kp=64, num_warps=8, num_stages=3)
+    if residual_block is not None:
+        cfg = fit_to_blocks(cfg, residual_block)
+    if device.type == "cuda" and m <= 256:
+        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+        k_steps = -(-kp // cfg.block_kp)
+        sms = _sm_count(device)
+        split = 1
+        # Enough programs to cover every SM about twice, at least 4 K steps per split.
+        while tiles * split < 2 * sms and k_steps // (2 * split) >= 4 and split < 16:
+            split *= 2
+        cfg = replace(cfg, split_k=split)
+    return cfg
+
+
+def fit_to_blocks(cfg: TileConfig, residual_block: tuple[int, int]) -> TileConfig:
+    """Shrink ``block_n``/``block_kp`` so that program tiles nest inside residual blocks.
+
+    Raises:
+        UserInputError: ``Bn`` not a multiple of 16 or ``Bk`` not a multiple of 32.
+    """
+    bn_res, bk_res = residual_block
+    if bn_res % 16 or bk_res % 32:
+        raise UserInputError(
+            f"residual block {bn_res}x{bk_res} cannot be tiled by the kernels: rows must be a multiple "
+            f"of 16 and columns a multiple of 32"
+        )
+    block_n = cfg.block_n
+    while bn_res % block_n:
+        block_n //= 2
+    block_kp = cfg.block_kp
+    while (bk_res // 2) % block_kp:
+        block_kp //= 2
+    if block_n < 16 or block_kp < 16:
+        raise UserInputError(f"residual block {bn_res}x{bk_res} has no tile of 16-multiples that divides it")
+    return replace(cfg, block_n=block_n, block_kp=block_kp)
+
+
+def triton_next_pow2(x: int) -> int:
+    """Smallest power of two >= x (x >= 1)."""
+    return 1 << (max(1, x) - 1).bit_length()
+
+
+_LOCKS: dict[str, torch.Tensor] = {}
+
+
+def lock_buffer(device: torch.device) -> torch.Tensor:
+    """The per-device split-K counters (zero between launches: the last split resets its slot).
+
+    Allocated once per device and never reallocated, so captured CUDA graphs stay valid.
+    Launches that share it must run on one stream.
+    """
+    key = str(device)
+    if key not in _LOCKS:
+        _LOCKS[key] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
+    return _LOCKS[key]

@@ -1,0 +1,141 @@
+"""``QuantLinear``: an ``nn.Module`` that runs a packed MosaicQuant layer on the 4-bit kernels.
+
+It holds the shared format (:class:`mosaicquant.methods.format.PackedW4`, optionally with
+:class:`~mosaicquant.methods.format.ResidualBlocks`) as buffers, unchanged, plus one
+kernel-side index built at construction (:func:`mosaicquant.kernels.zipper.residual_block_map`).
+A forward pass quantizes the activations per token (4-bit symmetric, ``act_clip_ratio``),
+then runs the dense W4A4 GEMM, or ZipperEngine (fused) or the unfused pipeline when the
+layer has residual blocks. Input any float dtype ``[..., K]``, output BF16 ``[..., N]``.
+
+It computes the function of the simulated layer
+``fake_quantize(x, 4, clip_ratio) @ packed.dequantize().T (+ bias)`` up to float
+accumulation order and the final BF16 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mosaicquant.harness.errors import UserInputError
+from mosaicquant.kernels._common import resolve_kernel
+from mosaicquant.kernels.act_quant import quantize_activations
+from mosaicquant.kernels.residual_gemm import residual_add
+from mosaicquant.kernels.w4a4_gemm import w4a4_gemm, w4a4_gemm_reference, w4a4_gemm_triton
+from mosaicquant.kernels.zipper import FUSE_MODES, check_residual, residual_block_map, zipper_gemm
+from mosaicquant.methods.format import PackedW4, ResidualBlocks
+
+__all__ = ["QuantLinear"]
+
+
+class QuantLinear(nn.Module):
+    """A W4A4 linear layer (dense 4-bit base + optional sparse 4-bit residual) on the kernels.
+
+    Args:
+        packed: the layer in the shared packed format; per-output-channel base scales
+            (``group_size`` ``None`` or ``K``).
+        act_clip_ratio: activation clip ratio in (0, 1].
+        kernel: ``"auto"`` / ``"triton"`` / ``"torch"``, or ``None`` to read
+            ``MOSAICQUANT_KERNEL`` at each call (default ``"auto"``).
+        fused: run the residual fused into the GEMM (ZipperEngine) or as the unfused
+            pipeline (dense GEMM to fp32, separate residual kernel, add).
+        mode: ZipperEngine fusion mode, ``"auto"``, ``"inline"`` or ``"tail"``.
+
+    Raises:
+        UserInputError: group-wise base scales, a bad clip ratio, mode or kernel
+            preference, or a residual of another shape.
+
+    Example:
+        >>> from mosaicquant.methods.quant import quantize
+        >>> w = torch.randn(8, 6)
+        >>> layer = QuantLinear(PackedW4.from_quantized(quantize(w, 4, scale_dtype=torch.float16)), kernel="torch")
+        >>> layer(torch.randn(2, 6)).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(
+        self,
+        packed: PackedW4,
+        act_clip_ratio: float = 1.0,
+        kernel: str | None = None,
+        fused: bool = True,
+        mode: str = "auto",
+    ) -> None:
+        super().__init__()
+        if not isinstance(packed, PackedW4):
+            raise UserInputError(f"packed must be a PackedW4, got {type(packed).__name__}")
+        n, k = packed.shape
+        if packed.group_size not in (None, k):
+            raise UserInputError(
+                f"group_size={packed.group_size}: the W4A4 kernels support per-output-channel base "
+                f"scales only (group_size=None)"
+            )
+        if not 0.0 < float(act_clip_ratio) <= 1.0:
+            raise UserInputError(f"act_clip_ratio={act_clip_ratio!r} is out of range: allowed (0, 1]")
+        if mode not in FUSE_MODES:
+            raise UserInputError(f"mode={mode!r} is not allowed: choose one of {', '.join(FUSE_MODES)}")
+        if kernel is not None:
+            resolve_kernel(kernel)
+        self.in_features = k
+        self.out_features = n
+        self.act_clip_ratio = float(act_clip_ratio)
+        self.kernel = kernel
+        self.fused = bool(fused)
+        self.mode = mode
+        self.register_buffer("qweight", packed.qweight.contiguous())
+        self.register_buffer("w_scale", packed.scales.reshape(n).to(torch.float16).contiguous())
+        self.register_buffer("bias", None if packed.bias is None else packed.bias.to(torch.float32).reshape(n).contiguous())
+        residual = packed.residual
+        if residual is not None and residual.num_blocks == 0:
+            residual = None
+        self.block_shape = None
+        if residual is not None:
+            check_residual(residual, n, k)
+            self.block_shape = tuple(residual.block_shape)
+            self.register_buffer("res_coords", residual.coords.contiguous())
+            self.register_buffer("res_row_ptr", residual.row_ptr.contiguous())
+            self.register_buffer("res_values", residual.values.contiguous())
+            self.register_buffer("res_scales", residual.scales.contiguous())
+            self.register_buffer("res_block_map", residual_block_map(residual))
+
+    @property
+    def residual(self) -> ResidualBlocks | None:
+        """The residual blocks (views of this module's buffers), or ``None``."""
+        if self.block_shape is None:
+            return None
+        return ResidualBlocks(
+            shape=(self.out_features, self.in_features), block_shape=self.block_shape,
+            coords=self.res_coords, row_ptr=self.res_row_ptr, values=self.res_values, scales=self.res_scales,
+        )
+
+    def extra_repr(self) -> str:
+        blocks = 0 if self.block_shape is None else int(self.res_coords.shape[0])
+        return (f"in_features={self.in_features}, out_features={self.out_features}, residual_blocks={blocks}, "
+                f"act_clip_ratio={self.act_clip_ratio}, fused={self.fused}, kernel={self.kernel or 'env/auto'}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., K]`` float → ``[..., N]`` BF16.
+
+        Raises:
+            UserInputError: the last dimension is not ``in_features``.
+        """
+        if x.shape[-1] != self.in_features:
+            raise UserInputError(f"input has {x.shape[-1]} features, the layer takes {self.in_features}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        backend = resolve_kernel(self.kernel)
+        k = self.in_features
+        a_packed, a_scale = quantize_activations(x2, self.act_clip_ratio, kernel=backend)
+        residual = self.residual
+        if residual is None:
+            y = w4a4_gemm(a_packed, a_scale, self.qweight, self.w_scale, k, self.bias, kernel=backend)
+        elif self.fused:
+            y = zipper_gemm(a_packed, a_scale, self.qweight, self.w_scale, k, residual, self.bias,
+                            kernel=backend, block_map=self.res_block_map, mode=self.mode)
+        else:
+            if backend == "triton":
+                dense = w4a4_gemm_triton(a_packed, a_scale, self.qweight, self.w_scale, k, self.bias, out_fp32=True)
+            else:
+                dense = w4a4_gemm_reference(a_packed, a_scale, self.qweight, self.w_scale, k, self.bias, out_fp32=True)
+            y = residual_add(a_packed, a_scale, dense, residual, k, kernel=backend)
+        return y.reshape(*lead, self.out_features)

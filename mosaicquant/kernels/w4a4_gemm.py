@@ -1,0 +1,245 @@
+"""Dense W4A4 GEMM: packed 4-bit activations × packed 4-bit weights → BF16.
+
+Computes, for ``A`` ``[M, K]`` and ``W`` ``[N, K]`` signed 4-bit integers,
+
+    y[m, n] = (acc[m, n] * s_a[m]) * s_w[n] (+ bias[n]),   acc = Σ_k A[m, k] W[n, k]
+
+with an exact int32 ``acc`` and fp32 scaling, written as BF16 (or fp32 for the unfused
+pipeline). Per-output-channel weight scales only: group-wise base scales are rejected.
+
+Packed layout (:mod:`mosaicquant.methods.format`, used as stored, no repacking):
+``a_packed`` ``uint8 [M, ceil(K/2)]`` and ``qweight`` ``uint8 [N, ceil(K/2)]``, byte ``j``
+holding elements ``2j`` (low nibble) and ``2j + 1`` (high nibble). A program owns a
+``[BM, BN]`` output tile and walks packed K in steps of ``BKP`` bytes: it loads an
+``[BM, BKP]`` activation tile and a ``[BKP, BN]`` weight tile (K-contiguous, 16-byte
+loads), splits both into low/high nibbles by shifts, and issues two int8 tensor-core dots
+(even K and odd K) into one int32 accumulator, so no interleave/join is needed. For a
+handful of rows (``TileConfig.use_dot=False``, M ≤ 4) the same tiles go through CUDA-core
+multiply-adds instead of tensor-core dots. K needs no
+particular multiple: the tail step is masked (padding nibbles are zero on both sides).
+
+Small M (decode) is memory-bound and has few output tiles, so K is split across
+``SPLIT_K`` programs: each writes an fp32 partial, the last to arrive (atomic counter per
+tile) sums the partials in split order, adds the bias and writes the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mosaicquant.harness.errors import UserInputError
+from mosaicquant.kernels._common import triton_interpreting, check_same_device, check_tensor, check_triton_device, resolve_kernel
+from mosaicquant.kernels._tiles import LOCK_SLOTS, TileConfig, lock_buffer, pick_config
+from mosaicquant.kernels._tl import mac_int4, store_output
+from mosaicquant.methods.format import unpack_int4
+
+__all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_reference", "check_gemm_args"]
+
+
+@triton.jit
+def _w4a4_gemm_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, KP, stride_am, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_DOT: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % rows_in_group
+    pid_n = (pid % group) // rows_in_group
+
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    # Out-of-range rows/channels read a valid row instead (their results are never stored).
+    safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+
+    k_steps = tl.cdiv(KP, BKP)
+    per_split = tl.cdiv(k_steps, SPLIT_K)
+    step_begin = pid_k * per_split
+    step_end = tl.minimum(step_begin + per_split, k_steps)
+    offs_kp = step_begin * BKP + tl.arange(0, BKP)
+    a_ptrs = a_ptr + safe_m[:, None] * stride_am + offs_kp[None, :]
+    w_ptrs = w_ptr + safe_n[None, :] * stride_wn + offs_kp[:, None]
+
+    acc = tl.zeros([BM, BN], dtype=tl.int32)
+    for step in range(step_begin, step_end):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            kp = step * BKP + tl.arange(0, BKP)
+            a = tl.load(a_ptrs, mask=kp[None, :] < KP, other=0)
+            w = tl.load(w_ptrs, mask=kp[:, None] < KP, other=0)
+        acc = mac_int4(acc, a, w, USE_DOT, USE_ASM)
+        a_ptrs += BKP
+        w_ptrs += BKP
+
+    a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    y = acc.to(tl.float32) * a_scale[:, None] * w_scale[None, :]
+    store_output(
+        out_ptr, part_ptr, lock_ptr, pid, pid_k, y, bias_ptr, offs_m, offs_n, M, N, stride_om,
+        HAS_BIAS=HAS_BIAS, SPLIT_K=SPLIT_K, OUT_FP32=OUT_FP32,
+    )
+
+
+def check_gemm_args(
+    a_packed: torch.Tensor,
+    a_scale: torch.Tensor,
+    qweight: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    k: int,
+) -> tuple[int, int, int]:
+    """Check the operands of a 4-bit GEMM and return ``(M, N, KP)``.
+
+    Raises:
+        UserInputError: naming the wrong dtype, shape, stride, device or a group-wise scale.
+    """
+    check_tensor("a_packed", a_packed, dtypes=(torch.uint8,), dim=2)
+    check_tensor("qweight", qweight, dtypes=(torch.uint8,), dim=2)
+    if not isinstance(k, int) or k < 1:
+        raise UserInputError(f"k={k!r} must be a positive int (the unpacked K)")
+    kp = (k + 1) // 2
+    m, n = a_packed.shape[0], qweight.shape[0]
+    check_tensor("a_packed", a_packed, dtypes=(torch.uint8,), shape=(None, kp))
+    check_tensor("qweight", qweight, dtypes=(torch.uint8,), shape=(None, kp))
+    check_tensor("a_scale", a_scale, dtypes=(torch.float32,), shape=(m,))
+    check_tensor("w_scale", w_scale, dtypes=(torch.float32, torch.float16), dim=None)
+    if w_scale.dim() == 2 and w_scale.shape[1] != 1:
+        raise UserInputError(
+            f"w_scale has {w_scale.shape[1]} groups per channel: the 4-bit GEMM kernels support "
+            f"per-output-channel weight scales only (group_size=None), shape [{n}] or [{n}, 1]"
+        )
+    if w_scale.reshape(-1).shape[0] != n:
+        raise UserInputError(f"w_scale must have {n} entries (one per output channel), got shape {list(w_scale.shape)}")
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(torch.float32,), shape=(n,))
+    check_same_device(a_packed=a_packed, a_scale=a_scale, qweight=qweight, w_scale=w_scale, bias=bias)
+    return m, n, kp
+
+
+def w4a4_gemm_triton(
+    a_packed: torch.Tensor,
+    a_scale: torch.Tensor,
+    qweight: torch.Tensor,
+    w_scale: torch.Tensor,
+    k: int,
+    bias: torch.Tensor | None = None,
+    *,
+    out_fp32: bool = False,
+    config: TileConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Launch the dense W4A4 Triton GEMM.
+
+    Args:
+        a_packed: ``uint8 [M, ceil(K/2)]`` packed activations (unit stride along K).
+        a_scale: ``float32 [M]`` per-token scales.
+        qweight: ``uint8 [N, ceil(K/2)]`` packed weights.
+        w_scale: ``[N]`` or ``[N, 1]`` per-channel scales (fp16 or fp32).
+        k: the unpacked K.
+        bias: optional ``float32 [N]``.
+        out_fp32: write fp32 instead of BF16 (the unfused pipeline adds the residual to it).
+        config: tiles (default :func:`mosaicquant.kernels._tiles.pick_config`).
+        out: optional preallocated contiguous ``[M, N]`` output of the output dtype.
+
+    Returns:
+        ``[M, N]`` BF16 (or fp32) output.
+
+    Raises:
+        UserInputError: bad operands (see :func:`check_gemm_args`) or device.
+    """
+    m, n, kp = check_gemm_args(a_packed, a_scale, qweight, w_scale, bias, k)
+    check_triton_device(a_packed.device)
+    out_dtype = torch.float32 if out_fp32 else torch.bfloat16
+    if out is not None:
+        check_tensor("out", out, dtypes=(out_dtype,), shape=(m, n))
+        if not out.is_contiguous() or out.device != a_packed.device:
+            raise UserInputError("out must be contiguous and on the operands' device")
+    else:
+        out = torch.empty(m, n, dtype=out_dtype, device=a_packed.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = config or pick_config(m, n, kp, a_packed.device)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    split = cfg.split_k if tiles <= LOCK_SLOTS and cfg.split_k * m * n < 2**31 else 1
+    part = torch.empty(split, m, n, dtype=torch.float32, device=out.device) if split > 1 else out
+    w_scale = w_scale.reshape(-1)
+    _w4a4_gemm_kernel[(tiles, split)](
+        a_packed.view(torch.int8), a_scale, qweight.view(torch.int8), w_scale,
+        bias if bias is not None else a_scale, out, part, lock_buffer(out.device),
+        m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0,
+        BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot, USE_ASM=not triton_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def int_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Exact ``a @ w.T`` of small integers in floating point (fp32 while exact, else fp64)."""
+    k = a.shape[-1]
+    # |acc| <= 64 * K; fp32 holds integers exactly up to 2**24.
+    dtype = torch.float32 if 64 * k < 2**24 else torch.float64
+    return a.to(dtype) @ w.to(dtype).T
+
+
+def w4a4_gemm_reference(
+    a_packed: torch.Tensor,
+    a_scale: torch.Tensor,
+    qweight: torch.Tensor,
+    w_scale: torch.Tensor,
+    k: int,
+    bias: torch.Tensor | None = None,
+    *,
+    out_fp32: bool = False,
+) -> torch.Tensor:
+    """PyTorch reference of :func:`w4a4_gemm_triton` (same arguments, same result up to rounding)."""
+    m, n, _ = check_gemm_args(a_packed, a_scale, qweight, w_scale, bias, k)
+    acc = int_matmul(unpack_int4(a_packed, k), unpack_int4(qweight, k)).to(torch.float32)
+    y = acc * a_scale[:, None] * w_scale.reshape(1, -1).to(torch.float32)
+    if bias is not None:
+        y = y + bias
+    return y if out_fp32 else y.to(torch.bfloat16)
+
+
+def w4a4_gemm(
+    a_packed: torch.Tensor,
+    a_scale: torch.Tensor,
+    qweight: torch.Tensor,
+    w_scale: torch.Tensor,
+    k: int,
+    bias: torch.Tensor | None = None,
+    *,
+    kernel: str | None = None,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """Dense W4A4 GEMM ``y = (A·Wᵀ) ⊙ s_a ⊙ s_w (+ bias)`` in BF16, on the chosen kernel.
+
+    Args:
+        a_packed, a_scale: from :func:`mosaicquant.kernels.act_quant.quantize_activations`.
+        qweight, w_scale: ``PackedW4.qweight`` and its per-channel scales.
+        k: the unpacked K.
+        bias: optional ``float32 [N]``.
+        kernel: ``"auto"`` / ``"triton"`` / ``"torch"`` / ``None``.
+        config: Triton tiles override.
+
+    Returns:
+        ``bfloat16 [M, N]``.
+
+    Raises:
+        UserInputError: bad operands or kernel preference.
+    """
+    if resolve_kernel(kernel) == "triton":
+        return w4a4_gemm_triton(a_packed, a_scale, qweight, w_scale, k, bias, config=config)
+    return w4a4_gemm_reference(a_packed, a_scale, qweight, w_scale, k, bias)

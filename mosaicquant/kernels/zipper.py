@@ -1,0 +1,360 @@
+"""ZipperEngine: the dense W4A4 GEMM with the sparse 4-bit residual blocks fused in.
+
+Computes (``mosaicquant.methods.format`` notation)
+
+    y = s_a ⊙ (A·Qwᵀ) ⊙ s_w  +  Σ_{b kept} s_a ⊙ (A[:, k∈b] · R_bᵀ) ⊙ s_{r,b}  (+ bias)
+
+in one launch: int32 accumulation of each product, fp32 scaling and summation of the
+scaled partials (``y = s_a * (s_w * acc_dense + Σ_b s_r[b] * acc_b)``), BF16 output.
+The residual loop is unrolled over a block's K (``tl.static_range``) so the loop over blocks
+is the one the compiler software-pipelines.
+
+Layouts. Activations and the dense base as in :mod:`mosaicquant.kernels.w4a4_gemm`
+(packed bytes, low nibble = even K, two int8 dots per packed K step). Residual blocks are
+read in the shared format (``values uint8 [nb, Bn, Bk/2]`` packed like the base,
+``scales float16 [nb, Bn]``, CSR ``row_ptr``/``coords``). A program's ``[BM, BN]`` tile
+must nest in one block row (``BN`` divides ``Bn``) and each packed K step in one block
+column (``2·BKP`` divides ``Bk``); the launcher shrinks tiles to fit.
+
+Two ways to fuse, chosen by ``mode``:
+
+``"inline"`` (the zipper proper). Kernel-side index, built once per layer by
+:func:`residual_block_map`: ``block_map int32 [n_block_rows, n_block_cols]``, the index of
+the kept block at ``(i, j)`` or -1 (same blocks, same integers, same scales). At each K step
+the program looks up its block, and the *already loaded* activation tile also multiplies the
+block's ``[BKP, BN]`` slice; the slice's load is predicated off when no block is kept
+(no memory traffic), so the loop stays branch-free and software-pipelined, at the price of
+issuing the residual dot at every step (meant for memory-bound small M; but see ``"auto"``).
+
+``"tail"``. After the dense K loop the program walks only the kept blocks of its block row
+(CSR ``row_ptr``/``coords``), re-reading their activation tiles (from L2): tensor-core
+work grows exactly by the residual's share, which suits large (compute-bound) M.
+
+``"auto"`` picks tail: on the H200 inline measured slower than tail at every M
+(``benchmarks/NOTES.md``, v1), because the per-step residual dot doubles the operand
+conversion work, which dominates at small M too. Split-K (small M) splits the dense steps and,
+in tail mode, deals the blocks of a row round-robin over the splits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mosaicquant.harness.errors import UserInputError
+from mosaicquant.kernels._common import triton_interpreting, check_tensor, check_triton_device, resolve_kernel
+from mosaicquant.kernels._tiles import LOCK_SLOTS, TileConfig, fit_to_blocks, lock_buffer, pick_config
+from mosaicquant.kernels._tl import mac_int4, store_output
+from mosaicquant.kernels.w4a4_gemm import check_gemm_args, int_matmul
+from mosaicquant.methods.format import ResidualBlocks, unpack_int4
+
+__all__ = [
+    "zipper_gemm",
+    "zipper_gemm_triton",
+    "zipper_gemm_reference",
+    "residual_block_map",
+    "check_residual",
+    "FUSE_MODES",
+]
+
+FUSE_MODES = ("auto", "inline", "tail")
+_MODE_ID = {"inline": 1, "tail": 2}
+
+
+@triton.jit
+def _zipper_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    block_map_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
+    M, N, KP, stride_am, stride_wn, stride_om, n_block_cols,
+    HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
+    BN_RES: tl.constexpr, BKP_RES: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_DOT: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % rows_in_group
+    pid_n = (pid % group) // rows_in_group
+
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    block_row = (pid_n * BN) // BN_RES
+    # Rows of this tile inside its residual block (storage is padded to full blocks).
+    res_rows = (offs_n - block_row * BN_RES).to(tl.int64)
+
+    k_steps = tl.cdiv(KP, BKP)
+    per_split = tl.cdiv(k_steps, SPLIT_K)
+    step_begin = pid_k * per_split
+    step_end = tl.minimum(step_begin + per_split, k_steps)
+    offs_kp = step_begin * BKP + tl.arange(0, BKP)
+    a_ptrs = a_ptr + safe_m[:, None] * stride_am + offs_kp[None, :]
+    w_ptrs = w_ptr + safe_n[None, :] * stride_wn + offs_kp[:, None]
+
+    acc = tl.zeros([BM, BN], dtype=tl.int32)
+    if MODE == 1:
+        res_acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for step in range(step_begin, step_end):
+        kp = step * BKP + tl.arange(0, BKP)
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=kp[None, :] < KP, other=0)
+            w = tl.load(w_ptrs, mask=kp[:, None] < KP, other=0)
+        acc = mac_int4(acc, a, w, USE_DOT, USE_ASM)
+        if MODE == 1:
+            block_col = (step * BKP) // BKP_RES
+            block = tl.load(block_map_ptr + block_row * n_block_cols + block_col)
+            kept = block >= 0
+            block64 = tl.maximum(block, 0).to(tl.int64)
+            r_ptrs = (res_val_ptr + block64 * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES
+                      + (kp - block_col * BKP_RES)[:, None])
+            r = tl.load(r_ptrs, mask=kept, other=0)
+            r_acc = mac_int4(tl.zeros([BM, BN], dtype=tl.int32), a, r, USE_DOT, USE_ASM)
+            r_scale = tl.load(res_scale_ptr + block64 * BN_RES + res_rows, mask=kept, other=0.0).to(tl.float32)
+            res_acc += r_acc.to(tl.float32) * r_scale[None, :]
+        a_ptrs += BKP
+        w_ptrs += BKP
+
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    # The dense int32 accumulator dies here; the residual then accumulates into y directly,
+    # so no second [BM, BN] tile stays live through the dense loop (register pressure).
+    y = acc.to(tl.float32) * w_scale[None, :]
+    if MODE == 1:
+        y += res_acc
+    if MODE == 2:
+        # int64 bounds keep the block offsets below in 64-bit arithmetic.
+        first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
+        last = tl.load(row_ptr_ptr + block_row + 1).to(tl.int64)
+        for p in range(first + pid_k, last, SPLIT_K):
+            block_col = tl.load(coords_ptr + 2 * p + 1)
+            r_acc = tl.zeros([BM, BN], dtype=tl.int32)
+            for chunk in tl.static_range(0, BKP_RES, BKP):
+                kp = block_col * BKP_RES + chunk + tl.arange(0, BKP)
+                a = tl.load(a_ptr + safe_m[:, None] * stride_am + kp[None, :], mask=kp[None, :] < KP, other=0)
+                r = tl.load(res_val_ptr + p * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES
+                            + (chunk + tl.arange(0, BKP))[:, None])
+                r_acc = mac_int4(r_acc, a, r, USE_DOT, USE_ASM)
+            r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows).to(tl.float32)
+            y += r_acc.to(tl.float32) * r_scale[None, :]
+
+    a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+    y = y * a_scale[:, None]
+    store_output(
+        out_ptr, part_ptr, lock_ptr, pid, pid_k, y, bias_ptr, offs_m, offs_n, M, N, stride_om,
+        HAS_BIAS=HAS_BIAS, SPLIT_K=SPLIT_K, OUT_FP32=OUT_FP32,
+    )
+
+
+def check_residual(residual: ResidualBlocks, n: int, k: int) -> None:
+    """Check that a :class:`ResidualBlocks` matches an ``[n, k]`` layer and the kernels' needs.
+
+    Raises:
+        UserInputError: naming the mismatching shape, dtype or field.
+    """
+    if not isinstance(residual, ResidualBlocks):
+        raise UserInputError(f"residual must be a ResidualBlocks, got {type(residual).__name__}")
+    if tuple(residual.shape) != (n, k):
+        raise UserInputError(f"residual is for a {tuple(residual.shape)} layer, the weight is ({n}, {k})")
+    bn, bk = residual.block_shape
+    nbr, _ = residual.grid
+    nb = residual.num_blocks
+    check_tensor("residual.values", residual.values, dtypes=(torch.uint8,), shape=(nb, bn, bk // 2))
+    check_tensor("residual.scales", residual.scales, dtypes=(torch.float16, torch.float32), shape=(nb, bn))
+    check_tensor("residual.coords", residual.coords, dtypes=(torch.int32,), shape=(nb, 2))
+    check_tensor("residual.row_ptr", residual.row_ptr, dtypes=(torch.int32,), shape=(nbr + 1,))
+    if not residual.values.is_contiguous() or not residual.coords.is_contiguous() or not residual.scales.is_contiguous():
+        raise UserInputError("residual.values, .scales and .coords must be contiguous")
+
+
+def residual_block_map(residual: ResidualBlocks) -> torch.Tensor:
+    """Kernel-side index of the kept blocks: ``int32 [n_block_rows, n_block_cols]``, -1 where none.
+
+    Built once per layer (e.g. at :class:`QuantLinear` construction); it indexes the shared
+    format's ``values``/``scales`` and changes no integer or scale.
+    """
+    nbr, nbc = residual.grid
+    block_map = torch.full((nbr, nbc), -1, dtype=torch.int32, device=residual.values.device)
+    if residual.num_blocks:
+        coords = residual.coords.long()
+        block_map[coords[:, 0], coords[:, 1]] = torch.arange(
+            residual.num_blocks, dtype=torch.int32, device=block_map.device
+        )
+    return block_map
+
+
+def _resolve_mode(mode: str, m: int) -> str:
+    if mode not in FUSE_MODES:
+        raise UserInputError(f"mode={mode!r} is not allowed: choose one of {', '.join(FUSE_MODES)}")
+    if mode == "auto":
+        return "tail"
+    return mode
+
+
+def zipper_gemm_triton(
+    a_packed: torch.Tensor,
+    a_scale: torch.Tensor,
+    qweight: torch.Tensor,
+    w_scale: torch.Tensor,
+    k: int,
+    residual: ResidualBlocks,
+    bias: torch.Tensor | None = None,
+    *,
+    block_map: torch.Tensor | None = None,
+    mode: str = "auto",
+    out_fp32: bool = False,
+    config: TileConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Launch the fused dense + residual Triton GEMM.
+
+    Args:
+        a_packed, a_scale, qweight, w_scale, k, bias: as :func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_triton`.
+        residual: the layer's :class:`ResidualBlocks` (on the same device).
+        block_map: :func:`residual_block_map` of ``residual`` (built here when ``None``).
+        mode: ``"auto"``, ``"inline"`` or ``"tail"`` (see module docstring).
+        out_fp32: write fp32 instead of BF16.
+        config: tiles; shrunk to nest in the residual blocks.
+        out: optional preallocated contiguous ``[M, N]`` output of the output dtype.
+
+    Returns:
+        ``[M, N]`` BF16 (or fp32).
+
+    Raises:
+        UserInputError: bad operands, a residual of another shape, a block shape the kernel
+            cannot tile, or an unknown mode.
+    """
+    m, n, kp = check_gemm_args(a_packed, a_scale, qweight, w_scale, bias, k)
+    check_residual(residual, n, k)
+    check_triton_device(a_packed.device)
+    fuse = _resolve_mode(mode, m)
+    if block_map is None:
+        block_map = residual_block_map(residual)
+    check_tensor("block_map", block_map, dtypes=(torch.int32,), shape=residual.grid)
+    out_dtype = torch.float32 if out_fp32 else torch.bfloat16
+    if out is not None:
+        check_tensor("out", out, dtypes=(out_dtype,), shape=(m, n))
+        if not out.is_contiguous() or out.device != a_packed.device:
+            raise UserInputError("out must be contiguous and on the operands' device")
+    else:
+        out = torch.empty(m, n, dtype=out_dtype, device=a_packed.device)
+    if m == 0 or n == 0:
+        return out
+    bn_res, bk_res = residual.block_shape
+    cfg = fit_to_blocks(config or pick_config(m, n, kp, a_packed.device, residual.block_shape), residual.block_shape)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    split = cfg.split_k if tiles <= LOCK_SLOTS and cfg.split_k * m * n < 2**31 else 1
+    part = torch.empty(split, m, n, dtype=torch.float32, device=out.device) if split > 1 else out
+    _zipper_kernel[(tiles, split)](
+        a_packed.view(torch.int8), a_scale, qweight.view(torch.int8), w_scale.reshape(-1),
+        bias if bias is not None else a_scale, out, part, lock_buffer(out.device),
+        block_map, residual.row_ptr, residual.coords, residual.values.view(torch.int8), residual.scales,
+        m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), residual.grid[1],
+        HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0, MODE=_MODE_ID[fuse],
+        BN_RES=bn_res, BKP_RES=bk_res // 2,
+        BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot, USE_ASM=not triton_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def residual_product_reference(
+    a_int: torch.Tensor, a_scale: torch.Tensor, residual: ResidualBlocks, chunk: int = 256
+) -> torch.Tensor:
+    """``Σ_b s_a ⊙ (A[:, k∈b] · R_bᵀ) ⊙ s_{r,b}`` as fp32 ``[M, N]`` (exact integer products).
+
+    Args:
+        a_int: ``int8 [M, K]`` activation integers.
+        a_scale: ``float32 [M]``.
+        residual: the kept blocks.
+        chunk: blocks per batched product (bounds temporary memory).
+    """
+    m, k = a_int.shape
+    n = residual.shape[0]
+    bn, bk = residual.block_shape
+    nbr, nbc = residual.grid
+    out = torch.zeros(m, nbr * bn, dtype=torch.float32, device=a_int.device)
+    if residual.num_blocks == 0:
+        return out[:, :n]
+    a_pad = torch.nn.functional.pad(a_int, (0, nbc * bk - k)).view(m, nbc, bk)
+    exact = torch.float32 if 64 * bk < 2**24 else torch.float64
+    for start in range(0, residual.num_blocks, chunk):
+        sl = slice(start, start + chunk)
+        coords = residual.coords[sl].long()
+        r_int = unpack_int4(residual.values[sl], bk).to(exact)
+        a_blocks = a_pad[:, coords[:, 1]].to(exact)
+        acc = torch.einsum("mbk,bnk->mbn", a_blocks, r_int).to(torch.float32)
+        scaled = acc * residual.scales[sl].to(torch.float32).unsqueeze(0)
+        rows = (coords[:, 0:1] * bn + torch.arange(bn, device=coords.device)).reshape(-1)
+        out.index_add_(1, rows, scaled.reshape(m, -1))
+    return out[:, :n] * a_scale[:, None]
+
+
+def zipper_gemm_reference(
+    a_packed: torch.Tensor,
+    a_scale: torch.Tensor,
+    qweight: torch.Tensor,
+    w_scale: torch.Tensor,
+    k: int,
+    residual: ResidualBlocks,
+    bias: torch.Tensor | None = None,
+    *,
+    out_fp32: bool = False,
+) -> torch.Tensor:
+    """PyTorch reference of :func:`zipper_gemm_triton`: ``y = s_a⊙(A·Qwᵀ)⊙s_w + Σ_b s_a⊙(A_b·R_bᵀ)⊙s_r (+ bias)``."""
+    m, n, _ = check_gemm_args(a_packed, a_scale, qweight, w_scale, bias, k)
+    check_residual(residual, n, k)
+    a_int = unpack_int4(a_packed, k)
+    acc = int_matmul(a_int, unpack_int4(qweight, k)).to(torch.float32)
+    y = acc * a_scale[:, None] * w_scale.reshape(1, -1).to(torch.float32)
+    y = y + residual_product_reference(a_int, a_scale, residual)
+    if bias is not None:
+        y = y + bias
+    return y if out_fp32 else y.to(torch.bfloat16)
+
+
+def zipper_gemm(
+    a_packed: torch.Tensor,
+    a_scale: torch.Tensor,
+    qweight: torch.Tensor,
+    w_scale: torch.Tensor,
+    k: int,
+    residual: ResidualBlocks,
+    bias: torch.Tensor | None = None,
+    *,
+    kernel: str | None = None,
+    block_map: torch.Tensor | None = None,
+    mode: str = "auto",
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """ZipperEngine GEMM (dense base + fused sparse residual) in BF16, on the chosen kernel.
+
+    Args:
+        a_packed, a_scale: packed activations and per-token scales.
+        qweight, w_scale: dense base (per-channel scales).
+        k: the unpacked K.
+        residual: kept residual blocks.
+        bias: optional ``float32 [N]``.
+        kernel: ``"auto"`` / ``"triton"`` / ``"torch"`` / ``None``.
+        block_map, mode, config: Triton-path options (see :func:`zipper_gemm_triton`).
+
+    Returns:
+        ``bfloat16 [M, N]``.
+
+    Raises:
+        UserInputError: bad operands, mode or kernel preference.
+    """
+    if resolve_kernel(kernel) == "triton":
+        return zipper_gemm_triton(
+            a_packed, a_scale, qweight, w_scale, k, residual, bias, block_map=block_map, mode=mode, config=config
+        )
+    _resolve_mode(mode, a_packed.shape[0])
+    return zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias)

@@ -1,0 +1,75 @@
+"""Shared test inputs for the kernel tests: random 4-bit layers, never zeros."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mosaicquant.kernels._common import triton_interpreting
+from mosaicquant.methods.format import ResidualBlocks, pack_int4
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Kernel (fp32 scaling, BF16 out) vs fp32 reference on exact 4-bit inputs: one BF16 ulp
+# relative, plus a floor of 1e-3 of the output range for entries near zero.
+BF16_RTOL = 2.0**-7
+ATOL_FRAC = 1e-3
+NAN_U8 = 0xAB  # poison byte for uint8 outputs
+
+
+def needs_triton():
+    """Skip marker for the Triton path where neither CUDA nor the interpreter runs it."""
+    return pytest.mark.skipif(
+        not (torch.cuda.is_available() or triton_interpreting()),
+        reason="needs CUDA or TRITON_INTERPRET=1 (set by tests/kernels/conftest.py)",
+    )
+
+
+def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """``out`` (BF16 or fp32) within one BF16 ulp of the fp32 ``ref`` (plus the range floor)."""
+    out = out.float().cpu()
+    ref = ref.float().cpu()
+    assert torch.isfinite(out).all(), f"{what}: non-finite values (unwritten poisoned entries?)"
+    atol = ATOL_FRAC * ref.abs().max().item()
+    err = (out - ref).abs()
+    bad = err > BF16_RTOL * ref.abs() + atol
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} entries off, max abs err {err.max().item():.3g} "
+        f"(ref range {ref.abs().max().item():.3g})"
+    )
+
+
+def random_int4(shape, gen: torch.Generator) -> torch.Tensor:
+    """Random signed 4-bit integers with no all-zero rows."""
+    q = torch.randint(-8, 8, shape, generator=gen, dtype=torch.int8)
+    q[..., 0] = torch.randint(1, 8, q.shape[:-1], generator=gen, dtype=torch.int8)
+    return q
+
+
+def random_layer(n: int, k: int, gen: torch.Generator):
+    """Packed random base weights and FP16 per-channel scales."""
+    q = random_int4((n, k), gen)
+    scale = (torch.rand(n, generator=gen) * 0.05 + 0.01).to(torch.float16)
+    return q, pack_int4(q), scale
+
+
+def random_activations(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """BF16 activations with a few large channels (outliers)."""
+    x = torch.randn(m, k, generator=gen) * 2
+    x[:, :: max(1, k // 5)] *= 10
+    return x.to(torch.bfloat16)
+
+
+def random_residual(n: int, k: int, block: tuple[int, int], fraction: float, gen: torch.Generator) -> ResidualBlocks:
+    """Random kept blocks (at least one), zero outside the layer's edge as the format stores them."""
+    bn, bk = block
+    nbr, nbc = -(-n // bn), -(-k // bk)
+    total = nbr * nbc
+    nb = max(1, int(round(fraction * total)))
+    idx = torch.randperm(total, generator=gen)[:nb]
+    coords = torch.stack([idx // nbc, idx % nbc], 1)
+    q = random_int4((nb, bn, bk), gen)
+    for b, (i, j) in enumerate(coords.tolist()):
+        q[b, max(0, n - i * bn):, :] = 0
+        q[b, :, max(0, k - j * bk):] = 0
+    scales = torch.rand(nb, bn, generator=gen) * 0.02 + 0.002
+    return ResidualBlocks.from_blocks((n, k), block, coords, q, scales)

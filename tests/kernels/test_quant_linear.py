@@ -1,0 +1,83 @@
+import pytest
+import torch
+
+from mosaicquant.harness.errors import UserInputError
+from mosaicquant.kernels import KERNEL_ENV_VAR, QuantLinear, resolve_kernel
+from mosaicquant.methods.format import PackedW4
+from mosaicquant.methods.quant import fake_quantize, quantize
+
+from ._helpers import DEVICE, needs_triton, random_residual
+
+# Kernel layer vs simulated layer: same integers and scales, different float order and a
+# BF16 output rounding; relative to the output range.
+SIM_REL_TOL = 1e-2
+
+
+def _packed(n, k, seed, residual=True):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen)
+    qt = quantize(w, 4, scale_dtype=torch.float16)
+    res = random_residual(n, k, (32, 64), 0.3, gen) if residual else None
+    return PackedW4.from_quantized(qt, residual=res, bias=torch.randn(n, generator=gen))
+
+
+def _simulated(packed, x, clip):
+    return fake_quantize(x.float(), 4, clip_ratio=clip) @ packed.dequantize().T + packed.bias
+
+
+@pytest.mark.parametrize(
+    "kernel", ["torch", pytest.param("triton", marks=needs_triton())]
+)
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("residual", [True, False])
+def test_kernel_layer_equals_simulated_layer(kernel, fused, residual):
+    n, k, clip = 96, 200, 0.9
+    packed = _packed(n, k, seed=21, residual=residual)
+    gen = torch.Generator().manual_seed(22)
+    x = (torch.randn(2, 13, k, generator=gen) * 3).to(torch.bfloat16)
+    layer = QuantLinear(packed, act_clip_ratio=clip, kernel=kernel, fused=fused).to(DEVICE)
+    y = layer(x.to(DEVICE))
+    assert y.shape == (2, 13, n) and y.dtype == torch.bfloat16
+    ref = _simulated(packed, x, clip)
+    err = (y.float().cpu() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < SIM_REL_TOL, f"kernel={kernel} fused={fused}: relative error {err:.3g} >= {SIM_REL_TOL}"
+
+
+def test_residual_changes_the_output():
+    packed = _packed(96, 200, seed=23)
+    base_only = PackedW4(packed.shape, packed.qweight, packed.scales, bias=packed.bias)
+    x = torch.randn(4, 200).to(torch.bfloat16)
+    diff = (QuantLinear(packed, kernel="torch")(x).float() - QuantLinear(base_only, kernel="torch")(x).float())
+    assert diff.abs().max() > 0
+
+
+def test_group_wise_base_is_rejected():
+    w = torch.randn(16, 64)
+    packed = PackedW4.from_quantized(quantize(w, 4, group_size=32, scale_dtype=torch.float16))
+    with pytest.raises(UserInputError, match="group_size=32"):
+        QuantLinear(packed)
+
+
+def test_bad_arguments_raise():
+    packed = _packed(32, 64, seed=24, residual=False)
+    with pytest.raises(UserInputError, match="act_clip_ratio=0"):
+        QuantLinear(packed, act_clip_ratio=0)
+    with pytest.raises(UserInputError, match="Unknown kernel preference 'torhc'"):
+        QuantLinear(packed, kernel="torhc")
+    with pytest.raises(UserInputError, match="input has 63 features"):
+        QuantLinear(packed, kernel="torch")(torch.randn(2, 63))
+
+
+def test_kernel_preference_from_env(monkeypatch):
+    monkeypatch.setenv(KERNEL_ENV_VAR, "torch")
+    assert resolve_kernel() == "torch"
+    monkeypatch.setenv(KERNEL_ENV_VAR, "tritn")
+    with pytest.raises(UserInputError, match="Did you mean: triton"):
+        resolve_kernel()
+    monkeypatch.delenv(KERNEL_ENV_VAR)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    expect = "triton" if torch.cuda.is_available() else "torch"
+    assert resolve_kernel("auto") == expect
+    if not torch.cuda.is_available():
+        with pytest.raises(UserInputError, match="needs a CUDA device or TRITON_INTERPRET=1"):
+            resolve_kernel("triton")

@@ -1,0 +1,87 @@
+import pytest
+import torch
+
+from mosaicquant.harness.errors import UserInputError
+from mosaicquant.kernels._tiles import TileConfig, pick_config
+from mosaicquant.kernels.act_quant import quantize_activations_reference
+from mosaicquant.kernels.w4a4_gemm import w4a4_gemm, w4a4_gemm_reference, w4a4_gemm_triton
+
+from ._helpers import DEVICE, assert_close_bf16, needs_triton, random_activations, random_layer
+
+# Big tiles keep the interpreter's program count low; split-K and a small tile cover the
+# fix-up path and ragged edges.
+CONFIGS = {
+    "default": None,
+    "split3": TileConfig(block_m=16, block_n=64, block_kp=32, split_k=3, num_stages=2),
+    "fma": TileConfig(block_m=2, block_n=32, block_kp=64, split_k=2, num_stages=2, use_dot=False),
+}
+
+
+def _operands(m, n, k, seed, bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    x = random_activations(m, k, gen)
+    a_packed, a_scale = quantize_activations_reference(x)
+    _, qweight, w_scale = random_layer(n, k, gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    return a_packed, a_scale, qweight, w_scale, b
+
+
+SHAPES = [(1, 100, 300), (13, 77, 257), (67, 130, 1000)]
+# The CUDA-core path is meant for a handful of rows: M = 67 leaves it out.
+CASES = [(m, n, k, c) for (m, n, k) in SHAPES for c in CONFIGS if not (c == "fma" and m > 13)]
+
+
+@needs_triton()
+@pytest.mark.parametrize("m,n,k,config", CASES)
+def test_triton_matches_reference_on_ragged_shapes(m, n, k, config):
+    cfg = CONFIGS[config]
+    ops = _operands(m, n, k, seed=m + n + k)
+    ref = w4a4_gemm_reference(*ops[:4], k, ops[4], out_fp32=True)
+    dev = [t.to(DEVICE) for t in ops]
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    w4a4_gemm_triton(*dev[:4], k, dev[4], config=cfg, out=out)
+    assert_close_bf16(out, ref, f"w4a4 {m}x{n}x{k} {config}")
+
+
+@needs_triton()
+def test_fp32_output_and_no_bias():
+    m, n, k = 13, 70, 130
+    ops = _operands(m, n, k, seed=5, bias=False)
+    ref = w4a4_gemm_reference(*ops[:4], k, out_fp32=True)
+    out = w4a4_gemm_triton(*[t.to(DEVICE) for t in ops[:4]], k, out_fp32=True)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_reference_equals_dequantized_matmul():
+    m, n, k = 4, 9, 11
+    gen = torch.Generator().manual_seed(6)
+    x = random_activations(m, k, gen)
+    a_packed, a_scale = quantize_activations_reference(x)
+    q, qweight, w_scale = random_layer(n, k, gen)
+    from mosaicquant.methods.format import unpack_int4
+
+    expect = (unpack_int4(a_packed, k).float() * a_scale[:, None]) @ (q.float() * w_scale.float()[:, None]).T
+    got = w4a4_gemm(a_packed, a_scale, qweight, w_scale, k, kernel="torch").float()
+    assert_close_bf16(got, expect, "reference")
+
+
+def test_tile_config_fits_residual_blocks():
+    cfg = pick_config(8, 4096, 2048, torch.device("cpu"), residual_block=(48, 64))
+    assert 48 % cfg.block_n == 0 and 32 % cfg.block_kp == 0
+    with pytest.raises(UserInputError, match="cannot be tiled"):
+        pick_config(8, 4096, 2048, torch.device("cpu"), residual_block=(40, 64))
+    with pytest.raises(UserInputError, match="block_m=24"):
+        TileConfig(block_m=24, block_n=64, block_kp=64)
+
+
+def test_bad_operands_raise_clear_errors():
+    a_packed, a_scale, qweight, w_scale, _ = _operands(3, 8, 16, seed=7)
+    with pytest.raises(UserInputError, match="group"):
+        w4a4_gemm(a_packed, a_scale, qweight, torch.ones(8, 2, dtype=torch.float16), 16, kernel="torch")
+    with pytest.raises(UserInputError, match=r"qweight must have shape \[\*, 8\]"):
+        w4a4_gemm(a_packed, a_scale, qweight[:, :4], w_scale, 16, kernel="torch")
+    with pytest.raises(UserInputError, match="a_packed has dtype int8"):
+        w4a4_gemm(a_packed.view(torch.int8), a_scale, qweight, w_scale, 16, kernel="torch")
+    with pytest.raises(UserInputError, match=r"a_scale must have shape \[3\]"):
+        w4a4_gemm(a_packed, a_scale[:2], qweight, w_scale, 16, kernel="torch")

@@ -1,0 +1,99 @@
+import pytest
+import torch
+
+from mosaicquant.harness.errors import UserInputError
+from mosaicquant.kernels._tiles import TileConfig
+from mosaicquant.kernels.act_quant import quantize_activations_reference
+from mosaicquant.kernels.residual_gemm import residual_add_reference, residual_add_triton
+from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference
+from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm, zipper_gemm_reference, zipper_gemm_triton
+from mosaicquant.methods.format import PackedW4, ResidualBlocks, unpack_int4
+
+from ._helpers import DEVICE, assert_close_bf16, needs_triton, random_activations, random_layer, random_residual
+
+SPLIT = TileConfig(block_m=16, block_n=32, block_kp=32, split_k=2, num_stages=2)
+
+
+def _case(m, n, k, block, fraction, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = random_activations(m, k, gen)
+    a_packed, a_scale = quantize_activations_reference(x)
+    _, qweight, w_scale = random_layer(n, k, gen)
+    residual = random_residual(n, k, block, fraction, gen)
+    bias = torch.randn(n, generator=gen)
+    return a_packed, a_scale, qweight, w_scale, residual, bias
+
+
+def _dev(residual):
+    return residual.to(DEVICE)
+
+
+@needs_triton()
+@pytest.mark.parametrize("m,n,k,block", [(1, 200, 300, (64, 64)), (13, 77, 257, (32, 64)), (67, 130, 1000, (64, 128))])
+@pytest.mark.parametrize("mode", ["inline", "tail"])
+def test_fused_matches_reference(m, n, k, block, mode):
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, 0.3, seed=m + n)
+    ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    zipper_gemm_triton(
+        a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k, _dev(residual),
+        bias.to(DEVICE), mode=mode, out=out,
+    )
+    assert_close_bf16(out, ref, f"zipper {mode} {m}x{n}x{k}")
+    # the residual matters here: the dense-only product is far from the result
+    dense = w4a4_gemm_reference(a_packed, a_scale, qweight, w_scale, k, bias, out_fp32=True)
+    assert (dense - ref).abs().max() > 10 * 2.0**-7 * ref.abs().max()
+
+
+@needs_triton()
+@pytest.mark.parametrize("mode", ["inline", "tail"])
+def test_fused_split_k(mode):
+    m, n, k = 13, 96, 520
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, (32, 64), 0.4, seed=11)
+    ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
+    out = zipper_gemm_triton(
+        a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k, _dev(residual),
+        bias.to(DEVICE), mode=mode, config=SPLIT,
+    )
+    assert_close_bf16(out, ref, f"zipper split-K {mode}")
+
+
+@needs_triton()
+def test_unfused_pipeline_matches_fused_reference():
+    m, n, k = 13, 130, 333
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, (64, 64), 0.3, seed=12)
+    ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
+    dense = w4a4_gemm_reference(a_packed, a_scale, qweight, w_scale, k, bias, out_fp32=True)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    residual_add_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), dense.to(DEVICE), _dev(residual), k, out=out)
+    assert_close_bf16(out, ref, "unfused")
+    assert_close_bf16(residual_add_reference(a_packed, a_scale, dense, residual, k), ref, "unfused reference")
+
+
+def test_reference_equals_dequantized_weight():
+    m, n, k = 5, 70, 150
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, (32, 64), 0.3, seed=13)
+    w = PackedW4((n, k), qweight, w_scale.reshape(n, 1), residual=residual).dequantize()
+    x_hat = unpack_int4(a_packed, k).float() * a_scale[:, None]
+    expect = x_hat @ w.T + bias
+    got = zipper_gemm(a_packed, a_scale, qweight, w_scale, k, residual, bias, kernel="torch")
+    assert_close_bf16(got, expect, "zipper reference vs dequantized weight")
+
+
+def test_block_map_indexes_kept_blocks():
+    gen = torch.Generator().manual_seed(14)
+    residual = random_residual(100, 200, (32, 64), 0.5, gen)
+    block_map = residual_block_map(residual)
+    assert block_map.shape == residual.grid
+    kept = (block_map >= 0).nonzero()
+    assert torch.equal(kept.to(torch.int32), residual.coords)
+    assert torch.equal(block_map[kept[:, 0], kept[:, 1]], torch.arange(residual.num_blocks, dtype=torch.int32))
+
+
+def test_bad_residual_and_mode_raise():
+    a_packed, a_scale, qweight, w_scale, residual, _ = _case(3, 64, 128, (32, 64), 0.3, seed=15)
+    other = ResidualBlocks.empty((64, 256), (32, 64))
+    with pytest.raises(UserInputError, match=r"residual is for a \(64, 256\) layer"):
+        zipper_gemm(a_packed, a_scale, qweight, w_scale, 128, other, kernel="torch")
+    with pytest.raises(UserInputError, match="mode='zip'"):
+        zipper_gemm(a_packed, a_scale, qweight, w_scale, 128, residual, kernel="torch", mode="zip")
