@@ -103,6 +103,12 @@ def _grouped(x: torch.Tensor, group_size: int | None) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], k // group_size, group_size)
 
 
+def _true_div(a: torch.Tensor, divisor: int) -> torch.Tensor:
+    # a tensor divisor keeps IEEE division on every device (CUDA turns a scalar divisor into
+    # a reciprocal multiply, one ulp off), so CPU, CUDA and the Triton kernels agree bit for bit
+    return a / torch.full_like(a, float(divisor))
+
+
 def _params(
     xg: torch.Tensor,
     bits: int,
@@ -114,7 +120,7 @@ def _params(
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
         absmax = xg.abs().amax(dim=-1) * clip
-        scale = absmax / qmax
+        scale = _true_div(absmax, qmax)
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         if scale_dtype is not None:
             scale = scale.to(scale_dtype).to(torch.float32)
@@ -123,7 +129,7 @@ def _params(
     levels = 2**bits - 1
     lo = xg.amin(dim=-1).clamp(max=0) * clip
     hi = xg.amax(dim=-1).clamp(min=0) * clip
-    scale = (hi - lo) / levels
+    scale = _true_div(hi - lo, levels)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     if scale_dtype is not None:
         scale = scale.to(scale_dtype).to(torch.float32)
