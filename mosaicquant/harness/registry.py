@@ -57,6 +57,8 @@ BUILTIN_MODULES: dict[str, list[str]] = {
     "method": [
         "mosaicquant.baselines.fp16",
         "mosaicquant.baselines.rtn",
+        "mosaicquant.baselines.quarot",
+        "mosaicquant.baselines.spinquant",
         "mosaicquant.methods.mosaicquant",
     ],
     "suite": [
