@@ -65,6 +65,7 @@ BUILTIN_MODULES: dict[str, list[str]] = {
         "mosaicquant.harness.suites.accuracy",
         "mosaicquant.harness.suites.memory",
         "mosaicquant.harness.suites.analysis",
+        "mosaicquant.harness.suites.zeroshot",
     ],
     "backend": [],
 }

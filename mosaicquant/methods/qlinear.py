@@ -97,12 +97,18 @@ class FakeQuantLinear(nn.Module):
         self.input_transform = input_transform
         self.packed = packed
         self.wbits = wbits
+        #: round the output through this dtype (e.g. ``torch.bfloat16``) to emulate a kernel
+        #: that writes BF16; ``None`` (default) keeps the float output
+        self.output_rounding: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_transform is not None:
             x = self.input_transform(x)
         x = self.act(x)
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        if self.output_rounding is not None:
+            y = y.to(self.output_rounding).to(x.dtype)
+        return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, wbits={self.wbits}, "
