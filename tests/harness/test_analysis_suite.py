@@ -28,3 +28,21 @@ def test_analysis_records_and_plot(tmp_path, tiny_llama_dir, tiny_corpus):
     report = (out / "report.md").read_text()
     assert "budget_curves.png" in report and (out / "budget_curves.png").stat().st_size > 10_000
     assert "[analysis: rotation, rtn base, block 16]" in report
+
+
+def test_prefix_distortions_match_direct_computation():
+    import torch
+
+    from mosaicquant.methods.analysis import _prefix_distortions
+    from mosaicquant.methods.residual import output_distortion, select_residual, selected_dense
+
+    g = torch.Generator().manual_seed(0)
+    e = torch.randn(45, 70, generator=g, dtype=torch.float64)
+    x = torch.randn(200, 70, generator=g, dtype=torch.float64)
+    h = x.T @ x / 200
+    coords, q, s = select_residual("frobenius", e, (16, 32), 0.5, hessian=h)
+    fast = _prefix_distortions(e, h, (16, 32), coords, q, s)
+    for k in range(coords.shape[0] + 1):
+        corr = selected_dense((45, 70), (16, 32), coords[:k], q[:k], s[:k]).double()
+        direct = output_distortion(e - corr, h)
+        assert abs(fast[k] - direct) <= 1e-9 * abs(direct), (k, fast[k], direct)
