@@ -37,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", help="cpu (default), cuda or cuda:N")
     r.add_argument("--dtype", help="float32 (default on CPU), bfloat16 or float16")
     r.add_argument("--report", action="store_true", help="render the report when the sweep ends")
+    r.add_argument("--executor", default="local",
+                   help="where cells run: local (default, this process) or dask (Dask distributed workers)")
+    r.add_argument("--workers", type=int, help="dask, --device cpu: worker processes started here (default: cores, at most 4)")
+    r.add_argument("--gpus", type=int, help="dask, --device cuda: GPUs of this machine, one worker each (default: all)")
+    r.add_argument("--gpus-per-cell", type=int, dest="gpus_per_cell", default=1,
+                   help="GPUs each cell holds; above 1 the model is spread over them with device_map=auto")
+    r.add_argument("--scheduler", help="dask: address of a running scheduler (tcp://host:8786) instead of starting workers")
 
     ls = sub.add_parser("ls", help="list what is available")
     ls.add_argument("what", nargs="?", default="all", choices=["all", "methods", "suites", "models", "corpora", "backends"])
@@ -48,14 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args) -> int:
+    from mosaicquant.harness.executors import ExecutorSettings, make_executor
     from mosaicquant.harness.runner import run_sweep, validate_run
     from mosaicquant.harness.spec import load_run_spec
 
+    executor = ExecutorSettings(kind=args.executor, workers=args.workers, gpus=args.gpus,
+                                gpus_per_cell=args.gpus_per_cell, scheduler=args.scheduler)
     overrides = {k: getattr(args, k) for k in ("model", "methods", "suites", "seeds", "corpus", "calib_samples",
                                                 "calib_seqlen", "max_chunks", "out", "device", "dtype")}
     spec = load_run_spec(args.spec, overrides)
     validate_run(spec)
-    result = run_sweep(spec)
+    make_executor(executor, spec)
+    result = run_sweep(spec, executor=executor)
     print(f"[mosaicquant] done: {len(result.written)} written, {len(result.skipped)} already finished, "
           f"{len(result.failed)} failed; records in {spec.out}")
     if args.report:

@@ -16,6 +16,11 @@ Corpora (see :data:`CORPORA`):
   users with the ``datasets`` package and hub access. Its documents are the dataset's rows
   (lines), so joining them with ``"\\n\\n"`` gives exactly the text the published GPTQ /
   QuaRot / SpinQuant numbers were measured on.
+- ``file:PATH`` (any plain UTF-8 text file, offline): documents are the blocks of text
+  separated by blank lines (lines holding only whitespace), in file order, split by the same
+  every-fifth rule as ``enwiki-sample`` (:func:`split_documents`). Being a path, it reaches
+  worker processes and other machines that share the file system, which an in-process
+  registration does not.
 
 Token streams (SPEC §4): :func:`test_tokens` joins the test documents with ``"\\n\\n"`` and
 tokenizes the result once, with ``add_special_tokens=False``: no BOS is inserted. The
@@ -56,8 +61,11 @@ __all__ = [
     "MIN_ARTICLE_WORDS",
     "TEST_EVERY",
     "SPLITS",
+    "FILE_CORPUS_PREFIX",
     "Corpus",
     "CORPORA",
+    "resolve_corpus",
+    "read_text_documents",
     "clean_wikitext",
     "iter_mediawiki_pages",
     "parse_mediawiki_dump",
@@ -80,6 +88,9 @@ MIN_ARTICLE_WORDS = 50
 TEST_EVERY = 5
 SPLITS = ("train", "test")
 DOCUMENT_SEPARATOR = "\n\n"
+# A corpus name starting with this is a plain text file: "file:/data/docs.txt".
+FILE_CORPUS_PREFIX = "file:"
+_BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n")
 
 
 @dataclass(frozen=True)
@@ -418,17 +429,95 @@ CORPORA: dict[str, Corpus] = {
 }
 
 
-def _corpus(name: str) -> Corpus:
+def read_text_documents(path: str | os.PathLike) -> list[str]:
+    """Documents of a plain text file: blocks separated by one or more blank lines.
+
+    Line endings are normalised to ``"\\n"``; each document is stripped of surrounding
+    whitespace (its inner line breaks are kept); empty blocks are dropped.
+
+    Args:
+        path: a UTF-8 text file.
+
+    Returns:
+        The documents in file order.
+
+    Raises:
+        UserInputError: the file is missing, unreadable, not UTF-8, or holds fewer than
+            :data:`TEST_EVERY` documents (its test split would be empty).
+
+    Example:
+        >>> Path("/tmp/two.txt").write_text("first doc\\n\\nsecond\\ndoc\\n")  # doctest: +SKIP
+        >>> read_text_documents("/tmp/two.txt")  # doctest: +SKIP
+        ['first doc', 'second\\ndoc']
+    """
+    file = Path(path).expanduser()
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserInputError(f"corpus file {str(file)!r} does not exist") from None
+    except UnicodeDecodeError as error:
+        raise UserInputError(f"corpus file {str(file)!r} is not UTF-8 text: {error}") from None
+    except OSError as error:
+        raise UserInputError(f"corpus file {str(file)!r} cannot be read: {error.strerror or error}") from None
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    documents = [block.strip() for block in _BLANK_LINES.split(text)]
+    documents = [doc for doc in documents if doc]
+    if len(documents) < TEST_EVERY:
+        raise UserInputError(
+            f"corpus file {str(file)!r} holds {len(documents)} documents (blocks separated by blank lines); "
+            f"at least {TEST_EVERY} are needed, since every {TEST_EVERY}th document is a test document"
+        )
+    return documents
+
+
+def _file_corpus(name: str) -> Corpus:
+    path = Path(name[len(FILE_CORPUS_PREFIX):]).expanduser()
+    if not path.is_file():
+        raise UserInputError(
+            f"corpus {name!r}: {str(path)!r} is not a file; use file:/path/to/docs.txt "
+            "(documents separated by blank lines)"
+        )
+    return Corpus(
+        name=name,
+        description=f"documents of {path} separated by blank lines; every {TEST_EVERY}th is test",
+        offline=True,
+        loader=functools.partial(_load_text_file_split, path),
+    )
+
+
+def _load_text_file_split(path: Path, split: str) -> list[str]:
+    return split_documents(read_text_documents(path), split)
+
+
+def resolve_corpus(name: str) -> Corpus:
+    """The :class:`Corpus` a name refers to: a key of :data:`CORPORA` or ``file:PATH``.
+
+    Args:
+        name: ``"enwiki-sample"``, ``"wikitext2"``, another registered name, or
+            ``"file:/path/to/docs.txt"``.
+
+    Returns:
+        The corpus (for ``file:`` a new one reading that file; the file is checked to exist).
+
+    Raises:
+        UserInputError: unknown name (with did-you-mean) or a ``file:`` path that is not a file.
+    """
+    if isinstance(name, str) and name.startswith(FILE_CORPUS_PREFIX):
+        return _file_corpus(name)
     if not isinstance(name, str) or name not in CORPORA:
         raise unknown_name("corpus", str(name), CORPORA)
     return CORPORA[name]
+
+
+def _corpus(name: str) -> Corpus:
+    return resolve_corpus(name)
 
 
 def load_corpus(name: str, split: str) -> list[str]:
     """Documents of one split of a named corpus, in canonical order.
 
     Args:
-        name: a key of :data:`CORPORA` (``"enwiki-sample"``, ``"wikitext2"``).
+        name: a key of :data:`CORPORA` (``"enwiki-sample"``, ``"wikitext2"``) or ``"file:PATH"``.
         split: ``"train"`` (calibration) or ``"test"``.
 
     Returns:

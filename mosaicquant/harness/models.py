@@ -285,42 +285,52 @@ def _check_builtin(model, builtin: BuiltinModel, folder: Path) -> None:
         )
 
 
-def load_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               device_map: str | None = None) -> LoadedModel:
     """Load a model spec (see :func:`resolve_model`) with its tokenizer, in eval mode.
 
     Args:
         spec: a built-in name, a model folder, a ``.gguf`` file, or a hub id ``org/name``.
         dtype: floating dtype of the parameters (default float32).
         device: where to put the model (default ``"cpu"``).
+        device_map: ``None`` (default: the whole model on ``device``) or ``"auto"``: a model too
+            large for one GPU is spread by ``transformers``/``accelerate`` over every GPU this
+            process sees (``device`` must then be a CUDA device); the model is left where the
+            map put it.
 
     Returns:
         A :class:`LoadedModel`.
 
     Raises:
-        UserInputError: bad spec, dtype or device.
+        UserInputError: bad spec, dtype, device or device_map.
         AssetError: a built-in cannot be fetched, GGUF support packages are missing, or a hub
             model cannot be reached (e.g. offline or ``MOSAICQUANT_OFFLINE=1``).
     """
     source = resolve_model(spec)
     target = _check_dtype_device(dtype, device)
+    if device_map not in (None, "auto"):
+        raise UserInputError(f"device_map={device_map!r} is not allowed: use None or 'auto'")
+    if device_map is not None and target.type != "cuda":
+        raise UserInputError(f"device_map={device_map!r} spreads a model over GPUs: it needs a CUDA device, got {device!r}")
+    placement = {} if device_map is None else {"device_map": device_map}
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if source.kind == "builtin":
         builtin = BUILTIN_MODELS[source.location]
         folder = _convert_builtin(builtin)
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **placement)
         _check_builtin(model, builtin, folder)
         description = f"{source.description}; converted once to {folder}"
     elif source.kind == "folder":
         tokenizer = AutoTokenizer.from_pretrained(source.location)
-        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **placement)
         description = source.description
     elif source.kind == "gguf":
         path = Path(source.location)
         _require_gguf_support(f"the GGUF file {path}")
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, **placement)
         description = source.description
     else:
         hint = (
@@ -334,7 +344,7 @@ def load_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | t
             )
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.location)
-            model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **placement)
         except OSError as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise AssetError(
@@ -342,5 +352,6 @@ def load_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | t
             ) from error
         description = source.description
     model.eval()
-    model.to(target)
+    if device_map is None:
+        model.to(target)
     return LoadedModel(model=model, tokenizer=tokenizer, name=source.name, source=description, caveat=source.caveat)

@@ -8,7 +8,14 @@ runs each pending suite on it; each (model, method spec, suite, seed) cell is on
   recorded as failed with the error); an exception in a suite fails that cell only. The
   sweep goes on. ``KeyboardInterrupt`` stops it; finished records stay.
 - Sharing: the calibration tokens are drawn once per seed and used by every method; the
-  test tokens once per sweep.
+  test tokens once per sweep (per worker process under a distributed executor).
+
+The unit of work is a :class:`GroupTask`: one method spec × seed with its pending cells and
+the method and suite functions already resolved, so it pickles and runs in another process
+or on another machine (:mod:`mosaicquant.harness.executors`). :func:`run_group` runs one
+task against a :class:`SweepState`, the per-process cache of model, tokenizer and token
+streams. The ``local`` executor runs every task in this process against one state, in plan
+order; that is the whole sweep on one machine.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,7 +40,13 @@ from mosaicquant.harness.results import (
 )
 from mosaicquant.harness.spec import PluginSpec, RunSpec
 
-__all__ = ["Cell", "plan_cells", "validate_run", "run_sweep"]
+if TYPE_CHECKING:
+    from mosaicquant.harness.executors import ExecutorSettings
+
+__all__ = [
+    "Cell", "CellOutcome", "GroupTask", "SweepResult", "SweepState", "plan_cells", "plan_groups", "validate_run",
+    "run_group", "run_sweep", "is_finished", "failure_record",
+]
 
 
 @dataclass(frozen=True)
@@ -44,11 +57,77 @@ class Cell:
     path: Path
 
 
+@dataclass(frozen=True)
+class CellOutcome:
+    """What became of one cell: its record path, ``"ok"`` or ``"failed"``, and a log line."""
+
+    path: Path
+    status: str
+    line: str
+
+
+@dataclass(frozen=True)
+class GroupTask:
+    """One method spec × seed with its pending cells: what an executor runs as one task.
+
+    The method's and suites' functions are resolved from the registry where the sweep is
+    planned and travel with the task, so a worker needs no registration of its own.
+
+    Attributes:
+        spec: the sweep.
+        cells: the pending cells of this method spec and seed, in plan order.
+        method_fn: ``fn(model, config, QuantContext) -> model``.
+        suite_fns: one ``fn(model, config, SuiteContext) -> metrics`` per cell.
+        device_map: ``None`` (the float model is copied onto ``spec.device``) or ``"auto"``
+            (the model is loaded spread over every GPU the process sees, see
+            :func:`mosaicquant.harness.models.load_model`).
+    """
+
+    spec: RunSpec
+    cells: tuple[Cell, ...]
+    method_fn: Callable
+    suite_fns: tuple[Callable, ...]
+    device_map: str | None = None
+
+    @property
+    def method(self) -> PluginSpec:
+        return self.cells[0].method
+
+    @property
+    def seed(self) -> int:
+        return self.cells[0].seed
+
+    @property
+    def label(self) -> str:
+        return self.method.label
+
+
 def plan_cells(spec: RunSpec) -> list[Cell]:
     """All cells of the sweep, in method-major order."""
     return [
         Cell(m, s, seed, record_path(spec.out, spec.model, m.label, s.label, seed))
         for m in spec.methods for seed in spec.seeds for s in spec.suites
+    ]
+
+
+def plan_groups(spec: RunSpec, pending: list[Cell], device_map: str | None = None) -> list[GroupTask]:
+    """Group pending cells by (method label, seed), keeping plan order, into tasks.
+
+    Args:
+        spec: the sweep.
+        pending: the cells to compute.
+        device_map: passed to every task (see :class:`GroupTask`).
+
+    Returns:
+        One :class:`GroupTask` per method spec × seed that has pending cells.
+    """
+    groups: dict[tuple[str, int], list[Cell]] = {}
+    for cell in pending:
+        groups.setdefault((cell.method.label, cell.seed), []).append(cell)
+    return [
+        GroupTask(spec=spec, cells=tuple(cells), method_fn=cells[0].method.entry.fn,
+                  suite_fns=tuple(cell.suite.entry.fn for cell in cells), device_map=device_map)
+        for cells in groups.values()
     ]
 
 
@@ -69,10 +148,7 @@ def validate_run(spec: RunSpec) -> None:
     """
     spec.validate()
     models_mod.resolve_model(spec.model)
-    if spec.corpus not in data_mod.CORPORA:
-        from mosaicquant.harness.errors import unknown_name
-
-        raise unknown_name("corpus", spec.corpus, data_mod.CORPORA)
+    data_mod.resolve_corpus(spec.corpus)
     ensure_writable_dir(spec.out)
     if spec.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserInputError(f"device={spec.device!r} but no CUDA GPU is available here: use --device cpu")
@@ -89,14 +165,250 @@ class SweepResult:
     skipped: list[Path] = field(default_factory=list)
     failed: list[Path] = field(default_factory=list)
 
+    def add(self, outcome: CellOutcome) -> None:
+        (self.written if outcome.status == "ok" else self.failed).append(outcome.path)
 
-def run_sweep(spec: RunSpec, log: Callable[[str], None] = print) -> SweepResult:
+
+class SweepState:
+    """Per-process cache of what every task of a sweep shares: model, tokenizer, token streams.
+
+    The float model is loaded once on the CPU (on first use) and every task quantizes a deep
+    copy of it on the device; calibration tokens are drawn once per seed, test tokens once.
+
+    Args:
+        spec: the sweep (only model, dtype, corpus and calibration settings are used).
+        log: progress printer.
+    """
+
+    def __init__(self, spec: RunSpec, log: Callable[[str], None] = print):
+        self.spec = spec
+        self.log = log
+        self._loaded: models_mod.LoadedModel | None = None
+        self._spread: torch.nn.Module | None = None
+        self._calibration: dict[int, torch.Tensor] = {}
+        self._test: torch.Tensor | None = None
+        self._env: dict[str, Any] | None = None
+        self._git: dict[str, Any] | None = None
+
+    def loaded(self) -> models_mod.LoadedModel:
+        """The float model on the CPU with its tokenizer (loaded on the first call)."""
+        if self._loaded is None or self._loaded.model is None:
+            t0 = time.perf_counter()
+            self._loaded = models_mod.load_model(self.spec.model, dtype=getattr(torch, self.spec.dtype),
+                                                 device=torch.device("cpu"))
+            self.log(f"[mosaicquant] loaded {self.spec.model} in {time.perf_counter() - t0:.1f}s")
+        return self._loaded
+
+    def model_for_group(self, device: torch.device, device_map: str | None) -> torch.nn.Module:
+        """A fresh float model for one task: a copy on ``device``, or a new load over the GPUs."""
+        if device_map is None:
+            return copy.deepcopy(self.loaded().model).to(device)
+        if self._spread is not None:
+            model, self._spread = self._spread, None
+            return model
+        return self._load_spread(device, device_map)
+
+    def _load_spread(self, device: torch.device, device_map: str) -> torch.nn.Module:
+        # too large to keep a float copy per task in memory: each task loads it again, spread by the map
+        fresh = models_mod.load_model(self.spec.model, dtype=getattr(torch, self.spec.dtype), device=device,
+                                      device_map=device_map)
+        if self._loaded is None:
+            self._loaded = models_mod.LoadedModel(model=None, tokenizer=fresh.tokenizer, name=fresh.name,
+                                                  source=fresh.source, caveat=fresh.caveat)
+        return fresh.model
+
+    def metadata(self, device: torch.device, device_map: str | None) -> models_mod.LoadedModel:
+        """Tokenizer, name, source and caveat of the model (under a device map, without a CPU copy)."""
+        if device_map is None:
+            return self.loaded()
+        if self._loaded is None:
+            # the first load over the GPUs brings the tokenizer; its model serves the next task
+            self._spread = self._load_spread(device, device_map)
+        return self._loaded
+
+    def calibration_for(self, seed: int, tokenizer: Any) -> Callable[[], torch.Tensor]:
+        def get() -> torch.Tensor:
+            if seed not in self._calibration:
+                self._calibration[seed] = data_mod.calibration_tokens(
+                    tokenizer, self.spec.corpus, self.spec.calib_samples, self.spec.calib_seqlen, seed)
+            return self._calibration[seed]
+        return get
+
+    def test_tokens(self, tokenizer: Any) -> Callable[[], torch.Tensor]:
+        def get() -> torch.Tensor:
+            if self._test is None:
+                self._test = data_mod.test_tokens(tokenizer, self.spec.corpus)
+            return self._test
+        return get
+
+    def calibration_record(self, seed: int) -> dict[str, Any] | None:
+        if seed not in self._calibration:
+            return None
+        tok = self._calibration[seed]
+        return {"corpus": self.spec.corpus, "n_samples": self.spec.calib_samples, "seqlen": self.spec.calib_seqlen,
+                "seed": seed, "tokens_sha256": hashlib.sha256(tok.numpy().tobytes()).hexdigest()[:16]}
+
+    @property
+    def env(self) -> dict[str, Any]:
+        if self._env is None:
+            self._env = environment()
+        return self._env
+
+    @property
+    def git(self) -> dict[str, Any]:
+        if self._git is None:
+            self._git = git_info()
+        return self._git
+
+
+def _record_head(spec: RunSpec, model_meta: dict[str, Any], cell: Cell, env: dict[str, Any],
+                 git: dict[str, Any]) -> dict[str, Any]:
+    method = cell.method
+    return {
+        "schema": SCHEMA,
+        "model": {"spec": spec.model, **model_meta, "dtype": spec.dtype},
+        "method": {"name": method.name, "label": method.label, "config": method.config.to_dict()},
+        "suite": {"name": cell.suite.name, "label": cell.suite.label, "config": cell.suite.config.to_dict()},
+        "seed": cell.seed,
+        "corpus": spec.corpus,
+        "calibration": None,
+        "method_info": {},
+        "env": env,
+        "git": git,
+        "date": now_iso(),
+    }
+
+
+def failure_record(spec: RunSpec, cell: Cell, stage: str, exc: BaseException,
+                   message: str | None = None) -> dict[str, Any]:
+    """A failed record for a cell whose task never reported back (e.g. its worker died).
+
+    Built where the sweep is driven, without the model: the model's name, source and caveat
+    come from :func:`mosaicquant.harness.models.resolve_model`.
+
+    Args:
+        spec: the sweep.
+        cell: the cell.
+        stage: where it failed (``"worker"``).
+        exc: the exception the executor reported.
+        message: the error message to record (default ``str(exc)``).
+
+    Returns:
+        The record, ``"status": "failed"``.
+    """
+    source = models_mod.resolve_model(spec.model)
+    record = _record_head(spec, {"name": source.name, "source": source.description, "caveat": source.caveat},
+                          cell, environment(), git_info())
+    error = _error_dict(exc)
+    if message is not None:
+        error["message"] = message
+    record.update(status="failed", stage=stage, metrics={}, error=error, timing={})
+    return record
+
+
+def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = print) -> list[CellOutcome]:
+    """Quantize once for ``task`` and run each of its pending suites, writing each record.
+
+    A cell whose record is already ``ok`` when the task starts (a task recomputed after its
+    worker was lost) is not computed or written again.
+
+    Args:
+        task: the method spec × seed and its cells.
+        state: the process's cache of model and tokens for this sweep.
+        log: progress printer.
+
+    Returns:
+        One :class:`CellOutcome` per cell of the task, in order.
+    """
+    spec = task.spec
+    todo = [(cell, fn) for cell, fn in zip(task.cells, task.suite_fns) if not is_finished(cell.path)]
+    outcomes = [CellOutcome(cell.path, "ok", f"[mosaicquant]   {task.label} / {cell.suite.label}: already finished")
+                for cell in task.cells if is_finished(cell.path)]
+    if not todo:
+        return outcomes
+    device = torch.device(spec.device)
+    meta = state.metadata(device, task.device_map)
+    label, seed, method = task.label, task.seed, task.method
+    torch.manual_seed(seed)
+    qctx = QuantContext(calibration=state.calibration_for(seed, meta.tokenizer), seed=seed, device=device,
+                        tokenizer=meta.tokenizer, log=log)
+    log(f"[mosaicquant] quantizing: {label} (seed {seed})")
+    t_q = time.perf_counter()
+    model = None
+    quant_error = None
+    try:
+        model = state.model_for_group(device, task.device_map)
+        model = task.method_fn(model, method.config, qctx)
+        model.eval()
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - recorded in the cell, the sweep goes on
+        quant_error = exc
+    quant_s = time.perf_counter() - t_q
+    model_meta = {"name": meta.name, "source": meta.source, "caveat": meta.caveat}
+
+    for cell, suite_fn in todo:
+        record = _record_head(spec, model_meta, cell, state.env, state.git)
+        record["method_info"] = dict(qctx.info)
+        record["timing"] = {"quantize_s": round(quant_s, 3)}
+        record["calibration"] = state.calibration_record(seed)
+        if quant_error is not None:
+            record.update(status="failed", stage="quantize", metrics={}, error=_error_dict(quant_error))
+            write_record(cell.path, record)
+            line = f"[mosaicquant]   FAILED {label} / {cell.suite.label}: {type(quant_error).__name__}: {quant_error}"
+            log(line)
+            outcomes.append(CellOutcome(cell.path, "failed", line))
+            continue
+        sctx = SuiteContext(model_name=spec.model, tokenizer=meta.tokenizer, corpus=spec.corpus,
+                            test_tokens=state.test_tokens(meta.tokenizer), seed=seed, device=device,
+                            method_info=qctx.info, calibration=state.calibration_for(seed, meta.tokenizer), log=log)
+        t_s = time.perf_counter()
+        line = ""
+        try:
+            with torch.no_grad():
+                metrics = suite_fn(model, cell.suite.config, sctx)
+            record["metrics"] = {k: (v.to_dict() if isinstance(v, Metric) else v) for k, v in metrics.items()}
+            record["status"] = "ok"
+            record["error"] = None
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            record.update(status="failed", stage="suite", metrics={}, error=_error_dict(exc))
+            line = f"[mosaicquant]   FAILED {label} / {cell.suite.label}: {type(exc).__name__}: {exc}"
+            log(line)
+        record["timing"]["suite_s"] = round(time.perf_counter() - t_s, 3)
+        record["method_info"] = dict(qctx.info)
+        write_record(cell.path, record)
+        if record["status"] == "ok":
+            shown = ", ".join(f"{k}={v['value']:.4g}" for k, v in list(record["metrics"].items())[:3])
+            line = f"[mosaicquant]   {label} / {cell.suite.label}: {shown}"
+            log(line)
+        outcomes.append(CellOutcome(cell.path, record["status"], line))
+    del model
+    return outcomes
+
+
+def run_sweep(spec: RunSpec, log: Callable[[str], None] = print,
+              executor: ExecutorSettings | None = None) -> SweepResult:
     """Run every pending cell of ``spec`` and write its record.
+
+    Args:
+        spec: the sweep.
+        log: progress printer.
+        executor: where the tasks run (default: ``local``, in this process); see
+            :mod:`mosaicquant.harness.executors`.
 
     Returns:
         the paths written, skipped (already finished) and failed.
+
+    Raises:
+        UserInputError: bad spec, or executor settings that do not fit it.
     """
+    from mosaicquant.harness.executors import ExecutorSettings, make_executor
+
+    settings = executor if executor is not None else ExecutorSettings()
     validate_run(spec)
+    runner = make_executor(settings, spec)
     cells = plan_cells(spec)
     result = SweepResult()
     pending = []
@@ -108,104 +420,6 @@ def run_sweep(spec: RunSpec, log: Callable[[str], None] = print) -> SweepResult:
     log(f"[mosaicquant] {len(cells)} cells: {len(result.skipped)} finished, {len(pending)} to run")
     if not pending:
         return result
-
-    dtype = getattr(torch, spec.dtype)
-    device = torch.device(spec.device)
-    t0 = time.perf_counter()
-    # the float model stays on the CPU; each method quantizes a fresh copy on the device
-    loaded = models_mod.load_model(spec.model, dtype=dtype, device=torch.device("cpu"))
-    log(f"[mosaicquant] loaded {spec.model} in {time.perf_counter() - t0:.1f}s")
-    base_state = loaded.model
-    env = environment()
-    git = git_info()
-
-    calib_cache: dict[int, torch.Tensor] = {}
-    test_cache: dict[str, torch.Tensor] = {}
-
-    def calibration_for(seed: int) -> Callable[[], torch.Tensor]:
-        def get() -> torch.Tensor:
-            if seed not in calib_cache:
-                calib_cache[seed] = data_mod.calibration_tokens(
-                    loaded.tokenizer, spec.corpus, spec.calib_samples, spec.calib_seqlen, seed)
-            return calib_cache[seed]
-        return get
-
-    def test_tokens() -> torch.Tensor:
-        if spec.corpus not in test_cache:
-            test_cache[spec.corpus] = data_mod.test_tokens(loaded.tokenizer, spec.corpus)
-        return test_cache[spec.corpus]
-
-    groups: dict[tuple[str, int], list[Cell]] = {}
-    for cell in pending:
-        groups.setdefault((cell.method.label, cell.seed), []).append(cell)
-
-    for (label, seed), group in groups.items():
-        method = group[0].method
-        torch.manual_seed(seed)
-        qctx = QuantContext(calibration=calibration_for(seed), seed=seed, device=device,
-                            tokenizer=loaded.tokenizer, log=log)
-        log(f"[mosaicquant] quantizing: {label} (seed {seed})")
-        t_q = time.perf_counter()
-        model = None
-        quant_error = None
-        try:
-            model = copy.deepcopy(base_state).to(device)
-            model = method.entry.fn(model, method.config, qctx)
-            model.eval()
-        except KeyboardInterrupt:
-            raise
-        except Exception as exc:  # noqa: BLE001 - recorded in the cell, the sweep goes on
-            quant_error = exc
-        quant_s = time.perf_counter() - t_q
-
-        for cell in group:
-            record: dict[str, Any] = {
-                "schema": SCHEMA,
-                "model": {"spec": spec.model, "name": loaded.name, "source": loaded.source,
-                          "caveat": loaded.caveat, "dtype": spec.dtype},
-                "method": {"name": method.name, "label": method.label, "config": method.config.to_dict()},
-                "suite": {"name": cell.suite.name, "label": cell.suite.label, "config": cell.suite.config.to_dict()},
-                "seed": seed,
-                "corpus": spec.corpus,
-                "calibration": None,
-                "method_info": dict(qctx.info),
-                "env": env,
-                "git": git,
-                "date": now_iso(),
-                "timing": {"quantize_s": round(quant_s, 3)},
-            }
-            if seed in calib_cache:
-                tok = calib_cache[seed]
-                record["calibration"] = {
-                    "corpus": spec.corpus, "n_samples": spec.calib_samples, "seqlen": spec.calib_seqlen,
-                    "seed": seed, "tokens_sha256": hashlib.sha256(tok.numpy().tobytes()).hexdigest()[:16]}
-            if quant_error is not None:
-                record.update(status="failed", stage="quantize", metrics={}, error=_error_dict(quant_error))
-                write_record(cell.path, record)
-                result.failed.append(cell.path)
-                log(f"[mosaicquant]   FAILED {label} / {cell.suite.label}: {type(quant_error).__name__}: {quant_error}")
-                continue
-            sctx = SuiteContext(model_name=spec.model, tokenizer=loaded.tokenizer, corpus=spec.corpus,
-                                test_tokens=test_tokens, seed=seed, device=device, method_info=qctx.info,
-                                calibration=calibration_for(seed), log=log)
-            t_s = time.perf_counter()
-            try:
-                with torch.no_grad():
-                    metrics = cell.suite.entry.fn(model, cell.suite.config, sctx)
-                record["metrics"] = {k: (v.to_dict() if isinstance(v, Metric) else v) for k, v in metrics.items()}
-                record["status"] = "ok"
-                record["error"] = None
-            except KeyboardInterrupt:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                record.update(status="failed", stage="suite", metrics={}, error=_error_dict(exc))
-                log(f"[mosaicquant]   FAILED {label} / {cell.suite.label}: {type(exc).__name__}: {exc}")
-            record["timing"]["suite_s"] = round(time.perf_counter() - t_s, 3)
-            record["method_info"] = dict(qctx.info)
-            write_record(cell.path, record)
-            (result.written if record["status"] == "ok" else result.failed).append(cell.path)
-            if record["status"] == "ok":
-                shown = ", ".join(f"{k}={v['value']:.4g}" for k, v in list(record["metrics"].items())[:3])
-                log(f"[mosaicquant]   {label} / {cell.suite.label}: {shown}")
-        del model
+    tasks = plan_groups(spec, pending, device_map=settings.device_map)
+    runner.run(tasks, result, log)
     return result

@@ -216,6 +216,7 @@ def gptq_quantize_with_error(
     max_shrink: float = 0.8,
     norm: float = 2.4,
     scale_dtype: torch.dtype | None = None,
+    clip_ratio: float = 1.0,
 ) -> GPTQResult:
     """Quantize ``weight`` with GPTQ and return the integers with diagnostics.
 
@@ -232,6 +233,8 @@ def gptq_quantize_with_error(
             ``norm``, see :func:`~mosaicquant.methods.quant.quantize_with_clip_search`).
         scale_dtype: e.g. ``torch.float16``: scales rounded to their storage type before
             the integers are computed.
+        clip_ratio: fixed fraction of each range kept, in (0, 1], used when
+            ``clip_search`` is False (e.g. Atom's fixed weight clip 0.85).
 
     Returns:
         :class:`GPTQResult`.
@@ -253,6 +256,8 @@ def gptq_quantize_with_error(
         raise ValueError(f"group_size={group_size!r} must be None or a positive divisor of K={k}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size={block_size!r} must be a positive integer")
+    if isinstance(clip_ratio, bool) or not isinstance(clip_ratio, (int, float)) or not 0.0 < clip_ratio <= 1.0:
+        raise ValueError(f"clip_ratio={clip_ratio!r} is out of range: allowed (0, 1]")
     w = weight.detach().to(torch.float32).clone()
     h = hessian.detach().to(device=w.device, dtype=torch.float32).clone()
     if not torch.isfinite(w).all():
@@ -271,7 +276,7 @@ def gptq_quantize_with_error(
                 norm=norm, scale_dtype=scale_dtype,
             )
         else:
-            qt = quantize(cols, bits, symmetric=symmetric, scale_dtype=scale_dtype)
+            qt = quantize(cols, bits, symmetric=symmetric, clip_ratio=clip_ratio, scale_dtype=scale_dtype)
         return qt.scale[:, 0], None if qt.zero is None else qt.zero[:, 0]
 
     n_groups = 1 if group_size is None else k // group_size
@@ -371,6 +376,7 @@ def gptq_quantize(
     max_shrink: float = 0.8,
     norm: float = 2.4,
     scale_dtype: torch.dtype | None = None,
+    clip_ratio: float = 1.0,
 ) -> Quantized:
     """Quantize ``weight [N, K]`` with GPTQ against the input Hessian ``hessian [K, K]``.
 
@@ -391,5 +397,5 @@ def gptq_quantize(
     return gptq_quantize_with_error(
         weight, hessian, bits, symmetric=symmetric, group_size=group_size, percdamp=percdamp,
         act_order=act_order, block_size=block_size, clip_search=clip_search, grid=grid,
-        max_shrink=max_shrink, norm=norm, scale_dtype=scale_dtype,
+        max_shrink=max_shrink, norm=norm, scale_dtype=scale_dtype, clip_ratio=clip_ratio,
     ).quantized
