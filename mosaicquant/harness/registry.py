@@ -59,6 +59,9 @@ BUILTIN_MODULES: dict[str, list[str]] = {
         "mosaicquant.baselines.rtn",
         "mosaicquant.baselines.quarot",
         "mosaicquant.baselines.spinquant",
+        "mosaicquant.baselines.smoothquant",
+        "mosaicquant.baselines.resq",
+        "mosaicquant.baselines.atom",
         "mosaicquant.methods.mosaicquant",
     ],
     "suite": [
