@@ -109,6 +109,35 @@ def _true_div(a: torch.Tensor, divisor: int) -> torch.Tensor:
     return a / torch.full_like(a, float(divisor))
 
 
+def _ranges(xg: torch.Tensor, symmetric: bool):
+    """Per-group range before clipping: ``absmax`` (symmetric) or ``(lo, hi)`` (asymmetric)."""
+    if symmetric:
+        return xg.abs().amax(dim=-1)
+    return xg.amin(dim=-1).clamp(max=0), xg.amax(dim=-1).clamp(min=0)
+
+
+def _params_from_ranges(
+    ranges, bits: int, symmetric: bool, clip: torch.Tensor | float, scale_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        scale = _true_div(ranges * clip, qmax)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        if scale_dtype is not None:
+            scale = scale.to(scale_dtype).to(torch.float32)
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return scale, None
+    levels = 2**bits - 1
+    lo, hi = ranges[0] * clip, ranges[1] * clip
+    scale = _true_div(hi - lo, levels)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if scale_dtype is not None:
+        scale = scale.to(scale_dtype).to(torch.float32)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = torch.round(-lo / scale)
+    return scale, zero
+
+
 def _params(
     xg: torch.Tensor,
     bits: int,
@@ -117,25 +146,7 @@ def _params(
     scale_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scale (and zero) per group of ``xg [..., G, g]``; returns shapes ``[..., G]``."""
-    if symmetric:
-        qmax = 2 ** (bits - 1) - 1
-        absmax = xg.abs().amax(dim=-1) * clip
-        scale = _true_div(absmax, qmax)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        if scale_dtype is not None:
-            scale = scale.to(scale_dtype).to(torch.float32)
-            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        return scale, None
-    levels = 2**bits - 1
-    lo = xg.amin(dim=-1).clamp(max=0) * clip
-    hi = xg.amax(dim=-1).clamp(min=0) * clip
-    scale = _true_div(hi - lo, levels)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    if scale_dtype is not None:
-        scale = scale.to(scale_dtype).to(torch.float32)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    zero = torch.round(-lo / scale)
-    return scale, zero
+    return _params_from_ranges(_ranges(xg, symmetric), bits, symmetric, clip, scale_dtype)
 
 
 def _apply(
@@ -245,9 +256,10 @@ def quantize_with_clip_search(
     xg = _grouped(xf, group_size)
     best_err = torch.full(xg.shape[:-1], float("inf"), device=xf.device)
     best_p = torch.ones(xg.shape[:-1], device=xf.device)
+    ranges = _ranges(xg, symmetric)
     for i in range(max(1, int(max_shrink * grid))):
         p = 1.0 - i / grid
-        scale, zero = _params(xg, bits, symmetric, p, scale_dtype)
+        scale, zero = _params_from_ranges(ranges, bits, symmetric, p, scale_dtype)
         q = _apply(xg, scale, zero, bits, symmetric)
         if zero is not None:
             q = q - zero.unsqueeze(-1)
