@@ -211,7 +211,8 @@ def mosaicquant(model, config: MosaicQuantConfig, ctx):
     residual_bytes = memory["residual_values"] + memory["residual_scales"] + memory["residual_indices"]
     ctx.info.update(
         wbits=config.wbits, abits=config.abits, kv_bits=16,
-        exec_path="simulated (fake-quant of the packed W4 + residual format)",
+        exec_path="simulated (fake-quant of the packed W4 + residual format)" if config.wbits == 4
+        else "simulated (fake-quant activations, float weights)",
         transform=transform_info,
         memory_bytes=memory,
         residual_overhead=(residual_bytes / base_bytes) if base_bytes else 0.0,
