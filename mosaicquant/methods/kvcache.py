@@ -122,11 +122,6 @@ class KVQuantSpec:
         return dataclasses.asdict(self)
 
 
-def _round_ste(x: torch.Tensor) -> torch.Tensor:
-    # round(x) - x is exact in floating point, so the forward value is round(x) bit for bit
-    return x + (torch.round(x) - x).detach()
-
-
 def fake_quantize_ste(
     x: torch.Tensor,
     bits: int,
@@ -137,47 +132,9 @@ def fake_quantize_ste(
 ) -> torch.Tensor:
     """:func:`~mosaicquant.methods.quant.fake_quantize` with straight-through gradients.
 
-    The forward values equal ``fake_quantize`` bit for bit (same scale and zero formulas,
-    same operation order). Backward: rounding passes the gradient through unchanged
-    (straight-through estimator), clamped values get none, and the scale (from the group's
-    absolute maximum, or min/max) is differentiated, so the gradient sees how the range —
-    the outliers — sets the grid (the quantizer SpinQuant trains its rotations through).
-
-    Args:
-        x: float tensor ``[..., K]``.
-        bits: 2..8 (not re-validated: the hot path; callers validate their specs).
-        symmetric: symmetric grid or asymmetric with a zero point.
-        group_size: ``None`` (one group per row) or a divisor of ``K``.
-        clip_ratio: fraction of the range kept, (0, 1].
-
-    Returns:
-        Tensor of ``x``'s shape and dtype.
-
-    Raises:
-        ValueError: ``group_size`` does not divide the last dimension.
+    Same forward values bit for bit (it is the shared quantizer with ``ste=True``).
     """
-    k = x.shape[-1]
-    g = k if group_size is None else group_size
-    if g <= 0 or k % g:
-        raise ValueError(f"group_size={group_size} must be a positive divisor of the last dimension {k}")
-    xg = x.to(torch.float32).reshape(*x.shape[:-1], k // g, g)
-    if symmetric:
-        qmax = 2 ** (bits - 1) - 1
-        scale = xg.abs().amax(dim=-1) * clip_ratio / qmax
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
-        q = torch.clamp(_round_ste(xg / scale), -(qmax + 1), qmax)
-        out = q * scale
-    else:
-        levels = 2**bits - 1
-        lo = xg.amin(dim=-1).clamp(max=0) * clip_ratio
-        hi = xg.amax(dim=-1).clamp(min=0) * clip_ratio
-        scale = (hi - lo) / levels
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        zero = torch.round(-lo / scale).detach().unsqueeze(-1)
-        scale = scale.unsqueeze(-1)
-        q = torch.clamp(_round_ste(xg / scale) + zero, 0, levels)
-        out = (q - zero) * scale
-    return out.reshape(x.shape).to(x.dtype)
+    return fake_quantize(x, bits, symmetric=symmetric, group_size=group_size, clip_ratio=clip_ratio, ste=True)
 
 
 def _fake_quant(x: torch.Tensor, spec: KVQuantSpec) -> torch.Tensor:

@@ -149,14 +149,20 @@ def _params(
     return _params_from_ranges(_ranges(xg, symmetric), bits, symmetric, clip, scale_dtype)
 
 
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    # round(x) - x is exact in floating point, so the forward value is round(x) bit for bit
+    return x + (torch.round(x) - x).detach()
+
+
 def _apply(
-    xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, symmetric: bool
+    xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, symmetric: bool,
+    rounding=torch.round,
 ) -> torch.Tensor:
     qmin, qmax = qrange(bits, symmetric)
-    q = torch.round(xg / scale.unsqueeze(-1))
+    q = rounding(xg / scale.unsqueeze(-1))
     if zero is not None:
         q = q + zero.unsqueeze(-1)
-    return q.clamp_(qmin, qmax)
+    return q.clamp(qmin, qmax)
 
 
 def quantize(
@@ -209,16 +215,22 @@ def fake_quantize(
     symmetric: bool = True,
     group_size: int | None = None,
     clip_ratio: float = 1.0,
+    ste: bool = False,
 ) -> torch.Tensor:
     """Quantize and dequantize ``x`` in one step (the simulated quantizer), keeping its dtype.
 
     Computed in float32; no input validation beyond shapes (this is the hot path of
     simulated activations; callers validate their configs once).
+
+    With ``ste=True`` the forward values are the same bit for bit, and the backward pass
+    is the straight-through estimator: rounding passes the gradient unchanged, clamped
+    values get none, and the scale (from the group's range) is differentiated, so the
+    gradient sees how the outliers set the grid (what SpinQuant trains rotations through).
     """
     xf = x.to(torch.float32)
     xg = _grouped(xf, group_size)
     scale, zero = _params(xg, bits, symmetric, clip_ratio, None)
-    q = _apply(xg, scale, zero, bits, symmetric)
+    q = _apply(xg, scale, zero, bits, symmetric, rounding=_round_ste if ste else torch.round)
     if zero is not None:
         q = q - zero.unsqueeze(-1)
     return (q * scale.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
