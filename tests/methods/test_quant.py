@@ -92,3 +92,31 @@ def test_bad_group_and_nan():
         quantize(torch.tensor([[1.0, float("nan")]]), 4)
     with pytest.raises(ValueError, match="clip_ratio"):
         quantize(torch.ones(2, 4), 4, clip_ratio=1.5)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(symmetric=False), dict(group_size=32),
+                                    dict(group_size=32, symmetric=False, scale_dtype=torch.float16)])
+def test_clip_search_picks_the_brute_force_shrink(kwargs):
+    # the plain definition: for every candidate p, quantize with clip_ratio=p and keep the best per group
+    torch.manual_seed(3)
+    x = torch.randn(300, 96) * torch.rand(300, 1)  # 300 rows: several of the search's row chunks
+    grid, max_shrink, norm = 20, 0.5, 2.4
+    got = quantize_with_clip_search(x, 4, grid=grid, max_shrink=max_shrink, norm=norm, **kwargs)
+    best_err, best = None, None
+    for i in range(int(max_shrink * grid)):
+        qt = quantize(x, 4, clip_ratio=1.0 - i / grid, **kwargs)
+        deq = (qt.q.float().reshape(300, -1, kwargs.get("group_size") or 96)
+               - (0 if qt.zero is None else qt.zero.unsqueeze(-1))) * qt.scale.unsqueeze(-1)
+        err = (deq.reshape(300, 96) - x).abs().pow(norm).reshape(300, -1, kwargs.get("group_size") or 96).sum(-1)
+        if best_err is None:
+            best_err, best = err, qt
+            continue
+        better = err < best_err * (1 - 1e-5)  # exp2/log2 vs pow: ties within float noise may go either way
+        best_err = torch.where(better, err, best_err)
+        best = type(qt)(q=torch.where(better.repeat_interleave(kwargs.get("group_size") or 96, -1), qt.q, best.q),
+                        scale=torch.where(better, qt.scale, best.scale),
+                        zero=None if qt.zero is None else torch.where(better, qt.zero, best.zero),
+                        bits=4, group_size=qt.group_size)
+    agree = (got.scale == best.scale).float().mean().item()
+    assert agree > 0.99, agree
+    assert (got.q == best.q).float().mean().item() > 0.99
