@@ -31,7 +31,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mosaicquant.harness.timing import time_calls as _time_calls  # noqa: E402
 from mosaicquant.kernels._tiles import TileConfig, pick_config  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton  # noqa: E402
 from mosaicquant.kernels.residual_gemm import residual_add_triton  # noqa: E402
@@ -94,44 +94,8 @@ def check(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
 
 def time_calls(calls, min_us: float = 400.0, replays: int = 15) -> tuple[float, float, str]:
     """Median µs per call (and spread: IQR/median) of ``calls`` (a list of closures cycled in order)."""
-    if not torch.cuda.is_available():
-        t0 = time.perf_counter()
-        for c in calls:
-            c()
-        return (time.perf_counter() - t0) / len(calls) * 1e6, 0.0, "cpu-wall"
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for c in calls:
-        c()
-    end.record()
-    torch.cuda.synchronize()
-    est = start.elapsed_time(end) * 1e3 / len(calls)
-    reps = max(1, math.ceil(min_us / max(est, 1e-3) / len(calls)))
-    seq = calls * min(reps, 64)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in seq:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(seq))
-    med = statistics.median(times)
-    q = statistics.quantiles(times, n=4)
-    del graph
-    return med, (q[2] - q[0]) / med, "cudagraph"
+    t = _time_calls(calls, min_us=min_us, replays=replays)
+    return t.median_us, 2 * t.spread_us / t.median_us if t.median_us else 0.0, t.how
 
 
 def measure_ceilings(device) -> dict:

@@ -3,7 +3,8 @@
 Commands:
     run      sweep methods × suites × seeds on one model and write one record per cell
     ls       list methods, suites, models, corpora
-    report   render tables from a results directory
+    report   render tables and figures from a results directory
+    compare  compare two results directories; exit 1 on a regression (CI)
 
 Bad input (unknown name, out-of-range option, missing asset, unwritable directory) prints
 one line ``mosaicquant: error: ...`` and exits with code 2, before any long work.
@@ -36,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="results directory (default results)")
     r.add_argument("--device", help="cpu (default), cuda or cuda:N")
     r.add_argument("--dtype", help="float32 (default on CPU), bfloat16 or float16")
+    r.add_argument("--backend", help="what runs the cells: torch (default, in this process) or a registered backend "
+                                     "name[:key=value...], e.g. tensorrt-llm (see 'mosaicquant ls backends')")
     r.add_argument("--report", action="store_true", help="render the report when the sweep ends")
     r.add_argument("--executor", default="local",
                    help="where cells run: local (default, this process) or dask (Dask distributed workers)")
@@ -48,13 +51,25 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list what is available")
     ls.add_argument("what", nargs="?", default="all", choices=["all", "methods", "suites", "models", "corpora", "backends"])
 
-    rep = sub.add_parser("report", help="render tables from a results directory")
+    rep = sub.add_parser("report", help="render tables and figures from a results directory")
     rep.add_argument("dir", help="results directory")
-    rep.add_argument("-o", "--output", help="Markdown file to write (default DIR/report.md)")
+    rep.add_argument("-o", "--output", help="Markdown file to write (default DIR/report.md); figures go next to it")
+
+    cmp = sub.add_parser("compare", help="compare two results directories; exit 1 on a regression",
+                         description="Match cells by (model, method, suite), average seeds, and print every "
+                                     "compared metric. Exit 0: no regression, 1: a regression, 2: bad input.")
+    cmp.add_argument("base", help="reference results directory")
+    cmp.add_argument("new", help="results directory to check")
+    cmp.add_argument("--fail-on", dest="fail_on",
+                     help="METRIC:PCT[,METRIC:PCT...]: fail when a metric gets worse (by its own direction) by more "
+                          "than PCT percent and more than the recorded spread; METRIC is a name, a glob "
+                          "(decode_tok_s/*) or a name family (decode_tok_s)")
+    cmp.add_argument("--json", dest="json_out", help="also write the comparison as JSON to this file")
     return p
 
 
 def _cmd_run(args) -> int:
+    from mosaicquant.harness.backends import parse_backend_spec
     from mosaicquant.harness.executors import ExecutorSettings, make_executor
     from mosaicquant.harness.runner import run_sweep, validate_run
     from mosaicquant.harness.spec import load_run_spec
@@ -64,11 +79,13 @@ def _cmd_run(args) -> int:
     overrides = {k: getattr(args, k) for k in ("model", "methods", "suites", "seeds", "corpus", "calib_samples",
                                                 "calib_seqlen", "max_chunks", "out", "device", "dtype")}
     spec = load_run_spec(args.spec, overrides)
-    validate_run(spec)
-    make_executor(executor, spec)
-    result = run_sweep(spec, executor=executor)
+    if parse_backend_spec(args.backend) is None:  # a backend validates the sweep itself
+        validate_run(spec)
+        make_executor(executor, spec)
+    result = run_sweep(spec, executor=executor, backend=args.backend)
+    unavailable = f", {len(result.unavailable)} not available here" if result.unavailable else ""
     print(f"[mosaicquant] done: {len(result.written)} written, {len(result.skipped)} already finished, "
-          f"{len(result.failed)} failed; records in {spec.out}")
+          f"{len(result.failed)} failed{unavailable}; records in {spec.out}")
     if args.report:
         from mosaicquant.reports.tables import write_tables
 
@@ -117,6 +134,17 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _cmd_compare(args) -> int:
+    from mosaicquant.reports.compare import compare_dirs, write_json
+
+    result = compare_dirs(args.base, args.new, args.fail_on)
+    print(result.render())
+    if args.json_out:
+        write_json(result, args.json_out)
+        print(f"[mosaicquant] comparison written to {args.json_out}")
+    return result.exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mosaicquant`` console script."""
     parser = build_parser()
@@ -128,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_ls(args)
         if args.command == "report":
             return _cmd_report(args)
+        if args.command == "compare":
+            return _cmd_compare(args)
     except MosaicQuantError as exc:
         print(f"mosaicquant: error: {exc}", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["MosaicQuantError", "UserInputError", "AssetError", "unknown_name"]
+__all__ = ["MosaicQuantError", "UserInputError", "AssetError", "Unavailable", "unknown_name"]
 
 
 class MosaicQuantError(Exception):
@@ -18,6 +18,12 @@ class UserInputError(MosaicQuantError, ValueError):
 
 class AssetError(MosaicQuantError):
     """A model or data asset is missing and cannot be fetched (no network, bad hash, ...)."""
+
+
+class Unavailable(MosaicQuantError):
+    """A cell that cannot run here, for a stated reason (no fast path, no GPU, an engine not
+    installed). The runner records it as ``"status": "unavailable"`` with the reason; it is
+    never replaced by a stand-in measurement."""
 
 
 def unknown_name(kind: str, name: str, available: Iterable[str]) -> UserInputError:

@@ -65,6 +65,7 @@ from typing import Any
 
 import torch
 
+from mosaicquant.harness import shapes as shapes_mod
 from mosaicquant.harness.errors import UserInputError, unknown_name
 from mosaicquant.harness.results import write_record
 from mosaicquant.harness.runner import (
@@ -209,8 +210,8 @@ class LocalExecutor:
     def run(self, tasks: list[GroupTask], result: SweepResult, log: Callable[[str], None] = print) -> None:
         """Run ``tasks`` and add their outcomes to ``result``."""
         state = SweepState(self.spec, log)
-        if self.settings.device_map is None:
-            state.loaded()
+        if self.settings.device_map is None and not shapes_mod.is_shape_model(self.spec.model):
+            state.loaded()  # a shape model is built on the device by each task instead
         for task in tasks:
             for outcome in run_group(task, state, log):
                 result.add(outcome)

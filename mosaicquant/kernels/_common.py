@@ -34,12 +34,14 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def resolve_kernel(kernel: str | None = None) -> str:
+def resolve_kernel(kernel: str | None = None, device: torch.device | None = None) -> str:
     """Resolve a kernel preference to the backend that will run: ``"triton"`` or ``"torch"``.
 
     Args:
         kernel: ``"auto"``, ``"triton"``, ``"torch"`` or ``None`` (read ``MOSAICQUANT_KERNEL``,
             default ``"auto"``).
+        device: where the operands are; CPU tensors run Triton only in its interpreter, so
+            ``"auto"`` picks the PyTorch reference for them on a machine with a GPU.
 
     Returns:
         ``"triton"`` or ``"torch"``.
@@ -52,7 +54,8 @@ def resolve_kernel(kernel: str | None = None) -> str:
     pref = str(pref).strip().lower()
     if pref not in KERNEL_PREFERENCES:
         raise unknown_name("kernel preference", pref, KERNEL_PREFERENCES)
-    can_triton = torch.cuda.is_available() or triton_interpreting()
+    on_gpu = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    can_triton = on_gpu or triton_interpreting()
     if pref == "auto":
         return "triton" if can_triton else "torch"
     if pref == "triton" and not can_triton:

@@ -31,6 +31,10 @@ class KernelLinear(nn.Module):
         self.quant = quant
         self.input_transform = input_transform
 
+    @property
+    def in_features(self) -> int:
+        return self.quant.in_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_transform is not None:
             x = self.input_transform(x)

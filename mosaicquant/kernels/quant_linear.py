@@ -108,6 +108,22 @@ class QuantLinear(nn.Module):
             coords=self.res_coords, row_ptr=self.res_row_ptr, values=self.res_values, scales=self.res_scales,
         )
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out_features, in_features)``, as the weight's shape."""
+        return self.out_features, self.in_features
+
+    def weight_nbytes(self) -> dict[str, int]:
+        """Bytes of the stored format by part, as :meth:`PackedW4.nbytes` counts them."""
+        def size(*names):
+            return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in names)
+        out = {"base_values": size("qweight"), "base_scales": size("w_scale"), "residual_values": 0,
+               "residual_scales": 0, "residual_indices": 0}
+        if self.block_shape is not None:
+            out.update(residual_values=size("res_values"), residual_scales=size("res_scales"),
+                       residual_indices=size("res_coords", "res_row_ptr"))
+        return out
+
     def extra_repr(self) -> str:
         blocks = 0 if self.block_shape is None else int(self.res_coords.shape[0])
         return (f"in_features={self.in_features}, out_features={self.out_features}, residual_blocks={blocks}, "
@@ -123,7 +139,7 @@ class QuantLinear(nn.Module):
             raise UserInputError(f"input has {x.shape[-1]} features, the layer takes {self.in_features}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
-        backend = resolve_kernel(self.kernel)
+        backend = resolve_kernel(self.kernel, x2.device)
         k = self.in_features
         a_packed, a_scale = quantize_activations(x2, self.act_clip_ratio, kernel=backend)
         residual = self.residual

@@ -42,13 +42,14 @@ class LinearStats:
 
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
-        if not torch.isfinite(x).all():
+        batch_absmax = x.abs().amax(dim=0)  # NaN and Inf propagate: one check of [K] values covers x
+        if not torch.isfinite(batch_absmax).all():
             raise ValueError("calibration activations hold NaN or Inf values")
         if self.absmax is None:
             self.absmax = torch.zeros(self.in_features, device=x.device)
             if self.keep_hessian:
                 self.hessian = torch.zeros(self.in_features, self.in_features, device=x.device)
-        self.absmax = torch.maximum(self.absmax, x.abs().amax(dim=0))
+        self.absmax = torch.maximum(self.absmax, batch_absmax)
         if self.keep_hessian:
             self.hessian, self.n_tokens = accumulate_hessian(self.hessian, x, self.n_tokens)
         else:

@@ -395,6 +395,12 @@ def _sylvester_cached(size: int) -> torch.Tensor:
     return _sylvester(size, torch.float64)
 
 
+@functools.cache
+def _sylvester_on(size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    # one copy per device and dtype: no host-to-device copy per call (CUDA-graph capturable)
+    return _sylvester_cached(size).to(device=device, dtype=dtype)
+
+
 def _walsh_hadamard_last(x: torch.Tensor) -> torch.Tensor:
     """Unnormalised ``x @ S_{2^k}`` along the last dim (length ``2^k``).
 
@@ -407,7 +413,7 @@ def _walsh_hadamard_last(x: torch.Tensor) -> torch.Tensor:
     block = min(size, _DENSE_SYLVESTER)
     rows = x.reshape(-1, size // block, block)
     if block > 1:
-        rows = rows @ _sylvester_cached(block).to(device=x.device, dtype=x.dtype)
+        rows = rows @ _sylvester_on(block, x.device, x.dtype)
     h = block
     while h < size:
         pairs = rows.reshape(rows.shape[0], size // (2 * h), 2, h)

@@ -154,14 +154,19 @@ def replace_linears(
 def weight_memory(model: nn.Module) -> dict[str, int]:
     """Bytes of the quantized linears' weights by part, and of the 16-bit layers left.
 
-    Packed layers count their base values, base scales, residual values, residual
+    Packed layers (simulated or kernel-backed) count their base values, base scales, residual values, residual
     scales and indices; unpacked quantized layers count ``wbits`` per weight plus one
     FP16 scale per row and group; unquantized linears count 2 bytes per weight (BF16).
     """
     out = {"base_values": 0, "base_scales": 0, "residual_values": 0, "residual_scales": 0,
            "residual_indices": 0, "linear_bf16_equivalent": 0}
     for module in model.modules():
-        if isinstance(module, FakeQuantLinear):
+        if hasattr(module, "weight_nbytes"):  # a kernel-backed layer (mosaicquant.kernels.convert)
+            n, k = module.shape
+            out["linear_bf16_equivalent"] += 2 * n * k
+            for key, value in module.weight_nbytes().items():
+                out[key] += value
+        elif isinstance(module, FakeQuantLinear):
             n, k = module.weight.shape
             out["linear_bf16_equivalent"] += 2 * n * k
             if module.packed is not None:

@@ -1,22 +1,321 @@
-"""Figures from result records (matplotlib, headless).
+"""Figures from result records (matplotlib's Agg canvas, no display), each drawn only when the records hold its data.
 
+- :func:`plot_pareto`: perplexity against decode speed-up vs fp16, one point per method
+  label, the Pareto-optimal methods joined. Accuracy usually comes from a real small model
+  and speed from random-weight model shapes, so there is one figure per (accuracy model,
+  speed model) pair of the results directory; a method is a point when it has an ``ok``
+  ``ppl`` on the accuracy model and ``ok`` decode throughput on the speed model. The
+  speed-up is the geometric mean, over the batch sizes both it and fp16 measured, of
+  ``decode_tok_s/b{B}`` / fp16's. Axis labels name both models.
+- :func:`plot_speedup_vs_m`: linear-layer speed-up vs fp16 against M (tokens), one panel
+  per layer, one line per method (``latency`` records: ``linear_us/{layer}/m{M}``).
+- :func:`plot_memory`: weight bytes of the quantized linears per method, stacked by part
+  (``memory`` records), and peak device memory where it was measured.
+- :func:`plot_budget_sweep`: MosaicQuant's Δ-budget sweep — perplexity, decode speed-up and
+  weight memory against the residual budget. A sweep is a set of ``mosaicquant`` cells
+  whose method configs differ only in ``budget`` (read from the config), two budgets or more.
 - :func:`plot_budget_curves`: fraction of output distortion recovered against residual
-  budget, one line per selection score / allocation, one panel per analysis config
-  (reads ``analysis`` records: ``recovered/<score>/<budget>`` and
-  ``recovered_global/<score>/<budget>``).
+  budget, per selection score / allocation, one panel per analysis config
+  (``analysis`` records: ``recovered/<score>/<budget>`` and ``recovered_global/<score>/<budget>``).
+
+Speed-ups need the ``fp16`` cell of the same model and suite label; without one a figure is
+not drawn and :func:`draw_figures` returns a note saying so.
 """
 
 from __future__ import annotations
 
+import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure as MplFigure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from mosaicquant.harness.results import _slug  # figure names read like record names
+from mosaicquant.reports.cells import FP16_LABEL, Cell, aggregate_cells
+from mosaicquant.reports.speed import decode_points, fp16_cell, linear_points, speedup, suite_groups
 
-__all__ = ["budget_curves", "plot_budget_curves"]
+__all__ = [
+    "Figure",
+    "draw_figures",
+    "plot_pareto",
+    "plot_speedup_vs_m",
+    "plot_memory",
+    "plot_budget_sweep",
+    "budget_curves",
+    "plot_budget_curves",
+    "decode_speedup",
+    "pareto_front",
+    "budget_sweeps",
+]
+
+#: parts of the quantized linears' weight bytes, bottom to top of the stacked bars
+MEMORY_PARTS = ("base_values", "base_scales", "residual_values", "residual_scales", "residual_indices")
+MIB = 2**20
+DPI = 120
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A PNG written next to the report and its one-line caption."""
+
+    path: Path
+    caption: str
+
+
+def _name(model: str, suite_label: str, suite_name: str) -> str:
+    """File-name part of a (model, suite label): the suite label only when it has options."""
+    return _slug(Path(model).name or model) + ("" if suite_label == suite_name else f"_{_slug(suite_label)}")
+
+
+def _new_figure(nrows: int, ncols: int, figsize: tuple[float, float], **kwargs):
+    """A figure on its own Agg canvas (no pyplot, no global backend switch) and its axes grid."""
+    fig = MplFigure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(nrows, ncols, squeeze=False, **kwargs)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
+def decode_speedup(cell: Cell, ref: Cell) -> tuple[float, list[int]] | None:
+    """Geometric mean over shared batch sizes of the decode speed-up vs ``ref``, and those batches."""
+    mine, theirs = decode_points(cell), decode_points(ref)
+    ratios = {b: speedup(mine[b], theirs[b]) for b in mine.keys() & theirs.keys()}
+    ratios = {b: r for b, r in ratios.items() if r is not None}
+    if not ratios:
+        return None
+    return math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios)), sorted(ratios)
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points ``(speed-up, perplexity)`` no other point beats on both, fastest first.
+
+    Example:
+        >>> pareto_front([(1.0, 10.0), (2.0, 12.0), (1.5, 13.0), (2.5, 30.0)])
+        [(2.5, 30.0), (2.0, 12.0), (1.0, 10.0)]
+    """
+    front, best = [], math.inf
+    for x, y in sorted(points, key=lambda p: (-p[0], p[1])):
+        if y < best:
+            front.append((x, y))
+            best = y
+    return front
+
+
+def _ppl_groups(cells: list[Cell]) -> dict[tuple[str, str], dict[str, float]]:
+    """``{(model, accuracy suite label): {method label: ppl}}`` of the accuracy cells with a ppl (may be inf)."""
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for c in cells:
+        if c.suite_name == "accuracy" and "ppl" in c.metrics:
+            out.setdefault((c.model, c.suite), {})[c.method] = c.metrics["ppl"].value
+    return out
+
+
+def _batches_text(batches: set[int]) -> str:
+    return ", ".join(str(b) for b in sorted(batches))
+
+
+def plot_pareto(cells: list[Cell], out_dir: str | Path) -> tuple[list[Figure], list[str]]:
+    """Perplexity against decode speed-up, one figure per (accuracy model, speed model) pair.
+
+    Returns:
+        The figures drawn and notes on what could not be drawn (no fp16 throughput row).
+    """
+    out_dir = Path(out_dir)
+    figures, notes = [], []
+    accuracy = _ppl_groups(cells)
+    if not accuracy:
+        return figures, notes
+    for (speed_model, speed_suite), group in suite_groups(cells, "throughput").items():
+        if not any(decode_points(c) for c in group):
+            continue
+        ref = fp16_cell(group)
+        if ref is None or not decode_points(ref):
+            notes.append(f"No `{FP16_LABEL}` throughput row for {speed_model} ({speed_suite}): "
+                         "no decode speed-ups, so no accuracy-speed Pareto figure.")
+            continue
+        speed = {c.method: s for c in group if (s := decode_speedup(c, ref)) is not None}
+        for (acc_model, acc_suite), ppl in accuracy.items():
+            points = [(label, speed[label][0], ppl[label]) for label in ppl
+                      if label in speed and math.isfinite(ppl[label])]
+            left_out = [f"{label} ({'no decode speed' if label not in speed else 'perplexity inf'})"
+                        for label in ppl if label not in speed or not math.isfinite(ppl[label])]
+            if len(points) < 2:
+                if len(ppl) >= 2 and len(speed) >= 2:
+                    notes.append(f"Perplexity on {acc_model} and decode speed on {speed_model} share fewer than "
+                                 "two method labels: no accuracy-speed Pareto figure for this pair.")
+                continue
+            batches = set().union(*(set(speed[label][1]) for label, _, _ in points))
+            fig, axes = _new_figure(1, 1, (6.4, 4.6))
+            ax = axes[0][0]
+            for label, x, y in points:
+                ax.scatter([x], [y], s=28, zorder=3, color="black" if label == FP16_LABEL else None)
+                ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            xs, ys = zip(*pareto_front([(x, y) for _, x, y in points]))
+            ax.step(xs, ys, where="post", color="grey", lw=1, alpha=0.7, label="Pareto front")
+            values = [y for _, _, y in points]
+            if max(values) / min(values) > 10:
+                ax.set_yscale("log")
+            ax.axvline(1.0, color="grey", lw=0.5, ls=":")
+            ax.set_xlabel(f"decode speed-up vs fp16 on {speed_model} ({speed_suite}; "
+                          f"geometric mean over batch {_batches_text(batches)})", fontsize=8)
+            ax.set_ylabel(f"perplexity on {acc_model} ({acc_suite}), lower is better", fontsize=8)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+            path = _save(fig, out_dir / f"pareto__{_name(acc_model, acc_suite, 'accuracy')}__"
+                                        f"{_name(speed_model, speed_suite, 'throughput')}.png")
+            caption = (f"Accuracy against decode speed: perplexity on {acc_model}, decode speed-up vs fp16 on "
+                       f"{speed_model}; the grey line joins the Pareto-optimal methods.")
+            if left_out:
+                caption += f" Not drawn: {', '.join(left_out)}."
+            figures.append(Figure(path, caption))
+    return figures, notes
+
+
+def plot_speedup_vs_m(cells: list[Cell], out_dir: str | Path) -> tuple[list[Figure], list[str]]:
+    """Per latency group: one panel per linear layer, speed-up vs fp16 against M, one line per method."""
+    out_dir = Path(out_dir)
+    figures, notes = [], []
+    for (model, suite), group in suite_groups(cells, "latency").items():
+        methods = [c for c in group if c.method != FP16_LABEL and linear_points(c)]
+        if not methods:
+            continue
+        ref = fp16_cell(group)
+        ref_pts = linear_points(ref) if ref else {}
+        if not ref_pts:
+            notes.append(f"No `{FP16_LABEL}` latency row for {model} ({suite}): no per-layer speed-up figure.")
+            continue
+        layers = list(ref_pts)
+        fig, axes = _new_figure(1, len(layers), (4.2 * len(layers), 3.8), sharey=True)
+        for ax, layer in zip(axes[0], layers):
+            for cell in methods:
+                pts = linear_points(cell).get(layer, {})
+                xy = [(m, r) for m, v in pts.items() if (r := speedup(v, ref_pts[layer].get(m))) is not None]
+                if xy:
+                    ax.plot(*zip(*xy), marker="o", ms=3, label=cell.method)
+            ax.axhline(1.0, color="black", lw=0.8, ls="--", label=FP16_LABEL)
+            ax.set_xscale("log", base=2)
+            ax.set_title(layer, fontsize=9)
+            ax.set_xlabel("M (tokens)")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel(f"speed-up vs fp16 on {model}")
+        axes[0][-1].legend(fontsize=7)
+        path = _save(fig, out_dir / f"speedup_vs_m__{_name(model, suite, 'latency')}.png")
+        figures.append(Figure(path, f"Linear-layer speed-up vs fp16 against the number of tokens M, per layer, "
+                                    f"on {model} (above 1 is faster)."))
+    return figures, notes
+
+
+def plot_memory(cells: list[Cell], out_dir: str | Path) -> list[Figure]:
+    """Per memory group: stacked weight bytes by part per method, and peak device memory if measured."""
+    out_dir = Path(out_dir)
+    figures = []
+    for (model, suite), group in suite_groups(cells, "memory").items():
+        rows = [c for c in group if "total_quantized_linears" in c.metrics]
+        if not rows:
+            continue
+        peaks = [c for c in rows if "peak_device_bytes" in c.metrics]
+        fig, axes = _new_figure(1, 2 if peaks else 1, (11 if peaks else 6.5, 0.45 * len(rows) + 1.6))
+        ax = axes[0][0]
+        labels = [c.method for c in rows]
+        left = [0.0] * len(rows)
+        for part in MEMORY_PARTS:
+            widths = [(c.metrics[part].value if part in c.metrics else 0.0) / MIB for c in rows]
+            if any(widths):
+                ax.barh(labels, widths, left=left, label=part.replace("_", " "))
+                left = [a + b for a, b in zip(left, widths)]
+        ax.invert_yaxis()
+        ax.set_xlabel(f"weight memory of the quantized linears on {model} (MiB)")
+        ax.legend(fontsize=7)
+        ax.grid(axis="x", alpha=0.3)
+        if peaks:
+            ax2 = axes[0][1]
+            ax2.barh([c.method for c in peaks], [c.metrics["peak_device_bytes"].value / MIB for c in peaks])
+            ax2.invert_yaxis()
+            ax2.set_xlabel("peak device memory of one forward pass (MiB)")
+            ax2.grid(axis="x", alpha=0.3)
+        path = _save(fig, out_dir / f"memory__{_name(model, suite, 'memory')}.png")
+        figures.append(Figure(path, f"Weight memory per method on {model}, stacked by part"
+                                    + (", and peak device memory." if peaks else ".")))
+    return figures
+
+
+def _sweep_key(cell: Cell) -> str:
+    rest = {k: v for k, v in cell.method_config.items() if k != "budget"}
+    return json.dumps(rest, sort_keys=True, default=str)
+
+
+def budget_sweeps(cells: list[Cell]) -> dict[str, str]:
+    """``{sweep key: series name}`` of the MosaicQuant configs measured at two budgets or more.
+
+    A series is named by the config options in which the sweeps differ from each other.
+    """
+    budgets: dict[str, set[float]] = {}
+    configs: dict[str, dict[str, Any]] = {}
+    for c in cells:
+        if c.method_name == "mosaicquant" and c.metrics and "budget" in c.method_config:
+            key = _sweep_key(c)
+            budgets.setdefault(key, set()).add(float(c.method_config["budget"]))
+            configs[key] = {k: v for k, v in c.method_config.items() if k != "budget"}
+    keys = [k for k, b in budgets.items() if len(b) >= 2]
+    differing = sorted({opt for k in keys for opt in configs[k]
+                        if len({json.dumps(configs[j].get(opt), default=str) for j in keys}) > 1})
+    return {k: "mosaicquant" + "".join(f":{opt}={configs[k].get(opt)}" for opt in differing) for k in keys}
+
+
+def plot_budget_sweep(cells: list[Cell], out_dir: str | Path) -> Figure | None:
+    """MosaicQuant's Δ-budget curve: ppl, decode speed-up and weight ratio against the budget."""
+    sweeps = budget_sweeps(cells)
+    if not sweeps:
+        return None
+    panels: list[tuple[str, dict[str, list[tuple[float, float]]], float | None]] = []
+    for (model, suite), ppl in _ppl_groups(cells).items():
+        series: dict[str, list[tuple[float, float]]] = {}
+        for c in cells:
+            finite = math.isfinite(ppl.get(c.method, math.nan))
+            if (c.model, c.suite) == (model, suite) and _sweep_key(c) in sweeps and finite:
+                series.setdefault(sweeps[_sweep_key(c)], []).append((float(c.method_config["budget"]), ppl[c.method]))
+        if series:
+            panels.append((f"perplexity on {model} ({suite})", series, ppl.get(FP16_LABEL)))
+    for (model, suite), group in suite_groups(cells, "throughput").items():
+        ref = fp16_cell(group)
+        series = {}
+        for c in group:
+            if ref is not None and _sweep_key(c) in sweeps and (s := decode_speedup(c, ref)) is not None:
+                series.setdefault(sweeps[_sweep_key(c)], []).append((float(c.method_config["budget"]), s[0]))
+        if series:
+            panels.append((f"decode speed-up vs fp16 on {model}", series, 1.0))
+    for (model, suite), group in suite_groups(cells, "memory").items():
+        series = {}
+        for c in group:
+            if _sweep_key(c) in sweeps and "linear_weight_ratio_vs_bf16" in c.metrics:
+                series.setdefault(sweeps[_sweep_key(c)], []).append(
+                    (float(c.method_config["budget"]), c.metrics["linear_weight_ratio_vs_bf16"].value))
+        if series:
+            panels.append((f"weight bytes / BF16 on {model}", series, None))
+    panels = [p for p in panels if any(len(pts) >= 2 for pts in p[1].values())]
+    if not panels:
+        return None
+    fig, axes = _new_figure(1, len(panels), (4.6 * len(panels), 3.8))
+    for ax, (ylabel, series, reference) in zip(axes[0], panels):
+        for name, pts in sorted(series.items()):
+            xs, ys = zip(*sorted(pts))
+            ax.plot([100 * x for x in xs], ys, marker="o", ms=3, label=name)
+        if reference is not None:
+            ax.axhline(reference, color="black", lw=0.8, ls="--", label=FP16_LABEL)
+        ax.set_xlabel("residual budget (% of blocks)")
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    path = _save(fig, Path(out_dir) / "budget_sweep.png")
+    return Figure(path, "MosaicQuant's Δ-budget sweep: " + ", ".join(p[0] for p in panels)
+                  + " against the residual budget.")
 
 
 def budget_curves(record: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
@@ -36,7 +335,7 @@ def plot_budget_curves(records: list[dict[str, Any]], out_path: str | Path) -> P
     recs = [r for r in records if r.get("suite", {}).get("name") == "analysis" and r.get("status") == "ok"]
     if not recs:
         return None
-    fig, axes = plt.subplots(1, len(recs), figsize=(5.5 * len(recs), 4.2), squeeze=False)
+    fig, axes = _new_figure(1, len(recs), (5.5 * len(recs), 4.2))
     for ax, rec in zip(axes[0], recs):
         for label, pts in budget_curves(rec).items():
             xs, ys = zip(*pts)
@@ -50,8 +349,32 @@ def plot_budget_curves(records: list[dict[str, Any]], out_path: str | Path) -> P
         ax.axhline(50, color="grey", lw=0.5)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    out_path = Path(out_path)
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
-    return out_path
+    return _save(fig, Path(out_path))
+
+
+def draw_figures(records: list[dict[str, Any]], out_dir: str | Path) -> tuple[list[Figure], list[str]]:
+    """Every figure the records hold data for, written as PNG files into ``out_dir``.
+
+    Args:
+        records: as :func:`mosaicquant.harness.results.load_records` returns them.
+        out_dir: the folder of the report (figures are linked by file name).
+
+    Returns:
+        ``(figures, notes)``: the figures with their captions, and one line per figure that
+        could not be drawn although data exists (e.g. no fp16 row for speed-ups).
+    """
+    out_dir = Path(out_dir)
+    cells = list(aggregate_cells(records).values())
+    figures, notes = plot_pareto(cells, out_dir)
+    latency_figures, latency_notes = plot_speedup_vs_m(cells, out_dir)
+    figures += latency_figures
+    notes += latency_notes
+    figures += plot_memory(cells, out_dir)
+    sweep = plot_budget_sweep(cells, out_dir)
+    if sweep is not None:
+        figures.append(sweep)
+    curves = plot_budget_curves(records, out_dir / "budget_curves.png")
+    if curves is not None:
+        figures.append(Figure(curves, "Output distortion recovered against residual budget, per selection score "
+                                      "(analysis suite, held-out calibration tokens)."))
+    return figures, notes

@@ -1,24 +1,31 @@
-"""Tables from result records: one row per (model, method spec), metric columns per suite.
+"""Tables and the report of a results directory: one row per (model, method spec), metric columns per suite.
 
 Reads only records (:func:`mosaicquant.harness.results.load_records`). Every record gets a
 row — a failed cell shows ``failed: <error>`` instead of numbers, and a method that could
-not run says why — so a report never hides a missing result.
+not run (``"status": "unavailable"``) shows its reason — so a report never hides a missing
+result. :func:`write_tables` writes ``report.md`` with the summary, the speed tables
+(:mod:`mosaicquant.reports.speed`) and the figures (:mod:`mosaicquant.reports.plots`)
+embedded, plus ``summary.csv``, ``summary.tex`` and ``records_long.csv``.
 """
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from mosaicquant.harness.results import load_records
+from mosaicquant.reports.cells import aggregate_cells, format_number, natural_key, record_note
 
 __all__ = ["records_frame", "summary_table", "render_markdown", "write_tables"]
 
-#: which metrics a summary shows per suite (others stay in the CSV)
+#: which metrics a summary shows per suite (names or globs; others stay in the CSV)
 SUMMARY_METRICS = {
     "accuracy": ["ppl"],
+    "throughput": ["prefill_tok_s", "decode_tok_s/*"],
+    "latency": ["step_ms/*"],
     "memory": ["total_quantized_linears", "linear_weight_ratio_vs_bf16", "residual_overhead_vs_base",
                "peak_device_bytes"],
     "analysis": ["recovered/hessian/0.1", "recovered/delta/0.1", "recovered/frobenius/0.1", "recovered/random/0.1",
@@ -31,34 +38,39 @@ def records_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
     """Long format: one row per (record, metric)."""
     rows = []
     for rec in records:
+        info = rec.get("method_info") or {}
         base = {
             "model": rec["model"]["name"],
             "method": rec["method"]["label"],
             "suite": rec["suite"]["label"],
             "seed": rec["seed"],
             "status": rec.get("status"),
-            "wbits": rec.get("method_info", {}).get("wbits"),
-            "abits": rec.get("method_info", {}).get("abits"),
-            "kv_bits": rec.get("method_info", {}).get("kv_bits"),
-            "exec_path": rec.get("method_info", {}).get("exec_path"),
-            "error": (rec.get("error") or {}).get("message"),
+            "wbits": info.get("wbits"),
+            "abits": info.get("abits"),
+            "kv_bits": info.get("kv_bits"),
+            "exec_path": info.get("exec_path"),
+            "exec_path_speed": info.get("exec_path_speed"),
+            "note": None if rec.get("status") == "ok" else record_note(rec),
         }
         metrics = rec.get("metrics") or {}
         if not metrics:
-            rows.append({**base, "metric": None, "value": None, "higher_is_better": None})
+            rows.append({**base, "metric": None, "value": None, "higher_is_better": None, "unit": None,
+                         "spread": None})
         for name, m in metrics.items():
-            rows.append({**base, "metric": name, "value": m["value"], "higher_is_better": m["higher_is_better"]})
+            rows.append({**base, "metric": name, "value": m["value"], "higher_is_better": m["higher_is_better"],
+                         "unit": m.get("unit"), "spread": m.get("spread")})
     return pd.DataFrame(rows)
 
 
 def _fmt(value: float) -> str:
     if value is None or pd.isna(value):
         return ""
-    if abs(value) >= 1000:
-        return f"{value:,.0f}"
-    if abs(value) >= 100:
-        return f"{value:.1f}"
-    return f"{value:.3g}" if abs(value) < 1 else f"{value:.2f}"
+    return format_number(float(value))
+
+
+def _shown(suite: str, name: str) -> bool:
+    patterns = SUMMARY_METRICS.get(suite)
+    return patterns is None or any(fnmatchcase(name, p) for p in patterns)
 
 
 def summary_table(records: list[dict[str, Any]]) -> pd.DataFrame:
@@ -74,17 +86,19 @@ def summary_table(records: list[dict[str, Any]]) -> pd.DataFrame:
             # one row per analysis config: it analyses the float model, not the cell's method
             cfg = rec["suite"]["config"]
             key = (key[0], f"{key[1]} [analysis: {cfg.get('transform')}, {cfg.get('base')} base, block {cfg.get('block')}]")
-        info = rec.get("method_info", {})
-        row = rows.setdefault(key, {"model": key[0], "method": key[1], "W": info.get("wbits"),
-                                    "A": info.get("abits"), "KV": info.get("kv_bits"),
-                                    "exec path": info.get("exec_path"), "_vals": {}, "_fail": []})
+        info = rec.get("method_info") or {}
+        row = rows.setdefault(key, {"model": key[0], "method": key[1], "W": None, "A": None, "KV": None,
+                                    "exec path": None, "_speed_path": None, "_vals": {}, "_fail": []})
+        # a failed cell may carry no method info: take each field from the first record that has it
+        for col, field in (("W", "wbits"), ("A", "abits"), ("KV", "kv_bits"), ("exec path", "exec_path"),
+                           ("_speed_path", "exec_path_speed")):
+            if row[col] is None and info.get(field) is not None:
+                row[col] = str(info[field])  # bits may be "4/8" (mixed precision); keep one type per column
         if rec.get("status") != "ok":
-            err = rec.get("error") or {}
-            row["_fail"].append(f"{rec['suite']['label']} failed: {err.get('type', '')}: {err.get('message', '')}"[:200])
+            row["_fail"].append(f"{rec['suite']['label']} {record_note(rec)}"[:200])
             continue
-        shown = SUMMARY_METRICS.get(suite)
         for name, m in (rec.get("metrics") or {}).items():
-            if shown is not None and name not in shown:
+            if not _shown(suite, name):
                 continue
             col = f"{suite}/{name}"
             row["_vals"].setdefault(col, []).append(m["value"])
@@ -92,6 +106,10 @@ def summary_table(records: list[dict[str, Any]]) -> pd.DataFrame:
     for row in rows.values():
         vals = row.pop("_vals")
         fails = row.pop("_fail")
+        speed_path = row.pop("_speed_path")
+        if speed_path and speed_path != row["exec path"]:
+            # the speed suites time a kernel path, the accuracy suite may simulate the method
+            row["exec path"] = "; ".join(p for p in (row["exec path"], f"speed: {speed_path}") if p)
         for col, v in vals.items():
             row[col] = sum(v) / len(v)
             row["n_seeds"] = max(row.get("n_seeds", 0), len(v))
@@ -99,10 +117,12 @@ def summary_table(records: list[dict[str, Any]]) -> pd.DataFrame:
         out.append(row)
     df = pd.DataFrame(out)
     if not df.empty:
-        metric_cols = sorted(c for c in df.columns if "/" in c)
+        metric_cols = sorted((c for c in df.columns if "/" in c), key=natural_key)
         front = ["model", "method", "W", "A", "KV", "exec path"]
         rest = [c for c in df.columns if c not in front + metric_cols]
         df = df[front + metric_cols + rest]
+        if "n_seeds" in df:
+            df["n_seeds"] = df["n_seeds"].astype("Int64")
     return df
 
 
@@ -126,13 +146,61 @@ def render_markdown(df: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _speed_sections(records: list[dict[str, Any]]) -> list[str]:
+    """Markdown of the throughput, per-layer latency and step-time tables, one set per (model, suite label)."""
+    from mosaicquant.reports.speed import fp16_cell, latency_table, step_table, suite_groups, throughput_table
+
+    cells = list(aggregate_cells(records).values())
+    parts = []
+    legend = ("Each value is the mean over seeds ± its spread (as recorded: half the interquartile range of the "
+              "timed repeats), then in brackets the speed-up vs the `fp16` row of the same model in this "
+              "directory (above 1× is faster).\n")
+    for suite, title in (("throughput", "Throughput"), ("latency", "Latency")):
+        for (model, label), group in suite_groups(cells, suite).items():
+            parts.append(f"### {title} on {model} (`{label}`)\n")
+            parts.append(legend)
+            if fp16_cell(group) is None:
+                parts.append(f"No `fp16` row for {model} in this directory: values are shown without speed-ups.\n")
+            if suite == "throughput":
+                parts.append("Tokens per second: prefill at batch 1, decode per batch size.\n")
+                parts.append(render_markdown(throughput_table(group)))
+            else:
+                steps = step_table(group)
+                if not steps.empty:
+                    parts.append("End-to-end step time (ms):\n")
+                    parts.append(render_markdown(steps))
+                parts.append("Linear layer time (µs) per number of tokens M, with the speed-up in brackets "
+                             "(spreads are in `records_long.csv`):\n")
+                parts.append(render_markdown(latency_table(group)))
+    if parts:
+        parts.insert(0, "## Speed\n")
+    return parts
+
+
 def write_tables(results_dir: str | Path, out_path: str | Path | None = None) -> Path:
-    """Write ``report.md``, ``summary.csv``, ``summary.tex`` and ``records_long.csv`` next to the records."""
+    """Write ``report.md`` (tables and figures), ``summary.csv``, ``summary.tex`` and ``records_long.csv``.
+
+    Figures are PNG files written next to ``report.md`` and embedded by file name; the CSV and
+    LaTeX tables go next to the records.
+
+    Args:
+        results_dir: a results directory (one report per directory).
+        out_path: the Markdown file (default ``results_dir/report.md``).
+
+    Returns:
+        The path of the Markdown report.
+
+    Raises:
+        UserInputError: the directory does not exist.
+    """
+    from mosaicquant.reports.plots import draw_figures
+
     results_dir = Path(results_dir)
     records = load_records(results_dir)
     df = summary_table(records)
     caveats = sorted({r["model"].get("caveat") for r in records if r["model"].get("caveat")})
     out_path = Path(out_path) if out_path else results_dir / "report.md"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     parts = [f"# MosaicQuant results: {results_dir}\n", f"{len(records)} records.\n"]
     corpora = sorted({r.get("corpus") for r in records if r.get("corpus")})
     if corpora:
@@ -141,12 +209,16 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
         parts.append(f"> Caveat: {c}\n")
     parts.append("## Summary\n")
     parts.append(render_markdown(df))
-    from mosaicquant.reports.plots import plot_budget_curves
-
-    fig = plot_budget_curves(records, results_dir / "budget_curves.png")
-    if fig is not None:
-        parts.append("## Distortion recovered against residual budget\n")
-        parts.append(f"![budget curves]({fig.name})\n")
+    parts.extend(_speed_sections(records))
+    figures, notes = draw_figures(records, out_path.parent)
+    if figures or notes:
+        parts.append("## Figures\n")
+    parts.extend(f"- {note}" for note in notes)
+    if notes:
+        parts.append("")
+    for fig in figures:
+        parts.append(f"![{fig.path.stem}]({fig.path.name})\n")
+        parts.append(f"*{fig.caption}*\n")
     out_path.write_text("\n".join(parts))
     df.to_csv(results_dir / "summary.csv", index=False)
     records_frame(records).to_csv(results_dir / "records_long.csv", index=False)

@@ -4,7 +4,9 @@ Weight bytes come from the layers' formats: packed 4-bit layers count base value
 scales, residual values, residual scales and indices exactly as stored; other quantized
 layers count ``wbits`` per weight plus FP16 scales; unquantized linears count BF16. The
 16-bit parts every method keeps (embeddings, norms, output head) are reported separately.
-On a CUDA device, one forward pass of ``seqlen`` tokens measures peak allocated memory.
+On a CUDA device, the model is first made executable (:func:`mosaicquant.harness.speedforms.executable`:
+the kernel-backed layers) and one forward pass of ``seqlen`` tokens measures peak allocated
+memory; a method with no fast path gets no peak figure (the record says why).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from mosaicquant.harness.config import Config, check_range
+from mosaicquant.harness.errors import Unavailable
 from mosaicquant.harness.registry import register_suite
 from mosaicquant.harness.results import Metric
 from mosaicquant.methods.qlinear import FakeQuantLinear, weight_memory
@@ -39,15 +42,25 @@ class MemoryConfig(Config):
 def memory(model, config: MemoryConfig, ctx):
     """Weight memory of the quantized linears, and peak memory of a forward pass on a GPU."""
     mem = weight_memory(model)
+    if mem["linear_bf16_equivalent"] == 0 and ctx.method_info.get("wbits", 16) < 16:
+        # quantized in a format this suite does not know (e.g. a library's tensor subclasses):
+        # no weight bytes are claimed; a GPU still gets the measured peak memory
+        ctx.method_info["weight_bytes_skipped"] = (
+            f"the quantized layers' format is not one the memory suite can count "
+            f"({ctx.method_info.get('exec_path') or 'unknown'})")
+        if ctx.device.type != "cuda":
+            raise Unavailable(f"memory: {ctx.method_info['weight_bytes_skipped']}; peak memory needs a CUDA GPU")
+        return _peak_memory(model, config, ctx, {})
     if mem["linear_bf16_equivalent"] == 0:
         linear_params = sum(m.weight.numel() for n, m in model.named_modules()
                             if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings())
         mem["linear_bf16_equivalent"] = 2 * linear_params
         mem["base_values"] = 2 * linear_params
         mem["total_quantized_linears"] = 2 * linear_params
-    quantized_ids = {id(p) for m in model.modules() if isinstance(m, FakeQuantLinear) for p in m.parameters()}
+    quantized = [m for m in model.modules() if isinstance(m, FakeQuantLinear) or hasattr(m, "weight_nbytes")]
+    quantized_ids = {id(p) for m in quantized for p in m.parameters()}
     other = sum(2 * p.numel() for p in model.parameters() if id(p) not in quantized_ids)
-    if not any(isinstance(m, FakeQuantLinear) for m in model.modules()):
+    if not quantized:
         other -= mem["linear_bf16_equivalent"]
     metrics = {k: Metric(float(v), higher_is_better=False, unit="bytes") for k, v in mem.items()}
     metrics["other_params_bf16"] = Metric(float(other), higher_is_better=False, unit="bytes")
@@ -57,8 +70,23 @@ def memory(model, config: MemoryConfig, ctx):
     metrics["residual_overhead_vs_base"] = Metric(
         (mem["residual_values"] + mem["residual_scales"] + mem["residual_indices"]) / base if base else 0.0,
         higher_is_better=False)
+    return _peak_memory(model, config, ctx, metrics)
+
+
+def _peak_memory(model, config: MemoryConfig, ctx, metrics: dict) -> dict:
+    """Add ``peak_device_bytes`` (one forward pass of the executable model) on a CUDA device."""
     if ctx.device.type == "cuda":
-        tokens = ctx.test_tokens()[: config.seqlen].unsqueeze(0).to(ctx.device)
+        from mosaicquant.harness.speedforms import executable
+
+        try:
+            executable(model, ctx.method_info)  # peak memory of what runs, not of the simulation
+        except Unavailable as exc:
+            ctx.method_info["peak_device_bytes_skipped"] = str(exc)
+            return metrics
+        if ctx.tokenizer is None:  # a random-weight shape model: token values do not matter
+            tokens = torch.randint(0, model.config.vocab_size, (1, config.seqlen), device=ctx.device)
+        else:
+            tokens = ctx.test_tokens()[: config.seqlen].unsqueeze(0).to(ctx.device)
         torch.cuda.synchronize(ctx.device)
         torch.cuda.reset_peak_memory_stats(ctx.device)
         model(input_ids=tokens, use_cache=False)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU sweeps behind benchmarks/results/*_speed* (run from the repository root on a CUDA machine).
+#
+#   bash benchmarks/speed_sweeps.sh OUT_DIR [shapes|latency|smollm2|zeroshot|dask]
+#
+# shapes   throughput + memory of every method on Llama-3-8B shapes (random weights)
+# latency  per-linear-layer latency over M = 1..8192 and step latency on Llama-3-8B shapes
+# smollm2  the real small model: every method quantized for real, then throughput + memory
+# zeroshot the real small model through lm-eval, 200 documents per task
+# dask     one speed sweep through Dask on 1 GPU and on 2 GPUs (same cells), wall time of each
+set -euo pipefail
+out=${1:?usage: speed_sweeps.sh OUT_DIR [shapes|latency|smollm2|zeroshot|dask]}
+what=${2:-shapes}
+mq() { python3 -m mosaicquant "$@"; }
+common=(--device cuda --dtype bfloat16 --report)
+shape_methods=fp16,rtn,smoothquant,quarot,spinquant,mosaicquant:budget=0,mosaicquant:budget=0.05,mosaicquant,mosaicquant:budget=0.2,atom,resq,torchao:recipe=int8_dyn,torchao:recipe=int4_wo
+
+case "$what" in
+shapes)
+    mq run --model llama-3-8b-shapes --methods "$shape_methods" --suites throughput,memory "${common[@]}" \
+        --out "$out/llama3_8b_speed" ;;
+latency)
+    mq run --model llama-3-8b-shapes --methods fp16,rtn,quarot,mosaicquant:budget=0,mosaicquant \
+        --suites latency "${common[@]}" --out "$out/llama3_8b_latency" ;;
+smollm2)
+    mq run --model smollm2-135m --methods fp16,rtn,quarot,mosaicquant,torchao:recipe=int8_dyn \
+        --suites throughput,memory "${common[@]}" --calib-samples 8 --calib-seqlen 1024 --out "$out/smollm2_speed" ;;
+zeroshot)
+    mq run --model smollm2-135m --methods fp16,rtn,mosaicquant --suites zeroshot:limit=200 --device cuda \
+        --calib-samples 8 --calib-seqlen 1024 --report --out "$out/smollm2_zeroshot_200docs" ;;
+dask)
+    for gpus in 1 2; do
+        start=$(date +%s.%N)
+        mq run --model qwen3-8b-shapes --methods fp16,rtn,quarot,mosaicquant --suites throughput "${common[@]}" \
+            --executor dask --gpus "$gpus" --out "$out/qwen3_8b_dask_${gpus}gpu"
+        echo "dask --gpus $gpus: $(python3 -c "import time; print(round(time.time() - $start, 1))") s"
+    done ;;
+*) echo "unknown sweep: $what" >&2; exit 2 ;;
+esac

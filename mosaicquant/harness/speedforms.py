@@ -1,0 +1,206 @@
+"""Executable forms for the speed suites: each method's format on any model, kernels included.
+
+Two things live here.
+
+1. :func:`executable` turns a quantized model into what the speed suites time: every
+   simulated 4-bit layer the W4A4 kernels can run becomes a kernel-backed layer
+   (:func:`mosaicquant.kernels.convert.kernelize`: online input transform, activation
+   quantization, dense W4A4 GEMM or ZipperEngine). If any quantized layer cannot run on the
+   kernels, it raises :class:`~mosaicquant.harness.errors.Unavailable` naming the layer and
+   the reason: a method with no fast path is never timed on a stand-in.
+
+2. :func:`speed_form` builds a method's *format* on a random-weight shape model
+   (:mod:`mosaicquant.harness.shapes`) without calibration data: the same transforms the
+   method applies (QuaRot-style rotation with online Hadamards for ``quarot``,
+   ``spinquant`` and ``mosaicquant``), the same weight and activation formats, with
+   round-to-nearest integers in place of GPTQ (GPTQ changes the integers, not the format)
+   and, for MosaicQuant, residual blocks chosen by the method's ``random`` score at the
+   configured budget and block shape (the selection score changes which blocks, not how
+   many). The method's configured options (bits, clip ratios, budget, block, ``online_o``)
+   are honoured; a configuration the kernels cannot run is built anyway, and then
+   :func:`executable` says why it has no fast path. The KV cache stays 16-bit in every
+   speed form (the records say ``kv_bits: 16``). Methods with no data-free form here
+   (``atom``, ``resq``, and third-party methods) raise
+   :class:`~mosaicquant.harness.errors.Unavailable`. Methods that need no data at all
+   (``torchao``) run as they are and execute on their own kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from mosaicquant.harness.errors import Unavailable
+from mosaicquant.methods.qlinear import (
+    ActQuantSpec,
+    FakeQuantLinear,
+    fake_quant_linear_from,
+    quantize_weight,
+    replace_linears,
+)
+
+__all__ = ["executable", "speed_form", "SPEED_FORMS", "DATA_FREE_METHODS", "FLOAT_PATH"]
+
+FLOAT_PATH = "torch BF16 (cuBLAS)"
+
+
+def _has_kernel_layers(model: nn.Module) -> bool:
+    return any(hasattr(m, "weight_nbytes") for m in model.modules())
+
+
+def executable(model: nn.Module, info: dict) -> str:
+    """Make ``model`` run on the kernels in place (once) and return the execution path.
+
+    Args:
+        model: a float model, a simulated (fake-quant) model, or an already converted one.
+        info: the method's info dict; ``exec_path_speed`` and ``kernel_layers`` are set there.
+
+    Raises:
+        Unavailable: a quantized layer has no kernel path (the message names it and why).
+    """
+    from mosaicquant.kernels.convert import kernelize
+
+    simulated = [m for m in model.modules() if isinstance(m, FakeQuantLinear)]
+    if not simulated and not _has_kernel_layers(model):
+        # a float model, or a method whose layers are executable as they are (e.g. torchao's)
+        path = info.get("exec_path") if info.get("wbits", 16) < 16 and info.get("exec_path") else FLOAT_PATH
+        info["exec_path_speed"] = path
+        return path
+    if simulated:
+        report = kernelize(model)
+        if report.skipped:
+            name, reason = next(iter(report.skipped.items()))
+            raise Unavailable(f"no fast path: {len(report.skipped)} quantized linear(s) cannot run on the W4A4 "
+                              f"kernels, e.g. {name}: {reason}")
+        info["kernel_layers"] = len(report.converted)
+    fused = any(getattr(getattr(m, "quant", None), "block_shape", None) is not None for m in model.modules())
+    online = sum(1 for m in model.modules() if getattr(m, "input_transform", None) is not None
+                 and hasattr(getattr(m, "quant", None), "weight_nbytes"))
+    path = "Triton W4A4: act-quant + " + ("ZipperEngine (dense + fused residual)" if fused else "dense GEMM")
+    if online:
+        path += f"; online Hadamard on {online} linear inputs"
+    info["exec_path_speed"] = path
+    return path
+
+
+def _dense_w4(model: nn.Module, act: ActQuantSpec, wbits: int, group_size: int | None = None) -> int:
+    def make(name, linear):
+        qweight = quantize_weight(linear.weight.data, wbits, symmetric=True, group_size=group_size,
+                                  clip_search=False)
+        return fake_quant_linear_from(linear, qweight, act, wbits)
+
+    return len(replace_linears(model, make))
+
+
+def _check_w4a4(method: str, wbits: int, abits: int) -> None:
+    if wbits != 4 or abits != 4:
+        raise Unavailable(f"no fast path: {method} W{wbits}A{abits}; the kernels run W4A4 (4-bit weights and "
+                          "activations) and BF16")
+
+
+def _rtn(model, config, ctx):
+    _check_w4a4("rtn", config.wbits, config.abits)
+    act = ActQuantSpec(bits=config.abits, symmetric=config.a_symmetric, clip_ratio=config.a_clip)
+    if not config.w_symmetric:
+        raise Unavailable("no fast path: asymmetric weights; the W4A4 kernels take symmetric 4-bit weights")
+    return _dense_w4(model, act, config.wbits, config.w_group_size), {}
+
+
+def _smoothquant(model, config, ctx):
+    # the smoothing scales fold into the preceding norms and linears: no run-time op
+    _check_w4a4("smoothquant", config.wbits, config.abits)
+    return _dense_w4(model, config.act_spec(), config.wbits), {"transform": "smoothing (folded, no run-time op)"}
+
+
+def _rotated(online_o: Callable[[object], bool]):
+    def form(model, config, ctx):
+        from mosaicquant.methods.rotation import rotate_model
+
+        name = type(config).__name__.replace("Config", "").lower()
+        _check_w4a4(name, config.wbits, config.abits)
+        rotation = getattr(config, "rotation", "hadamard")
+        desc = rotate_model(model, seed=ctx.seed, rotation=rotation, online_down=True, online_o=online_o(config))
+        act = config.act_spec() if hasattr(config, "act_spec") else ActQuantSpec(
+            bits=config.abits, symmetric=True, clip_ratio=config.a_clip)
+        return _dense_w4(model, act, config.wbits, config.w_group_size), {"online": sorted(desc["online"])[:4]}
+    return form
+
+
+def _mosaicquant(model, config, ctx):
+    from mosaicquant.methods.format import PackedW4, ResidualBlocks
+    from mosaicquant.methods.quant import quantize
+    from mosaicquant.methods.residual import select_residual
+    from mosaicquant.methods.rotation import rotate_model
+
+    _check_w4a4("mosaicquant", config.wbits, config.abits)
+    if config.transform == "rotation":
+        rotate_model(model, seed=ctx.seed, online_down=True, online_o=config.online_o)
+    act = ActQuantSpec(bits=config.abits, symmetric=True, clip_ratio=config.a_clip)
+    block_shape = config.block_shape
+    counter = iter(range(1 << 30))
+
+    def make(name, linear):
+        w = linear.weight.data.to(torch.float32)
+        qt = quantize(w, 4, symmetric=True, group_size=config.w_group_size, scale_dtype=torch.float16)
+        packed = PackedW4.from_quantized(qt, bias=None if linear.bias is None else linear.bias.data)
+        if config.budget > 0:
+            coords, q, scales = select_residual("random", w - packed.dequantize_base(torch.float32), block_shape,
+                                                config.budget, seed=ctx.seed * 7919 + next(counter))
+            packed.residual = ResidualBlocks.from_blocks(tuple(w.shape), block_shape, coords, q, scales)
+        else:
+            packed.residual = ResidualBlocks.empty(tuple(w.shape), block_shape)
+        layer = FakeQuantLinear(packed.dequantize(linear.weight.dtype), linear.bias, act,
+                                getattr(linear, "input_transform", None), packed, 4)
+        return layer.to(linear.weight.device)
+
+    n = len(replace_linears(model, make))
+    return n, {"transform": config.transform, "residual_selection": "random (data-free speed form)",
+               "budget": config.budget, "block": list(block_shape)}
+
+
+#: methods that need no calibration data: on a shape model they run as they are
+DATA_FREE_METHODS = ("torchao",)
+
+#: method name → data-free speed form ``(model, config, ctx) -> (quantized linears, notes)``
+SPEED_FORMS: dict[str, Callable] = {
+    "rtn": _rtn,
+    "smoothquant": _smoothquant,
+    "quarot": _rotated(lambda config: True),
+    "spinquant": _rotated(lambda config: False),
+    "mosaicquant": _mosaicquant,
+}
+
+
+def speed_form(method: str, model: nn.Module, config, ctx) -> nn.Module:
+    """Apply ``method``'s data-free speed form to a random-weight model in place.
+
+    Args:
+        method: registered method name.
+        model: a random-weight shape model.
+        config: the method's config (its options are honoured).
+        ctx: the :class:`~mosaicquant.harness.context.QuantContext`; ``ctx.info`` is filled.
+
+    Raises:
+        Unavailable: the method has no data-free speed form, or a configuration the W4A4
+            kernels cannot run.
+    """
+    if method == "fp16":
+        ctx.info.update(wbits=16, abits=16, kv_bits=16, exec_path=FLOAT_PATH, weights="random (speed only)")
+        return model
+    if method in DATA_FREE_METHODS:
+        from mosaicquant.harness.registry import get_method
+
+        model = get_method(method).fn(model, config, ctx)
+        ctx.info.update(weights="random (speed only)")
+        return model
+    if method not in SPEED_FORMS:
+        raise Unavailable(f"no speed form for '{method}' on a random-weight model: its format needs calibration "
+                          f"data; speed forms exist for fp16, {', '.join(sorted([*SPEED_FORMS, *DATA_FREE_METHODS]))}")
+    with torch.no_grad():
+        n, notes = SPEED_FORMS[method](model, config, ctx)
+    ctx.info.update(wbits=config.wbits, abits=config.abits, kv_bits=16, quantized_linears=n,
+                    exec_path="data-free speed form (round-to-nearest integers, the method's format)",
+                    weights="random (speed only)", speed_form=notes)
+    return model

@@ -1,0 +1,312 @@
+"""Speed suites: ``throughput`` and ``latency`` on a CUDA GPU (SPEC §4).
+
+Both time the model's *executable* form (:func:`mosaicquant.harness.speedforms.executable`):
+quantized layers run on the Triton W4A4 kernels (dense GEMM, or ZipperEngine with the fused
+residual), float models on cuBLAS BF16. A method whose quantized layers have no kernel path
+is recorded as unavailable with the reason, never timed on a stand-in. The record's
+``method_info.exec_path_speed`` says which path ran.
+
+``throughput``
+    * ``prefill_tok_s``: ``prefill_batch × prefill_len`` tokens through the model (logits for
+      the last position only, as a server computes them), eager launches, median of
+      ``replays`` passes.
+    * ``decode_tok_s/b{B}`` for each batch ``B``: one decode step with a static KV cache
+      holding ``context`` tokens, captured in a CUDA graph and replayed (launch overhead
+      excluded, as in CUDA-graph serving); tokens/s = ``B`` / median step time.
+    * with ``nvidia-ml-py`` on the GPU: ``decode_energy_j_per_tok/b{B}`` (energy counter over
+      the timed replays), ``decode_power_w/b{B}`` and ``decode_sm_clock_mhz/b{B}`` (sampled at
+      the end of the window).
+
+``latency``
+    * ``linear_us/{group}/m{M}``: one linear group of a decoder layer (``qkv_proj`` = q, k and
+      v projections in turn, ``o_proj``, ``gate_up_proj`` = gate and up, ``down_proj``) on
+      ``M`` tokens, its online transform and activation quantization included, cycled over
+      as many decoder layers as it takes to move more than ``rotate_mb`` of weights (more
+      than the L2 cache), CUDA graphs, median per call.
+    * ``step_ms/prefill`` and ``step_ms/decode_b{B}``: the same measurements as
+      ``throughput`` as step times.
+
+Spreads are half the interquartile range of the replays. Token values are random (speed
+does not depend on them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mosaicquant.harness.config import Config, check_range
+from mosaicquant.harness.errors import Unavailable
+from mosaicquant.harness.registry import register_suite
+from mosaicquant.harness.results import Metric
+from mosaicquant.harness.speedforms import executable
+from mosaicquant.harness.telemetry import Telemetry
+from mosaicquant.harness.timing import time_calls
+
+__all__ = ["ThroughputConfig", "LatencyConfig", "throughput", "latency", "LINEAR_GROUPS", "measure_prefill",
+           "decode_step", "measure_decode", "measure_linear_group", "SPEED_SUITES"]
+
+SPEED_SUITES = ("throughput", "latency")
+
+#: linear groups of a decoder layer, as the papers' per-layer tables name them
+LINEAR_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o_proj": ("self_attn.o_proj",),
+    "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "down_proj": ("mlp.down_proj",),
+}
+DEFAULT_MS = (1, 4, 8, 16, 32, 64, 128, 512, 2048, 8192)
+
+
+def _check_ints(name: str, values, minimum: int = 1) -> None:
+    if not isinstance(values, tuple) or not values:
+        raise ValueError(f"{name} must be a non-empty list of integers, got {values!r}")
+    for v in values:
+        check_range(name, v, minimum, None, integer=True)
+
+
+@dataclass(frozen=True)
+class ThroughputConfig(Config):
+    """Throughput options.
+
+    Attributes:
+        prefill_len: tokens per sequence in the prefill measurement.
+        prefill_batch: sequences per prefill.
+        batches: decode batch sizes (the paper's range 4–32).
+        context: tokens already in the KV cache during decode.
+        replays: timed repetitions (median and spread over them).
+        cuda_graphs: capture decode steps in CUDA graphs.
+    """
+
+    description = "prefill tokens/s and CUDA-graph decode tokens/s at batch 4-32, with NVML energy (GPU)"
+
+    prefill_len: int = 2048
+    prefill_batch: int = 1
+    batches: tuple[int, ...] = (4, 8, 16, 32)
+    context: int = 512
+    replays: int = 11
+    cuda_graphs: bool = True
+
+    def validate(self):
+        check_range("prefill_len", self.prefill_len, 1, None, integer=True)
+        check_range("prefill_batch", self.prefill_batch, 1, None, integer=True)
+        _check_ints("batches", self.batches)
+        check_range("context", self.context, 1, None, integer=True)
+        check_range("replays", self.replays, 3, None, integer=True)
+
+
+@dataclass(frozen=True)
+class LatencyConfig(Config):
+    """Latency options.
+
+    Attributes:
+        ms: token counts M of the per-layer measurement.
+        groups: linear groups to time (keys of ``LINEAR_GROUPS``).
+        rotate_mb: weights cycled per measurement exceed this many MiB (beyond L2).
+        steps: also time the end-to-end prefill and decode steps.
+        prefill_len, batches, context: as in ``throughput`` (end-to-end steps).
+        replays: timed repetitions.
+    """
+
+    description = "per-linear-layer latency over M = 1..8192 and end-to-end step latency (GPU, CUDA graphs)"
+
+    ms: tuple[int, ...] = DEFAULT_MS
+    groups: tuple[str, ...] = tuple(LINEAR_GROUPS)
+    rotate_mb: int = 180
+    steps: bool = True
+    prefill_len: int = 2048
+    batches: tuple[int, ...] = (4, 8, 16, 32)
+    context: int = 512
+    replays: int = 11
+
+    def validate(self):
+        _check_ints("ms", self.ms)
+        for g in self.groups:
+            if g not in LINEAR_GROUPS:
+                raise ValueError(f"groups: {g!r} is not allowed: choose from {', '.join(LINEAR_GROUPS)}")
+        check_range("rotate_mb", self.rotate_mb, 0, None, integer=True)
+        check_range("prefill_len", self.prefill_len, 1, None, integer=True)
+        _check_ints("batches", self.batches)
+        check_range("context", self.context, 1, None, integer=True)
+        check_range("replays", self.replays, 3, None, integer=True)
+
+
+def _require_cuda(device: torch.device, suite: str) -> None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise Unavailable(f"the {suite} suite times GPU kernels and needs a CUDA GPU (device={device})")
+
+
+def _decoder_layers(model) -> list:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise Unavailable(f"{type(model).__name__} has no model.layers: the speed suites time decoder-only "
+                          "transformers (Llama, Qwen, Mistral layouts)")
+    return list(layers)
+
+
+def _vocab(model) -> int:
+    return int(model.config.vocab_size)
+
+
+def _dtype(model) -> torch.dtype:
+    emb = model.get_input_embeddings()
+    return emb.weight.dtype
+
+
+def measure_prefill(model, batch: int, length: int, device, replays: int = 11):
+    """Median µs of a prefill of ``batch × length`` random tokens (last-position logits only)."""
+    ids = torch.randint(0, _vocab(model), (batch, length), device=device)
+
+    def call():
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+    return time_calls([call], min_us=0.0, replays=replays, graphs=False)
+
+
+def _static_cache(model, batch: int, max_len: int, device, dtype):
+    from transformers import StaticCache
+
+    try:
+        return StaticCache(config=model.config, max_cache_len=max_len)
+    except TypeError:  # transformers 4.x takes the batch, device and dtype up front
+        return StaticCache(config=model.config, max_batch_size=batch, max_cache_len=max_len, device=device,
+                           dtype=dtype)
+
+
+def decode_step(model, batch: int, context: int, device):
+    """A closure running one decode step at ``batch`` with ``context`` cached tokens; returns the logits.
+
+    The static KV cache is filled with a random prompt of ``context`` tokens first. Every call
+    decodes the token at position ``context`` again: transformers' static cache layers keep
+    a device-side write counter that each update advances, so the step first sets those
+    counters back to ``context`` (two multi-tensor ops, captured with the step), keeping
+    the cache in bounds and every replay the same step.
+    """
+    cache = _static_cache(model, batch, context + 8, device, _dtype(model))
+    vocab = _vocab(model)
+    prompt = torch.randint(0, vocab, (batch, context), device=device)
+    model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1,
+          cache_position=torch.arange(context, device=device))
+    counters = [layer.cumulative_length for layer in getattr(cache, "layers", [])
+                if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+    step_ids = torch.randint(0, vocab, (batch, 1), device=device)
+    position = torch.tensor([context], device=device)
+
+    def step():
+        if counters:
+            torch._foreach_zero_(counters)
+            torch._foreach_add_(counters, context)
+        return model(input_ids=step_ids, past_key_values=cache, cache_position=position, use_cache=True).logits
+
+    step.input_ids = step_ids
+    return step
+
+
+def measure_decode(model, batch: int, context: int, device, replays: int = 11, graphs: bool = True,
+                   telemetry: Telemetry | None = None):
+    """Median µs of one decode step at ``batch`` with ``context`` cached tokens (static KV cache)."""
+    step = decode_step(model, batch, context, device)
+    return time_calls([step], min_us=50_000.0, replays=replays, graphs=graphs, telemetry=telemetry)
+
+
+def measure_linear_group(model, group: str, m: int, device, rotate_mb: int = 180, replays: int = 11,
+                         graphs: bool = True):
+    """Median µs of one linear group on ``m`` tokens, cycled over layers beyond ``rotate_mb``."""
+    layers = _decoder_layers(model)
+    modules = [[layer.get_submodule(name) for name in LINEAR_GROUPS[group]] for layer in layers]
+    per_layer = sum(_weight_bytes(mod) for mod in modules[0])
+    count = max(1, min(len(layers), -(-rotate_mb * 2**20 // max(per_layer, 1)) + 1))
+    k = _in_features(modules[0][0])
+    x = torch.randn(m, k, device=device, dtype=_dtype(model))
+    calls = []
+    for mods in modules[:count]:
+        def call(mods=mods):
+            for mod in mods:
+                mod(x)
+        calls.append(call)
+    return time_calls(calls, min_us=400.0, replays=replays, graphs=graphs)
+
+
+def _in_features(module) -> int:
+    if hasattr(module, "in_features"):
+        return int(module.in_features)
+    if hasattr(module, "shape"):
+        return int(module.shape[1])
+    return int(module.weight.shape[1])
+
+
+def _weight_bytes(module) -> int:
+    packed = [m for m in module.modules() if hasattr(m, "weight_nbytes")]
+    if packed:
+        return sum(sum(m.weight_nbytes().values()) for m in packed)
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+
+
+def _tok_s(tokens: int, t) -> Metric:
+    value = tokens / (t.median_us * 1e-6)
+    spread = tokens * t.spread_us * 1e-6 / (t.median_us * 1e-6) ** 2
+    return Metric(value, higher_is_better=True, unit="tok/s", spread=spread)
+
+
+def _prepare(model, ctx, suite: str):
+    _require_cuda(ctx.device, suite)
+    _decoder_layers(model)
+    path = executable(model, ctx.method_info)
+    if _dtype(model) not in (torch.bfloat16, torch.float16):
+        raise Unavailable(f"the {suite} suite times a 16-bit model (the BF16 baseline and the kernels' BF16 "
+                          f"in/out); this model is {_dtype(model)}: run with --dtype bfloat16")
+    ctx.method_info.setdefault("speed", {}).update(
+        gpu=torch.cuda.get_device_name(ctx.device), exec_path=path, timing="CUDA graphs (decode, per-layer); "
+        "CUDA events (prefill)")
+    return path
+
+
+@register_suite("throughput", config=ThroughputConfig, description=ThroughputConfig.description)
+def throughput(model, config: ThroughputConfig, ctx):
+    """Prefill and decode tokens/s of the executable model on the GPU."""
+    _prepare(model, ctx, "throughput")
+    device = ctx.device
+    metrics: dict[str, Metric] = {}
+    t = measure_prefill(model, config.prefill_batch, config.prefill_len, device, config.replays)
+    metrics["prefill_tok_s"] = _tok_s(config.prefill_batch * config.prefill_len, t)
+    telemetry = Telemetry(device)
+    if not telemetry.active:
+        ctx.method_info.setdefault("speed", {})["telemetry"] = f"none: {telemetry.reason}"
+    for b in config.batches:
+        t = measure_decode(model, b, config.context, device, config.replays, config.cuda_graphs, telemetry)
+        metrics[f"decode_tok_s/b{b}"] = _tok_s(b, t)
+        w = t.window
+        if w is not None:
+            if w.energy_j is not None and t.calls:
+                metrics[f"decode_energy_j_per_tok/b{b}"] = Metric(w.energy_j / (t.calls * b), higher_is_better=False,
+                                                                  unit="J/tok")
+            if w.power_w is not None:
+                metrics[f"decode_power_w/b{b}"] = Metric(w.power_w, higher_is_better=False, unit="W")
+            if w.sm_clock_mhz is not None:
+                metrics[f"decode_sm_clock_mhz/b{b}"] = Metric(w.sm_clock_mhz, higher_is_better=True, unit="MHz")
+        ctx.log(f"[mosaicquant]     decode b{b}: {metrics[f'decode_tok_s/b{b}'].value:,.0f} tok/s")
+    return metrics
+
+
+@register_suite("latency", config=LatencyConfig, description=LatencyConfig.description)
+def latency(model, config: LatencyConfig, ctx):
+    """Per-linear-layer latency over M and end-to-end step latency on the GPU."""
+    _prepare(model, ctx, "latency")
+    device = ctx.device
+    metrics: dict[str, Metric] = {}
+    for group in config.groups:
+        for m in config.ms:
+            t = measure_linear_group(model, group, m, device, config.rotate_mb, config.replays)
+            metrics[f"linear_us/{group}/m{m}"] = Metric(t.median_us, higher_is_better=False, unit="us",
+                                                        spread=t.spread_us)
+    if config.steps:
+        t = measure_prefill(model, 1, config.prefill_len, device, config.replays)
+        metrics["step_ms/prefill"] = Metric(t.median_us / 1e3, higher_is_better=False, unit="ms",
+                                            spread=t.spread_us / 1e3)
+        for b in config.batches:
+            t = measure_decode(model, b, config.context, device, config.replays)
+            metrics[f"step_ms/decode_b{b}"] = Metric(t.median_us / 1e3, higher_is_better=False, unit="ms",
+                                                     spread=t.spread_us / 1e3)
+    return metrics

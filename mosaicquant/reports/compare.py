@@ -1,0 +1,333 @@
+"""Compare two result sets for CI regression tracking (``mosaicquant compare BASE NEW``).
+
+Rules:
+
+- Cells are matched by (model, method label, suite label). Seeds aggregate as in
+  :mod:`mosaicquant.reports.cells`: the mean over a cell's ``ok`` seeds, with a spread that is
+  the larger of the recorded spreads (root mean square) and the standard deviation across seeds.
+- ``--fail-on METRIC:PCT[,METRIC:PCT...]`` picks the watched metrics. ``METRIC`` is an exact
+  metric name, a glob (``decode_tok_s/*``, ``linear_us/*/m1``), or a name family: ``decode_tok_s``
+  also covers ``decode_tok_s/b4`` and every other ``decode_tok_s/...``. A metric takes the
+  threshold of the entry naming it exactly, else of the first entry that matches it. An
+  entry that matches no metric of either set is an input error.
+- Change is ``(new - base) / |base|``; its bad direction is the metric's own: down for a
+  higher-is-better metric (tok/s), up for a lower-is-better one (µs, perplexity).
+- A watched metric is a **regression** when its change in the bad direction is beyond PCT
+  *and* ``|new - base|`` is beyond the combined spread ``sqrt(s_base² + s_new²)`` (a missing
+  spread counts as 0). Beyond PCT but within the spread is reported as ``within spread``.
+- A watched metric whose base cell is ``ok`` but whose new cell has a failed or unavailable
+  record (any seed) is a regression too: the number CI tracks is gone or incomplete.
+- Cells present in only one set, and cells whose base has no numbers, are listed, never dropped.
+- Without ``--fail-on`` every metric the matched cells share is compared and nothing fails.
+
+Exit codes (see :func:`mosaicquant.harness.cli.main`): 0 no regression, 1 a regression,
+2 bad input.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from mosaicquant.harness.errors import UserInputError
+from mosaicquant.harness.results import SCHEMA, load_records
+from mosaicquant.reports.cells import Cell, MetricSummary, aggregate_cells, format_number, natural_key
+
+__all__ = ["Threshold", "ComparedMetric", "Comparison", "parse_fail_on", "compare_records", "compare_dirs",
+           "write_json"]
+
+FAIL_ON_EXAMPLE = "e.g. decode_tok_s:5% or 'decode_tok_s/*:5%,linear_us/*:10%'"
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """One ``--fail-on`` entry: a metric name, glob or name family, and the allowed change in percent."""
+
+    pattern: str
+    percent: float
+
+    def matches(self, name: str) -> bool:
+        return name == self.pattern or name.startswith(self.pattern + "/") or fnmatchcase(name, self.pattern)
+
+
+def parse_fail_on(text: str) -> list[Threshold]:
+    """Parse ``METRIC:PCT[,METRIC:PCT...]`` (PCT as ``5%`` or ``5``, a number >= 0).
+
+    Raises:
+        UserInputError: an entry that is not ``METRIC:PCT`` or a percentage that is not a number >= 0.
+
+    Example:
+        >>> parse_fail_on("decode_tok_s/*:5%,linear_us/*:10")
+        [Threshold(pattern='decode_tok_s/*', percent=5.0), Threshold(pattern='linear_us/*', percent=10.0)]
+    """
+    thresholds = []
+    for item in text.split(","):
+        item = item.strip()
+        metric, sep, pct = item.rpartition(":")
+        metric = metric.strip()
+        if not sep or not metric:
+            raise UserInputError(f"--fail-on entry {item!r} is not METRIC:PCT: expected {FAIL_ON_EXAMPLE}")
+        try:
+            value = float(pct.strip().removesuffix("%"))
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0:
+            raise UserInputError(f"--fail-on threshold {pct!r} in {item!r} is not a percentage: "
+                                 f"allowed a number >= 0 with an optional %, {FAIL_ON_EXAMPLE}")
+        thresholds.append(Threshold(metric, value))
+    return thresholds
+
+
+def _threshold_for(name: str, thresholds: list[Threshold]) -> Threshold | None:
+    exact = next((t for t in thresholds if t.pattern == name), None)
+    return exact or next((t for t in thresholds if t.matches(name)), None)
+
+
+@dataclass
+class ComparedMetric:
+    """One metric of one matched cell.
+
+    Attributes:
+        change: relative change ``(new - base) / |base|`` (a fraction), None without both values.
+        threshold: the percent it is held to, None when not watched.
+        noise: the combined spread ``sqrt(s_base² + s_new²)``.
+        verdict: ``REGRESSION``, ``within spread``, ``improved``, ``ok``, ``FAILED in new``
+            (or ``UNAVAILABLE in new``), ``missing in new``, ``new metric``, or ``""`` (not watched).
+    """
+
+    model: str
+    method: str
+    suite: str
+    metric: str
+    base: float | None
+    new: float | None
+    higher_is_better: bool
+    unit: str | None
+    change: float | None
+    threshold: float | None
+    noise: float | None
+    seeds: str
+    verdict: str
+    regression: bool
+    note: str = ""
+
+
+@dataclass
+class Comparison:
+    """Everything ``mosaicquant compare`` prints and writes."""
+
+    base_dir: str
+    new_dir: str
+    thresholds: list[Threshold]
+    rows: list[ComparedMetric] = field(default_factory=list)
+    only_in_base: list[tuple[str, str, str]] = field(default_factory=list)
+    only_in_new: list[tuple[str, str, str]] = field(default_factory=list)
+    not_compared: list[tuple[str, str, str, str]] = field(default_factory=list)
+
+    @property
+    def regressions(self) -> list[ComparedMetric]:
+        return [r for r in self.rows if r.regression]
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.regressions else 0
+
+    def table(self) -> pd.DataFrame:
+        """The compared metrics as printed: base, new, change, threshold, noise, verdict."""
+        return pd.DataFrame([{
+            "model": r.model, "method": r.method, "suite": r.suite, "metric": r.metric,
+            "base": format_number(r.base), "new": format_number(r.new),
+            "change": "" if r.change is None else f"{100 * r.change:+.2f}%",
+            "threshold": "" if r.threshold is None else f"{r.threshold:g}%",
+            "noise": "" if r.noise is None else f"±{format_number(r.noise)}",
+            "seeds": r.seeds, "verdict": r.verdict + (f" ({r.note})" if r.note else ""),
+        } for r in self.rows])
+
+    def render(self) -> str:
+        """Human-readable text: header, table, unmatched cells, summary line."""
+        from mosaicquant.reports.tables import render_markdown
+
+        lines = [f"base: {self.base_dir}", f"new:  {self.new_dir}", ""]
+        if self.rows:
+            lines.append(render_markdown(self.table()))
+        else:
+            lines.append("(no metric compared)\n")
+        for title, keys in (("Cells only in base", self.only_in_base), ("Cells only in new", self.only_in_new)):
+            if keys:
+                lines.append(f"{title} ({len(keys)}):")
+                lines.extend(f"  - {m} | {meth} | {s}" for m, meth, s in keys)
+        if self.not_compared:
+            lines.append(f"Cells not compared ({len(self.not_compared)}):")
+            lines.extend(f"  - {m} | {meth} | {s}: {why}" for m, meth, s, why in self.not_compared)
+        watched = [r for r in self.rows if r.threshold is not None]
+        rule = ", ".join(f"{t.pattern}:{t.percent:g}%" for t in self.thresholds) or "none (nothing can fail)"
+        lines.append(f"{len(self.regressions)} regression(s) in {len(watched)} watched of {len(self.rows)} "
+                     f"compared metrics; --fail-on {rule}.")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-safe dict (non-finite changes become None)."""
+        rows = []
+        for r in self.rows:
+            d = asdict(r)
+            d["change_percent"] = None if r.change is None or not math.isfinite(r.change) else 100 * r.change
+            del d["change"]
+            rows.append(d)
+        return {
+            "schema": "mosaicquant.compare/1", "base": self.base_dir, "new": self.new_dir,
+            "fail_on": [asdict(t) for t in self.thresholds], "rows": rows,
+            "only_in_base": [list(k) for k in self.only_in_base], "only_in_new": [list(k) for k in self.only_in_new],
+            "not_compared": [{"cell": list(k[:3]), "why": k[3]} for k in self.not_compared],
+            "regressions": len(self.regressions), "exit_code": self.exit_code,
+        }
+
+
+def _families(names: set[str]) -> list[str]:
+    return sorted({n.split("/")[0] + "/*" if "/" in n else n for n in names})
+
+
+def _check_thresholds(thresholds: list[Threshold], names: set[str], base_dir: str, new_dir: str) -> None:
+    for t in thresholds:
+        if any(t.matches(n) for n in names):
+            continue
+        families = _families(names)
+        close = difflib.get_close_matches(t.pattern, sorted(names | set(families)), n=3, cutoff=0.5)
+        hint = f" Did you mean: {', '.join(close)}?" if close else ""
+        shown = ", ".join(families[:15]) + (f", ... ({len(families)} in all)" if len(families) > 15 else "")
+        raise UserInputError(f"--fail-on metric {t.pattern!r} matches no metric in {base_dir!r} or {new_dir!r}."
+                             f"{hint} Available: {shown or '(none)'}")
+
+
+def _compare_metric(cell: Cell, name: str, base: MetricSummary | None, new: MetricSummary | None,
+                    threshold: Threshold | None, seeds: str) -> ComparedMetric:
+    ref = base or new
+    row = ComparedMetric(model=cell.model, method=cell.method, suite=cell.suite, metric=name,
+                         base=base.value if base else None, new=new.value if new else None,
+                         higher_is_better=ref.higher_is_better, unit=ref.unit, change=None,
+                         threshold=threshold.percent if threshold else None, noise=None, seeds=seeds,
+                         verdict="", regression=False)
+    if base is None or new is None:
+        row.verdict = "new metric" if base is None else "missing in new"
+        return row
+    delta = new.value - base.value
+    if base.value != 0:
+        row.change = delta / abs(base.value)
+    else:
+        row.change = 0.0 if delta == 0 else math.copysign(math.inf, delta)
+    row.noise = math.sqrt((base.spread or 0.0) ** 2 + (new.spread or 0.0) ** 2)
+    if threshold is None:
+        return row
+    bad = -row.change if base.higher_is_better else row.change
+    beyond_noise = abs(delta) > row.noise
+    if 100 * bad > threshold.percent:
+        row.regression = beyond_noise
+        row.verdict = "REGRESSION" if beyond_noise else "within spread"
+    elif -100 * bad > threshold.percent and beyond_noise:
+        row.verdict = "improved"
+    else:
+        row.verdict = "ok"
+    return row
+
+
+def compare_records(base_records: list[dict[str, Any]], new_records: list[dict[str, Any]],
+                    fail_on: list[Threshold] | None = None, base_dir: str = "BASE",
+                    new_dir: str = "NEW") -> Comparison:
+    """Compare two lists of records (see the module docstring for the rules).
+
+    Args:
+        base_records / new_records: as :func:`mosaicquant.harness.results.load_records` returns them.
+        fail_on: the watched metrics and thresholds; None compares every shared metric, failing none.
+        base_dir / new_dir: names used in messages.
+
+    Returns:
+        The :class:`Comparison`; its ``exit_code`` is 1 when a watched metric regressed.
+
+    Raises:
+        UserInputError: a ``fail_on`` entry that matches no metric of either set.
+    """
+    thresholds = list(fail_on or [])
+    base_cells, new_cells = aggregate_cells(base_records), aggregate_cells(new_records)
+    names = {n for r in base_records + new_records for n in (r.get("metrics") or {})}
+    _check_thresholds(thresholds, names, base_dir, new_dir)
+    result = Comparison(base_dir=base_dir, new_dir=new_dir, thresholds=thresholds)
+    result.only_in_base = [k for k in base_cells if k not in new_cells]
+    result.only_in_new = [k for k in new_cells if k not in base_cells]
+    for key, base in base_cells.items():
+        new = new_cells.get(key)
+        if new is None:
+            continue
+        if not base.metrics:
+            why = f"base has no numbers ({base.note or 'no metrics'})"
+            result.not_compared.append((*key, why + (f"; new: {new.note}" if new.note else "")))
+            continue
+        if thresholds:
+            shown = [n for n in dict.fromkeys([*base.metrics, *new.metrics]) if _threshold_for(n, thresholds)]
+        else:
+            shown = [n for n in base.metrics if n in new.metrics]
+        shown.sort(key=natural_key)
+        seeds = f"{len(base.ok_seeds)}/{len(new.ok_seeds)}"
+        new_broken = new.status != "ok" and base.status == "ok"
+        for name in shown:
+            threshold = _threshold_for(name, thresholds)
+            if new_broken and threshold is not None and name in base.metrics:
+                m = base.metrics[name]
+                result.rows.append(ComparedMetric(
+                    model=key[0], method=key[1], suite=key[2], metric=name, base=m.value, new=None,
+                    higher_is_better=m.higher_is_better, unit=m.unit, change=None, threshold=threshold.percent,
+                    noise=None, seeds=seeds, verdict=f"{new.status.upper()} in new", regression=True,
+                    note=new.note))
+                continue
+            result.rows.append(_compare_metric(base, name, base.metrics.get(name), new.metrics.get(name),
+                                               threshold, seeds))
+    return result
+
+
+def _load(directory: str | Path) -> list[dict[str, Any]]:
+    records = load_records(directory)
+    if not records:
+        raise UserInputError(f"results directory {str(directory)!r} holds no result records "
+                             f"(JSON files with schema {SCHEMA!r})")
+    return records
+
+
+def compare_dirs(base_dir: str | Path, new_dir: str | Path, fail_on: str | None = None) -> Comparison:
+    """Compare two results directories.
+
+    Args:
+        base_dir: the reference results.
+        new_dir: the results to check.
+        fail_on: ``METRIC:PCT[,METRIC:PCT...]`` or None.
+
+    Raises:
+        UserInputError: bad ``fail_on`` syntax, a missing or empty directory, or a ``fail_on``
+            metric that matches nothing in either set.
+
+    Example:
+        >>> result = compare_dirs("results/main", "results/pr", "decode_tok_s:5%")  # doctest: +SKIP
+        >>> result.exit_code  # doctest: +SKIP
+        0
+    """
+    thresholds = parse_fail_on(fail_on) if fail_on is not None else None
+    base_records, new_records = _load(base_dir), _load(new_dir)
+    return compare_records(base_records, new_records, thresholds, str(base_dir), str(new_dir))
+
+
+def write_json(result: Comparison, path: str | Path) -> Path:
+    """Write :meth:`Comparison.to_json` to ``path``.
+
+    Raises:
+        UserInputError: the file cannot be written.
+    """
+    path = Path(path)
+    try:
+        path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    except OSError as exc:
+        raise UserInputError(f"cannot write --json file {str(path)!r}: {exc.strerror or exc}") from None
+    return path

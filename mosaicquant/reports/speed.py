@@ -1,0 +1,183 @@
+"""Speed results from cells: decode throughput per batch, linear-layer latency per M, speed-ups.
+
+Metric names read here (written by the ``throughput`` and ``latency`` suites):
+
+- ``throughput``: ``prefill_tok_s``, ``decode_tok_s/b{B}`` (tok/s, higher is better).
+- ``latency``: ``linear_us/{layer}/m{M}`` (µs, lower is better), ``step_ms/prefill`` and
+  ``step_ms/decode_b{B}`` (ms, lower is better).
+
+A speed-up is relative to the ``fp16`` cell of the same model and suite label (same results
+directory): ``method / fp16`` for a higher-is-better metric, ``fp16 / method`` for a
+lower-is-better one, so above 1 is always faster. Without an ``fp16`` cell there is no
+speed-up, and the report says so.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import pandas as pd
+
+from mosaicquant.reports.cells import FP16_LABEL, Cell, MetricSummary, format_number
+
+__all__ = [
+    "DECODE_RE",
+    "LINEAR_RE",
+    "STEP_RE",
+    "suite_groups",
+    "fp16_cell",
+    "decode_points",
+    "linear_points",
+    "step_points",
+    "speedup",
+    "throughput_table",
+    "latency_table",
+    "step_table",
+]
+
+DECODE_RE = re.compile(r"^decode_tok_s/b(\d+)$")
+LINEAR_RE = re.compile(r"^linear_us/([^/]+)/m(\d+)$")
+STEP_RE = re.compile(r"^step_ms/(prefill|decode_b(\d+))$")
+PREFILL = "prefill_tok_s"
+#: linear layers in the order of a decoder block (latency tables and figures)
+LAYER_ORDER = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def suite_groups(cells: Iterable[Cell], suite_name: str) -> dict[tuple[str, str], list[Cell]]:
+    """``{(model, suite label): [cells]}`` of one suite, ``fp16`` first, then in record order."""
+    groups: dict[tuple[str, str], list[Cell]] = {}
+    for cell in cells:
+        if cell.suite_name == suite_name:
+            groups.setdefault((cell.model, cell.suite), []).append(cell)
+    return {k: sorted(v, key=lambda c: c.method != FP16_LABEL) for k, v in groups.items()}
+
+
+def fp16_cell(group: list[Cell]) -> Cell | None:
+    """The ``fp16`` cell of a group, if it has one with numbers."""
+    return next((c for c in group if c.method == FP16_LABEL and c.metrics), None)
+
+
+def decode_points(cell: Cell) -> dict[int, MetricSummary]:
+    """``{batch: decode tok/s}``, sorted by batch."""
+    found = {int(m.group(1)): v for name, v in cell.metrics.items() if (m := DECODE_RE.match(name))}
+    return dict(sorted(found.items()))
+
+
+def _layer_order(layer: str) -> tuple[int, str]:
+    return (LAYER_ORDER.index(layer) if layer in LAYER_ORDER else len(LAYER_ORDER), layer)
+
+
+def linear_points(cell: Cell) -> dict[str, dict[int, MetricSummary]]:
+    """``{layer: {M: µs}}``, layers in the order of a decoder block (then by name), M sorted."""
+    found: dict[str, dict[int, MetricSummary]] = {}
+    for name, v in cell.metrics.items():
+        if m := LINEAR_RE.match(name):
+            found.setdefault(m.group(1), {})[int(m.group(2))] = v
+    return {layer: dict(sorted(found[layer].items())) for layer in sorted(found, key=_layer_order)}
+
+
+def step_points(cell: Cell) -> dict[str, MetricSummary]:
+    """``{"prefill" | "decode_b{B}": ms}``, prefill first, then by batch."""
+    found = {m.group(1): v for name, v in cell.metrics.items() if (m := STEP_RE.match(name))}
+    return dict(sorted(found.items(), key=lambda kv: _step_order(kv[0])))
+
+
+def _step_order(name: str) -> tuple[int, int]:
+    return (0, 0) if name == "prefill" else (1, int(name.removeprefix("decode_b")))
+
+
+def speedup(method: MetricSummary | None, fp16: MetricSummary | None) -> float | None:
+    """How many times faster than fp16 (above 1 is faster), or None without both values."""
+    if method is None or fp16 is None or method.value <= 0 or fp16.value <= 0:
+        return None
+    return method.value / fp16.value if method.higher_is_better else fp16.value / method.value
+
+
+def _cell_text(value: MetricSummary | None, ratio: float | None, with_spread: bool = True) -> str:
+    if value is None:
+        return ""
+    text = format_number(value.value)
+    if with_spread and value.spread is not None:
+        text += f" ±{value.spread:.2g}" if abs(value.spread) < 1000 else f" ±{format_number(value.spread)}"
+    if ratio is not None:
+        text += f" ({ratio:.2f}×)"
+    return text
+
+
+def _info_columns(cell: Cell) -> dict[str, object]:
+    info = cell.method_info
+
+    def text(field: str) -> str | None:
+        return None if info.get(field) is None else str(info[field])
+
+    # speed suites record the path that was timed (a kernel) next to the method's own
+    return {"method": cell.method, "W": text("wbits"), "A": text("abits"), "KV": text("kv_bits"),
+            "exec path": text("exec_path_speed") or text("exec_path")}
+
+
+def throughput_table(group: list[Cell]) -> pd.DataFrame:
+    """One row per method: prefill and decode tok/s per batch, each with ±spread and (speed-up×).
+
+    Every cell of the group has a row; one without numbers says why in ``notes``.
+    """
+    ref = fp16_cell(group)
+    batches = sorted({b for c in group for b in decode_points(c)})
+    rows = []
+    for cell in group:
+        row = _info_columns(cell)
+        pre = cell.metrics.get(PREFILL)
+        row["prefill tok/s"] = _cell_text(pre, speedup(pre, ref.metrics.get(PREFILL)) if ref else None)
+        dec, ref_dec = decode_points(cell), decode_points(ref) if ref else {}
+        for b in batches:
+            row[f"decode b{b} tok/s"] = _cell_text(dec.get(b), speedup(dec.get(b), ref_dec.get(b)))
+        row["notes"] = cell.note
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def latency_table(group: list[Cell]) -> pd.DataFrame:
+    """One row per (method, layer): µs ±spread (speed-up×) per M; methods without numbers say why."""
+    ref = fp16_cell(group)
+    ref_pts = linear_points(ref) if ref else {}
+    layers: set[str] = set()
+    ms: set[int] = set()
+    for cell in group:
+        for layer, pts in linear_points(cell).items():
+            layers.add(layer)
+            ms.update(pts)
+    rows = []
+    for cell in group:
+        pts = linear_points(cell)
+        if not pts:
+            rows.append({"method": cell.method, "layer": "", "notes": cell.note or "no linear-layer latency"})
+            continue
+        for layer in sorted(layers, key=_layer_order):
+            row = {"method": cell.method, "layer": layer}
+            for m in sorted(ms):
+                value = pts.get(layer, {}).get(m)
+                row[f"M={m}"] = _cell_text(value, speedup(value, ref_pts.get(layer, {}).get(m)), with_spread=False)
+            row["notes"] = cell.note
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def step_table(group: list[Cell]) -> pd.DataFrame:
+    """One row per method: end-to-end step time (ms ±spread, speed-up×) for prefill and decode."""
+    ref = fp16_cell(group)
+    ref_steps = step_points(ref) if ref else {}
+    names: list[str] = []
+    for cell in group:
+        names.extend(n for n in step_points(cell) if n not in names)
+    if not names:
+        return pd.DataFrame()
+    names.sort(key=_step_order)
+    rows = []
+    for cell in group:
+        steps = step_points(cell)
+        row = {"method": cell.method}
+        for n in names:
+            row[f"{n} ms"] = _cell_text(steps.get(n), speedup(steps.get(n), ref_steps.get(n)))
+        row["notes"] = cell.note
+        rows.append(row)
+    return pd.DataFrame(rows)

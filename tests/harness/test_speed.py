@@ -1,0 +1,207 @@
+"""Speed path on the CPU: shape models, data-free speed forms, executable forms, the decode
+mechanism of the throughput suite, and the runner's handling of GPU-only suites.
+
+Timings here are plumbing only (CPU wall clock); the numbers come from the GPU runs.
+"""
+
+import pytest
+import torch
+
+from mosaicquant.harness import shapes
+from mosaicquant.harness.cli import main
+from mosaicquant.harness.context import QuantContext, SuiteContext
+from mosaicquant.harness.errors import Unavailable, UserInputError
+from mosaicquant.harness.models import resolve_model
+from mosaicquant.harness.registry import get_method, get_suite
+from mosaicquant.harness.results import load_records
+from mosaicquant.harness.speedforms import FLOAT_PATH, executable, speed_form
+from mosaicquant.harness.suites import speed
+from mosaicquant.methods.qlinear import FakeQuantLinear, weight_memory
+
+TINY = shapes.ShapeModel("tiny-llama-shapes", "llama", 64, 128, 2, 4, 2, 16, 256, False)
+TINY_QWEN = shapes.ShapeModel("tiny-qwen3-shapes", "qwen3", 64, 128, 2, 4, 2, 32, 256, True)
+
+
+@pytest.fixture
+def tiny_shapes(monkeypatch):
+    monkeypatch.setitem(shapes.SHAPE_MODELS, TINY.name, TINY)
+    monkeypatch.setitem(shapes.SHAPE_MODELS, TINY_QWEN.name, TINY_QWEN)
+    return TINY.name
+
+
+def _ctx():
+    return QuantContext(calibration=lambda: None, seed=0, device=torch.device("cpu"))
+
+
+def _form(method, model, **options):
+    entry = get_method(method)
+    ctx = _ctx()
+    speed_form(method, model, entry.config(**options), ctx)
+    return ctx
+
+
+def test_shape_models_cover_the_spec_and_resolve():
+    spec_sizes = {"llama-3-8b-shapes": (4096, 14336, 32, 8), "qwen3-8b-shapes": (4096, 12288, 32, 8),
+                  "qwen3-32b-shapes": (5120, 25600, 64, 8), "llama-3.2-3b-shapes": (3072, 8192, 24, 8),
+                  "qwen3-4b-shapes": (2560, 9728, 32, 8), "qwen3-14b-shapes": (5120, 17408, 40, 8)}
+    for name, sizes in spec_sizes.items():
+        s = shapes.SHAPE_MODELS[name]
+        assert (s.hidden, s.intermediate, s.heads, s.kv_heads) == sizes
+        assert resolve_model(name).kind == "shapes"
+    with pytest.raises(UserInputError, match="Did you mean: llama-3-8b-shapes"):
+        resolve_model("llama-3-8B-shapes")
+
+
+@pytest.mark.parametrize("name", [TINY.name, TINY_QWEN.name])
+def test_build_shape_model_has_the_shapes(tiny_shapes, name):
+    model = shapes.build_shape_model(name, dtype=torch.bfloat16)
+    s = shapes.SHAPE_MODELS[name]
+    layer = model.model.layers[0]
+    assert layer.mlp.down_proj.weight.shape == (s.hidden, s.intermediate)
+    assert layer.self_attn.q_proj.weight.shape == (s.heads * s.head_dim, s.hidden)
+    assert layer.self_attn.k_proj.weight.shape == (s.kv_heads * s.head_dim, s.hidden)
+    assert next(model.parameters()).dtype == torch.bfloat16 and len(model.model.layers) == s.layers
+    assert 0.01 < layer.mlp.up_proj.weight.float().std().item() < 0.04  # transformers' init, not zeros
+
+
+@pytest.mark.parametrize("method, options", [("rtn", {}), ("smoothquant", {}), ("quarot", {}),
+                                             ("mosaicquant", {"budget": 0.25, "block": "16x32"})])
+def test_speed_forms_build_the_methods_format_and_run_on_the_kernels(tiny_shapes, method, options):
+    model = shapes.build_shape_model(tiny_shapes, dtype=torch.float32)
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+    ctx = _form(method, model, **options)
+    layers = [m for m in model.modules() if isinstance(m, FakeQuantLinear)]
+    assert len(layers) == 14 and all(m.packed is not None for m in layers)
+    assert ctx.info["weights"] == "random (speed only)" and ctx.info["kv_bits"] == 16
+    if method == "quarot":
+        assert model.model.layers[0].mlp.down_proj.input_transform is not None
+    if method == "mosaicquant":
+        blocks = sum(m.packed.residual.num_blocks for m in layers)
+        total = sum(-(-m.packed.shape[0] // 16) * -(-m.packed.shape[1] // 32) for m in layers)
+        assert abs(blocks / total - 0.25) < 0.05, (blocks, total)
+    memory = weight_memory(model)
+    with torch.no_grad():
+        simulated = model(input_ids=ids).logits
+        path = executable(model, ctx.info)
+    assert weight_memory(model) == memory  # the kernel layers store exactly the packed format
+    with torch.no_grad():
+        kernels = model(input_ids=ids).logits
+    assert not any(isinstance(m, FakeQuantLinear) for m in model.modules())
+    assert ("ZipperEngine" in path) == (method == "mosaicquant") and path == ctx.info["exec_path_speed"]
+    # the kernels compute the simulated model's function up to BF16 outputs (which can move a later
+    # 4-bit activation to the next level): far closer to it than quantization is to the float model
+    kernel_err = (kernels.float() - simulated).norm()
+    quant_err = (simulated - reference).norm()
+    assert kernel_err < 0.5 * quant_err, (kernel_err, quant_err)
+
+
+def test_methods_without_a_fast_path_are_unavailable_never_stand_ins(tiny_shapes):
+    with pytest.raises(Unavailable, match="no speed form for 'atom'"):
+        _form("atom", shapes.build_shape_model(tiny_shapes, dtype=torch.float32))
+    with pytest.raises(Unavailable, match="W8A8"):
+        _form("rtn", shapes.build_shape_model(tiny_shapes, dtype=torch.float32), wbits=8, abits=8)
+    model = shapes.build_shape_model(tiny_shapes, dtype=torch.float32)
+    ctx = _form("spinquant", model)  # asymmetric per-token activations: the kernels take symmetric
+    with pytest.raises(Unavailable, match="no fast path: 14 quantized linear"):
+        executable(model, ctx.info)
+
+
+def test_float_model_runs_as_is():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    info = {}
+    assert executable(model, info) == FLOAT_PATH == info["exec_path_speed"]
+
+
+def test_decode_step_with_the_static_cache_matches_a_full_forward(tiny_shapes):
+    # the throughput suite times this step, replayed many times: every call must decode the
+    # same position and compute the next token's logits (the cache's write counter is reset)
+    model = shapes.build_shape_model(tiny_shapes, dtype=torch.float32)
+    batch, context = 3, 10
+    torch.manual_seed(1)
+    with torch.no_grad():
+        step = speed.decode_step(model, batch, context, torch.device("cpu"))
+        first = step()[:, -1]
+        for _ in range(12):  # more steps than the cache has spare slots (8)
+            again = step()[:, -1]
+        assert torch.equal(first, again)
+        # the same logits as a full forward over the prompt (regenerated from the seed) + the step token
+        torch.manual_seed(1)
+        prompt = torch.randint(0, 256, (batch, context))
+        full = model(input_ids=torch.cat([prompt, step.input_ids], 1)).logits[:, -1]
+    assert torch.allclose(first, full, atol=1e-4), (first - full).abs().max()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU plumbing; the GPU test below times on the device")
+def test_measurements_run_on_the_executable_model(tiny_shapes):
+    model = shapes.build_shape_model(tiny_shapes, dtype=torch.float32)
+    ctx = _form("mosaicquant", model, budget=0.1, block="16x32")
+    executable(model, ctx.info)
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        for group in speed.LINEAR_GROUPS:
+            t = speed.measure_linear_group(model, group, 5, cpu, rotate_mb=0, replays=3)
+            assert t.median_us > 0 and t.how == "cpu-wall"
+        assert speed.measure_prefill(model, 1, 16, cpu, replays=3).median_us > 0
+        assert speed.measure_decode(model, 2, 8, cpu, replays=3).median_us > 0
+
+
+def test_speed_suites_refuse_the_cpu(tiny_shapes):
+    model = shapes.build_shape_model(tiny_shapes, dtype=torch.bfloat16)
+    sctx = SuiteContext(model_name=tiny_shapes, tokenizer=None, corpus="enwiki-sample", test_tokens=lambda: None,
+                        seed=0, device=torch.device("cpu"), method_info={})
+    for name in ("throughput", "latency"):
+        entry = get_suite(name)
+        with pytest.raises(Unavailable, match="needs a CUDA GPU"):
+            entry.fn(model, entry.config(), sctx)
+
+
+@pytest.mark.parametrize("suites, message", [
+    ("accuracy", "has random weights: suite(s) accuracy need a real model"),
+    ("throughput", "time GPU kernels: they need --device cuda"),
+])
+def test_cli_rejects_suites_that_cannot_run_before_any_work(tiny_shapes, tmp_path, capsys, suites, message):
+    rc = main(["run", "--model", tiny_shapes, "--methods", "fp16", "--suites", suites, "--out", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_sweep_on_a_shape_model_records_memory_and_unavailable_methods(tiny_shapes, tmp_path):
+    rc = main(["run", "--model", tiny_shapes, "--methods", "fp16,mosaicquant:block=16x32,atom", "--suites", "memory",
+               "--dtype", "bfloat16", "--out", str(tmp_path)])
+    recs = {r["method"]["label"]: r for r in load_records(tmp_path)}
+    assert recs["fp16"]["status"] == "ok" and recs["mosaicquant:block=16x32"]["status"] == "ok"
+    mem = recs["mosaicquant:block=16x32"]["metrics"]
+    assert 0.25 < mem["linear_weight_ratio_vs_bf16"]["value"] < 0.45
+    assert recs["mosaicquant:block=16x32"]["method_info"]["weights"] == "random (speed only)"
+    assert recs["atom"]["status"] == "unavailable" and "no speed form" in recs["atom"]["error"]["message"]
+    assert recs["fp16"]["calibration"] is None
+    assert rc in (0, 1)
+
+
+@pytest.mark.gpu
+def test_speed_suites_on_the_gpu(monkeypatch):
+    # the suites end to end on a CUDA device: kernels, CUDA-graph decode, per-layer latency;
+    # dimensions that are multiples of the default 128x128 residual blocks, as in real models
+    small = shapes.ShapeModel("small-llama-shapes", "llama", 256, 512, 2, 4, 2, 64, 512, False)
+    monkeypatch.setitem(shapes.SHAPE_MODELS, small.name, small)
+    device = torch.device("cuda")
+    model = shapes.build_shape_model(small.name, dtype=torch.bfloat16, device=device)
+    ctx = QuantContext(calibration=lambda: None, seed=0, device=device)
+    speed_form("mosaicquant", model, get_method("mosaicquant").config(budget=0.25), ctx)
+    sctx = SuiteContext(model_name=small.name, tokenizer=None, corpus="enwiki-sample", test_tokens=lambda: None,
+                        seed=0, device=device, method_info=ctx.info)
+    tp = get_suite("throughput")
+    with torch.no_grad():
+        metrics = tp.fn(model, tp.config(batches=(4, 8), prefill_len=64, context=32, replays=3), sctx)
+    assert {"prefill_tok_s", "decode_tok_s/b4", "decode_tok_s/b8"} <= set(metrics)
+    assert all(metrics[k].value > 0 for k in ("prefill_tok_s", "decode_tok_s/b4", "decode_tok_s/b8"))
+    assert "ZipperEngine" in ctx.info["exec_path_speed"]
+    lat = get_suite("latency")
+    with torch.no_grad():
+        metrics = lat.fn(model, lat.config(ms=(1, 64), batches=(4,), prefill_len=64, context=32, replays=3), sctx)
+    assert metrics["linear_us/down_proj/m64"].value > 0 and metrics["step_ms/decode_b4"].value > 0

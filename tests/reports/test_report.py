@@ -1,0 +1,192 @@
+"""Reports from records: speed tables with speed-ups vs fp16, figures drawn only when their data exists."""
+
+import math
+import re
+
+import pytest
+
+from mosaicquant.harness.cli import main
+from mosaicquant.harness.results import load_records
+from mosaicquant.reports.cells import aggregate_cells
+from mosaicquant.reports.plots import budget_sweeps, decode_speedup, pareto_front, plot_budget_sweep
+from mosaicquant.reports.tables import write_tables
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ACC, SPEED = "smollm2-135m", "llama-3-8b-shapes"
+#: decode tok/s per method at batch 4 and 8, and its perplexity on the accuracy model
+DECODE = {"fp16": {4: 400.0, 8: 800.0}, "rtn": {4: 1000.0, 8: 1600.0}, "mosaicquant": {4: 800.0, 8: 1400.0}}
+PPL = {"fp16": 13.9, "rtn": 900.0, "mosaicquant": 25.0}
+
+
+def _pngs(folder):
+    return sorted(p.name for p in folder.glob("*.png"))
+
+
+def _assert_png(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 5_000, (path, len(data))
+
+
+def _embedded(report):
+    """``{png file: caption}`` of the Markdown image links and the italic line that follows each."""
+    return dict(re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)\n\n\*([^*\n]+)\*", report))
+
+
+def _full_set(out, write_cell, speed_metrics):
+    throughput, latency = speed_metrics
+    budgets = {"mosaicquant:budget=0": 0.0, "mosaicquant": 0.1, "mosaicquant:budget=0.2": 0.2}
+    for label, ppl in {**PPL, "mosaicquant:budget=0": 26.0, "mosaicquant:budget=0.2": 24.0}.items():
+        config = {"budget": budgets[label], "block": "128"} if label in budgets else {}
+        kind = "mosaicquant" if label in budgets else None
+        write_cell(out, ACC, label, "accuracy", {"ppl": (ppl, False)}, config=config, method_name=kind)
+        write_cell(out, ACC, label, "memory", {
+            "base_values": (5e7 if label != "fp16" else 2e8, False, "bytes"), "base_scales": (3e5, False, "bytes"),
+            "residual_values": (4e6 * budgets.get(label, 0), False, "bytes"),
+            "total_quantized_linears": (5.1e7, False, "bytes"),
+            "linear_weight_ratio_vs_bf16": (0.25 + budgets.get(label, 0), False)}, config=config, method_name=kind)
+        decode = DECODE.get(label, {4: 700.0 - 1000 * budgets.get(label, 0), 8: 1300.0})
+        write_cell(out, SPEED, label, "throughput", throughput(decode, prefill=5000.0), config=config,
+                   method_name=kind)
+        factor = 1.0 if label == "fp16" else 2.0
+        write_cell(out, SPEED, label, "latency", latency({1: 10.0 / factor, 64: 20.0 / factor, 2048: 400.0 / factor}),
+                   config=config, method_name=kind)
+
+
+def test_every_figure_kind_drawn_and_embedded(tmp_path, write_cell, speed_metrics):
+    out = tmp_path / "res"
+    _full_set(out, write_cell, speed_metrics)
+    write_cell(out, ACC, "spinquant", "accuracy", {"ppl": (30.0, False)})  # no speed record: named, not drawn
+    write_cell(out, ACC, "quarot", "accuracy", {"ppl": (math.inf, False)})
+    write_cell(out, SPEED, "quarot", "throughput", speed_metrics[0]({4: 900.0}))
+    report = write_tables(out).read_text()
+    pngs = _pngs(out)
+    assert pngs == sorted([f"pareto__{ACC}__{SPEED}.png", f"speedup_vs_m__{SPEED}.png", f"memory__{ACC}.png",
+                           "budget_sweep.png"]), pngs
+    for name in pngs:
+        _assert_png(out / name)
+    captions = _embedded(report)
+    assert sorted(captions) == pngs, captions
+    pareto = captions[f"pareto__{ACC}__{SPEED}.png"]
+    assert ACC in pareto and SPEED in pareto
+    assert "Not drawn: quarot (perplexity inf), spinquant (no decode speed)." in pareto, pareto
+
+
+def test_figures_only_when_their_data_exists(tmp_path, write_cell, speed_metrics):
+    throughput, _ = speed_metrics
+    out = tmp_path / "res"
+    for label, ppl in PPL.items():
+        write_cell(out, ACC, label, "accuracy", {"ppl": (ppl, False)})
+    report = write_tables(out).read_text()
+    assert _pngs(out) == [] and "## Figures" not in report and "![" not in report
+
+    # speed without an fp16 row: no speed-up, so no Pareto figure, and the report says why
+    for label in ("rtn", "mosaicquant"):
+        write_cell(out, SPEED, label, "throughput", throughput(DECODE[label]))
+    report = write_tables(out).read_text()
+    assert _pngs(out) == []
+    assert f"No `fp16` throughput row for {SPEED}" in report
+    assert f"No `fp16` row for {SPEED} in this directory" in report
+    assert "×)" not in report
+
+    write_cell(out, SPEED, "fp16", "throughput", throughput(DECODE["fp16"]))
+    report = write_tables(out).read_text()
+    assert _pngs(out) == [f"pareto__{ACC}__{SPEED}.png"]
+    _assert_png(out / f"pareto__{ACC}__{SPEED}.png")
+    assert f"pareto__{ACC}__{SPEED}.png" in _embedded(report)
+    assert "No `fp16`" not in report
+
+
+def test_speed_tables_rows_speedups_and_reasons(tmp_path, write_cell, speed_metrics):
+    out = tmp_path / "res"
+    _full_set(out, write_cell, speed_metrics)
+    write_cell(out, SPEED, "trtllm", "throughput", status="unavailable", info={},
+               error={"type": "unavailable", "message": "TensorRT-LLM is not installed on this machine"})
+    write_cell(out, SPEED, "atom", "throughput", status="failed", info={},
+               error={"type": "RuntimeError", "message": "kernel launch failed"})
+    write_cell(out, SPEED, "quarot", "throughput", speed_metrics[0]({4: 600.0}),
+               info={"wbits": 4, "abits": 4, "kv_bits": 4, "exec_path": "simulated (fake-quant)",
+                     "exec_path_speed": "triton (dense W4A4)"})
+    report = write_tables(out).read_text()
+    section = report.split(f"### Throughput on {SPEED}")[1].split("###")[0]
+    rows = {line.split(" | ")[0].strip("| "): line for line in section.splitlines() if line.startswith("| ")}
+    # decode b4: rtn 1000 / fp16 400 = 2.50x; b8: 1600 / 800 = 2.00x
+    assert "1,000 ±1 (2.50×)" in rows["rtn"] and "1,600 ±1 (2.00×)" in rows["rtn"], rows["rtn"]
+    assert "(1.50×)" in rows["quarot"] and "| 4 | 4 | 4 | triton (dense W4A4) |" in rows["quarot"]
+    assert "| 4 | 4 | 16 | triton (ZipperEngine) |" in rows["mosaicquant"]
+    assert "unavailable: TensorRT-LLM is not installed on this machine" in rows["trtllm"]
+    assert "failed: RuntimeError: kernel launch failed" in rows["atom"]
+    # latency is lower-is-better: half the time is a 2x speed-up
+    latency = report.split(f"### Latency on {SPEED}")[1]
+    rtn_qkv = next(line for line in latency.splitlines() if line.startswith("| rtn | qkv_proj |"))
+    assert "5.00 (2.00×)" in rtn_qkv and "200.0 (2.00×)" in rtn_qkv, rtn_qkv
+    # the summary keeps every method's row with its notes
+    summary = report.split("## Summary")[1].split("## Speed")[0]
+    assert f"| {SPEED} | trtllm |" in summary and "throughput unavailable: TensorRT-LLM" in summary
+    assert "| simulated (fake-quant); speed: triton (dense W4A4) |" in summary
+
+
+def test_records_long_csv_has_spread_and_notes(tmp_path, write_cell, speed_metrics):
+    import pandas as pd
+
+    out = tmp_path / "res"
+    write_cell(out, SPEED, "fp16", "throughput", speed_metrics[0]({4: 400.0}, spread=7.5))
+    write_cell(out, SPEED, "trtllm", "throughput", status="unavailable", info={}, reason="no TensorRT-LLM")
+    write_tables(out)
+    df = pd.read_csv(out / "records_long.csv")
+    assert df.loc[df.metric == "decode_tok_s/b4", "spread"].tolist() == [7.5]
+    assert df.loc[df.method == "trtllm", "note"].tolist() == ["unavailable: no TensorRT-LLM"]
+
+
+def test_report_cli_puts_figures_next_to_output(tmp_path, write_cell, speed_metrics, capsys):
+    out = tmp_path / "res"
+    _full_set(out, write_cell, speed_metrics)
+    target = tmp_path / "elsewhere" / "report.md"
+    assert main(["report", str(out), "-o", str(target)]) == 0
+    assert (target.parent / "budget_sweep.png").exists() and not (out / "budget_sweep.png").exists()
+    assert "budget_sweep.png" in target.read_text()
+
+
+def test_decode_speedup_is_geometric_mean_over_shared_batches(tmp_path, write_cell, speed_metrics):
+    throughput, _ = speed_metrics
+    write_cell(tmp_path, SPEED, "fp16", "throughput", throughput({4: 100.0, 8: 200.0, 16: 300.0}))
+    write_cell(tmp_path, SPEED, "rtn", "throughput", throughput({4: 200.0, 8: 800.0, 32: 999.0}))
+    cells = aggregate_cells(load_records(tmp_path))
+    value, batches = decode_speedup(cells[(SPEED, "rtn", "throughput")], cells[(SPEED, "fp16", "throughput")])
+    assert batches == [4, 8] and value == pytest.approx(math.sqrt(2.0 * 4.0))
+
+
+def test_seeds_aggregate_mean_and_spread(tmp_path, write_cell):
+    for seed, value in ((0, 100.0), (1, 110.0)):
+        write_cell(tmp_path, SPEED, "rtn", "throughput", {"decode_tok_s/b4": (value, True, "tok/s", 1.0)}, seed=seed)
+    write_cell(tmp_path, SPEED, "rtn", "throughput", seed=2, status="failed", error={"message": "OOM"})
+    cell = aggregate_cells(load_records(tmp_path))[(SPEED, "rtn", "throughput")]
+    m = cell.metrics["decode_tok_s/b4"]
+    # mean over the ok seeds; spread: the larger of the recorded spread (1) and the std across seeds (7.07)
+    assert m.value == pytest.approx(105.0) and m.n == 2 and m.spread == pytest.approx(math.sqrt(50.0))
+    assert cell.status == "failed" and "seed 2 failed: OOM" in cell.note
+
+
+def test_pareto_front():
+    # (2.1, 25.0) is beaten by (2.2, 22.0) and (1.5, 30.0) by everything faster and more accurate
+    points = [(1.0, 14.0), (2.4, 25.6), (2.1, 25.0), (2.2, 22.0), (2.5, 900.0), (1.5, 30.0)]
+    assert pareto_front(points) == [(2.5, 900.0), (2.4, 25.6), (2.2, 22.0), (1.0, 14.0)]
+
+
+def test_budget_sweeps_group_by_config_without_budget(tmp_path, write_cell):
+    for score in ("hessian", "delta"):
+        for budget in (0.0, 0.1, 0.3):
+            label = f"mosaicquant:budget={budget}:score={score}"
+            write_cell(tmp_path, ACC, label, "accuracy", {"ppl": (20 + budget + (score == "delta"), False)},
+                       config={"budget": budget, "score": score, "block": "128"}, method_name="mosaicquant")
+    # one budget only: not a sweep
+    write_cell(tmp_path, ACC, "mosaicquant:abits=16", "accuracy", {"ppl": (15.0, False)},
+               config={"budget": 0.1, "score": "hessian", "block": "128", "abits": 16}, method_name="mosaicquant")
+    cells = list(aggregate_cells(load_records(tmp_path)).values())
+    assert sorted(budget_sweeps(cells).values()) == ["mosaicquant:score=delta", "mosaicquant:score=hessian"]
+    assert plot_budget_sweep(cells, tmp_path) is not None and (tmp_path / "budget_sweep.png").stat().st_size > 5_000
+
+    single = tmp_path / "single"
+    write_cell(single, ACC, "mosaicquant", "accuracy", {"ppl": (25.0, False)}, config={"budget": 0.1},
+               method_name="mosaicquant")
+    assert plot_budget_sweep(list(aggregate_cells(load_records(single)).values()), single) is None
+    assert not (single / "budget_sweep.png").exists()
