@@ -19,7 +19,7 @@ Choices:
   gpt-fast uses), rather than torchao's default ``plain`` layout, whose kernels need the separate
   ``mslk`` package. That kernel exists on CUDA for bfloat16 only: on any other device or dtype
   the method raises :class:`NotAvailableError` before quantizing anything, so the runner records
-  the cell as failed with that reason (never a stand-in).
+  the cell as unavailable with that reason (never a stand-in).
 - ``set_inductor_config=False``: torchao's default changes global ``torch._inductor`` settings;
   the harness changes no global state.
 - Every ``nn.Linear`` but the output head is quantized (by module type; the head is the module

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mosaicquant.harness.config import Config, parse_kv_pairs
-from mosaicquant.harness.errors import MosaicQuantError, UserInputError, unknown_name
+from mosaicquant.harness.errors import Unavailable, UserInputError, unknown_name
 from mosaicquant.harness.results import SCHEMA, Metric, environment, git_info, now_iso, record_path
 
 if TYPE_CHECKING:
@@ -42,11 +42,11 @@ __all__ = [
 DEFAULT_BACKEND = "torch"
 
 
-class NotAvailableError(MosaicQuantError, RuntimeError):
+class NotAvailableError(Unavailable, RuntimeError):
     """What a cell needs (a package, a device, an engine) is not available where it runs.
 
     Raised by a method before any long work (e.g. torchao's int4 kernel on a CPU); the runner
-    records the cell as failed with this message, never a stand-in result.
+    records the cell as ``unavailable`` with this message, never a stand-in result.
     """
 
 

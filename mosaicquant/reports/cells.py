@@ -94,7 +94,7 @@ def natural_key(name: str) -> list[tuple[int, int, str]]:
 
 
 def record_note(record: dict[str, Any]) -> str:
-    """Why a record has no numbers: ``"failed: Type: message"``, ``"unavailable: reason"``.
+    """Why a record has no numbers: ``"failed: Type: message"``, ``"not available: reason"``.
 
     The reason is the record's ``reason`` field, else its error message, else its backend's
     ``reason``; an error type that only repeats the status is left out.
@@ -105,7 +105,9 @@ def record_note(record: dict[str, Any]) -> str:
     if status == "ok":
         return status
     kind = error.get("type")
-    prefix = f"{kind}: " if kind and kind not in (status, "Unavailable") else ""
+    if status == "unavailable":
+        return f"not available: {reason or 'no reason recorded'}"
+    prefix = f"{kind}: " if kind and kind != status else ""
     return f"{status}: {prefix}{reason or 'no reason recorded'}"
 
 

@@ -223,7 +223,7 @@ def test_unavailable_cells_are_recorded_with_reason_and_commands(tmp_path, tiny_
     report = (tmp_path / "res" / "report.md").read_text()
     row = next(line for line in report.splitlines()
                if line.startswith("| ") and "modelopt:recipe=int8_sq@tensorrt-llm" in line)
-    assert "unavailable" in row and "tensorrt_llm" in row.replace("\\_", "_")
+    assert "not available" in row and "tensorrt_llm" in row.replace("\\_", "_")
 
 
 def test_export_for_trtllm_writes_the_checkpoint_tensorrt_llm_reads(tmp_path, tiny_llama_dir, tiny_corpus):

@@ -113,7 +113,7 @@ def test_speed_tables_rows_speedups_and_reasons(tmp_path, write_cell, speed_metr
     assert "1,000 ±1 (2.50×)" in rows["rtn"] and "1,600 ±1 (2.00×)" in rows["rtn"], rows["rtn"]
     assert "(1.50×)" in rows["quarot"] and "| 4 | 4 | 4 | triton (dense W4A4) |" in rows["quarot"]
     assert "| 4 | 4 | 16 | triton (ZipperEngine) |" in rows["mosaicquant"]
-    assert "unavailable: TensorRT-LLM is not installed on this machine" in rows["trtllm"]
+    assert "not available: TensorRT-LLM is not installed on this machine" in rows["trtllm"]
     assert "failed: RuntimeError: kernel launch failed" in rows["atom"]
     # latency is lower-is-better: half the time is a 2x speed-up
     latency = report.split(f"### Latency on {SPEED}")[1]
@@ -121,7 +121,7 @@ def test_speed_tables_rows_speedups_and_reasons(tmp_path, write_cell, speed_metr
     assert "5.00 (2.00×)" in rtn_qkv and "200.0 (2.00×)" in rtn_qkv, rtn_qkv
     # the summary keeps every method's row with its notes
     summary = report.split("## Summary")[1].split("## Speed")[0]
-    assert f"| {SPEED} | trtllm |" in summary and "throughput unavailable: TensorRT-LLM" in summary
+    assert f"| {SPEED} | trtllm |" in summary and "throughput not available: TensorRT-LLM" in summary
     assert "| simulated (fake-quant); speed: triton (dense W4A4) |" in summary
 
 
@@ -134,7 +134,7 @@ def test_records_long_csv_has_spread_and_notes(tmp_path, write_cell, speed_metri
     write_tables(out)
     df = pd.read_csv(out / "records_long.csv")
     assert df.loc[df.metric == "decode_tok_s/b4", "spread"].tolist() == [7.5]
-    assert df.loc[df.method == "trtllm", "note"].tolist() == ["unavailable: no TensorRT-LLM"]
+    assert df.loc[df.method == "trtllm", "note"].tolist() == ["not available: no TensorRT-LLM"]
 
 
 def test_report_cli_puts_figures_next_to_output(tmp_path, write_cell, speed_metrics, capsys):
