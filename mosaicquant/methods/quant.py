@@ -28,11 +28,11 @@ range by ``p = 1 - i / grid`` for ``i = 0 .. int(max_shrink * grid) - 1`` and ke
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+
+from mosaicquant._threads import map_single_threaded
 
 __all__ = [
     "Quantized",
@@ -251,28 +251,6 @@ def _abs_pow(e: torch.Tensor, norm: float) -> torch.Tensor:
     return e.log2_().mul_(norm).exp2_()
 
 
-def _over_row_blocks(fn: Callable[[int, int], None], n_rows: int, device: torch.device) -> None:
-    """Run ``fn(r0, r1)`` over row blocks: one block per CPU thread, each single-threaded.
-
-    Element-wise searches split across threads by rows synchronise never, where PyTorch's
-    intra-op threading synchronises on every op; on a 2-core machine that is 4x faster.
-    On a GPU, or with one thread, it is one call over all rows.
-    """
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads < 2 or n_rows < 2 * threads:
-        fn(0, n_rows)
-        return
-    step = -(-n_rows // threads)
-    blocks = [(r0, min(n_rows, r0 + step)) for r0 in range(0, n_rows, step)]
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(len(blocks)) as pool:
-            for future in [pool.submit(fn, r0, r1) for r0, r1 in blocks]:
-                future.result()
-    finally:
-        torch.set_num_threads(threads)
-
-
 def quantize_with_clip_search(
     x: torch.Tensor,
     bits: int,
@@ -329,7 +307,11 @@ def quantize_with_clip_search(
             best_err = torch.where(better, err, best_err)
             bp.masked_fill_(better, p)
 
-    _over_row_blocks(search, flat.shape[0], xf.device)
+    # row blocks, one per CPU thread (see mosaicquant._threads); one block on a GPU
+    n_rows = flat.shape[0]
+    parts = torch.get_num_threads() if xf.device.type == "cpu" and n_rows >= 2 * torch.get_num_threads() else 1
+    step = -(-n_rows // parts)
+    map_single_threaded(lambda r0: search(r0, min(n_rows, r0 + step)), range(0, n_rows, step), xf.device)
     best_p = best_p.reshape(xg.shape[:-1])
     scale, zero = _params(xg, bits, symmetric, best_p, scale_dtype)
     q = _apply(xg, scale, zero, bits, symmetric).reshape(x.shape).to(torch.int8)
