@@ -45,13 +45,12 @@ Example:
 from __future__ import annotations
 
 import copy
-import importlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from mosaicquant.harness.backends import NotAvailableError
+from mosaicquant.harness.backends import NotAvailableError, import_optional
 from mosaicquant.harness.config import Config, check_range
 from mosaicquant.harness.registry import register_method
 
@@ -117,14 +116,7 @@ def import_modelopt():
     Raises:
         NotAvailableError: ModelOpt is not installed (or fails to import), with what to install.
     """
-    try:
-        mtq = importlib.import_module("modelopt.torch.quantization")
-        version = importlib.import_module("modelopt").__version__
-    except ImportError as exc:
-        raise NotAvailableError(
-            f"method 'modelopt' needs NVIDIA ModelOpt, which is not importable here ({exc}): {INSTALL_HINT}"
-        ) from exc
-    return mtq, version
+    return import_optional("modelopt.torch.quantization", "modelopt", "NVIDIA ModelOpt", INSTALL_HINT)
 
 
 def output_head_name(model: torch.nn.Module) -> str | None:

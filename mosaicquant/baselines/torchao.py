@@ -36,14 +36,13 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from mosaicquant.baselines.modelopt import output_head_name
-from mosaicquant.harness.backends import NotAvailableError
+from mosaicquant.harness.backends import NotAvailableError, import_optional
 from mosaicquant.harness.config import Config
 from mosaicquant.harness.registry import register_method
 
@@ -78,14 +77,7 @@ def import_torchao():
     Raises:
         NotAvailableError: torchao is not installed, with what to install.
     """
-    try:
-        quantization = importlib.import_module("torchao.quantization")
-        version = importlib.import_module("torchao").__version__
-    except ImportError as exc:
-        raise NotAvailableError(
-            f"method 'torchao' needs torchao, which is not importable here ({exc}): {INSTALL_HINT}"
-        ) from exc
-    return quantization, version
+    return import_optional("torchao.quantization", "torchao", "torchao", INSTALL_HINT)
 
 
 def recipe_config(quantization, recipe: str):

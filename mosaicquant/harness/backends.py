@@ -50,6 +50,24 @@ class NotAvailableError(Unavailable, RuntimeError):
     """
 
 
+def import_optional(module: str, method: str, what: str, hint: str):
+    """Import ``module`` for ``method``; returns ``(module, version of its top-level package)``.
+
+    Raises:
+        NotAvailableError: the package is not importable, naming ``what`` and how to install it.
+    """
+    import importlib
+
+    try:
+        imported = importlib.import_module(module)
+        version = importlib.import_module(module.split(".")[0]).__version__
+    except ImportError as exc:
+        raise NotAvailableError(
+            f"method '{method}' needs {what}, which is not importable here ({exc}): {hint}"
+        ) from exc
+    return imported, version
+
+
 @dataclass(frozen=True)
 class BackendRequest:
     """One cell as a backend sees it.

@@ -253,10 +253,10 @@ def _tok_s(tokens: int, t) -> Metric:
 def _prepare(model, ctx, suite: str):
     _require_cuda(ctx.device, suite)
     _decoder_layers(model)
-    path = executable(model, ctx.method_info)
     if _dtype(model) not in (torch.bfloat16, torch.float16):
         raise Unavailable(f"the {suite} suite times a 16-bit model (the BF16 baseline and the kernels' BF16 "
                           f"in/out); this model is {_dtype(model)}: run with --dtype bfloat16")
+    path = executable(model, ctx.method_info)
     ctx.method_info.setdefault("speed", {}).update(
         gpu=torch.cuda.get_device_name(ctx.device), exec_path=path, timing="CUDA graphs (decode, per-layer); "
         "CUDA events (prefill)")
