@@ -60,7 +60,8 @@ def executable(model: nn.Module, info: dict) -> str:
     Raises:
         Unavailable: a quantized layer has no kernel path (the message names it and why).
     """
-    from mosaicquant.kernels.convert import kernelize
+    from mosaicquant.kernels.convert import FusedProjections, kernelize
+    from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason
 
     simulated = [m for m in model.modules() if isinstance(m, FakeQuantLinear)]
     if not simulated and not _has_kernel_layers(model):
@@ -76,11 +77,17 @@ def executable(model: nn.Module, info: dict) -> str:
                               f"kernels, e.g. {name}: {reason}")
         info["kernel_layers"] = len(report.converted)
     fused = any(getattr(getattr(m, "quant", None), "block_shape", None) is not None for m in model.modules())
-    online = sum(1 for m in model.modules() if getattr(m, "input_transform", None) is not None
-                 and hasattr(getattr(m, "quant", None), "weight_nbytes"))
+    transformed = [m.input_transform for m in model.modules() if getattr(m, "input_transform", None) is not None
+                   and hasattr(getattr(m, "quant", None), "weight_nbytes")]
+    in_kernel = sum(1 for t in transformed if fused_hadamard_reason(t, torch.bfloat16) is None)
+    groups = sorted({"/".join(m.names) for m in model.modules() if isinstance(m, FusedProjections)})
     path = "Triton W4A4: act-quant + " + ("ZipperEngine (dense + fused residual)" if fused else "dense GEMM")
-    if online:
-        path += f"; online Hadamard on {online} linear inputs"
+    if transformed:
+        path += f"; online Hadamard on {len(transformed)} linear inputs"
+        path += (" (fused with act-quant)" if in_kernel == len(transformed) else
+                 f" ({in_kernel} fused with act-quant, {len(transformed) - in_kernel} in PyTorch)")
+    if groups:
+        path += "; one GEMM per " + ", ".join(groups)
     info["exec_path_speed"] = path
     return path
 

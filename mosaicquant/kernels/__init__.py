@@ -1,10 +1,12 @@
 """Triton kernels of the W4A4 engine (ZipperEngine) and their PyTorch references.
 
 - :mod:`.act_quant`: BF16 activations → packed 4-bit + per-token scale;
+- :mod:`.hadamard_quant`: the online Hadamard fused with the activation quantizer;
 - :mod:`.w4a4_gemm`: dense W4A4 GEMM;
 - :mod:`.zipper`: ZipperEngine, the dense GEMM with the sparse residual fused in;
 - :mod:`.residual_gemm`: the residual as a separate kernel (unfused pipeline);
-- :mod:`.quant_linear`: ``QuantLinear``, the module that runs the packed format.
+- :mod:`.quant_linear`: ``QuantLinear``, the module that runs the packed format;
+- :mod:`.convert`: a simulated model → its kernel-backed form (stacked q/k/v and gate/up).
 
 Every kernel has a launcher that checks its arguments and a PyTorch reference; the kernel
 preference (``"auto"`` / ``"triton"`` / ``"torch"``, argument or ``MOSAICQUANT_KERNEL``)

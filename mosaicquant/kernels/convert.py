@@ -8,6 +8,16 @@ quantizes its activations 4-bit, symmetric, per token, is replaced by a
 then a cast back to the model's dtype. Any other layer is left as it is and listed in the
 returned report, so a caller can say plainly which layers have no fast path — nothing is
 silently timed on a stand-in.
+
+Two execution changes that keep the layer's function:
+
+- an :class:`~mosaicquant.methods.hadamard.OnlineHadamard` input transform runs fused with
+  the activation quantizer (:mod:`mosaicquant.kernels.hadamard_quant`) on the Triton path,
+  where that kernel takes the size and dtype;
+- sibling projections that read the same input (``q_proj``/``k_proj``/``v_proj``,
+  ``gate_proj``/``up_proj``; :data:`SHARED_INPUT_GROUPS`) run as one
+  :class:`FusedProjections`: the input is quantized once and one GEMM covers the
+  concatenated outputs, which each sibling's :class:`ProjectionSlice` returns as a view.
 """
 
 from __future__ import annotations
@@ -17,28 +27,128 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from mosaicquant.kernels._common import resolve_kernel
+from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason, hadamard_quantize_triton
 from mosaicquant.kernels.quant_linear import QuantLinear
+from mosaicquant.methods.format import PackedW4
 from mosaicquant.methods.qlinear import FakeQuantLinear, set_module
 
-__all__ = ["KernelLinear", "KernelizeReport", "kernelize", "kernel_path_reason"]
+__all__ = [
+    "KernelLinear",
+    "FusedProjections",
+    "ProjectionSlice",
+    "KernelizeReport",
+    "kernelize",
+    "kernel_path_reason",
+    "SHARED_INPUT_GROUPS",
+]
+
+#: sibling linears (attribute names under one parent) that Hugging Face decoder layers call on
+#: the same input tensor
+SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _run_quant(quant: QuantLinear, x: torch.Tensor, transform: nn.Module | None, fuse_transform: bool) -> torch.Tensor:
+    """``transform`` (if any), activation quantization and the GEMM; output in ``x``'s dtype."""
+    if transform is not None and fuse_transform:
+        backend = resolve_kernel(quant.kernel, x.device)
+        if backend == "triton" and fused_hadamard_reason(transform, x.dtype) is None:
+            lead = x.shape[:-1]
+            x2 = x.reshape(-1, quant.in_features).contiguous()
+            a_packed, a_scale = hadamard_quantize_triton(x2, transform, quant.act_clip_ratio)
+            y = quant.forward_quantized(a_packed, a_scale, backend)
+            return y.reshape(*lead, quant.out_features).to(x.dtype)
+    if transform is not None:
+        x = transform(x)
+    return quant(x).to(x.dtype)
 
 
 class KernelLinear(nn.Module):
-    """Online input transform + :class:`QuantLinear`, output in the input's dtype."""
+    """Online input transform + :class:`QuantLinear`, output in the input's dtype.
 
-    def __init__(self, quant: QuantLinear, input_transform: nn.Module | None):
+    Args:
+        quant: the kernel layer.
+        input_transform: optional module applied to the input first.
+        fuse_transform: run an :class:`~mosaicquant.methods.hadamard.OnlineHadamard` fused
+            with the activation quantizer where the Triton kernel takes it (same function).
+    """
+
+    def __init__(self, quant: QuantLinear, input_transform: nn.Module | None, fuse_transform: bool = True):
         super().__init__()
         self.quant = quant
         self.input_transform = input_transform
+        self.fuse_transform = bool(fuse_transform)
 
     @property
     def in_features(self) -> int:
         return self.quant.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_transform is not None:
-            x = self.input_transform(x)
-        return self.quant(x).to(x.dtype)
+        return _run_quant(self.quant, x, self.input_transform, self.fuse_transform)
+
+
+class FusedProjections(nn.Module):
+    """Linears that share an input, run as one :class:`QuantLinear` over their stacked outputs.
+
+    Called through its :class:`ProjectionSlice` members: the first member called with an
+    input runs the GEMM once and keeps the result until every member has taken its slice
+    for that same input tensor; a member called with another tensor (or twice) recomputes.
+
+    Args:
+        quant: the stacked layer (``N = Σ N_i``).
+        names: member names, in stacking order.
+        sizes: each member's ``N_i``.
+        input_transform: the members' common input transform, if any.
+        fuse_transform: as in :class:`KernelLinear`.
+    """
+
+    def __init__(self, quant: QuantLinear, names: list[str], sizes: list[int],
+                 input_transform: nn.Module | None = None, fuse_transform: bool = True):
+        super().__init__()
+        if sum(sizes) != quant.out_features or len(names) != len(sizes):
+            raise ValueError(f"member sizes {sizes} do not add up to the stacked layer's {quant.out_features}")
+        self.quant = quant
+        self.names = list(names)
+        self.sizes = list(sizes)
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.input_transform = input_transform
+        self.fuse_transform = bool(fuse_transform)
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._served: set[int] = set()
+
+    def output_for(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Member ``index``'s output ``[..., N_index]`` (a view of the stacked output)."""
+        if self._input is not x or index in self._served:
+            self._input, self._served = x, set()
+            self._output = _run_quant(self.quant, x, self.input_transform, self.fuse_transform)
+        out = self._output[..., self.offsets[index]:self.offsets[index] + self.sizes[index]]
+        self._served.add(index)
+        if len(self._served) == len(self.sizes):
+            self._input = self._output = None
+            self._served = set()
+        return out
+
+    def extra_repr(self) -> str:
+        return f"members={self.names}, sizes={self.sizes}"
+
+
+class ProjectionSlice(nn.Module):
+    """One member of a :class:`FusedProjections` group, in place of the original linear."""
+
+    def __init__(self, group: FusedProjections, index: int):
+        super().__init__()
+        # a plain attribute: the group is registered once, on the parent module
+        object.__setattr__(self, "group", group)
+        self.index = index
+        self.in_features = group.quant.in_features
+        self.out_features = group.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.output_for(x, self.index)
+
+    def extra_repr(self) -> str:
+        return f"{self.group.names[self.index]} of the fused group, out_features={self.out_features}"
 
 
 @dataclass
@@ -47,6 +157,7 @@ class KernelizeReport:
 
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    fused_groups: list[str] = field(default_factory=list)
 
 
 def kernel_path_reason(layer: FakeQuantLinear) -> str | None:
@@ -61,17 +172,58 @@ def kernel_path_reason(layer: FakeQuantLinear) -> str | None:
     return None
 
 
-def kernelize(model: nn.Module, *, kernel: str | None = None, fused: bool = True) -> KernelizeReport:
+def _fusable_group(parent: nn.Module, names: tuple[str, ...]) -> list[FakeQuantLinear] | None:
+    members = [getattr(parent, n, None) for n in names]
+    if not all(isinstance(m, FakeQuantLinear) and kernel_path_reason(m) is None for m in members):
+        return None
+    first = members[0]
+    if any(m.in_features != first.in_features or m.act.clip_ratio != first.act.clip_ratio
+           or m.input_transform is not first.input_transform or m.weight.device != first.weight.device
+           for m in members):
+        return None
+    try:
+        PackedW4.concat_outputs([m.packed for m in members])
+    except ValueError:
+        return None
+    return members
+
+
+def kernelize(
+    model: nn.Module, *, kernel: str | None = None, fused: bool = True,
+    fuse_projections: bool = True, fuse_transform: bool = True,
+) -> KernelizeReport:
     """Replace every kernel-capable simulated linear of ``model`` in place.
 
     Args:
         kernel: ``"auto"`` / ``"triton"`` / ``"torch"`` (see :func:`mosaicquant.kernels.resolve_kernel`).
         fused: residual fused into the GEMM (ZipperEngine) or the unfused pipeline.
+        fuse_projections: run the members of each :data:`SHARED_INPUT_GROUPS` group as one
+            :class:`FusedProjections` where all of them convert and can be stacked.
+        fuse_transform: run online Hadamards fused with the activation quantizer.
 
     Returns:
-        :class:`KernelizeReport` with the converted names and, for the rest, the reason.
+        :class:`KernelizeReport` with the converted names, the fused groups and, for the rest,
+        the reason.
     """
     report = KernelizeReport()
+    if fuse_projections:
+        for pname, parent in list(model.named_modules()):
+            for names in SHARED_INPUT_GROUPS:
+                members = _fusable_group(parent, names)
+                if members is None:
+                    continue
+                device = members[0].weight.device
+                packed = PackedW4.concat_outputs([m.packed.to(device) for m in members])
+                quant = QuantLinear(packed, act_clip_ratio=members[0].act.clip_ratio, kernel=kernel,
+                                    fused=fused).to(device)
+                group = FusedProjections(quant, list(names), [m.out_features for m in members],
+                                         members[0].input_transform, fuse_transform)
+                gname = "fused_" + "_".join(n.removesuffix("_proj") for n in names)
+                parent.add_module(gname, group)
+                for i, n in enumerate(names):
+                    setattr(parent, n, ProjectionSlice(group, i))
+                    report.converted.append(f"{pname}.{n}" if pname else n)
+                report.fused_groups.append(f"{pname}.{gname}" if pname else gname)
     for name, module in list(model.named_modules()):
         if not isinstance(module, FakeQuantLinear):
             continue
@@ -82,6 +234,6 @@ def kernelize(model: nn.Module, *, kernel: str | None = None, fused: bool = True
         device = module.weight.device
         quant = QuantLinear(module.packed.to(device), act_clip_ratio=module.act.clip_ratio, kernel=kernel,
                             fused=fused).to(device)
-        set_module(model, name, KernelLinear(quant, module.input_transform))
+        set_module(model, name, KernelLinear(quant, module.input_transform, fuse_transform))
         report.converted.append(name)
     return report

@@ -140,18 +140,25 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
         backend = resolve_kernel(self.kernel, x2.device)
-        k = self.in_features
         a_packed, a_scale = quantize_activations(x2, self.act_clip_ratio, kernel=backend)
+        return self.forward_quantized(a_packed, a_scale, backend).reshape(*lead, self.out_features)
+
+    def forward_quantized(self, a_packed: torch.Tensor, a_scale: torch.Tensor, backend: str) -> torch.Tensor:
+        """The GEMM part on already quantized activations: ``[M, ceil(K/2)]`` packed + ``[M]`` scales → ``[M, N]`` BF16.
+
+        For callers that quantize the activations themselves (e.g. fused with an online
+        Hadamard, :mod:`mosaicquant.kernels.hadamard_quant`); ``backend`` is ``"triton"`` or
+        ``"torch"`` (:func:`mosaicquant.kernels.resolve_kernel`).
+        """
+        k = self.in_features
         residual = self.residual
         if residual is None:
-            y = w4a4_gemm(a_packed, a_scale, self.qweight, self.w_scale, k, self.bias, kernel=backend)
-        elif self.fused:
-            y = zipper_gemm(a_packed, a_scale, self.qweight, self.w_scale, k, residual, self.bias,
-                            kernel=backend, block_map=self.res_block_map, mode=self.mode)
+            return w4a4_gemm(a_packed, a_scale, self.qweight, self.w_scale, k, self.bias, kernel=backend)
+        if self.fused:
+            return zipper_gemm(a_packed, a_scale, self.qweight, self.w_scale, k, residual, self.bias,
+                               kernel=backend, block_map=self.res_block_map, mode=self.mode)
+        if backend == "triton":
+            dense = w4a4_gemm_triton(a_packed, a_scale, self.qweight, self.w_scale, k, self.bias, out_fp32=True)
         else:
-            if backend == "triton":
-                dense = w4a4_gemm_triton(a_packed, a_scale, self.qweight, self.w_scale, k, self.bias, out_fp32=True)
-            else:
-                dense = w4a4_gemm_reference(a_packed, a_scale, self.qweight, self.w_scale, k, self.bias, out_fp32=True)
-            y = residual_add(a_packed, a_scale, dense, residual, k, kernel=backend)
-        return y.reshape(*lead, self.out_features)
+            dense = w4a4_gemm_reference(a_packed, a_scale, self.qweight, self.w_scale, k, self.bias, out_fp32=True)
+        return residual_add(a_packed, a_scale, dense, residual, k, kernel=backend)

@@ -278,6 +278,53 @@ class PackedW4:
             out.update(self.residual.nbytes())
         return out
 
+    @staticmethod
+    def concat_outputs(parts: list["PackedW4"]) -> "PackedW4":
+        """Stack layers that share an input along ``N``: ``[N_1 + N_2 + ..., K]``.
+
+        Base values, scales and biases are concatenated; residual blocks keep their columns and
+        move down by the rows above them, so every part's ``N`` except the last must be a
+        multiple of the block height (blocks never straddle two parts).
+
+        Raises:
+            ValueError: no parts, different ``K``, group sizes or block shapes, a part with
+                a residual next to one without, or an ``N`` that is not a block multiple.
+        """
+        if not parts:
+            raise ValueError("concat_outputs needs at least one layer")
+        k = parts[0].shape[1]
+        for p in parts:
+            if p.shape[1] != k or p.group_size != parts[0].group_size:
+                raise ValueError(f"layers of shapes/groups {[(q.shape, q.group_size) for q in parts]} do not share K")
+        n_total = sum(p.shape[0] for p in parts)
+        bias = None
+        if any(p.bias is not None for p in parts):
+            bias = torch.cat([p.bias.float() if p.bias is not None
+                              else torch.zeros(p.shape[0], device=p.qweight.device) for p in parts])
+        residual = None
+        res = [p.residual for p in parts]
+        if any(r is not None for r in res):
+            if any(r is None for r in res) or len({tuple(r.block_shape) for r in res}) != 1:
+                raise ValueError("concat_outputs: every layer needs a residual of one block shape, or none")
+            bn, bk = res[0].block_shape
+            coords, row_ptr, values, scales = [], [res[0].row_ptr[:1]], [], []
+            row_off = nnz = 0
+            for i, (p, r) in enumerate(zip(parts, res)):
+                if i < len(parts) - 1 and p.shape[0] % bn:
+                    raise ValueError(f"N={p.shape[0]} is not a multiple of the block height {bn}")
+                c = r.coords.clone()
+                c[:, 0] += row_off
+                coords.append(c)
+                row_ptr.append(r.row_ptr[1:] + nnz)
+                values.append(r.values)
+                scales.append(r.scales)
+                row_off += r.grid[0]
+                nnz += r.num_blocks
+            residual = ResidualBlocks((n_total, k), (bn, bk), torch.cat(coords), torch.cat(row_ptr),
+                                      torch.cat(values), torch.cat(scales))
+        return PackedW4((n_total, k), torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                        parts[0].group_size, residual, bias, {})
+
     def to(self, device) -> "PackedW4":
         return PackedW4(
             self.shape, self.qweight.to(device), self.scales.to(device), self.group_size,

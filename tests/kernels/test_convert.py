@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mosaicquant.harness.context import QuantContext
-from mosaicquant.kernels.convert import KernelLinear, kernelize
+from mosaicquant.kernels.convert import FusedProjections, KernelLinear, ProjectionSlice, kernelize
 from mosaicquant.methods.mosaicquant import MosaicQuantConfig, mosaicquant
 from mosaicquant.methods.qlinear import FakeQuantLinear
 
@@ -41,14 +41,19 @@ def _tiny_quantized(seed=0, keep_float=False):
 
 
 @pytest.mark.parametrize("kernel", ["torch", pytest.param("triton", marks=needs_triton())])
-def test_kernel_model_equals_simulated_model(kernel):
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused-projections-and-hadamard", "separate"])
+def test_kernel_model_equals_simulated_model(kernel, fuse):
     sim, ctx, float_model = _tiny_quantized(keep_float=True)
     assert ctx.info["memory_bytes"]["residual_values"] > 0
     fast = copy.deepcopy(sim)
-    report = kernelize(fast, kernel=kernel)
+    report = kernelize(fast, kernel=kernel, fuse_projections=fuse, fuse_transform=fuse)
     n_sim = sum(isinstance(m, FakeQuantLinear) for m in sim.modules())
     assert len(report.converted) == n_sim == 14 and not report.skipped
-    assert sum(isinstance(m, KernelLinear) for m in fast.modules()) == n_sim
+    slices = sum(isinstance(m, ProjectionSlice) for m in fast.modules())
+    assert sum(isinstance(m, KernelLinear) for m in fast.modules()) + slices == n_sim
+    # q/k/v and gate/up of both layers: 4 groups, 10 members (residual blocks 16 rows high divide every N)
+    assert (len(report.fused_groups), slices) == ((4, 10) if fuse else (0, 0))
+    assert sum(isinstance(m, FusedProjections) for m in fast.modules()) == len(report.fused_groups)
     for m in sim.modules():
         if isinstance(m, FakeQuantLinear):
             m.output_rounding = torch.bfloat16
@@ -74,3 +79,41 @@ def test_layers_without_a_fast_path_are_reported():
     layer.packed = None
     report = kernelize(sim, kernel="torch")
     assert name in report.skipped and "packed 4-bit" in report.skipped[name]
+
+
+def test_fused_projections_give_each_member_its_own_output():
+    sim, _ = _tiny_quantized()
+    fused, separate = copy.deepcopy(sim), copy.deepcopy(sim)
+    kernelize(fused, kernel="torch")
+    kernelize(separate, kernel="torch", fuse_projections=False)
+    attn_f, attn_s = fused.model.layers[0].self_attn, separate.model.layers[0].self_attn
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        # any call order; every member's slice equals its own layer's output
+        got = {name: getattr(attn_f, name)(x) for name in ("k_proj", "v_proj", "q_proj")}
+        for name, out in got.items():
+            want = getattr(attn_s, name)(x)
+            assert out.shape == want.shape == (3, getattr(attn_s, name).quant.out_features)
+            assert torch.equal(out, want), name
+        assert attn_f.fused_q_k_v._input is None  # released once every member took its slice
+        # a member called twice on one input, or on another input, recomputes
+        q1 = attn_f.q_proj(x)
+        q2 = attn_f.q_proj(x)
+        y = torch.randn(3, 64)
+        assert torch.equal(q1, q2) and torch.equal(attn_f.k_proj(y), attn_s.k_proj(y))
+
+
+def test_stacked_packed_layers_dequantize_to_the_stacked_weights():
+    from mosaicquant.methods.format import PackedW4
+
+    sim, _ = _tiny_quantized()
+    attn = sim.model.layers[0].self_attn
+    parts = [attn.q_proj.packed, attn.k_proj.packed, attn.v_proj.packed]
+    stacked = PackedW4.concat_outputs(parts)
+    assert stacked.shape == (sum(p.shape[0] for p in parts), 64)
+    assert stacked.residual.num_blocks == sum(p.residual.num_blocks for p in parts) > 0
+    assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    odd = copy.deepcopy(parts[1])
+    odd.shape = (31, 64)  # not a multiple of the 16-row residual blocks
+    with pytest.raises(ValueError, match="multiple of the block height"):
+        PackedW4.concat_outputs([odd, parts[2]])

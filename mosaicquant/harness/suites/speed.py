@@ -238,6 +238,9 @@ def _in_features(module) -> int:
 
 
 def _weight_bytes(module) -> int:
+    group = getattr(module, "group", None)  # a member of a FusedProjections group: its share
+    if group is not None and hasattr(group, "quant"):
+        return sum(group.quant.weight_nbytes().values()) * int(module.out_features) // group.quant.out_features
     packed = [m for m in module.modules() if hasattr(m, "weight_nbytes")]
     if packed:
         return sum(sum(m.weight_nbytes().values()) for m in packed)

@@ -1,0 +1,265 @@
+"""Online Hadamard transform fused with activation quantization: BF16 in, packed int4 + scale out.
+
+The rotated methods (QuaRot, SpinQuant's online part, MosaicQuant's rotation) transform the
+inputs of ``o_proj`` / ``down_proj`` at run time, ``x ← x H_n D / √n``
+(:class:`mosaicquant.methods.hadamard.OnlineHadamard`), and then quantize them per token to
+4 bits. Run as separate PyTorch ops, the transform costs a cast, a dense product, a chain of
+butterflies and a Paley product — more than the 4-bit GEMM itself at decode sizes. This
+kernel does both in one pass, one program per token, the row held on chip:
+
+1. ``n = R · D`` with ``D = min(2^k, 128)`` (``n = m · 2^k``, ``m`` the Paley factor). The
+   row, viewed as ``X [R, D]`` (element ``i = r·D + d``), is transformed as
+   ``x (A ⊗ S_D) = Aᵀ X S_D`` with ``A = H_m ⊗ S_{2^k / D}`` (``R × R``, entries ±1) and
+   ``S_D`` the Sylvester matrix: two tensor-core products, ``Y = X S_D`` in the input's
+   16-bit dtype (±1 entries, exact products, fp32 sums) and ``Z = Aᵀ Y`` with ``Y`` split
+   into a 16-bit high part and a 16-bit remainder (two products, ~16 significant bits of
+   ``Y``, fp32 sums). ``R`` is padded to a power of two ≥ 16 with zero rows of ``A``.
+2. ``Z / √n`` (times the signs ``D``, if any) is rounded to the input dtype — exactly where
+   the PyTorch path rounds the transform's output — then quantized like
+   :mod:`mosaicquant.kernels.act_quant`: ``scale = absmax · clip / 7`` (IEEE division; an
+   all-zero row gets 1), ``q = clamp(round_half_even(z / scale), -8, 7)``, packed two a byte
+   (low nibble = even index), scale ``float32 [M]``.
+
+The result equals ``quantize_activations(OnlineHadamard(x))`` up to float summation order:
+a transformed value can land one 16-bit ulp away from the PyTorch path's, which moves its
+4-bit integer only when it sits on a rounding boundary (rare; the tests bound how often).
+
+Taken: 16-bit inputs (BF16 / FP16), ``D ≥ 16`` (``2^k ≥ 16``) and ``R ≤ 256``
+(``n ≤ 32768`` for ``2^k ≥ 128``): every hidden and intermediate size of the SPEC models.
+:func:`fused_hadamard_reason` says why anything else is not, and callers then run the
+transform and the quantizer separately (the same function, slower).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from mosaicquant.harness.errors import UserInputError
+from mosaicquant.kernels._common import check_same_device, check_tensor, check_triton_device, resolve_kernel, triton_interpreting
+from mosaicquant.kernels._tl import round_half_even
+from mosaicquant.kernels.act_quant import quantize_activations_reference
+from mosaicquant.methods.hadamard import OnlineHadamard, _sylvester, hadamard_factor
+
+__all__ = [
+    "hadamard_quantize",
+    "hadamard_quantize_triton",
+    "hadamard_quantize_reference",
+    "fused_hadamard_reason",
+    "MAX_ROWS",
+]
+
+#: largest padded row count ``R`` of the ``[R, D]`` view (the ``Aᵀ`` product is ``R × R``)
+MAX_ROWS = 256
+_DENSE = 128  # the inner Sylvester block D (at most)
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _round_to_bf16(z):
+    """fp32 → the nearest BF16 value (ties to even), kept in fp32; finite inputs.
+
+    Bit arithmetic rather than ``.to(tl.bfloat16)``: Triton's interpreter truncates that
+    conversion, the GPU rounds it; this is round-to-nearest-even on both.
+    """
+    u = z.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _hadamard_quant_kernel(
+    x_ptr, left_ptr, syl_ptr, signs_ptr, q_ptr, scale_ptr,
+    R, stride_xm, stride_qm, inv_sqrt_n, clip_ratio,
+    D: tl.constexpr, R_PAD: tl.constexpr,
+    HAS_SIGNS: tl.constexpr, SIGNS_FIRST: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, R_PAD)
+    cols = tl.arange(0, D)
+    idx = rows[:, None] * D + cols[None, :]
+    valid = rows[:, None] < R
+    x = tl.load(x_ptr + row * stride_xm + idx, mask=valid, other=0.0)
+    if HAS_SIGNS:
+        if SIGNS_FIRST:
+            s = tl.load(signs_ptr + idx, mask=valid, other=1.0)
+            x = (x.to(tl.float32) * s).to(x_ptr.dtype.element_ty)  # ±1: exact
+    syl = tl.load(syl_ptr + cols[:, None] * D + cols[None, :])
+    left = tl.load(left_ptr + rows[:, None] * R_PAD + rows[None, :])
+    if DOT_F32:
+        # Triton's interpreter computes 16-bit dots wrongly (bfloat16); the same products in fp32
+        x = x.to(tl.float32)
+        syl = syl.to(tl.float32)
+        left = left.to(tl.float32)
+    y = tl.dot(x, syl, out_dtype=tl.float32)  # X S_D: ±1 weights, exact products
+    y_hi = y.to(x_ptr.dtype.element_ty)
+    y_lo = (y - y_hi.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    if DOT_F32:
+        y_hi = y_hi.to(tl.float32)
+        y_lo = y_lo.to(tl.float32)
+    z = tl.dot(left, y_hi, out_dtype=tl.float32)
+    z = tl.dot(left, y_lo, z, out_dtype=tl.float32)
+    z = z * inv_sqrt_n
+    if HAS_SIGNS:
+        if not SIGNS_FIRST:
+            s = tl.load(signs_ptr + idx, mask=valid, other=1.0)
+            z = z * s
+    # the transform's output in the activation dtype, as the unfused path rounds it
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        z = _round_to_bf16(z)
+    else:
+        z = z.to(tl.float16).to(tl.float32)
+
+    absmax = tl.max(tl.max(tl.abs(z), axis=1), axis=0)
+    scale = tl.math.div_rn(absmax * clip_ratio, 7.0)
+    scale = tl.where(scale > 0.0, scale, 1.0)
+    tl.store(scale_ptr + row, scale)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(z, scale), -9.0), 9.0)
+    q = tl.minimum(tl.maximum(round_half_even(v), -8.0), 7.0).to(tl.int8)
+    q_even, q_odd = tl.split(tl.reshape(q, [R_PAD, D // 2, 2]))
+    packed = (q_even & 0xF) | (q_odd << 4)
+    half = tl.arange(0, D // 2)
+    tl.store(q_ptr + row * stride_qm + rows[:, None] * (D // 2) + half[None, :], packed, mask=rows[:, None] < R)
+
+
+def _view_of(transform: OnlineHadamard) -> tuple[int, int, int]:
+    """``(R, D, R_PAD)`` of the ``[R, D]`` row view."""
+    p = 1 << transform.log2_sylvester
+    d = min(p, _DENSE)
+    r = transform.size // d
+    return r, d, max(16, triton.next_power_of_2(r))
+
+
+def fused_hadamard_reason(transform: object, dtype: torch.dtype) -> str | None:
+    """``None`` when the fused kernel takes this transform and input dtype, else why not."""
+    if not isinstance(transform, OnlineHadamard):
+        return f"the input transform is {type(transform).__name__}, not an OnlineHadamard"
+    if dtype not in _DTYPES:
+        return f"activations are {str(dtype).replace('torch.', '')}; the fused kernel takes bfloat16 or float16"
+    r, d, r_pad = _view_of(transform)
+    if d < 16:
+        return (f"size {transform.size} = {transform.factor_order}·2^{transform.log2_sylvester}: the fused "
+                f"kernel needs a power-of-two part of at least 16")
+    if r_pad > MAX_ROWS:
+        return f"size {transform.size} needs {r} rows of {d} (the fused kernel takes at most {MAX_ROWS})"
+    return None
+
+
+@functools.cache
+def _operands(m: int, log2_p: int, transpose: bool, device: torch.device, dtype: torch.dtype):
+    """``(Aᵀ padded to [R_PAD, R_PAD], S_D)`` in ``dtype`` on ``device`` (one copy each)."""
+    p = 1 << log2_p
+    d = min(p, _DENSE)
+    a = torch.kron(hadamard_factor(m, torch.float64), _sylvester(p // d, torch.float64))
+    r = a.shape[0]
+    r_pad = max(16, triton.next_power_of_2(r))
+    left = torch.zeros(r_pad, r_pad, dtype=torch.float64)
+    # x (A ⊗ S) = Aᵀ X S; transposed: x (A ⊗ S)ᵀ = A X S (Sylvester matrices are symmetric)
+    left[:r, :r] = a if transpose else a.T
+    syl = _sylvester(d, torch.float64)
+    return left.to(device=device, dtype=dtype).contiguous(), syl.to(device=device, dtype=dtype).contiguous()
+
+
+def _check(x: torch.Tensor, transform: object, clip_ratio: float) -> None:
+    check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32), dim=2)
+    if not isinstance(transform, OnlineHadamard):
+        raise UserInputError(f"transform must be an OnlineHadamard, got {type(transform).__name__}")
+    if x.shape[1] != transform.size:
+        raise UserInputError(f"x has {x.shape[1]} columns, the transform is of size {transform.size}")
+    if not isinstance(clip_ratio, (int, float)) or not 0.0 < float(clip_ratio) <= 1.0:
+        raise UserInputError(f"clip_ratio={clip_ratio!r} is out of range: allowed (0, 1]")
+
+
+def hadamard_quantize_triton(
+    x: torch.Tensor, transform: OnlineHadamard, clip_ratio: float = 1.0,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the fused kernel.
+
+    Args:
+        x: ``[M, n]`` BF16/FP16 activations, unit stride along ``n``.
+        transform: the layer's :class:`OnlineHadamard` (size ``n``; signs and transpose honoured).
+        clip_ratio: fraction of each token's absmax kept, in (0, 1].
+        out: optional preallocated contiguous ``(packed uint8 [M, n/2], scale float32 [M])``.
+
+    Returns:
+        ``(packed, scale)``.
+
+    Raises:
+        UserInputError: bad arguments, a transform or dtype the kernel does not take (the
+            message says why), or a device the Triton path cannot run on.
+    """
+    _check(x, transform, clip_ratio)
+    reason = fused_hadamard_reason(transform, x.dtype)
+    if reason is not None:
+        raise UserInputError(f"the fused Hadamard + quantization kernel cannot run this input: {reason}")
+    device = check_same_device(x=x)
+    check_triton_device(device)
+    m, n = x.shape
+    if out is not None:
+        packed, scale = out
+        check_tensor("out[0]", packed, dtypes=(torch.uint8,), shape=(m, n // 2))
+        check_tensor("out[1]", scale, dtypes=(torch.float32,), shape=(m,))
+        if not packed.is_contiguous() or packed.device != device or scale.device != device:
+            raise UserInputError("out tensors must be contiguous and on x's device")
+    else:
+        packed = torch.empty(m, n // 2, dtype=torch.uint8, device=device)
+        scale = torch.empty(m, dtype=torch.float32, device=device)
+    if m == 0:
+        return packed, scale
+    r, d, r_pad = _view_of(transform)
+    left, syl = _operands(transform.factor_order, transform.log2_sylvester, transform.transpose, device, x.dtype)
+    signs = transform.signs
+    has_signs = signs is not None
+    if has_signs and (signs.device != device or signs.dtype != torch.float32):
+        raise UserInputError(f"the transform's signs are {signs.dtype} on {signs.device}; move the transform "
+                             f"to {device} (float32 signs)")
+    _hadamard_quant_kernel[(m,)](
+        x, left, syl, signs if has_signs else scale, packed.view(torch.int8), scale,
+        r, x.stride(0), packed.stride(0), 1.0 / math.sqrt(n), float(clip_ratio),
+        D=d, R_PAD=r_pad, HAS_SIGNS=has_signs, SIGNS_FIRST=transform.transpose,
+        DOT_F32=triton_interpreting(),
+        num_warps=4 if r_pad * d <= 4096 else 8,
+    )
+    return packed, scale
+
+
+def hadamard_quantize_reference(
+    x: torch.Tensor, transform: OnlineHadamard, clip_ratio: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused PyTorch path: ``quantize_activations_reference(transform(x), clip_ratio)``."""
+    _check(x, transform, clip_ratio)
+    return quantize_activations_reference(transform(x), clip_ratio)
+
+
+def hadamard_quantize(
+    x: torch.Tensor, transform: OnlineHadamard, clip_ratio: float = 1.0, kernel: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_activations(transform(x), clip_ratio)`` in one kernel where it can.
+
+    Args:
+        x: ``[M, n]`` activations.
+        transform: the online Hadamard applied before quantization.
+        clip_ratio: in (0, 1].
+        kernel: ``"auto"`` / ``"triton"`` / ``"torch"`` / ``None``.
+
+    Returns:
+        ``(packed uint8 [M, n/2], scale float32 [M])``.
+
+    Raises:
+        UserInputError: bad input; with ``kernel="triton"``, a transform or dtype the fused
+            kernel does not take.
+
+    Example:
+        >>> had = OnlineHadamard(64)
+        >>> packed, scale = hadamard_quantize(torch.randn(3, 64, dtype=torch.bfloat16), had, kernel="torch")
+        >>> packed.shape, scale.shape
+        (torch.Size([3, 32]), torch.Size([3]))
+    """
+    if resolve_kernel(kernel, x.device) == "triton":
+        return hadamard_quantize_triton(x, transform, clip_ratio)
+    return hadamard_quantize_reference(x, transform, clip_ratio)
