@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The GPU sweeps behind benchmarks/results/*_speed* (run from the repository root on a CUDA machine).
 #
-#   bash benchmarks/speed_sweeps.sh OUT_DIR [shapes|latency|smollm2|zeroshot|dask]
+#   bash benchmarks/speed_sweeps.sh OUT_DIR [shapes|latency|input|smollm2|zeroshot|dask]
 #
 # shapes   throughput + memory of every method on Llama-3-8B shapes (random weights)
 # latency  per-linear-layer latency over M = 1..8192 and step latency on Llama-3-8B shapes
+# input    the input side of the W4A4 linears: online Hadamard + act-quant, stacked projections
 # smollm2  the real small model: every method quantized for real, then throughput + memory
-# zeroshot the real small model through lm-eval, 200 documents per task
-# dask     one speed sweep through Dask on 1 GPU and on 2 GPUs (same cells), wall time of each
+# zeroshot the real small model through lm-eval, 200 documents per task ($ZS_METHODS picks methods)
+# dask     one speed sweep through Dask on 1 GPU and on 2 GPUs (same 16 cells), wall time of each
 set -euo pipefail
-out=${1:?usage: speed_sweeps.sh OUT_DIR [shapes|latency|smollm2|zeroshot|dask]}
+out=${1:?usage: speed_sweeps.sh OUT_DIR [shapes|latency|input|smollm2|zeroshot|dask]}
 what=${2:-shapes}
 mq() { python3 -m mosaicquant "$@"; }
 common=(--device cuda --dtype bfloat16 --report)
@@ -25,13 +26,17 @@ latency)
 smollm2)
     mq run --model smollm2-135m --methods fp16,rtn,quarot,mosaicquant,torchao:recipe=int8_dyn \
         --suites throughput,memory "${common[@]}" --calib-samples 8 --calib-seqlen 1024 --out "$out/smollm2_speed" ;;
+input)
+    python3 benchmarks/input_path.py --out "$out/input_path" ;;
 zeroshot)
-    mq run --model smollm2-135m --methods fp16,rtn,mosaicquant --suites zeroshot:limit=200 --device cuda \
+    zs_methods=${ZS_METHODS:-fp16,rtn,rtn:wbits=8:abits=8,smoothquant,quarot,spinquant,atom,resq,mosaicquant}
+    mq run --model smollm2-135m --methods "$zs_methods" --suites zeroshot:limit=200 --device cuda \
         --calib-samples 8 --calib-seqlen 1024 --report --out "$out/smollm2_zeroshot_200docs" ;;
 dask)
     for gpus in 1 2; do
         start=$(date +%s.%N)
-        mq run --model qwen3-8b-shapes --methods fp16,rtn,quarot,mosaicquant --suites throughput "${common[@]}" \
+        mq run --model qwen3-8b-shapes --suites throughput,latency "${common[@]}" \
+            --methods fp16,rtn,smoothquant,quarot,mosaicquant:budget=0,mosaicquant:budget=0.05,mosaicquant,mosaicquant:budget=0.2 \
             --executor dask --gpus "$gpus" --out "$out/qwen3_8b_dask_${gpus}gpu"
         echo "dask --gpus $gpus: $(python3 -c "import time; print(round(time.time() - $start, 1))") s"
     done ;;

@@ -442,6 +442,8 @@ def atom_quantize_linear(linear: nn.Linear, hessian: torch.Tensor, config: AtomC
                             input_transform_of(linear), None, wbits)
     layer.weight_groups = result.scale_groups
     layer.register_buffer("outlier_channels", outliers.clone())
+    # the integers and scales per segment, for the kernel path (mosaicquant.kernels.mixed_gemm)
+    layer.weight_segments = [(seg.columns, q) for seg, q in zip(segments, result.segments)]
     return layer.to(linear.weight.device)
 
 

@@ -246,6 +246,8 @@ def resq_quantize_linear(
                             result.storage_bits() / linear.weight.numel())
     layer.weight_groups = result.scale_groups
     layer.n_high = n_high
+    # the integers and scales per segment, for the kernel path (mosaicquant.kernels.mixed_gemm)
+    layer.weight_segments = [(seg.columns, q) for seg, q in zip(segments, result.segments)]
     return layer.to(linear.weight.device)
 
 

@@ -62,6 +62,7 @@ def executable(model: nn.Module, info: dict) -> str:
     """
     from mosaicquant.kernels.convert import FusedProjections, kernelize
     from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason
+    from mosaicquant.kernels.mixed_gemm import MixedQuantLinear
 
     simulated = [m for m in model.modules() if isinstance(m, FakeQuantLinear)]
     if not simulated and not _has_kernel_layers(model):
@@ -74,20 +75,32 @@ def executable(model: nn.Module, info: dict) -> str:
         if report.skipped:
             name, reason = next(iter(report.skipped.items()))
             raise Unavailable(f"no fast path: {len(report.skipped)} quantized linear(s) cannot run on the W4A4 "
-                              f"kernels, e.g. {name}: {reason}")
+                              f"or mixed 4/8-bit kernels, e.g. {name}: {reason}")
         info["kernel_layers"] = len(report.converted)
     fused = any(getattr(getattr(m, "quant", None), "block_shape", None) is not None for m in model.modules())
-    transformed = [m.input_transform for m in model.modules() if getattr(m, "input_transform", None) is not None
-                   and hasattr(getattr(m, "quant", None), "weight_nbytes")]
+    w4 = [m for m in model.modules() if hasattr(getattr(m, "quant", None), "weight_nbytes")]
+    mixed = [m for m in model.modules() if isinstance(m, MixedQuantLinear)]
+    transformed = [m.input_transform for m in w4 if m.input_transform is not None]
     in_kernel = sum(1 for t in transformed if fused_hadamard_reason(t, torch.bfloat16) is None)
     groups = sorted({"/".join(m.names) for m in model.modules() if isinstance(m, FusedProjections)})
-    path = "Triton W4A4: act-quant + " + ("ZipperEngine (dense + fused residual)" if fused else "dense GEMM")
-    if transformed:
-        path += f"; online Hadamard on {len(transformed)} linear inputs"
-        path += (" (fused with act-quant)" if in_kernel == len(transformed) else
-                 f" ({in_kernel} fused with act-quant, {len(transformed) - in_kernel} in PyTorch)")
-    if groups:
-        path += "; one GEMM per " + ", ".join(groups)
+    parts = []
+    if w4:
+        part = "Triton W4A4: act-quant + " + ("ZipperEngine (dense + fused residual)" if fused else "dense GEMM")
+        if transformed:
+            part += f"; online Hadamard on {len(transformed)} linear inputs"
+            part += (" (fused with act-quant)" if in_kernel == len(transformed) else
+                     f" ({in_kernel} fused with act-quant, {len(transformed) - in_kernel} in PyTorch)")
+        if groups:
+            part += "; one GEMM per " + ", ".join(groups)
+        parts.append(part)
+    if mixed:
+        part = (f"Triton mixed 4/8-bit on {len(mixed)} linears: act-quant (gathered channels, 4-bit low + "
+                f"8-bit high) + mixed GEMM")
+        kinds = sorted({type(m.input_transform).__name__ for m in mixed if m.input_transform is not None})
+        if kinds:
+            part += "; input transforms in PyTorch (" + ", ".join(kinds) + ")"
+        parts.append(part)
+    path = " | ".join(parts)
     info["exec_path_speed"] = path
     return path
 

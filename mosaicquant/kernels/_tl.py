@@ -133,3 +133,14 @@ def store_output(
             else:
                 tl.store(out_ptr + out_offs, total.to(tl.bfloat16), mask=mask)
             tl.atomic_xchg(lock_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def tile_coords(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` of program ``pid`` in grouped order (``GROUP_M`` row tiles share column tiles, for L2 reuse)."""
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % group) % rows_in_group, (pid % group) // rows_in_group

@@ -5,7 +5,9 @@ weight (:class:`~mosaicquant.methods.format.PackedW4`, per-output-channel scales
 quantizes its activations 4-bit, symmetric, per token, is replaced by a
 :class:`KernelLinear`: the layer's online input transform (if any), then
 :class:`~mosaicquant.kernels.quant_linear.QuantLinear` on the same integers and scales,
-then a cast back to the model's dtype. Any other layer is left as it is and listed in the
+then a cast back to the model's dtype. Layers in a mixed 4-bit + 8-bit format (Atom, ResQ)
+become :class:`~mosaicquant.kernels.mixed_gemm.MixedQuantLinear`
+(:func:`~mosaicquant.kernels.mixed_gemm.mixed_from_fake`). Any other layer is left as it is and listed in the
 returned report, so a caller can say plainly which layers have no fast path — nothing is
 silently timed on a stand-in.
 
@@ -29,6 +31,7 @@ from torch import nn
 
 from mosaicquant.kernels._common import resolve_kernel
 from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason, hadamard_quantize_triton
+from mosaicquant.kernels.mixed_gemm import mixed_from_fake
 from mosaicquant.kernels.quant_linear import QuantLinear
 from mosaicquant.methods.format import PackedW4
 from mosaicquant.methods.qlinear import FakeQuantLinear, set_module
@@ -158,6 +161,7 @@ class KernelizeReport:
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     fused_groups: list[str] = field(default_factory=list)
+    mixed: list[str] = field(default_factory=list)
 
 
 def kernel_path_reason(layer: FakeQuantLinear) -> str | None:
@@ -170,6 +174,21 @@ def kernel_path_reason(layer: FakeQuantLinear) -> str | None:
     if getattr(act, "bits", None) != 4 or not getattr(act, "symmetric", False) or getattr(act, "group_size", 1) is not None:
         return f"activations are not 4-bit symmetric per token ({act!r})"
     return None
+
+
+def _segments_from_packed(layer: FakeQuantLinear) -> None:
+    """Give a packed dense 4-bit layer (per-channel scales) the ``weight_segments`` the mixed kernels read."""
+    from mosaicquant.methods.quant import Quantized
+
+    packed = layer.packed
+    if packed is None or getattr(layer, "weight_segments", None) is not None or packed.residual is not None:
+        return
+    n, k = packed.shape
+    if packed.group_size not in (None, k):
+        return
+    q = Quantized(q=packed.int_weight(), scale=packed.scales.to(torch.float32).reshape(n, 1), zero=None, bits=4,
+                  group_size=None)
+    layer.weight_segments = [(torch.arange(k), q)]
 
 
 def _fusable_group(parent: nn.Module, names: tuple[str, ...]) -> list[FakeQuantLinear] | None:
@@ -229,7 +248,16 @@ def kernelize(
             continue
         reason = kernel_path_reason(module)
         if reason is not None:
-            report.skipped[name] = reason
+            # mixed 4-bit + 8-bit formats (Atom's INT8 outlier channels, ResQ's 8-bit subspace) and
+            # asymmetric 4-bit activations (SpinQuant, ResQ's down_proj)
+            _segments_from_packed(module)
+            mixed = mixed_from_fake(module, kernel=kernel)
+            if isinstance(mixed, str):
+                report.skipped[name] = f"{reason}; mixed 4/8-bit kernels: {mixed}"
+            else:
+                set_module(model, name, mixed)
+                report.converted.append(name)
+                report.mixed.append(name)
             continue
         device = module.weight.device
         quant = QuantLinear(module.packed.to(device), act_clip_ratio=module.act.clip_ratio, kernel=kernel,

@@ -32,7 +32,7 @@ import triton.language as tl
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels._common import triton_interpreting, check_same_device, check_tensor, check_triton_device, resolve_kernel
 from mosaicquant.kernels._tiles import LOCK_SLOTS, TileConfig, lock_buffer, pick_config
-from mosaicquant.kernels._tl import mac_int4, store_output
+from mosaicquant.kernels._tl import mac_int4, store_output, tile_coords
 from mosaicquant.methods.format import unpack_int4
 
 __all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_reference", "check_gemm_args"]
@@ -48,13 +48,7 @@ def _w4a4_gemm_kernel(
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = tl.cdiv(N, BN)
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % rows_in_group
-    pid_n = (pid % group) // rows_in_group
+    pid_m, pid_n = tile_coords(pid, M, N, BM, BN, GROUP_M)
 
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)

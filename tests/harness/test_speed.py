@@ -109,9 +109,25 @@ def test_methods_without_a_fast_path_are_unavailable_never_stand_ins(tiny_shapes
     with pytest.raises(Unavailable, match="W8A8"):
         _form("rtn", shapes.build_shape_model(tiny_shapes, dtype=torch.float32), wbits=8, abits=8)
     model = shapes.build_shape_model(tiny_shapes, dtype=torch.float32)
-    ctx = _form("spinquant", model)  # asymmetric per-token activations: the kernels take symmetric
-    with pytest.raises(Unavailable, match="no fast path: 14 quantized linear"):
+    ctx = _form("rtn", model, w_group_size=32)  # group-wise weight scales with per-token activations
+    with pytest.raises(Unavailable, match="no fast path: 14 quantized linear.*group-wise base scales"):
         executable(model, ctx.info)
+
+
+def test_asymmetric_activations_run_on_the_mixed_kernels(tiny_shapes):
+    # SpinQuant quantizes activations asymmetrically: the mixed kernels' 4-bit path with zero points
+    model = shapes.build_shape_model(tiny_shapes, dtype=torch.float32)
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+    ctx = _form("spinquant", model)
+    with torch.no_grad():
+        simulated = model(input_ids=ids).logits
+        path = executable(model, ctx.info)
+        kernels = model(input_ids=ids).logits
+    assert "mixed 4/8-bit on 14 linears" in path and not any(isinstance(m, FakeQuantLinear) for m in model.modules())
+    # as in the W4A4 test above: far closer to the simulated model than quantization is to the float one
+    assert (kernels.float() - simulated).norm() < 0.5 * (simulated - reference).norm()
 
 
 def test_float_model_runs_as_is():

@@ -117,3 +117,40 @@ def test_stacked_packed_layers_dequantize_to_the_stacked_weights():
     odd.shape = (31, 64)  # not a multiple of the 16-row residual blocks
     with pytest.raises(ValueError, match="multiple of the block height"):
         PackedW4.concat_outputs([odd, parts[2]])
+
+
+def _tiny_baseline(method: str, **options):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mosaicquant.harness.registry import get_method
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    float_model = copy.deepcopy(model)
+    calib = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(0))
+    ctx = QuantContext(calibration=lambda: calib, seed=0, device=torch.device("cpu"), log=lambda s: None)
+    spec = get_method(method)
+    return spec.fn(model, spec.config(**options), ctx), float_model
+
+
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("triton", marks=needs_triton())])
+@pytest.mark.parametrize("method,options", [("atom", {"n_outliers": 16, "group_size": 32, "kvbits": 16}),
+                                            ("resq", {"kvbits": 16})])
+def test_atom_and_resq_run_on_the_mixed_kernels(kernel, method, options):
+    from mosaicquant.kernels.mixed_gemm import MixedQuantLinear
+
+    sim, float_model = _tiny_baseline(method, **options)
+    fast = copy.deepcopy(sim)
+    report = kernelize(fast, kernel=kernel)
+    assert not report.skipped and len(report.mixed) == len(report.converted) == 14
+    assert sum(isinstance(m, MixedQuantLinear) for m in fast.modules()) == 14
+    assert not any(isinstance(m, FakeQuantLinear) for m in fast.modules())
+    ids = torch.randint(0, 97, (2, 19), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ref = sim(input_ids=ids).logits
+        flt = float_model(input_ids=ids).logits
+        out = fast.to(DEVICE)(input_ids=ids.to(DEVICE)).logits.float().cpu()
+    ratio = ((out - ref).norm() / (ref - flt).norm()).item()
+    assert ratio < TRITON_FRACTION_OF_QUANT_ERROR, f"kernel-vs-simulated is {ratio:.2f} of the quantization error"
