@@ -127,9 +127,10 @@ def resq_basis(hessian: torch.Tensor, n_high: int, seed: int) -> torch.Tensor:
     high, low = vectors[:, :n_high], vectors[:, n_high:]
     parts = []
     if k - n_high:
-        parts.append(low @ random_orthogonal(k - n_high, seed))
+        # the rotations are drawn on the CPU (the same basis on every device), then moved
+        parts.append(low @ random_orthogonal(k - n_high, seed).to(low.device))
     if n_high:
-        parts.append(high @ random_orthogonal(n_high, seed + 1))
+        parts.append(high @ random_orthogonal(n_high, seed + 1).to(high.device))
     return torch.cat(parts, dim=1)
 
 

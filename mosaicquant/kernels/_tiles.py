@@ -124,13 +124,15 @@ def fit_to_blocks(cfg: TileConfig, residual_block: tuple[int, int]) -> TileConfi
     """Shrink ``block_n``/``block_kp`` so that program tiles nest inside residual blocks.
 
     Raises:
-        UserInputError: ``Bn`` not a multiple of 16 or ``Bk`` not a multiple of 32.
+        UserInputError: ``Bn`` not a multiple of 16 or ``Bk`` not a multiple of 64.
     """
     bn_res, bk_res = residual_block
-    if bn_res % 16 or bk_res % 32:
+    if bn_res % 16 or bk_res % 64:
+        # a block column of Bk values is Bk/2 packed bytes; the int8 tensor-core dots of the
+        # compiled kernels take K >= 32 per step, so Bk/2 must be a multiple of 32
         raise UserInputError(
             f"residual block {bn_res}x{bk_res} cannot be tiled by the kernels: rows must be a multiple "
-            f"of 16 and columns a multiple of 32"
+            f"of 16 and columns a multiple of 64"
         )
     block_n = cfg.block_n
     while bn_res % block_n:
@@ -138,7 +140,7 @@ def fit_to_blocks(cfg: TileConfig, residual_block: tuple[int, int]) -> TileConfi
     block_kp = cfg.block_kp
     while (bk_res // 2) % block_kp:
         block_kp //= 2
-    if block_n < 16 or block_kp < 16:
+    if block_n < 16 or block_kp < 32:
         raise UserInputError(f"residual block {bn_res}x{bk_res} has no tile of 16-multiples that divides it")
     return replace(cfg, block_n=block_n, block_kp=block_kp)
 

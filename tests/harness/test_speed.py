@@ -65,7 +65,7 @@ def test_build_shape_model_has_the_shapes(tiny_shapes, name):
 
 
 @pytest.mark.parametrize("method, options", [("rtn", {}), ("smoothquant", {}), ("quarot", {}),
-                                             ("mosaicquant", {"budget": 0.25, "block": "16x32"})])
+                                             ("mosaicquant", {"budget": 0.25, "block": "16x64"})])
 def test_speed_forms_build_the_methods_format_and_run_on_the_kernels(tiny_shapes, method, options):
     model = shapes.build_shape_model(tiny_shapes, dtype=torch.float32)
     ids = torch.randint(0, 256, (1, 12))
@@ -79,7 +79,7 @@ def test_speed_forms_build_the_methods_format_and_run_on_the_kernels(tiny_shapes
         assert model.model.layers[0].mlp.down_proj.input_transform is not None
     if method == "mosaicquant":
         blocks = sum(m.packed.residual.num_blocks for m in layers)
-        total = sum(-(-m.packed.shape[0] // 16) * -(-m.packed.shape[1] // 32) for m in layers)
+        total = sum(-(-m.packed.shape[0] // 16) * -(-m.packed.shape[1] // 64) for m in layers)
         assert abs(blocks / total - 0.25) < 0.05, (blocks, total)
     memory = weight_memory(model)
     with torch.no_grad():
@@ -161,7 +161,7 @@ def test_decode_step_with_the_static_cache_matches_a_full_forward(tiny_shapes):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU plumbing; the GPU test below times on the device")
 def test_measurements_run_on_the_executable_model(tiny_shapes):
     model = shapes.build_shape_model(tiny_shapes, dtype=torch.float32)
-    ctx = _form("mosaicquant", model, budget=0.1, block="16x32")
+    ctx = _form("mosaicquant", model, budget=0.1, block="16x64")
     executable(model, ctx.info)
     cpu = torch.device("cpu")
     with torch.no_grad():

@@ -34,7 +34,7 @@ def _tiny_quantized(seed=0, keep_float=False):
     float_model = copy.deepcopy(model) if keep_float else None
     calib = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(seed))
     ctx = QuantContext(calibration=lambda: calib, seed=seed, device=torch.device("cpu"), log=lambda s: None)
-    config = MosaicQuantConfig(block="16x32", budget=0.3, base="rtn")
+    config = MosaicQuantConfig(block="16x64", budget=0.3, base="rtn")
     if keep_float:
         return mosaicquant(model, config, ctx), ctx, float_model
     return mosaicquant(model, config, ctx), ctx

@@ -71,6 +71,9 @@ def test_tile_config_fits_residual_blocks():
     assert 48 % cfg.block_n == 0 and 32 % cfg.block_kp == 0
     with pytest.raises(UserInputError, match="cannot be tiled"):
         pick_config(8, 4096, 2048, torch.device("cpu"), residual_block=(40, 64))
+    # 32 columns are 16 packed bytes: narrower than the compiled int8 dots' K of 32
+    with pytest.raises(UserInputError, match="columns a multiple of 64"):
+        pick_config(8, 4096, 2048, torch.device("cpu"), residual_block=(16, 32))
     with pytest.raises(UserInputError, match="block_m=24"):
         TileConfig(block_m=24, block_n=64, block_kp=64)
 
