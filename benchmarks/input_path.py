@@ -114,13 +114,17 @@ def bench_stacked(name, sizes, k, device, rows):
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         outs_s = [mod(x).float() for mod in sep[0]]
         outs_g = [mod(x).float() for mod in groups[0]]
-        ok = all(torch.equal(a, b) for a, b in zip(outs_s, outs_g))
+        # same integers and scales; the stacked GEMM may pick other tiles (split-K), so its fp32
+        # sums differ in order: equal within one BF16 ulp (plus a floor of 1e-3 of the range)
+        ok = all(bool(torch.isfinite(a).all()) and bool(((a - b).abs() <= 2.0**-7 * b.abs()
+                                                          + 1e-3 * b.abs().max()).all())
+                 for a, b in zip(outs_g, outs_s))
         times = {
             "proj_bf16": med([lambda ws=ws: [F.linear(x, w) for w in ws] for ws in w16]),
             "proj_separate": med([lambda mods=mods: [mod(x) for mod in mods] for mods in sep]),
             "proj_stacked": med([lambda mods=mods: [mod(x) for mod in mods] for mods in groups]),
         }
-        row = {"shape": name, "n": sum(sizes), "k": k, "m": m, "check_stacked_equal": ok,
+        row = {"shape": name, "n": sum(sizes), "k": k, "m": m, "check_stacked_close": ok,
                **{f"{v}_us": t for v, t in times.items()}}
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -94,8 +94,13 @@ def executable(model: nn.Module, info: dict) -> str:
             part += "; one GEMM per " + ", ".join(groups)
         parts.append(part)
     if mixed:
-        part = (f"Triton mixed 4/8-bit on {len(mixed)} linears: act-quant (gathered channels, 4-bit low + "
-                f"8-bit high) + mixed GEMM")
+        def describe(fmt):
+            low = f"{fmt.lo_bits}-bit {'sym' if fmt.lo_symmetric else 'asym'}" + (
+                f" g{fmt.group_size}" if fmt.group_size else "")
+            return low + (f" + {fmt.k_hi} ch {fmt.hi_bits}-bit" if fmt.k_hi else "")
+        formats = sorted({describe(m.fmt) for m in mixed})
+        part = (f"Triton mixed-precision GEMM on {len(mixed)} linears (act-quant with gathered channels; "
+                f"{'; '.join(formats[:3])}{'; ...' if len(formats) > 3 else ''})")
         kinds = sorted({type(m.input_transform).__name__ for m in mixed if m.input_transform is not None})
         if kinds:
             part += "; input transforms in PyTorch (" + ", ".join(kinds) + ")"
