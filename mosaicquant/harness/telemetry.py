@@ -2,7 +2,9 @@
 
 Optional: without the package or a GPU, :class:`Telemetry` is inactive and the suites
 record no telemetry metrics (and say why in the record). Energy comes from the device's
-cumulative energy counter (mJ) over the window, power and SM clock are sampled at its end.
+cumulative energy counter (mJ) over the window; the mean power is that energy over the
+window's wall time; the SM clock is sampled at its end. The counter moves in steps of tens of
+milliseconds, so windows are held for seconds (see :func:`mosaicquant.harness.timing.time_calls`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class Window:
     energy_j: float | None
     power_w: float | None
     sm_clock_mhz: float | None
+    seconds: float | None = None
 
 
 class Telemetry:
@@ -68,18 +71,25 @@ class Telemetry:
         """Mark the start of a window (returns the energy counter, mJ)."""
         return self._energy_mj() if self.active else None
 
-    def stop(self, started: float | None) -> Window:
-        """Close the window opened by :meth:`start`."""
+    def stop(self, started: float | None, seconds: float | None = None) -> Window:
+        """Close the window opened by :meth:`start`; ``seconds`` is its wall time.
+
+        Power is the mean over the window (energy / ``seconds``) when both are known, else
+        NVML's power reading at the end.
+        """
         if not self.active:
-            return Window(None, None, None)
+            return Window(None, None, None, seconds)
         end = self._energy_mj()
         energy = (end - started) / 1e3 if end is not None and started is not None else None
-        try:
-            power = self._nvml.nvmlDeviceGetPowerUsage(self._handle) / 1e3
-        except Exception:  # noqa: BLE001
-            power = None
+        if energy is not None and seconds:
+            power = energy / seconds
+        else:
+            try:
+                power = self._nvml.nvmlDeviceGetPowerUsage(self._handle) / 1e3
+            except Exception:  # noqa: BLE001
+                power = None
         try:
             clock = float(self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM))
         except Exception:  # noqa: BLE001
             clock = None
-        return Window(energy, power, clock)
+        return Window(energy, power, clock, seconds)

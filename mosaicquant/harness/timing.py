@@ -31,7 +31,8 @@ class Timing:
         spread_us: half the interquartile range, µs.
         how: ``"cudagraph"``, ``"cuda-events"`` or ``"cpu-wall"``.
         calls: calls made inside the timed replays (for per-call energy).
-        window: telemetry of the timed replays, when a :class:`Telemetry` was passed.
+        window: telemetry of the window after the timed replays, when a :class:`Telemetry` was passed.
+        window_calls: calls run inside that window.
     """
 
     median_us: float
@@ -39,6 +40,7 @@ class Timing:
     how: str
     calls: int = 0
     window: object = None
+    window_calls: int = 0
 
 
 def half_iqr(values: Sequence[float]) -> float:
@@ -50,7 +52,7 @@ def half_iqr(values: Sequence[float]) -> float:
 
 
 def time_calls(calls: Sequence[Callable[[], object]], min_us: float = 400.0, replays: int = 15,
-               graphs: bool = True, telemetry=None) -> Timing:
+               graphs: bool = True, telemetry=None, telemetry_s: float = 2.0) -> Timing:
     """Median µs per call of ``calls`` (closures cycled in order).
 
     Args:
@@ -58,7 +60,10 @@ def time_calls(calls: Sequence[Callable[[], object]], min_us: float = 400.0, rep
         min_us: a captured sequence lasts at least this long (repeats ``calls`` up to 64 times).
         replays: timed replays; the median and spread are over these.
         graphs: capture a CUDA graph (else time eager launches with CUDA events).
-        telemetry: a :class:`mosaicquant.harness.telemetry.Telemetry` to read over the timed replays.
+        telemetry: a :class:`mosaicquant.harness.telemetry.Telemetry`; after the timed replays the
+            sequence is replayed for at least ``telemetry_s`` seconds inside one telemetry window
+            (NVML's energy counter moves in steps of tens of ms: a sub-second window is noise).
+        telemetry_s: length of that window.
     """
     calls = list(calls)
     if not calls:
@@ -101,13 +106,25 @@ def time_calls(calls: Sequence[Callable[[], object]], min_us: float = 400.0, rep
                 c()
 
     times = []
-    opened = telemetry.start() if telemetry is not None else None
     for _ in range(replays):
         start.record()
         run()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / len(seq))
-    window = telemetry.stop(opened) if telemetry is not None else None
+    window, window_calls = None, 0
+    if telemetry is not None:
+        torch.cuda.synchronize()
+        opened = telemetry.start()
+        t0 = time.perf_counter()
+        runs = 0
+        while True:
+            run()
+            runs += 1
+            torch.cuda.synchronize()
+            if time.perf_counter() - t0 >= telemetry_s:
+                break
+        window = telemetry.stop(opened, time.perf_counter() - t0)
+        window_calls = runs * len(seq)
     return Timing(statistics.median(times), half_iqr(times), "cudagraph" if graphs else "cuda-events",
-                  replays * len(seq), window)
+                  replays * len(seq), window, window_calls)

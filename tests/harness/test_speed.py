@@ -227,3 +227,33 @@ def test_speed_suites_on_the_gpu(monkeypatch):
     with torch.no_grad():
         metrics = lat.fn(model, lat.config(ms=(1, 64), batches=(4,), prefill_len=64, context=32, replays=3), sctx)
     assert metrics["linear_us/down_proj/m64"].value > 0 and metrics["step_ms/decode_b4"].value > 0
+
+
+def test_telemetry_window_reports_mean_power_over_its_wall_time():
+    from mosaicquant.harness.telemetry import Telemetry
+
+    class FakeNVML:
+        NVML_CLOCK_SM = 0
+
+        def __init__(self):
+            self.counter_mj = [1000.0, 7000.0]
+
+        def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+            return self.counter_mj.pop(0)
+
+        def nvmlDeviceGetPowerUsage(self, handle):
+            return 999_000  # an instantaneous reading (mW) the window must not use
+
+        def nvmlDeviceGetClockInfo(self, handle, which):
+            return 1980
+
+    tel = Telemetry(torch.device("cpu"))
+    assert not tel.active and tel.stop(None, 1.0).energy_j is None
+    tel.active, tel._handle, tel._nvml = True, None, FakeNVML()
+    window = tel.stop(tel.start(), 2.0)
+    assert (window.energy_j, window.power_w, window.sm_clock_mhz, window.seconds) == (6.0, 3.0, 1980.0, 2.0)
+
+
+def test_energy_window_length_is_checked():
+    with pytest.raises(UserInputError, match="energy_s"):
+        speed.ThroughputConfig(energy_s=0.0)

@@ -14,7 +14,8 @@ is recorded as unavailable with the reason, never timed on a stand-in. The recor
       holding ``context`` tokens, captured in a CUDA graph and replayed (launch overhead
       excluded, as in CUDA-graph serving); tokens/s = ``B`` / median step time.
     * with ``nvidia-ml-py`` on the GPU: ``decode_energy_j_per_tok/b{B}`` (energy counter over
-      the timed replays), ``decode_power_w/b{B}`` and ``decode_sm_clock_mhz/b{B}`` (sampled at
+      ``energy_s`` seconds of replays after the timed ones), ``decode_power_w/b{B}`` (mean power
+      of that window) and ``decode_sm_clock_mhz/b{B}`` (sampled at
       the end of the window).
 
 ``latency``
@@ -77,6 +78,8 @@ class ThroughputConfig(Config):
         context: tokens already in the KV cache during decode.
         replays: timed repetitions (median and spread over them).
         cuda_graphs: capture decode steps in CUDA graphs.
+        energy_s: seconds of decode steps replayed in one NVML window per batch size (energy per
+            token, mean power), after the timed replays.
     """
 
     description = "prefill tokens/s and CUDA-graph decode tokens/s at batch 4-32, with NVML energy (GPU)"
@@ -87,8 +90,10 @@ class ThroughputConfig(Config):
     context: int = 512
     replays: int = 11
     cuda_graphs: bool = True
+    energy_s: float = 2.0
 
     def validate(self):
+        check_range("energy_s", self.energy_s, 0.1, 600.0)
         check_range("prefill_len", self.prefill_len, 1, None, integer=True)
         check_range("prefill_batch", self.prefill_batch, 1, None, integer=True)
         _check_ints("batches", self.batches)
@@ -205,10 +210,11 @@ def decode_step(model, batch: int, context: int, device):
 
 
 def measure_decode(model, batch: int, context: int, device, replays: int = 11, graphs: bool = True,
-                   telemetry: Telemetry | None = None):
+                   telemetry: Telemetry | None = None, telemetry_s: float = 2.0):
     """Median µs of one decode step at ``batch`` with ``context`` cached tokens (static KV cache)."""
     step = decode_step(model, batch, context, device)
-    return time_calls([step], min_us=50_000.0, replays=replays, graphs=graphs, telemetry=telemetry)
+    return time_calls([step], min_us=50_000.0, replays=replays, graphs=graphs, telemetry=telemetry,
+                      telemetry_s=telemetry_s)
 
 
 def measure_linear_group(model, group: str, m: int, device, rotate_mb: int = 180, replays: int = 11,
@@ -278,13 +284,14 @@ def throughput(model, config: ThroughputConfig, ctx):
     if not telemetry.active:
         ctx.method_info.setdefault("speed", {})["telemetry"] = f"none: {telemetry.reason}"
     for b in config.batches:
-        t = measure_decode(model, b, config.context, device, config.replays, config.cuda_graphs, telemetry)
+        t = measure_decode(model, b, config.context, device, config.replays, config.cuda_graphs, telemetry,
+                           config.energy_s)
         metrics[f"decode_tok_s/b{b}"] = _tok_s(b, t)
         w = t.window
         if w is not None:
-            if w.energy_j is not None and t.calls:
-                metrics[f"decode_energy_j_per_tok/b{b}"] = Metric(w.energy_j / (t.calls * b), higher_is_better=False,
-                                                                  unit="J/tok")
+            if w.energy_j is not None and t.window_calls:
+                metrics[f"decode_energy_j_per_tok/b{b}"] = Metric(w.energy_j / (t.window_calls * b),
+                                                                  higher_is_better=False, unit="J/tok")
             if w.power_w is not None:
                 metrics[f"decode_power_w/b{b}"] = Metric(w.power_w, higher_is_better=False, unit="W")
             if w.sm_clock_mhz is not None:
