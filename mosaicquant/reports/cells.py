@@ -54,6 +54,7 @@ class Cell:
     method_name: str
     suite_name: str
     method_config: dict[str, Any] = field(default_factory=dict)
+    suite_config: dict[str, Any] = field(default_factory=dict)
     method_info: dict[str, Any] = field(default_factory=dict)
     ok_seeds: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -157,7 +158,8 @@ def aggregate_cells(records: list[dict[str, Any]]) -> dict[tuple[str, str, str],
         if cell is None:
             cell = cells[key] = Cell(model=key[0], method=key[1], suite=key[2], method_name=rec["method"]["name"],
                                      suite_name=rec["suite"]["name"],
-                                     method_config=dict(rec["method"].get("config") or {}))
+                                     method_config=dict(rec["method"].get("config") or {}),
+                                     suite_config=dict(rec["suite"].get("config") or {}))
             values[key] = {}
         _merge_info(cell.method_info, rec.get("method_info") or {})
         status = rec.get("status") or "unknown"

@@ -2,7 +2,9 @@
 
 Metric names read here (written by the ``throughput`` and ``latency`` suites):
 
-- ``throughput``: ``prefill_tok_s``, ``decode_tok_s/b{B}`` (tok/s, higher is better).
+- ``throughput``: ``prefill_tok_s``, ``decode_tok_s/b{B}`` (tok/s, higher is better);
+  with NVML, ``decode_energy_j_per_tok/b{B}`` (J/tok, lower is better) and
+  ``decode_power_w/b{B}`` (mean W over the energy window).
 - ``latency``: ``linear_us/{layer}/m{M}`` (µs, lower is better), ``step_ms/prefill`` and
   ``step_ms/decode_b{B}`` (ms, lower is better).
 
@@ -32,11 +34,14 @@ __all__ = [
     "step_points",
     "speedup",
     "throughput_table",
+    "energy_table",
     "latency_table",
     "step_table",
 ]
 
 DECODE_RE = re.compile(r"^decode_tok_s/b(\d+)$")
+ENERGY_RE = re.compile(r"^decode_energy_j_per_tok/b(\d+)$")
+POWER_RE = re.compile(r"^decode_power_w/b(\d+)$")
 LINEAR_RE = re.compile(r"^linear_us/([^/]+)/m(\d+)$")
 STEP_RE = re.compile(r"^step_ms/(prefill|decode_b(\d+))$")
 PREFILL = "prefill_tok_s"
@@ -132,6 +137,38 @@ def throughput_table(group: list[Cell]) -> pd.DataFrame:
         for b in batches:
             row[f"decode b{b} tok/s"] = _cell_text(dec.get(b), speedup(dec.get(b), ref_dec.get(b)))
         row["notes"] = cell.note
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _batch_points(cell: Cell, pattern: re.Pattern) -> dict[int, MetricSummary]:
+    return dict(sorted((int(m.group(1)), v) for name, v in cell.metrics.items() if (m := pattern.match(name))))
+
+
+def energy_table(group: list[Cell]) -> pd.DataFrame:
+    """One row per method with NVML numbers: J per decode token (ratio to fp16: below 1 uses less) and mean W.
+
+    Only cells that measured energy over a set window (suite option ``energy_s``) are shown;
+    earlier records read the counter over the sub-second timed replays, which is noise. Empty
+    when no such cell is in the group.
+    """
+    group = [c for c in group if "energy_s" in c.suite_config and _batch_points(c, ENERGY_RE)]
+    if not group:
+        return pd.DataFrame()
+    ref = fp16_cell(group)
+    ref_energy = _batch_points(ref, ENERGY_RE) if ref else {}
+    batches = sorted({b for c in group for b in _batch_points(c, ENERGY_RE)})
+    rows = []
+    for cell in group:
+        energy, power = _batch_points(cell, ENERGY_RE), _batch_points(cell, POWER_RE)
+        row = {"method": cell.method}
+        for b in batches:
+            e, r = energy.get(b), ref_energy.get(b)
+            text = "" if e is None else f"{e.value:.3g}"
+            if e is not None and r is not None and r.value > 0:
+                text += f" ({e.value / r.value:.2f}×)"
+            row[f"b{b} J/tok"] = text
+            row[f"b{b} W"] = "" if power.get(b) is None else f"{power[b].value:.0f}"
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -148,7 +148,14 @@ def render_markdown(df: pd.DataFrame) -> str:
 
 def _speed_sections(records: list[dict[str, Any]]) -> list[str]:
     """Markdown of the throughput, per-layer latency and step-time tables, one set per (model, suite label)."""
-    from mosaicquant.reports.speed import fp16_cell, latency_table, step_table, suite_groups, throughput_table
+    from mosaicquant.reports.speed import (
+        energy_table,
+        fp16_cell,
+        latency_table,
+        step_table,
+        suite_groups,
+        throughput_table,
+    )
 
     cells = list(aggregate_cells(records).values())
     parts = []
@@ -164,6 +171,11 @@ def _speed_sections(records: list[dict[str, Any]]) -> list[str]:
             if suite == "throughput":
                 parts.append("Tokens per second: prefill at batch 1, decode per batch size.\n")
                 parts.append(render_markdown(throughput_table(group)))
+                energy = energy_table(group)
+                if not energy.empty:
+                    parts.append("Decode energy per token (NVML energy counter over the `energy_s` window; in "
+                                 "brackets the ratio to `fp16`, below 1× uses less) and mean power:\n")
+                    parts.append(render_markdown(energy))
             else:
                 steps = step_table(group)
                 if not steps.empty:

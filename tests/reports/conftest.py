@@ -8,13 +8,13 @@ DEFAULT_INFO = {"wbits": 4, "abits": 4, "kv_bits": 16, "exec_path": "triton (Zip
 
 
 def _write(out_dir, model, method, suite, metrics=None, *, seed=0, status="ok", config=None, info=None,
-           error=None, reason=None, method_name=None):
+           error=None, reason=None, method_name=None, suite_config=None):
     """Write one record; ``metrics`` maps a name to ``Metric`` arguments ``(value, higher_is_better, unit, spread)``."""
     record = {
         "schema": SCHEMA,
         "model": {"name": model, "spec": model},
         "method": {"name": method_name or method.split(":")[0], "label": method, "config": config or {}},
-        "suite": {"name": suite.split(":")[0], "label": suite, "config": {}},
+        "suite": {"name": suite.split(":")[0], "label": suite, "config": suite_config or {}},
         "seed": seed,
         "status": status,
         "method_info": DEFAULT_INFO if info is None else info,

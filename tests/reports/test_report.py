@@ -190,3 +190,23 @@ def test_budget_sweeps_group_by_config_without_budget(tmp_path, write_cell):
                method_name="mosaicquant")
     assert plot_budget_sweep(list(aggregate_cells(load_records(single)).values()), single) is None
     assert not (single / "budget_sweep.png").exists()
+
+
+def test_energy_table_only_for_records_with_an_energy_window(tmp_path, write_cell, speed_metrics):
+    out = tmp_path / "res"
+
+    def energy(j_per_tok, watts):
+        metrics = speed_metrics[0]({4: 500.0})
+        metrics["decode_energy_j_per_tok/b4"] = (j_per_tok, False, "J/tok", None)
+        metrics["decode_power_w/b4"] = (watts, False, "W", None)
+        return metrics
+
+    write_cell(out, SPEED, "fp16", "throughput", energy(0.8, 360.0), suite_config={"energy_s": 2.0})
+    write_cell(out, SPEED, "rtn", "throughput", energy(0.6, 330.0), suite_config={"energy_s": 2.0})
+    report = write_tables(out).read_text()
+    section = report.split("Decode energy per token")[1]
+    assert "| rtn | 0.6 (0.75×) | 330 |" in section and "| fp16 | 0.8 (1.00×) | 360 |" in section
+    # records from before the energy window (no energy_s): their counter readings are not shown
+    old = tmp_path / "old"
+    write_cell(old, SPEED, "fp16", "throughput", energy(0.8, 360.0))
+    assert "Decode energy per token" not in write_tables(old).read_text()
