@@ -16,11 +16,12 @@ Two things live here.
    round-to-nearest integers in place of GPTQ (GPTQ changes the integers, not the format)
    and, for MosaicQuant, residual blocks chosen by the method's ``random`` score at the
    configured budget and block shape (the selection score changes which blocks, not how
-   many). The method's configured options (bits, clip ratios, budget, block, ``online_o``)
-   are honoured; a configuration the kernels cannot run is built anyway, and then
+   many); for Atom, seeded random salient channels (its ``diag(XᵀX)`` order needs data) kept
+   at ``outlier_bits``, the rest in groups, round-to-nearest. The method's configured options
+   (bits, clip ratios, budget, block, ``online_o``, outliers, group size) are honoured; a configuration the kernels cannot run is built anyway, and then
    :func:`executable` says why it has no fast path. The KV cache stays 16-bit in every
    speed form (the records say ``kv_bits: 16``). Methods with no data-free form here
-   (``atom``, ``resq``, and third-party methods) raise
+   (``resq``: its PCA bases need data; third-party methods) raise
    :class:`~mosaicquant.harness.errors.Unavailable`. Methods that need no data at all
    (``torchao``) run as they are and execute on their own kernels.
 """
@@ -185,6 +186,42 @@ def _mosaicquant(model, config, ctx):
                "budget": config.budget, "block": list(block_shape)}
 
 
+def _atom(model, config, ctx):
+    """Atom's format with seeded random salient channels (in place of ``diag(XᵀX)``) and RTN integers."""
+    from mosaicquant.baselines.atom import MixedActQuant, ragged_groups, salient_order
+    from mosaicquant.methods.quant import quantize
+
+    gen = torch.Generator().manual_seed(ctx.seed)
+    high = ActQuantSpec(bits=config.outlier_bits, symmetric=True)
+    low = ActQuantSpec(bits=config.abits, symmetric=True, group_size=config.group_size, clip_ratio=config.a_clip)
+
+    def make(name, linear):
+        w = linear.weight.data.to(torch.float32)
+        k = w.shape[1]
+        normal, outliers = salient_order(torch.rand(k, generator=gen), min(config.n_outliers, k))
+        columns = [(g, config.wbits, config.w_clip) for g in ragged_groups(normal, config.group_size)]
+        if outliers.numel():
+            columns.append((outliers, config.outlier_bits, 1.0))
+        deq = torch.empty_like(w)
+        segments = []
+        for cols, bits, clip in columns:
+            dev_cols = cols.to(w.device)
+            qt = quantize(w[:, dev_cols], bits, symmetric=True, clip_ratio=clip, scale_dtype=torch.float16)
+            deq[:, dev_cols] = qt.dequantize(torch.float32)
+            segments.append((cols, qt))
+        act = MixedActQuant(outliers, normal, k, high=high, low=low).to(w.device)
+        wbits = sum(qt.q.numel() * qt.bits for _, qt in segments) / w.numel()
+        layer = FakeQuantLinear(deq.to(linear.weight.dtype), linear.bias, act,
+                                getattr(linear, "input_transform", None), None, wbits)
+        layer.weight_groups = len(segments)
+        layer.weight_segments = segments
+        return layer.to(linear.weight.device)
+
+    n = len(replace_linears(model, make))
+    return n, {"salient_channels": "random (data-free speed form)", "n_outliers": config.n_outliers,
+               "group_size": config.group_size}
+
+
 #: methods that need no calibration data: on a shape model they run as they are
 DATA_FREE_METHODS = ("torchao",)
 
@@ -195,6 +232,7 @@ SPEED_FORMS: dict[str, Callable] = {
     "quarot": _rotated(lambda config: True),
     "spinquant": _rotated(lambda config: False),
     "mosaicquant": _mosaicquant,
+    "atom": _atom,
 }
 
 

@@ -104,14 +104,30 @@ def test_speed_forms_build_the_methods_format_and_run_on_the_kernels(tiny_shapes
 
 
 def test_methods_without_a_fast_path_are_unavailable_never_stand_ins(tiny_shapes):
-    with pytest.raises(Unavailable, match="no speed form for 'atom'"):
-        _form("atom", shapes.build_shape_model(tiny_shapes, dtype=torch.float32))
+    with pytest.raises(Unavailable, match="no speed form for 'resq'"):
+        _form("resq", shapes.build_shape_model(tiny_shapes, dtype=torch.float32))
     with pytest.raises(Unavailable, match="W8A8"):
         _form("rtn", shapes.build_shape_model(tiny_shapes, dtype=torch.float32), wbits=8, abits=8)
     model = shapes.build_shape_model(tiny_shapes, dtype=torch.float32)
     ctx = _form("rtn", model, w_group_size=32)  # group-wise weight scales with per-token activations
     with pytest.raises(Unavailable, match="no fast path: 14 quantized linear.*group-wise base scales"):
         executable(model, ctx.info)
+
+
+def test_atom_speed_form_runs_on_the_mixed_kernels(tiny_shapes):
+    model = shapes.build_shape_model(tiny_shapes, dtype=torch.float32)
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits.float()
+    ctx = _form("atom", model, n_outliers=16, group_size=32)
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.act.high_channels.numel() == 16 and layer.weight_groups == -(-(layer.in_features - 16) // 32) + 1
+    with torch.no_grad():
+        simulated = model(input_ids=ids).logits.float()
+        path = executable(model, ctx.info)
+        kernels = model(input_ids=ids).logits.float()
+    assert "mixed-precision GEMM on 14 linears" in path and "4-bit sym g32 + 16 ch 8-bit" in path
+    assert (kernels - simulated).norm() < 0.5 * (simulated - reference).norm()
 
 
 def test_asymmetric_activations_run_on_the_mixed_kernels(tiny_shapes):
@@ -193,14 +209,15 @@ def test_cli_rejects_suites_that_cannot_run_before_any_work(tiny_shapes, tmp_pat
 
 
 def test_sweep_on_a_shape_model_records_memory_and_unavailable_methods(tiny_shapes, tmp_path):
-    rc = main(["run", "--model", tiny_shapes, "--methods", "fp16,mosaicquant:block=16x32,atom", "--suites", "memory",
+    rc = main(["run", "--model", tiny_shapes, "--methods", "fp16,mosaicquant:block=16x32,atom,resq", "--suites", "memory",
                "--dtype", "bfloat16", "--out", str(tmp_path)])
     recs = {r["method"]["label"]: r for r in load_records(tmp_path)}
     assert recs["fp16"]["status"] == "ok" and recs["mosaicquant:block=16x32"]["status"] == "ok"
     mem = recs["mosaicquant:block=16x32"]["metrics"]
     assert 0.25 < mem["linear_weight_ratio_vs_bf16"]["value"] < 0.45
     assert recs["mosaicquant:block=16x32"]["method_info"]["weights"] == "random (speed only)"
-    assert recs["atom"]["status"] == "unavailable" and "no speed form" in recs["atom"]["error"]["message"]
+    assert recs["atom"]["status"] == "ok" and recs["atom"]["method_info"]["weights"] == "random (speed only)"
+    assert recs["resq"]["status"] == "unavailable" and "no speed form" in recs["resq"]["error"]["message"]
     assert recs["fp16"]["calibration"] is None
     assert rc in (0, 1)
 
