@@ -8,7 +8,7 @@
 # input    the input side of the W4A4 linears: online Hadamard + act-quant, stacked projections
 # smollm2  the real small model: every method quantized for real, then throughput + memory
 # zeroshot the real small model through lm-eval, 200 documents per task ($ZS_METHODS picks methods)
-# dask     one speed sweep through Dask on 1 GPU and on 2 GPUs (same 16 cells), wall time of each
+# dask     one speed sweep through Dask on 1 GPU and on 2 GPUs (same 12 cells per model), wall time of each
 set -euo pipefail
 out=${1:?usage: speed_sweeps.sh OUT_DIR [shapes|latency|input|smollm2|zeroshot|dask]}
 what=${2:-shapes}
@@ -33,10 +33,11 @@ zeroshot)
     mq run --model smollm2-135m --methods "$zs_methods" --suites zeroshot:limit=200 --device cuda \
         --calib-samples 8 --calib-seqlen 1024 --report --out "$out/smollm2_zeroshot_200docs" ;;
 dask)
+    # DASK_SEEDS lengthens the sweep (e.g. 0,1,2,3: four times the cells; a seed changes the speed forms' random choices)
     for gpus in 1 2; do
         start=$(date +%s.%N)
-        mq run --model qwen3-8b-shapes --suites throughput,latency "${common[@]}" \
-            --methods fp16,rtn,smoothquant,quarot,mosaicquant:budget=0,mosaicquant:budget=0.05,mosaicquant,mosaicquant:budget=0.2 \
+        mq run --model qwen3-8b-shapes --seeds "${DASK_SEEDS:-0}" --suites throughput,latency "${common[@]}" \
+            --methods fp16,rtn,quarot,mosaicquant:budget=0,mosaicquant,mosaicquant:budget=0.2 \
             --executor dask --gpus "$gpus" --out "$out/qwen3_8b_dask_${gpus}gpu"
         echo "dask --gpus $gpus: $(python3 -c "import time; print(round(time.time() - $start, 1))") s"
     done ;;
