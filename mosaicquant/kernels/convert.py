@@ -176,22 +176,8 @@ def kernel_path_reason(layer: FakeQuantLinear) -> str | None:
     return None
 
 
-def _segments_from_packed(layer: FakeQuantLinear) -> None:
-    """Give a packed dense 4-bit layer (per-channel scales) the ``weight_segments`` the mixed kernels read."""
-    from mosaicquant.methods.quant import Quantized
-
-    packed = layer.packed
-    if packed is None or getattr(layer, "weight_segments", None) is not None or packed.residual is not None:
-        return
-    n, k = packed.shape
-    if packed.group_size not in (None, k):
-        return
-    q = Quantized(q=packed.int_weight(), scale=packed.scales.to(torch.float32).reshape(n, 1), zero=None, bits=4,
-                  group_size=None)
-    layer.weight_segments = [(torch.arange(k), q)]
-
-
-def _fusable_group(parent: nn.Module, names: tuple[str, ...]) -> list[FakeQuantLinear] | None:
+def _fusable_group(parent: nn.Module, names: tuple[str, ...]) -> tuple[list[FakeQuantLinear], PackedW4] | None:
+    """The members and their stacked weights, or ``None`` when the group cannot be stacked."""
     members = [getattr(parent, n, None) for n in names]
     if not all(isinstance(m, FakeQuantLinear) and kernel_path_reason(m) is None for m in members):
         return None
@@ -200,11 +186,11 @@ def _fusable_group(parent: nn.Module, names: tuple[str, ...]) -> list[FakeQuantL
            or m.input_transform is not first.input_transform or m.weight.device != first.weight.device
            for m in members):
         return None
+    device = first.weight.device
     try:
-        PackedW4.concat_outputs([m.packed for m in members])
+        return members, PackedW4.concat_outputs([m.packed.to(device) for m in members])
     except ValueError:
         return None
-    return members
 
 
 def kernelize(
@@ -228,11 +214,11 @@ def kernelize(
     if fuse_projections:
         for pname, parent in list(model.named_modules()):
             for names in SHARED_INPUT_GROUPS:
-                members = _fusable_group(parent, names)
-                if members is None:
+                found = _fusable_group(parent, names)
+                if found is None:
                     continue
+                members, packed = found
                 device = members[0].weight.device
-                packed = PackedW4.concat_outputs([m.packed.to(device) for m in members])
                 quant = QuantLinear(packed, act_clip_ratio=members[0].act.clip_ratio, kernel=kernel,
                                     fused=fused).to(device)
                 group = FusedProjections(quant, list(names), [m.out_features for m in members],
@@ -250,7 +236,6 @@ def kernelize(
         if reason is not None:
             # mixed 4-bit + 8-bit formats (Atom's INT8 outlier channels, ResQ's 8-bit subspace) and
             # asymmetric 4-bit activations (SpinQuant, ResQ's down_proj)
-            _segments_from_packed(module)
             mixed = mixed_from_fake(module, kernel=kernel)
             if isinstance(mixed, str):
                 report.skipped[name] = f"{reason}; mixed 4/8-bit kernels: {mixed}"

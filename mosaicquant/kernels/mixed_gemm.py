@@ -1244,7 +1244,8 @@ def mixed_from_fake(layer: nn.Module, *, kernel: str | None = None) -> MixedQuan
     :class:`~mosaicquant.methods.qlinear.ActQuantSpec` at 2..4 bits (ResQ's all-4-bit
     down_proj, asymmetric), symmetric or asymmetric each. The weight integers come from the
     layer's ``weight_segments`` when it carries them (``[(columns, Quantized), ...]`` as
-    :func:`~mosaicquant.baselines.atom.gptq_quantize_segments` makes them), else they are
+    :func:`~mosaicquant.baselines.atom.gptq_quantize_segments` makes them), or from its dense
+    packed 4-bit weight with per-row scales (``layer.packed``), else they are
     recovered from the dequantized weight, per row and activation group: exact for the
     float32 weights the simulation stores in an FP32 model; a weight rounded to BF16/FP16
     has no such form and is reported. The result computes the simulated layer's function
@@ -1260,6 +1261,7 @@ def mixed_from_fake(layer: nn.Module, *, kernel: str | None = None) -> MixedQuan
     """
     from mosaicquant.baselines.atom import MixedActQuant
     from mosaicquant.methods.qlinear import ActQuantSpec, FakeQuantLinear
+    from mosaicquant.methods.quant import Quantized
 
     if not isinstance(layer, FakeQuantLinear):
         return f"not a simulated quantized linear ({type(layer).__name__})"
@@ -1290,6 +1292,11 @@ def mixed_from_fake(layer: nn.Module, *, kernel: str | None = None) -> MixedQuan
         return f"format not supported: {e}"
     perm = torch.cat([low_ch, high_ch])
     segments = getattr(layer, "weight_segments", None)
+    packed = getattr(layer, "packed", None)
+    if segments is None and packed is not None and packed.residual is None and packed.group_size in (None, k):
+        # a dense packed 4-bit weight with one scale per row (e.g. SpinQuant's): its integers as one segment
+        scale = packed.scales.to(torch.float32).reshape(n, 1)
+        segments = [(torch.arange(k), Quantized(q=packed.int_weight(), scale=scale, zero=None, bits=4, group_size=None))]
     if segments is not None:
         got = _segment_weights(segments, fmt, perm, n)
     else:
