@@ -10,7 +10,10 @@ M = 1 … 8192. Variants per (shape, M):
 - ``zip{p}``: activation quantization + ZipperEngine with a ``p`` % residual budget (random
   block selection, 128×128 blocks), fusion mode ``auto``; ``zip10_inline`` / ``zip10_tail``
   force a mode;
-- ``unfused10``: activation quantization + dense GEMM (fp32 out) + residual kernel (+ add).
+- ``unfused10``: activation quantization + dense GEMM (fp32 out) + residual kernel (+ add);
+- ``w4a4_pdl`` / ``w4a4_nopdl``, ``zip10_pdl`` / ``zip10_nopdl``: ``w4a4`` and ``zip10`` with
+  programmatic dependent launch (and the L2 weight prefetch while the activation kernel runs)
+  forced on / off; the plain variants use the default (``mosaicquant.kernels._tiles.pdl_default``).
 
 Each variant is checked against its PyTorch reference before it is timed. Timing: CUDA
 graphs of back-to-back calls whose weights rotate through copies larger than 3× L2
@@ -185,13 +188,17 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
         ok, rel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k), ref)
         ok = ok and act_ok
 
-        def w4_call(i, cfg=None):
+        def w4_call(i, cfg=None, pdl=None):
             def call():
                 p, s = quantize_activations_triton(x)
-                return w4a4_gemm_triton(p, s, qweights[i], w_scales[i], k, config=cfg)
+                return w4a4_gemm_triton(p, s, qweights[i], w_scales[i], k, config=cfg, pdl=pdl)
             return call
         cfg = pick_config(m, n, kp, device)
         add("w4a4", [w4_call(i) for i in range(n_w4)], ok, rel, w4_bytes, {"config": repr(cfg)})
+        # the same launches with programmatic dependent launch + L2 weight prefetch forced on / off
+        for tag, pdl in (("pdl", True), ("nopdl", False)):
+            pok, prel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k, pdl=pdl), ref)
+            add(f"w4a4_{tag}", [w4_call(i, pdl=pdl) for i in range(n_w4)], pok and act_ok, prel, w4_bytes)
         for j, ecfg in enumerate(explore_cfgs(m)):
             try:
                 eok, erel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k, config=ecfg), ref)
@@ -206,15 +213,22 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
             zref = zipper_gemm_reference(ap_ref, as_ref, qweight, w_scale, k, rs[0], out_fp32=True)
             zok, zrel = check(zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], block_map=maps[0], mode=mode), zref)
 
-            def z_call(i, b=b, mode=mode):
+            def z_call(i, b=b, mode=mode, pdl=None):
                 rs_, maps_ = residuals[b]
                 def call():
                     p, s = quantize_activations_triton(x)
-                    return zipper_gemm_triton(p, s, qweights[i], w_scales[i], k, rs_[i], block_map=maps_[i], mode=mode)
+                    return zipper_gemm_triton(p, s, qweights[i], w_scales[i], k, rs_[i], block_map=maps_[i], mode=mode,
+                                              pdl=pdl)
                 return call
             name = f"zip{b}" if mode == "auto" else f"zip{b}_{mode}"
             add(name, [z_call(i) for i in range(n_w4)], zok and act_ok, zrel, w4_bytes + res_bytes,
                 {"blocks": rs[0].num_blocks})
+            if b == 10 and mode == "auto":
+                for tag, pdl in (("pdl", True), ("nopdl", False)):
+                    pout = zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], block_map=maps[0], pdl=pdl)
+                    pok, prel = check(pout, zref)
+                    add(f"zip10_{tag}", [z_call(i, pdl=pdl) for i in range(n_w4)], pok and act_ok, prel,
+                        w4_bytes + res_bytes, {"blocks": rs[0].num_blocks})
             if b == 10 and mode == "auto":
                 dense = w4a4_gemm_triton(ap, a_s, qweight, w_scale, k, out_fp32=True)
                 uok, urel = check(residual_add_triton(ap, a_s, dense, rs[0], k), zref)
@@ -309,7 +323,7 @@ def main(argv=None) -> int:
 
     failed = [r for r in rows if r.get("check_ok") is False]
     print(f"\nchecks: {len(rows) - len(failed)} ok, {len(failed)} FAILED; {time.time() - t0:.0f}s")
-    cols = ["w4a4", "zip0", "zip10", "zip20", "zip10_inline", "zip10_tail", "unfused10", "int8_mm"]
+    cols = ["w4a4", "w4a4_pdl", "w4a4_nopdl", "zip0", "zip10", "zip10_pdl", "zip10_nopdl", "zip20", "unfused10"]
     print("speedup vs bf16 (same run, median); bf16 us in first column")
     print(f"{'shape':>12} {'M':>5} {'bf16us':>8} " + " ".join(f"{c:>12}" for c in cols))
     for (n, k) in shapes:

@@ -27,11 +27,33 @@ __all__ = [
 
 KERNEL_PREFERENCES = ("auto", "triton", "torch")
 KERNEL_ENV_VAR = "MOSAICQUANT_KERNEL"
+# "0" turns programmatic dependent launch off (see mosaicquant.kernels._tl); default on where supported.
+PDL_ENV_VAR = "MOSAICQUANT_PDL"
 
 
 def triton_interpreting() -> bool:
     """Whether Triton runs on its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can use programmatic dependent launch (compiled Triton on sm_90+)."""
+    if device.type != "cuda" or triton_interpreting():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def use_pdl(device: torch.device, pdl: bool | None = None) -> bool:
+    """Whether a GEMM launch on ``device`` uses programmatic dependent launch.
+
+    Args:
+        device: the operands' device.
+        pdl: the caller's choice; ``None`` reads ``MOSAICQUANT_PDL`` (``"0"`` off, default on).
+            Where the device cannot (CPU, interpreter, before sm_90) the answer is ``False``.
+    """
+    if pdl is None:
+        pdl = os.environ.get(PDL_ENV_VAR, "1").strip() not in ("0", "false", "off", "")
+    return bool(pdl) and pdl_supported(device)
 
 
 def resolve_kernel(kernel: str | None = None, device: torch.device | None = None) -> str:

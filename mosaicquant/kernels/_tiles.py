@@ -14,13 +14,32 @@ import torch
 
 from mosaicquant.harness.errors import UserInputError
 
-__all__ = ["TileConfig", "pick_config", "LOCK_SLOTS"]
+__all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "pdl_default", "pdl_launch"]
 
 # Up to this many rows the GEMMs use CUDA-core multiply-adds instead of tensor-core dots
 # (0: never; measured ALU-bound and no faster than the dot path, benchmarks/NOTES.md v2).
 FMA_MAX_M = 0
 # Size of the per-device split-K counter buffer (int32 slots, one per output tile).
 LOCK_SLOTS = 1 << 16
+# With programmatic dependent launch, GEMMs of up to this many rows prefetch their weights into
+# L2 before waiting for their inputs (decode sizes; larger M re-reads each weight tile anyway).
+PREFETCH_MAX_M = 256
+# Where launches use programmatic dependent launch by default: measured on the H200 against the
+# same launches without it (benchmarks/NOTES.md, v6), it gains 8-10% at M <= 8 on the 24-28 MiB
+# down_proj weights and 3-5% on 8 MiB, and loses 14-26% once the packed weights outgrow what L2
+# keeps (48-56 MiB gate/up: prefetched lines are evicted before use) and up to 30% at M = 64-512.
+PDL_MAX_M = 8
+PDL_MAX_WEIGHT_BYTES = 32 * 2**20
+
+
+def pdl_default(m: int, n: int, kp: int) -> bool:
+    """Whether an ``[m, 2*kp] x [n, 2*kp]^T`` GEMM uses programmatic dependent launch by default."""
+    return m <= PDL_MAX_M and n * kp <= PDL_MAX_WEIGHT_BYTES
+
+
+def pdl_launch(pdl: bool) -> dict:
+    """Launch options of a GEMM that uses programmatic dependent launch (none without it)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 @dataclass(frozen=True)

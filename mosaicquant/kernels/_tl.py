@@ -12,6 +12,13 @@ the unpacking runs as inline PTX on four bytes per 32-bit register (Triton's int
 work one element per register; measured ALU-bound, see ``benchmarks/NOTES.md``); the
 interpreter runs the plain shifts, the GPU benchmark checks the PTX path against the
 reference.
+
+Programmatic dependent launch (Hopper and later, ``PDL``): the activation kernels call
+:func:`release_dependents` as they start, and a GEMM launched with ``launch_pdl=True`` may
+then start while they still run. The GEMM first asks L2 to prefetch its own slice of the
+weights (:func:`prefetch_rows_l2`; weights do not depend on the earlier kernel), then waits
+(:func:`wait_for_inputs`) before it reads anything the earlier kernel writes or writes
+anything itself. The weight stream thus overlaps the activation kernel and the launch gap.
 """
 
 from __future__ import annotations
@@ -84,6 +91,39 @@ def mac_int4(acc, a, w, USE_DOT: tl.constexpr, USE_ASM: tl.constexpr):
                 + a_hi.to(tl.int32)[:, :, None] * w_hi.to(tl.int32)[None, :, :])
         acc += tl.sum(prod, axis=1)
     return acc
+
+
+_PREFETCH_L2 = tl.constexpr("prefetch.global.L2 [$1];\nmov.u32 $0, 0;")
+
+
+@triton.jit
+def release_dependents(PDL: tl.constexpr):
+    """Let a kernel launched after this one with ``launch_pdl=True`` start now (no-op without ``PDL``)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """Block until the kernel before this one has finished and its writes are visible (no-op without ``PDL``)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def prefetch_rows_l2(base_ptr, rows, stride, byte_begin, byte_end, LINES: tl.constexpr):
+    """Ask L2 to fetch bytes ``[byte_begin, byte_end)`` of each of ``rows`` (int64) of a row-major byte array.
+
+    One ``prefetch.global.L2`` per 128-byte line, ``LINES`` lines of every row per loop step;
+    fire-and-forget (no registers wait on it). GPU only (inline PTX).
+    """
+    lines = tl.arange(0, LINES) * 128
+    row_ptr = base_ptr + rows[:, None] * stride
+    for off in range(byte_begin, byte_end, LINES * 128):
+        at = off + lines[None, :]
+        ptrs = row_ptr + tl.where(at < byte_end, at, byte_begin)
+        tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [ptrs.to(tl.int64, bitcast=False)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit

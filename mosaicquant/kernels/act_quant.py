@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.kernels._common import check_same_device, check_tensor, check_triton_device, resolve_kernel
-from mosaicquant.kernels._tl import round_half_even
+from mosaicquant.kernels._common import check_same_device, check_tensor, check_triton_device, pdl_supported, resolve_kernel
+from mosaicquant.kernels._tl import release_dependents, round_half_even
 from mosaicquant.methods.format import pack_int4
 from mosaicquant.methods.quant import quantize
 
@@ -42,8 +42,9 @@ MAX_BLOCK_KP = 8192
 @triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, scale_ptr, K, KP, stride_xm, stride_qm, clip_ratio,
-    BLOCK_KP: tl.constexpr, ONE_PASS: tl.constexpr,
+    BLOCK_KP: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr,
 ):
+    release_dependents(PDL)  # the GEMM that reads our output may start (it waits for us before reading)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
@@ -126,7 +127,7 @@ def quantize_activations_triton(
     num_warps = 4 if block_kp <= 1024 else (8 if block_kp <= 4096 else 16)
     _act_quant_kernel[(m,)](
         x, packed.view(torch.int8), scale, k, kp, x.stride(0), packed.stride(0), float(clip_ratio),
-        BLOCK_KP=block_kp, ONE_PASS=kp <= block_kp, num_warps=num_warps,
+        BLOCK_KP=block_kp, ONE_PASS=kp <= block_kp, PDL=pdl_supported(x.device), num_warps=num_warps,
     )
     return packed, scale
 

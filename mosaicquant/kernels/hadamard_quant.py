@@ -40,8 +40,15 @@ import triton
 import triton.language as tl
 
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.kernels._common import check_same_device, check_tensor, check_triton_device, resolve_kernel, triton_interpreting
-from mosaicquant.kernels._tl import round_half_even
+from mosaicquant.kernels._common import (
+    check_same_device,
+    check_tensor,
+    check_triton_device,
+    pdl_supported,
+    resolve_kernel,
+    triton_interpreting,
+)
+from mosaicquant.kernels._tl import release_dependents, round_half_even
 from mosaicquant.kernels.act_quant import quantize_activations_reference
 from mosaicquant.methods.hadamard import OnlineHadamard, _sylvester, hadamard_factor
 
@@ -76,8 +83,9 @@ def _hadamard_quant_kernel(
     x_ptr, left_ptr, syl_ptr, signs_ptr, q_ptr, scale_ptr,
     R, stride_xm, stride_qm, inv_sqrt_n, clip_ratio,
     D: tl.constexpr, R_PAD: tl.constexpr,
-    HAS_SIGNS: tl.constexpr, SIGNS_FIRST: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_SIGNS: tl.constexpr, SIGNS_FIRST: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
+    release_dependents(PDL)  # the GEMM that reads our output may start (it waits for us before reading)
     row = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, R_PAD)
     cols = tl.arange(0, D)
@@ -222,7 +230,7 @@ def hadamard_quantize_triton(
         x, left, syl, signs if has_signs else scale, packed.view(torch.int8), scale,
         r, x.stride(0), packed.stride(0), 1.0 / math.sqrt(n), float(clip_ratio),
         D=d, R_PAD=r_pad, HAS_SIGNS=has_signs, SIGNS_FIRST=transform.transpose,
-        DOT_F32=triton_interpreting(),
+        DOT_F32=triton_interpreting(), PDL=pdl_supported(device),
         num_warps=4 if r_pad * d <= 4096 else 8,
     )
     return packed, scale

@@ -30,9 +30,16 @@ import triton
 import triton.language as tl
 
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.kernels._common import triton_interpreting, check_same_device, check_tensor, check_triton_device, resolve_kernel
-from mosaicquant.kernels._tiles import LOCK_SLOTS, TileConfig, lock_buffer, pick_config
-from mosaicquant.kernels._tl import mac_int4, store_output, tile_coords
+from mosaicquant.kernels._common import (
+    check_same_device,
+    check_tensor,
+    check_triton_device,
+    resolve_kernel,
+    triton_interpreting,
+    use_pdl,
+)
+from mosaicquant.kernels._tiles import LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, lock_buffer, pdl_default, pdl_launch, pick_config
+from mosaicquant.kernels._tl import mac_int4, prefetch_rows_l2, store_output, tile_coords, wait_for_inputs
 from mosaicquant.methods.format import unpack_int4
 
 __all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_reference", "check_gemm_args"]
@@ -44,7 +51,7 @@ def _w4a4_gemm_kernel(
     M, N, KP, stride_am, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_DOT: tl.constexpr, USE_ASM: tl.constexpr,
+    USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -60,6 +67,9 @@ def _w4a4_gemm_kernel(
     per_split = tl.cdiv(k_steps, SPLIT_K)
     step_begin = pid_k * per_split
     step_end = tl.minimum(step_begin + per_split, k_steps)
+    if PREFETCH:  # our weights do not depend on the kernel before us: start streaming them
+        prefetch_rows_l2(w_ptr, safe_n, stride_wn, step_begin * BKP, tl.minimum(step_end * BKP, KP), LINES=4)
+    wait_for_inputs(PDL)
     offs_kp = step_begin * BKP + tl.arange(0, BKP)
     a_ptrs = a_ptr + safe_m[:, None] * stride_am + offs_kp[None, :]
     w_ptrs = w_ptr + safe_n[None, :] * stride_wn + offs_kp[:, None]
@@ -133,6 +143,7 @@ def w4a4_gemm_triton(
     out_fp32: bool = False,
     config: TileConfig | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """Launch the dense W4A4 Triton GEMM.
 
@@ -146,6 +157,11 @@ def w4a4_gemm_triton(
         out_fp32: write fp32 instead of BF16 (the unfused pipeline adds the residual to it).
         config: tiles (default :func:`mosaicquant.kernels._tiles.pick_config`).
         out: optional preallocated contiguous ``[M, N]`` output of the output dtype.
+        pdl: programmatic dependent launch; with it, launches of M ≤ 256 prefetch their weights
+            into L2 while the kernel before them finishes. ``None``: where
+            :func:`mosaicquant.kernels._tiles.pdl_default` says so (small M, weights that fit
+            L2) and ``MOSAICQUANT_PDL`` is not ``0``; ``True``/``False`` force it (where the
+            device supports it).
 
     Returns:
         ``[M, N]`` BF16 (or fp32) output.
@@ -169,13 +185,17 @@ def w4a4_gemm_triton(
     split = cfg.split_k if tiles <= LOCK_SLOTS and cfg.split_k * m * n < 2**31 else 1
     part = torch.empty(split, m, n, dtype=torch.float32, device=out.device) if split > 1 else out
     w_scale = w_scale.reshape(-1)
+    if pdl is None and not pdl_default(m, n, kp):
+        pdl = False
+    pdl = use_pdl(a_packed.device, pdl)
     _w4a4_gemm_kernel[(tiles, split)](
         a_packed.view(torch.int8), a_scale, qweight.view(torch.int8), w_scale,
         bias if bias is not None else a_scale, out, part, lock_buffer(out.device),
         m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0,
-        BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot, USE_ASM=not triton_interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot,
+        USE_ASM=not triton_interpreting(), PDL=pdl, PREFETCH=pdl and m <= PREFETCH_MAX_M,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out
 

@@ -43,9 +43,9 @@ import triton
 import triton.language as tl
 
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.kernels._common import triton_interpreting, check_tensor, check_triton_device, resolve_kernel
-from mosaicquant.kernels._tiles import LOCK_SLOTS, TileConfig, fit_to_blocks, lock_buffer, pick_config
-from mosaicquant.kernels._tl import mac_int4, store_output, tile_coords
+from mosaicquant.kernels._common import check_tensor, check_triton_device, resolve_kernel, triton_interpreting, use_pdl
+from mosaicquant.kernels._tiles import LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, fit_to_blocks, lock_buffer, pdl_default, pdl_launch, pick_config
+from mosaicquant.kernels._tl import mac_int4, prefetch_rows_l2, store_output, tile_coords, wait_for_inputs
 from mosaicquant.kernels.w4a4_gemm import check_gemm_args, int_matmul
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 
@@ -70,7 +70,7 @@ def _zipper_kernel(
     HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_DOT: tl.constexpr, USE_ASM: tl.constexpr,
+    USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -88,6 +88,16 @@ def _zipper_kernel(
     per_split = tl.cdiv(k_steps, SPLIT_K)
     step_begin = pid_k * per_split
     step_end = tl.minimum(step_begin + per_split, k_steps)
+    if PREFETCH:  # weights and residual blocks do not depend on the kernel before us: start streaming them
+        prefetch_rows_l2(w_ptr, safe_n, stride_wn, step_begin * BKP, tl.minimum(step_end * BKP, KP), LINES=4)
+        if MODE == 2:
+            # this tile's rows of each of its residual blocks: BN * BKP_RES contiguous bytes a block
+            p_first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
+            p_last = tl.load(row_ptr_ptr + block_row + 1).to(tl.int64)
+            first_row = tl.zeros([1], dtype=tl.int64) + (pid_n * BN - block_row * BN_RES)
+            for p in range(p_first + pid_k, p_last, SPLIT_K):
+                prefetch_rows_l2(res_val_ptr + p * (BN_RES * BKP_RES), first_row, BKP_RES, 0, BN * BKP_RES, LINES=8)
+    wait_for_inputs(PDL)
     offs_kp = step_begin * BKP + tl.arange(0, BKP)
     a_ptrs = a_ptr + safe_m[:, None] * stride_am + offs_kp[None, :]
     w_ptrs = w_ptr + safe_n[None, :] * stride_wn + offs_kp[:, None]
@@ -207,6 +217,7 @@ def zipper_gemm_triton(
     out_fp32: bool = False,
     config: TileConfig | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """Launch the fused dense + residual Triton GEMM.
 
@@ -218,6 +229,8 @@ def zipper_gemm_triton(
         out_fp32: write fp32 instead of BF16.
         config: tiles; shrunk to nest in the residual blocks.
         out: optional preallocated contiguous ``[M, N]`` output of the output dtype.
+        pdl: programmatic dependent launch, as in :func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_triton`
+            (decode-sized launches also prefetch their tiles' residual blocks).
 
     Returns:
         ``[M, N]`` BF16 (or fp32).
@@ -247,6 +260,9 @@ def zipper_gemm_triton(
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = cfg.split_k if tiles <= LOCK_SLOTS and cfg.split_k * m * n < 2**31 else 1
     part = torch.empty(split, m, n, dtype=torch.float32, device=out.device) if split > 1 else out
+    if pdl is None and not pdl_default(m, n, kp):
+        pdl = False
+    pdl = use_pdl(a_packed.device, pdl)
     _zipper_kernel[(tiles, split)](
         a_packed.view(torch.int8), a_scale, qweight.view(torch.int8), w_scale.reshape(-1),
         bias if bias is not None else a_scale, out, part, lock_buffer(out.device),
@@ -254,8 +270,9 @@ def zipper_gemm_triton(
         m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), residual.grid[1],
         HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0, MODE=_MODE_ID[fuse],
         BN_RES=bn_res, BKP_RES=bk_res // 2,
-        BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot, USE_ASM=not triton_interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot,
+        USE_ASM=not triton_interpreting(), PDL=pdl, PREFETCH=pdl and m <= PREFETCH_MAX_M,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out
 
