@@ -218,17 +218,17 @@ def resq_quantize_linear(
         raise ValueError("ResQ applies its own input basis; this linear already has an input transform")
     k = linear.in_features
     w = linear.weight.data.to(torch.float64)
-    h = hessian.to(torch.float64)
+    h = hessian.to(device=w.device, dtype=torch.float64)
     low_act = ActQuantSpec(bits=config.abits, symmetric=config.a_symmetric, clip_ratio=config.a_clip)
     if basis is None:
         if not is_hadamard_size(k):
             raise ValueError(f"down_proj input size {k} has no Hadamard matrix for the online transform")
         transform = OnlineHadamard(k)
-        rot = apply_hadamard(torch.eye(k, dtype=torch.float64))
+        rot = apply_hadamard(torch.eye(k, dtype=torch.float64, device=w.device))
         n_high = 0
     else:
         transform = BasisTransform(basis)
-        rot = basis.to(torch.float64)
+        rot = basis.to(device=w.device, dtype=torch.float64)
         n_high = config.n_high(k)
     w_rot = w @ rot
     h_rot = rot.T @ h @ rot
