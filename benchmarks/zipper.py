@@ -13,7 +13,9 @@ M = 1 … 8192. Variants per (shape, M):
 - ``unfused10``: activation quantization + dense GEMM (fp32 out) + residual kernel (+ add);
 - ``w4a4_pdl`` / ``w4a4_nopdl``, ``zip10_pdl`` / ``zip10_nopdl``: ``w4a4`` and ``zip10`` with
   programmatic dependent launch (and the L2 weight prefetch while the activation kernel runs)
-  forced on / off; the plain variants use the default (``mosaicquant.kernels._tiles.pdl_default``).
+  forced on / off; the plain variants use the default (``mosaicquant.kernels._tiles.pdl_default``);
+  ``w4a4_pdl_nopf`` PDL without the L2 prefetch, ``w4a4_pdl_pf24`` with the prefetch capped at
+  24 MiB per launch.
 
 Each variant is checked against its PyTorch reference before it is timed. Timing: CUDA
 graphs of back-to-back calls whose weights rotate through copies larger than 3× L2
@@ -188,17 +190,18 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
         ok, rel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k), ref)
         ok = ok and act_ok
 
-        def w4_call(i, cfg=None, pdl=None):
+        def w4_call(i, cfg=None, pdl=None, prefetch_mib=None):
             def call():
                 p, s = quantize_activations_triton(x)
-                return w4a4_gemm_triton(p, s, qweights[i], w_scales[i], k, config=cfg, pdl=pdl)
+                return w4a4_gemm_triton(p, s, qweights[i], w_scales[i], k, config=cfg, pdl=pdl, prefetch_mib=prefetch_mib)
             return call
         cfg = pick_config(m, n, kp, device)
         add("w4a4", [w4_call(i) for i in range(n_w4)], ok, rel, w4_bytes, {"config": repr(cfg)})
         # the same launches with programmatic dependent launch + L2 weight prefetch forced on / off
-        for tag, pdl in (("pdl", True), ("nopdl", False)):
-            pok, prel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k, pdl=pdl), ref)
-            add(f"w4a4_{tag}", [w4_call(i, pdl=pdl) for i in range(n_w4)], pok and act_ok, prel, w4_bytes)
+        # (pdl_nopf: PDL without the prefetch; pdl_pf24: prefetch capped at 24 MiB per launch)
+        for tag, pdl, pf in (("pdl", True, None), ("nopdl", False, None), ("pdl_nopf", True, 0), ("pdl_pf24", True, 24)):
+            pok, prel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k, pdl=pdl, prefetch_mib=pf), ref)
+            add(f"w4a4_{tag}", [w4_call(i, pdl=pdl, prefetch_mib=pf) for i in range(n_w4)], pok and act_ok, prel, w4_bytes)
         for j, ecfg in enumerate(explore_cfgs(m)):
             try:
                 eok, erel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k, config=ecfg), ref)
@@ -323,7 +326,7 @@ def main(argv=None) -> int:
 
     failed = [r for r in rows if r.get("check_ok") is False]
     print(f"\nchecks: {len(rows) - len(failed)} ok, {len(failed)} FAILED; {time.time() - t0:.0f}s")
-    cols = ["w4a4", "w4a4_pdl", "w4a4_nopdl", "zip0", "zip10", "zip10_pdl", "zip10_nopdl", "zip20", "unfused10"]
+    cols = ["w4a4", "w4a4_pdl", "w4a4_nopdl", "w4a4_pdl_nopf", "w4a4_pdl_pf24", "zip10", "zip10_pdl", "zip10_nopdl", "unfused10"]
     print("speedup vs bf16 (same run, median); bf16 us in first column")
     print(f"{'shape':>12} {'M':>5} {'bf16us':>8} " + " ".join(f"{c:>12}" for c in cols))
     for (n, k) in shapes:

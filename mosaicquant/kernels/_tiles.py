@@ -14,7 +14,7 @@ import torch
 
 from mosaicquant.harness.errors import UserInputError
 
-__all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "pdl_default", "pdl_launch"]
+__all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "pdl_default", "pdl_launch", "prefetch_row_bytes"]
 
 # Up to this many rows the GEMMs use CUDA-core multiply-adds instead of tensor-core dots
 # (0: never; measured ALU-bound and no faster than the dot path, benchmarks/NOTES.md v2).
@@ -35,6 +35,25 @@ PDL_MAX_WEIGHT_BYTES = 32 * 2**20
 def pdl_default(m: int, n: int, kp: int) -> bool:
     """Whether an ``[m, 2*kp] x [n, 2*kp]^T`` GEMM uses programmatic dependent launch by default."""
     return m <= PDL_MAX_M and n * kp <= PDL_MAX_WEIGHT_BYTES
+
+
+def prefetch_row_bytes(n: int, kp: int, split: int, prefetch_mib: float | None) -> int:
+    """Bytes of each weight row that one program of a PDL launch prefetches into L2.
+
+    Args:
+        n, kp: the weights' rows and packed bytes per row.
+        split: programs sharing a row along K (split-K).
+        prefetch_mib: ``None``: each program's whole slice; else a cap on the whole launch's
+            prefetch (MiB), shared evenly by rows and splits (``0``: no prefetch).
+
+    Raises:
+        UserInputError: a negative cap.
+    """
+    if prefetch_mib is None:
+        return kp
+    if not prefetch_mib >= 0:
+        raise UserInputError(f"prefetch_mib={prefetch_mib!r} must be >= 0 (MiB prefetched per launch) or None")
+    return int(prefetch_mib * 2**20) // max(1, n * split)
 
 
 def pdl_launch(pdl: bool) -> dict:

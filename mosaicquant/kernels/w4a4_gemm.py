@@ -38,7 +38,7 @@ from mosaicquant.kernels._common import (
     triton_interpreting,
     use_pdl,
 )
-from mosaicquant.kernels._tiles import LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, lock_buffer, pdl_default, pdl_launch, pick_config
+from mosaicquant.kernels._tiles import LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, lock_buffer, pdl_default, pdl_launch, pick_config, prefetch_row_bytes
 from mosaicquant.kernels._tl import mac_int4, prefetch_rows_l2, store_output, tile_coords, wait_for_inputs
 from mosaicquant.methods.format import unpack_int4
 
@@ -48,7 +48,7 @@ __all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_reference", "check_gemm_a
 @triton.jit
 def _w4a4_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
-    M, N, KP, stride_am, stride_wn, stride_om,
+    M, N, KP, stride_am, stride_wn, stride_om, PF_ROW_BYTES,
     HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
@@ -68,7 +68,8 @@ def _w4a4_gemm_kernel(
     step_begin = pid_k * per_split
     step_end = tl.minimum(step_begin + per_split, k_steps)
     if PREFETCH:  # our weights do not depend on the kernel before us: start streaming them
-        prefetch_rows_l2(w_ptr, safe_n, stride_wn, step_begin * BKP, tl.minimum(step_end * BKP, KP), LINES=4)
+        pf_end = tl.minimum(tl.minimum(step_end * BKP, KP), step_begin * BKP + PF_ROW_BYTES)
+        prefetch_rows_l2(w_ptr, safe_n, stride_wn, step_begin * BKP, pf_end, LINES=4)
     wait_for_inputs(PDL)
     offs_kp = step_begin * BKP + tl.arange(0, BKP)
     a_ptrs = a_ptr + safe_m[:, None] * stride_am + offs_kp[None, :]
@@ -144,6 +145,7 @@ def w4a4_gemm_triton(
     config: TileConfig | None = None,
     out: torch.Tensor | None = None,
     pdl: bool | None = None,
+    prefetch_mib: float | None = None,
 ) -> torch.Tensor:
     """Launch the dense W4A4 Triton GEMM.
 
@@ -162,6 +164,9 @@ def w4a4_gemm_triton(
             :func:`mosaicquant.kernels._tiles.pdl_default` says so (small M, weights that fit
             L2) and ``MOSAICQUANT_PDL`` is not ``0``; ``True``/``False`` force it (where the
             device supports it).
+        prefetch_mib: with PDL, cap on the weight bytes the launch prefetches into L2
+            (:func:`mosaicquant.kernels._tiles.prefetch_row_bytes`; ``None``: every program's
+            whole slice, ``0``: PDL without prefetch).
 
     Returns:
         ``[M, N]`` BF16 (or fp32) output.
@@ -188,13 +193,14 @@ def w4a4_gemm_triton(
     if pdl is None and not pdl_default(m, n, kp):
         pdl = False
     pdl = use_pdl(a_packed.device, pdl)
+    pf_row = prefetch_row_bytes(n, kp, split, prefetch_mib)
     _w4a4_gemm_kernel[(tiles, split)](
         a_packed.view(torch.int8), a_scale, qweight.view(torch.int8), w_scale,
         bias if bias is not None else a_scale, out, part, lock_buffer(out.device),
-        m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0),
+        m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), pf_row,
         HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0,
         BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot,
-        USE_ASM=not triton_interpreting(), PDL=pdl, PREFETCH=pdl and m <= PREFETCH_MAX_M,
+        USE_ASM=not triton_interpreting(), PDL=pdl, PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels._common import check_tensor, check_triton_device, resolve_kernel, triton_interpreting, use_pdl
-from mosaicquant.kernels._tiles import LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, fit_to_blocks, lock_buffer, pdl_default, pdl_launch, pick_config
+from mosaicquant.kernels._tiles import LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, fit_to_blocks, lock_buffer, pdl_default, pdl_launch, pick_config, prefetch_row_bytes
 from mosaicquant.kernels._tl import mac_int4, prefetch_rows_l2, store_output, tile_coords, wait_for_inputs
 from mosaicquant.kernels.w4a4_gemm import check_gemm_args, int_matmul
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
@@ -66,7 +66,7 @@ _MODE_ID = {"inline": 1, "tail": 2}
 def _zipper_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     block_map_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
-    M, N, KP, stride_am, stride_wn, stride_om, n_block_cols,
+    M, N, KP, stride_am, stride_wn, stride_om, PF_ROW_BYTES, n_block_cols,
     HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -89,7 +89,8 @@ def _zipper_kernel(
     step_begin = pid_k * per_split
     step_end = tl.minimum(step_begin + per_split, k_steps)
     if PREFETCH:  # weights and residual blocks do not depend on the kernel before us: start streaming them
-        prefetch_rows_l2(w_ptr, safe_n, stride_wn, step_begin * BKP, tl.minimum(step_end * BKP, KP), LINES=4)
+        pf_end = tl.minimum(tl.minimum(step_end * BKP, KP), step_begin * BKP + PF_ROW_BYTES)
+        prefetch_rows_l2(w_ptr, safe_n, stride_wn, step_begin * BKP, pf_end, LINES=4)
         if MODE == 2:
             # this tile's rows of each of its residual blocks: BN * BKP_RES contiguous bytes a block
             p_first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
@@ -218,6 +219,7 @@ def zipper_gemm_triton(
     config: TileConfig | None = None,
     out: torch.Tensor | None = None,
     pdl: bool | None = None,
+    prefetch_mib: float | None = None,
 ) -> torch.Tensor:
     """Launch the fused dense + residual Triton GEMM.
 
@@ -231,6 +233,8 @@ def zipper_gemm_triton(
         out: optional preallocated contiguous ``[M, N]`` output of the output dtype.
         pdl: programmatic dependent launch, as in :func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_triton`
             (decode-sized launches also prefetch their tiles' residual blocks).
+        prefetch_mib: cap on the dense weight bytes prefetched, as there (residual blocks are
+            prefetched whole while the prefetch is on).
 
     Returns:
         ``[M, N]`` BF16 (or fp32).
@@ -263,15 +267,16 @@ def zipper_gemm_triton(
     if pdl is None and not pdl_default(m, n, kp):
         pdl = False
     pdl = use_pdl(a_packed.device, pdl)
+    pf_row = prefetch_row_bytes(n, kp, split, prefetch_mib)
     _zipper_kernel[(tiles, split)](
         a_packed.view(torch.int8), a_scale, qweight.view(torch.int8), w_scale.reshape(-1),
         bias if bias is not None else a_scale, out, part, lock_buffer(out.device),
         block_map, residual.row_ptr, residual.coords, residual.values.view(torch.int8), residual.scales,
-        m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), residual.grid[1],
+        m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), pf_row, residual.grid[1],
         HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0, MODE=_MODE_ID[fuse],
         BN_RES=bn_res, BKP_RES=bk_res // 2,
         BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot,
-        USE_ASM=not triton_interpreting(), PDL=pdl, PREFETCH=pdl and m <= PREFETCH_MAX_M,
+        USE_ASM=not triton_interpreting(), PDL=pdl, PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out

@@ -5,7 +5,8 @@ import torch
 
 from mosaicquant.kernels import _common
 from mosaicquant.kernels._common import PDL_ENV_VAR, pdl_supported, use_pdl
-from mosaicquant.kernels._tiles import PDL_MAX_M, PDL_MAX_WEIGHT_BYTES, pdl_default, pdl_launch
+from mosaicquant.harness.errors import UserInputError
+from mosaicquant.kernels._tiles import PDL_MAX_M, PDL_MAX_WEIGHT_BYTES, pdl_default, pdl_launch, prefetch_row_bytes
 from mosaicquant.kernels.act_quant import quantize_activations_triton
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_triton
 from mosaicquant.kernels.zipper import zipper_gemm_triton
@@ -36,6 +37,15 @@ def test_default_covers_small_m_and_weights_that_fit_l2():
     assert not pdl_default(1, 1, PDL_MAX_WEIGHT_BYTES + 1)
 
 
+def test_prefetch_cap_shares_the_bytes_between_rows_and_splits():
+    assert prefetch_row_bytes(4096, 7168, 2, None) == 7168  # the whole slice
+    assert prefetch_row_bytes(4096, 7168, 2, 0) == 0
+    assert prefetch_row_bytes(28672, 2048, 1, 24) == 24 * 2**20 // 28672  # 877 of 2048 bytes a row
+    assert 28672 * prefetch_row_bytes(28672, 2048, 1, 24) <= 24 * 2**20
+    with pytest.raises(UserInputError, match="prefetch_mib"):
+        prefetch_row_bytes(1, 1, 1, -1.0)
+
+
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and not _common.triton_interpreting()
 
@@ -51,10 +61,10 @@ def test_pdl_chain_in_a_cuda_graph_matches(m):
     qweight, w_scale = qweight.cuda(), w_scale.cuda()
     residual = random_residual(n, k, (128, 128), 0.3, gen).to(torch.device("cuda"))
 
-    def step(pdl):
+    def step(pdl, prefetch_mib=None):
         a, s = quantize_activations_triton(x)
-        return (w4a4_gemm_triton(a, s, qweight, w_scale, k, pdl=pdl),
-                zipper_gemm_triton(a, s, qweight, w_scale, k, residual, pdl=pdl))
+        return (w4a4_gemm_triton(a, s, qweight, w_scale, k, pdl=pdl, prefetch_mib=prefetch_mib),
+                zipper_gemm_triton(a, s, qweight, w_scale, k, residual, pdl=pdl, prefetch_mib=prefetch_mib))
 
     plain = step(False)
     step(True)  # compile outside the capture
@@ -66,5 +76,8 @@ def test_pdl_chain_in_a_cuda_graph_matches(m):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured[0], plain[0]) and torch.equal(captured[1], plain[1])
+    for cap in (0, 0.1):  # PDL without prefetch, and a prefetch capped below the weights' size
+        capped = step(True, cap)
+        assert torch.equal(capped[0], plain[0]) and torch.equal(capped[1], plain[1])
     a, s = quantize_activations_triton(x)
     assert_close_bf16(captured[0], w4a4_gemm_reference(a, s, qweight, w_scale, k, out_fp32=True), "dense with PDL")
