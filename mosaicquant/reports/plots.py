@@ -121,6 +121,46 @@ def _batches_text(batches: set[int]) -> str:
     return ", ".join(str(b) for b in sorted(batches))
 
 
+# Label offsets tried in turn (points; text anchored left/right of the point), so that labels
+# of nearby points do not overlap.
+_LABEL_SPOTS = ((4, 4, "left"), (4, -11, "left"), (-4, 4, "right"), (-4, -11, "right"), (4, 14, "left"),
+                (4, -21, "left"))
+
+
+def _label_points(ax, points: list[tuple[str, float, float]], fontsize: float = 7.0) -> list[tuple[float, float]]:
+    """Annotate each ``(label, x, y)`` at the first offset whose text box overlaps no earlier label and no marker.
+
+    Boxes are estimated in display points (``0.6 * fontsize`` per character, ``fontsize`` high)
+    after the axes' scales and limits are set; where every offset collides the first is used.
+
+    Returns:
+        The offsets chosen, in the order of ``points``.
+    """
+    ax.figure.canvas.draw()  # fixes the limits, so data → display positions are final
+    to_pts = 72.0 / ax.figure.dpi
+    at = [tuple(v * to_pts for v in ax.transData.transform((x, y))) for _, x, y in points]
+    # the markers are obstacles too: a label never covers another point
+    placed: list[tuple[float, float, float, float]] = [(px - 4, py - 4, px + 4, py + 4) for px, py in at]
+    chosen = []
+    for (label, x, y), (px, py) in zip(points, at):
+        width, height = 0.6 * fontsize * len(label), fontsize
+        pick = None
+        for dx, dy, ha in _LABEL_SPOTS:
+            x0 = px + dx if ha == "left" else px + dx - width
+            box = (x0, py + dy, x0 + width, py + dy + height)
+            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
+                pick = (dx, dy, ha, box)
+                break
+        if pick is None:
+            dx, dy, ha = _LABEL_SPOTS[0]
+            pick = (dx, dy, ha, (px + dx, py + dy, px + dx + width, py + dy + height))
+        dx, dy, ha, box = pick
+        placed.append(box)
+        chosen.append((dx, dy))
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=fontsize, ha=ha)
+    return chosen
+
+
 def plot_pareto(cells: list[Cell], out_dir: str | Path) -> tuple[list[Figure], list[str]]:
     """Perplexity against decode speed-up, one figure per (accuracy model, speed model) pair.
 
@@ -156,12 +196,12 @@ def plot_pareto(cells: list[Cell], out_dir: str | Path) -> tuple[list[Figure], l
             ax = axes[0][0]
             for label, x, y in points:
                 ax.scatter([x], [y], s=28, zorder=3, color="black" if label == FP16_LABEL else None)
-                ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
             xs, ys = zip(*pareto_front([(x, y) for _, x, y in points]))
             ax.step(xs, ys, where="post", color="grey", lw=1, alpha=0.7, label="Pareto front")
             values = [y for _, _, y in points]
             if max(values) / min(values) > 10:
                 ax.set_yscale("log")
+            _label_points(ax, [(label, x, y) for label, x, y in points])
             ax.axvline(1.0, color="grey", lw=0.5, ls=":")
             ax.set_xlabel(f"decode speed-up vs fp16 on {speed_model} ({speed_suite}; "
                           f"geometric mean over batch {_batches_text(batches)})", fontsize=8)

@@ -8,7 +8,7 @@ import pytest
 from mosaicquant.harness.cli import main
 from mosaicquant.harness.results import load_records
 from mosaicquant.reports.cells import aggregate_cells
-from mosaicquant.reports.plots import budget_sweeps, decode_speedup, pareto_front, plot_budget_sweep
+from mosaicquant.reports.plots import _label_points, _new_figure, budget_sweeps, decode_speedup, pareto_front, plot_budget_sweep
 from mosaicquant.reports.tables import write_tables
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -210,3 +210,27 @@ def test_energy_table_only_for_records_with_an_energy_window(tmp_path, write_cel
     old = tmp_path / "old"
     write_cell(old, SPEED, "fp16", "throughput", energy(0.8, 360.0))
     assert "Decode energy per token" not in write_tables(old).read_text()
+
+
+def test_labels_of_nearby_points_do_not_overlap():
+    fig, axes = _new_figure(1, 1, (6.4, 4.6))
+    ax = axes[0][0]
+    # SmolLM2's figure: a collapsed method puts the axis on a log scale and squeezes the others together
+    points = [("mosaicquant", 0.86, 24.8), ("mosaicquant:budget=0", 0.91, 25.5), ("fp16", 1.0, 13.9),
+              ("quarot", 0.45, 27.5), ("spinquant", 0.40, 25.2), ("atom", 0.45, 19.3), ("rtn", 0.99, 18975.0)]
+    ax.scatter([x for _, x, _ in points], [y for _, _, y in points])
+    ax.set_yscale("log")
+    offsets = _label_points(ax, points)
+    assert any(o != (4, 4) for o in offsets)  # crowded: some labels left the default spot
+    assert [t.get_text() for t in ax.texts] == [label for label, _, _ in points]
+    boxes = []
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for t in ax.texts:
+        boxes.append(t.get_window_extent(renderer))
+    overlaps = [(i, j) for i in range(len(boxes)) for j in range(i) if boxes[i].overlaps(boxes[j])]
+    assert not overlaps, overlaps
+    markers = [ax.transData.transform((x, y)) for _, x, y in points]
+    covered = [(i, j) for i, b in enumerate(boxes) for j, (mx, my) in enumerate(markers)
+               if i != j and b.contains(mx, my)]
+    assert not covered, covered
