@@ -240,6 +240,7 @@ def test_speed_suites_on_the_gpu(monkeypatch):
     assert {"prefill_tok_s", "decode_tok_s/b4", "decode_tok_s/b8"} <= set(metrics)
     assert all(metrics[k].value > 0 for k in ("prefill_tok_s", "decode_tok_s/b4", "decode_tok_s/b8"))
     assert "ZipperEngine" in ctx.info["exec_path_speed"]
+    assert ctx.info["speed"]["timing"] == "CUDA graphs (prefill, decode, per-layer)"
     lat = get_suite("latency")
     with torch.no_grad():
         metrics = lat.fn(model, lat.config(ms=(1, 64), batches=(4,), prefill_len=64, context=32, replays=3), sctx)

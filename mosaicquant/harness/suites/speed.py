@@ -8,8 +8,10 @@ is recorded as unavailable with the reason, never timed on a stand-in. The recor
 
 ``throughput``
     * ``prefill_tok_s``: ``prefill_batch × prefill_len`` tokens through the model (logits for
-      the last position only, as a server computes them), eager launches, median of
-      ``replays`` passes.
+      the last position only, as a server computes them), captured in a CUDA graph and
+      replayed, median of ``replays`` passes. Eager launches (``cuda_graphs=false``) put the
+      host's Python launch overhead into the number: on the Triton paths it varied 15k–28k
+      tok/s for one cell between runs while BF16 stayed within 1% (benchmarks/NOTES.md).
     * ``decode_tok_s/b{B}`` for each batch ``B``: one decode step with a static KV cache
       holding ``context`` tokens, captured in a CUDA graph and replayed (launch overhead
       excluded, as in CUDA-graph serving); tokens/s = ``B`` / median step time.
@@ -77,7 +79,8 @@ class ThroughputConfig(Config):
         batches: decode batch sizes (the paper's range 4–32).
         context: tokens already in the KV cache during decode.
         replays: timed repetitions (median and spread over them).
-        cuda_graphs: capture decode steps in CUDA graphs.
+        cuda_graphs: capture the prefill and the decode steps in CUDA graphs (else eager
+            launches timed with CUDA events, for models whose layers cannot be captured).
         energy_s: seconds of decode steps replayed in one NVML window per batch size (energy per
             token, mean power), after the timed replays.
     """
@@ -160,14 +163,17 @@ def _dtype(model) -> torch.dtype:
     return emb.weight.dtype
 
 
-def measure_prefill(model, batch: int, length: int, device, replays: int = 11):
-    """Median µs of a prefill of ``batch × length`` random tokens (last-position logits only)."""
+def measure_prefill(model, batch: int, length: int, device, replays: int = 11, graphs: bool = True):
+    """Median µs of a prefill of ``batch × length`` random tokens (last-position logits only).
+
+    ``graphs``: replay one captured CUDA graph of the forward (else eager launches).
+    """
     ids = torch.randint(0, _vocab(model), (batch, length), device=device)
 
     def call():
         model(input_ids=ids, use_cache=False, logits_to_keep=1)
 
-    return time_calls([call], min_us=0.0, replays=replays, graphs=False)
+    return time_calls([call], min_us=0.0, replays=replays, graphs=graphs)
 
 
 def _static_cache(model, batch: int, max_len: int, device, dtype):
@@ -259,7 +265,7 @@ def _tok_s(tokens: int, t) -> Metric:
     return Metric(value, higher_is_better=True, unit="tok/s", spread=spread)
 
 
-def _prepare(model, ctx, suite: str):
+def _prepare(model, ctx, suite: str, graphs: bool = True):
     _require_cuda(ctx.device, suite)
     _decoder_layers(model)
     if _dtype(model) not in (torch.bfloat16, torch.float16):
@@ -267,18 +273,18 @@ def _prepare(model, ctx, suite: str):
                           f"in/out); this model is {_dtype(model)}: run with --dtype bfloat16")
     path = executable(model, ctx.method_info)
     ctx.method_info.setdefault("speed", {}).update(
-        gpu=torch.cuda.get_device_name(ctx.device), exec_path=path, timing="CUDA graphs (decode, per-layer); "
-        "CUDA events (prefill)")
+        gpu=torch.cuda.get_device_name(ctx.device), exec_path=path,
+        timing="CUDA graphs (prefill, decode, per-layer)" if graphs else "eager launches, CUDA events (prefill, decode)")
     return path
 
 
 @register_suite("throughput", config=ThroughputConfig, description=ThroughputConfig.description)
 def throughput(model, config: ThroughputConfig, ctx):
     """Prefill and decode tokens/s of the executable model on the GPU."""
-    _prepare(model, ctx, "throughput")
+    _prepare(model, ctx, "throughput", config.cuda_graphs)
     device = ctx.device
     metrics: dict[str, Metric] = {}
-    t = measure_prefill(model, config.prefill_batch, config.prefill_len, device, config.replays)
+    t = measure_prefill(model, config.prefill_batch, config.prefill_len, device, config.replays, config.cuda_graphs)
     metrics["prefill_tok_s"] = _tok_s(config.prefill_batch * config.prefill_len, t)
     telemetry = Telemetry(device)
     if not telemetry.active:
