@@ -15,7 +15,10 @@ M = 1 … 8192. Variants per (shape, M):
   programmatic dependent launch (and the L2 weight prefetch while the activation kernel runs)
   forced on / off; the plain variants use the default (``mosaicquant.kernels._tiles.pdl_default``);
   ``w4a4_pdl_nopf`` PDL without the L2 prefetch, ``w4a4_pdl_pf24`` with the prefetch capped at
-  24 MiB per launch.
+  24 MiB per launch;
+- ``w4a4_swap`` / ``w4a4_swap256`` (M ≥ 512): activation quantization to the ``split8`` int8
+  layout + the operand-swapped dense GEMM (``Cᵀ = W Aᵀ``, 128 weight rows × 128 / 256 tokens
+  per program).
 
 Each variant is checked against its PyTorch reference before it is timed. Timing: CUDA
 graphs of back-to-back calls whose weights rotate through copies larger than 3× L2
@@ -49,7 +52,7 @@ from mosaicquant.harness.timing import time_calls as _time_calls  # noqa: E402
 from mosaicquant.kernels._tiles import TileConfig, pick_config  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton  # noqa: E402
 from mosaicquant.kernels.residual_gemm import residual_add_triton  # noqa: E402
-from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_triton  # noqa: E402
+from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_swapped_triton, w4a4_gemm_triton  # noqa: E402
 from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm_reference, zipper_gemm_triton  # noqa: E402
 from mosaicquant.methods.format import ResidualBlocks  # noqa: E402
 
@@ -60,6 +63,7 @@ MODELS = {
 DEFAULT_MS = (1, 4, 8, 16, 32, 64, 128, 512, 2048, 8192)
 BLOCK = (128, 128)
 ROTATE_BYTES = 3 * 60 * 2**20
+SWAP_MIN_M = 512  # the swapped GEMM is a prefill variant (every M in --dry)
 # bf16 output vs fp32 reference: one bf16 ulp relative, plus an absolute floor at 1e-3 of the output range.
 CHECK_RTOL = 2.0**-7
 CHECK_ATOL_FRAC = 1e-3
@@ -202,6 +206,18 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
         for tag, pdl, pf in (("pdl", True, None), ("nopdl", False, None), ("pdl_nopf", True, 0), ("pdl_pf24", True, 24)):
             pok, prel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k, pdl=pdl, prefetch_mib=pf), ref)
             add(f"w4a4_{tag}", [w4_call(i, pdl=pdl, prefetch_mib=pf) for i in range(n_w4)], pok and act_ok, prel, w4_bytes)
+        if m >= SWAP_MIN_M:
+            # the operand-swapped prefill GEMM (weights unpacked in registers as the first operand,
+            # activations in the split8 int8 layout), with its own activation quantization
+            for tag, bm in (("swap", 128), ("swap256", 256)):
+                def s_call(i, bm=bm):
+                    def call():
+                        q8, s8 = quantize_activations_triton(x, layout="split8")
+                        return w4a4_gemm_swapped_triton(q8, s8, qweights[i], w_scales[i], k, block_n=128, block_m=bm)
+                    return call
+                q8, s8 = quantize_activations_triton(x, layout="split8")
+                sok, srel = check(w4a4_gemm_swapped_triton(q8, s8, qweight, w_scale, k, block_n=128, block_m=bm), ref)
+                add(f"w4a4_{tag}", [s_call(i) for i in range(n_w4)], sok and act_ok, srel, w4_bytes)
         for j, ecfg in enumerate(explore_cfgs(m)):
             try:
                 eok, erel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k, config=ecfg), ref)
@@ -281,8 +297,9 @@ def main(argv=None) -> int:
     budgets = [int(v) for v in args.budgets.split(",")]
     shapes: dict[tuple[int, int], list[str]] = {}
     if args.dry:
-        global ROTATE_BYTES
+        global ROTATE_BYTES, SWAP_MIN_M
         ROTATE_BYTES = 1
+        SWAP_MIN_M = 1
         shapes = {(320, 384): ["dry"]}
         ms = [1, 13, 67]
     else:
@@ -326,7 +343,7 @@ def main(argv=None) -> int:
 
     failed = [r for r in rows if r.get("check_ok") is False]
     print(f"\nchecks: {len(rows) - len(failed)} ok, {len(failed)} FAILED; {time.time() - t0:.0f}s")
-    cols = ["w4a4", "w4a4_pdl", "w4a4_nopdl", "w4a4_pdl_nopf", "w4a4_pdl_pf24", "zip10", "zip10_pdl", "zip10_nopdl", "unfused10"]
+    cols = ["w4a4", "w4a4_nopdl", "w4a4_pdl_nopf", "w4a4_pdl_pf24", "w4a4_swap", "w4a4_swap256", "zip10", "zip10_nopdl", "unfused10"]
     print("speedup vs bf16 (same run, median); bf16 us in first column")
     print(f"{'shape':>12} {'M':>5} {'bf16us':>8} " + " ".join(f"{c:>12}" for c in cols))
     for (n, k) in shapes:

@@ -14,6 +14,12 @@ Packed layout (the one of :func:`mosaicquant.methods.format.pack_int4`): byte ``
 holds ``q[2j]`` in its low nibble and ``q[2j+1]`` in its high nibble; an odd K pads the last
 high nibble with 0. Scales are ``float32 [M]``.
 
+A second output layout, ``"split8"`` (for :func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_swapped_triton`):
+the same integers as ``int8``, one per byte, in blocks of ``SPLIT_BLOCK`` = 128 K: the block's
+64 even-K values first, then its 64 odd-K values; rows padded with zeros to a whole block.
+A GEMM then reads each block's even and odd halves as two contiguous int8 tiles, with no
+unpacking.
+
 One program per token. Rows of up to ``2 * MAX_BLOCK_KP`` elements are loaded once and kept
 in registers; longer rows take a first pass for the absmax and a second (reading the row
 again, from L1/L2) to quantize and pack. Each pass loads ``[BLOCK_KP, 2]`` tiles
@@ -33,16 +39,19 @@ from mosaicquant.kernels._tl import release_dependents, round_half_even
 from mosaicquant.methods.format import pack_int4
 from mosaicquant.methods.quant import quantize
 
-__all__ = ["quantize_activations", "quantize_activations_triton", "quantize_activations_reference"]
+__all__ = ["quantize_activations", "quantize_activations_triton", "quantize_activations_reference", "split8_from_int",
+           "split8_width", "SPLIT_BLOCK"]
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK_KP = 8192
+LAYOUTS = ("packed", "split8")
+SPLIT_BLOCK = 128  # K values per block of the "split8" layout (64 even, then 64 odd)
 
 
 @triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, scale_ptr, K, KP, stride_xm, stride_qm, clip_ratio,
-    BLOCK_KP: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_KP: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr, SPLIT8: tl.constexpr = False,
 ):
     release_dependents(PDL)  # the GEMM that reads our output may start (it waits for us before reading)
     row = tl.program_id(0).to(tl.int64)
@@ -77,8 +86,16 @@ def _act_quant_kernel(
         v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -9.0), 9.0)
         q = tl.minimum(tl.maximum(round_half_even(v), -8.0), 7.0).to(tl.int8)
         q_even, q_odd = tl.split(q)
-        packed = (q_even & 0xF) | (q_odd << 4)
-        tl.store(q_row + kp, packed, mask=kp < KP)
+        if SPLIT8:
+            # pair kp → block kp // 64: even value at byte kp % 64 of the block, odd value 64 bytes on;
+            # pairs past K (up to the padded block) hold zeros (x was loaded as 0 there)
+            at = (kp // 64) * 128 + kp % 64
+            inside = kp < tl.cdiv(KP, 64) * 64
+            tl.store(q_row + at, q_even, mask=inside)
+            tl.store(q_row + at + 64, q_odd, mask=inside)
+        else:
+            packed = (q_even & 0xF) | (q_odd << 4)
+            tl.store(q_row + kp, packed, mask=kp < KP)
 
 
 def _check_inputs(x: torch.Tensor, clip_ratio: float) -> None:
@@ -89,29 +106,62 @@ def _check_inputs(x: torch.Tensor, clip_ratio: float) -> None:
         raise UserInputError(f"x must have at least one column, got shape {tuple(x.shape)}")
 
 
+def split8_width(k: int) -> int:
+    """Bytes per row of the ``"split8"`` layout of ``k`` values (whole 128-value blocks)."""
+    return -(-k // SPLIT_BLOCK) * SPLIT_BLOCK
+
+
+def split8_from_int(q: torch.Tensor) -> torch.Tensor:
+    """``int8 [M, K]`` integers → their ``"split8"`` layout ``int8 [M, split8_width(K)]`` (reference)."""
+    m, k = q.shape
+    full = torch.zeros(m, split8_width(k), dtype=torch.int8, device=q.device)
+    full[:, :k] = q.to(torch.int8)
+    blocks = full.view(m, -1, SPLIT_BLOCK // 2, 2)  # [M, blocks, pairs, (even, odd)]
+    return blocks.permute(0, 1, 3, 2).reshape(m, -1).contiguous()
+
+
 def quantize_activations_triton(
     x: torch.Tensor,
     clip_ratio: float = 1.0,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    layout: str = "packed",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the Triton activation quantizer.
 
     Args:
         x: ``[M, K]`` BF16 (or FP16/FP32) activations, unit stride along K.
         clip_ratio: fraction of each token's absmax kept, in (0, 1].
-        out: optional preallocated contiguous ``(packed, scale)``.
+        out: optional preallocated contiguous ``(packed, scale)`` (``"packed"`` layout only).
+        layout: ``"packed"`` (two values a byte) or ``"split8"`` (one ``int8`` a byte, even/odd
+            halves of 128-value blocks; see the module docstring).
 
     Returns:
-        ``(packed, scale)``: ``uint8 [M, ceil(K/2)]`` and ``float32 [M]``.
+        ``(packed, scale)``: ``uint8 [M, ceil(K/2)]`` (or ``int8 [M, split8_width(K)]``) and
+        ``float32 [M]``.
 
     Raises:
-        UserInputError: wrong dtype/rank/stride, clip ratio out of range, or a device the
-            Triton path cannot run on.
+        UserInputError: wrong dtype/rank/stride, clip ratio out of range, an unknown layout, or
+            a device the Triton path cannot run on.
     """
     _check_inputs(x, clip_ratio)
     check_triton_device(check_same_device(x=x))
+    if layout not in LAYOUTS:
+        raise UserInputError(f"layout={layout!r} is not allowed: choose one of {', '.join(LAYOUTS)}")
     m, k = x.shape
     kp = (k + 1) // 2
+    if layout == "split8":
+        if out is not None:
+            raise UserInputError("out= takes the packed layout only")
+        q = torch.empty(m, split8_width(k), dtype=torch.int8, device=x.device)
+        scale = torch.empty(m, dtype=torch.float32, device=x.device)
+        if m:
+            block_kp = max(64, min(MAX_BLOCK_KP, triton.next_power_of_2(kp)))
+            _act_quant_kernel[(m,)](
+                x, q, scale, k, kp, x.stride(0), q.stride(0), float(clip_ratio),
+                BLOCK_KP=block_kp, ONE_PASS=kp <= block_kp, PDL=pdl_supported(x.device), SPLIT8=True,
+                num_warps=4 if block_kp <= 1024 else (8 if block_kp <= 4096 else 16),
+            )
+        return q, scale
     if out is not None:
         packed, scale = out
         check_tensor("out[0]", packed, dtypes=(torch.uint8,), shape=(m, kp))

@@ -39,10 +39,10 @@ from mosaicquant.kernels._common import (
     use_pdl,
 )
 from mosaicquant.kernels._tiles import LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, lock_buffer, pdl_default, pdl_launch, pick_config, prefetch_row_bytes
-from mosaicquant.kernels._tl import mac_int4, prefetch_rows_l2, store_output, tile_coords, wait_for_inputs
+from mosaicquant.kernels._tl import mac_int4, prefetch_rows_l2, store_output, tile_coords, unpack_hi, unpack_lo, wait_for_inputs
 from mosaicquant.methods.format import unpack_int4
 
-__all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_reference", "check_gemm_args"]
+__all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_swapped_triton", "w4a4_gemm_reference", "check_gemm_args"]
 
 
 @triton.jit
@@ -95,6 +95,46 @@ def _w4a4_gemm_kernel(
         out_ptr, part_ptr, lock_ptr, pid, pid_k, y, bias_ptr, offs_m, offs_n, M, N, stride_om,
         HAS_BIAS=HAS_BIAS, SPLIT_K=SPLIT_K, OUT_FP32=OUT_FP32,
     )
+
+
+@triton.jit
+def _w4a4_swapped_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+    M, N, KP, stride_am, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    # Cᵀ = W Aᵀ: weight rows are the dot's first operand (unpacked in registers, where the
+    # tensor-core instruction can read them), the "split8" activations its second (int8 tiles
+    # loaded as stored, no unpacking). Each packed K step of 64 bytes meets one 128-value block.
+    pid = tl.program_id(0)
+    pid_n, pid_m = tile_coords(pid, N, M, BN, BM, GROUP_N)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    half = tl.arange(0, 64)
+    w_ptrs = w_ptr + safe_n[:, None] * stride_wn + half[None, :]
+    a_ptrs = a_ptr + safe_m[None, :] * stride_am + half[:, None]
+    acc = tl.zeros([BN, BM], dtype=tl.int32)
+    for step in range(0, tl.cdiv(KP, 64)):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(step * 64 + half)[None, :] < KP, other=0)
+        a_even = tl.load(a_ptrs)  # the split8 rows are padded to whole blocks
+        a_odd = tl.load(a_ptrs + 64)
+        acc = tl.dot(unpack_lo(w, USE_ASM), a_even, acc, out_dtype=tl.int32)
+        acc = tl.dot(unpack_hi(w, USE_ASM), a_odd, acc, out_dtype=tl.int32)
+        w_ptrs += 64
+        a_ptrs += 128
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+    y = acc.to(tl.float32) * w_scale[:, None] * a_scale[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)[:, None]
+    out_offs = offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    tl.store(out_ptr + out_offs, y.to(tl.bfloat16), mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
 
 
 def check_gemm_args(
@@ -202,6 +242,61 @@ def w4a4_gemm_triton(
         BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot,
         USE_ASM=not triton_interpreting(), PDL=pdl, PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+    )
+    return out
+
+
+def w4a4_gemm_swapped_triton(
+    a_split: torch.Tensor,
+    a_scale: torch.Tensor,
+    qweight: torch.Tensor,
+    w_scale: torch.Tensor,
+    k: int,
+    bias: torch.Tensor | None = None,
+    *,
+    block_n: int = 128,
+    block_m: int = 128,
+    num_warps: int = 8,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """Dense W4A4 GEMM with the operands swapped (``Cᵀ = W Aᵀ``), for prefill-sized M.
+
+    The weights are unpacked in registers as the dot's first operand; the activations come in
+    the ``"split8"`` layout (:func:`mosaicquant.kernels.act_quant.quantize_activations_triton`
+    with ``layout="split8"``) and are used as loaded. Same result as :func:`w4a4_gemm_triton`.
+
+    Args:
+        a_split: ``int8 [M, split8_width(K)]`` activations.
+        a_scale, qweight, w_scale, k, bias: as :func:`w4a4_gemm_triton`.
+        block_n, block_m: weight rows and tokens per program (powers of two, >= 16).
+        num_warps, num_stages: launch options.
+
+    Returns:
+        ``bfloat16 [M, N]``.
+
+    Raises:
+        UserInputError: bad operands, a split layout of another width, or bad tiles.
+    """
+    from mosaicquant.kernels.act_quant import split8_width
+
+    check_tensor("a_split", a_split, dtypes=(torch.int8,), dim=2)
+    m = a_split.shape[0]
+    check_tensor("a_split", a_split, dtypes=(torch.int8,), shape=(m, split8_width(k)))
+    # the packed-operand checks, on a stand-in of the packed activations' shape
+    _, n, kp = check_gemm_args(a_split[:, : (k + 1) // 2].view(torch.uint8), a_scale, qweight, w_scale, bias, k)
+    check_triton_device(a_split.device)
+    for name, v in (("block_n", block_n), ("block_m", block_m)):
+        if v < 16 or v & (v - 1):
+            raise UserInputError(f"{name}={v} must be a power of two >= 16 (tl.dot tiles)")
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=a_split.device)
+    if m == 0 or n == 0:
+        return out
+    grid = (triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)
+    _w4a4_swapped_kernel[grid](
+        a_split, a_scale, qweight.view(torch.int8), w_scale.reshape(-1), bias if bias is not None else a_scale, out,
+        m, n, kp, a_split.stride(0), qweight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=kp % 64 == 0, BN=block_n, BM=block_m, GROUP_N=8,
+        USE_ASM=not triton_interpreting(), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
