@@ -176,6 +176,21 @@ def store_output(
 
 
 @triton.jit
+def tile_indices(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program ``pid``'s tile: ``(pid_m, pid_n, offs_m, offs_n, safe_m, safe_n)``.
+
+    ``offs_*`` are the tile's row and column indices; ``safe_*`` the same as int64 with
+    out-of-range ones pointed at index 0, for loads whose results are never stored.
+    """
+    pid_m, pid_n = tile_coords(pid, M, N, BM, BN, GROUP_M)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    return pid_m, pid_n, offs_m, offs_n, safe_m, safe_n
+
+
+@triton.jit
 def tile_coords(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     """``(pid_m, pid_n)`` of program ``pid`` in grouped order (``GROUP_M`` row tiles share column tiles, for L2 reuse)."""
     num_pid_m = tl.cdiv(M, BM)

@@ -73,7 +73,7 @@ from mosaicquant.kernels._common import (
     triton_interpreting,
 )
 from mosaicquant.kernels._tiles import LOCK_SLOTS, lock_buffer
-from mosaicquant.kernels._tl import mac_int4, round_half_even, store_output, tile_coords
+from mosaicquant.kernels._tl import mac_int4, round_half_even, store_output, tile_indices
 from mosaicquant.methods.format import pack_int4, unpack_int4
 from mosaicquant.methods.quant import quantize
 
@@ -766,13 +766,8 @@ def _mixed_gemm_kernel(
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m, pid_n = tile_coords(pid, M, N, BM, BN, GROUP_M)
-
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    # Out-of-range rows/channels read a valid row instead (their results are never stored).
-    safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
-    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    # out-of-range rows/channels read index 0 instead (safe_*; their results are never stored)
+    pid_m, pid_n, offs_m, offs_n, safe_m, safe_n = tile_indices(pid, M, N, BM, BN, GROUP_M)
 
     y = tl.zeros([BM, BN], dtype=tl.float32)
     if HAS_LO:

@@ -39,7 +39,7 @@ from mosaicquant.kernels._common import (
     use_pdl,
 )
 from mosaicquant.kernels._tiles import LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, lock_buffer, pdl_default, pdl_launch, pick_config, prefetch_row_bytes
-from mosaicquant.kernels._tl import mac_int4, prefetch_rows_l2, store_output, tile_coords, unpack_hi, unpack_lo, wait_for_inputs
+from mosaicquant.kernels._tl import mac_int4, prefetch_rows_l2, store_output, tile_indices, unpack_hi, unpack_lo, wait_for_inputs
 from mosaicquant.methods.format import unpack_int4
 
 __all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_swapped_triton", "w4a4_gemm_reference", "check_gemm_args"]
@@ -55,13 +55,8 @@ def _w4a4_gemm_kernel(
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m, pid_n = tile_coords(pid, M, N, BM, BN, GROUP_M)
-
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    # Out-of-range rows/channels read a valid row instead (their results are never stored).
-    safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
-    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    # out-of-range rows/channels read index 0 instead (safe_*; their results are never stored)
+    pid_m, pid_n, offs_m, offs_n, safe_m, safe_n = tile_indices(pid, M, N, BM, BN, GROUP_M)
 
     k_steps = tl.cdiv(KP, BKP)
     per_split = tl.cdiv(k_steps, SPLIT_K)
@@ -108,11 +103,7 @@ def _w4a4_swapped_kernel(
     # tensor-core instruction can read them), the "split8" activations its second (int8 tiles
     # loaded as stored, no unpacking). Each packed K step of 64 bytes meets one 128-value block.
     pid = tl.program_id(0)
-    pid_n, pid_m = tile_coords(pid, N, M, BN, BM, GROUP_N)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-    safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    pid_n, pid_m, offs_n, offs_m, safe_n, safe_m = tile_indices(pid, N, M, BN, BM, GROUP_N)
     half = tl.arange(0, 64)
     w_ptrs = w_ptr + safe_n[:, None] * stride_wn + half[None, :]
     a_ptrs = a_ptr + safe_m[None, :] * stride_am + half[:, None]

@@ -45,7 +45,7 @@ import triton.language as tl
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels._common import check_tensor, check_triton_device, resolve_kernel, triton_interpreting, use_pdl
 from mosaicquant.kernels._tiles import LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, fit_to_blocks, lock_buffer, pdl_default, pdl_launch, pick_config, prefetch_row_bytes
-from mosaicquant.kernels._tl import mac_int4, prefetch_rows_l2, store_output, tile_coords, wait_for_inputs
+from mosaicquant.kernels._tl import mac_int4, prefetch_rows_l2, store_output, tile_indices, wait_for_inputs
 from mosaicquant.kernels.w4a4_gemm import check_gemm_args, int_matmul
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 
@@ -74,12 +74,8 @@ def _zipper_kernel(
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m, pid_n = tile_coords(pid, M, N, BM, BN, GROUP_M)
-
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
-    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    # out-of-range rows/channels read index 0 instead (safe_*; their results are never stored)
+    pid_m, pid_n, offs_m, offs_n, safe_m, safe_n = tile_indices(pid, M, N, BM, BN, GROUP_M)
     block_row = (pid_n * BN) // BN_RES
     # Rows of this tile inside its residual block (storage is padded to full blocks).
     res_rows = (offs_n - block_row * BN_RES).to(tl.int64)
