@@ -154,3 +154,18 @@ def check_triton_device(device: torch.device) -> None:
         f"the Triton kernels take CUDA tensors (or CPU tensors with TRITON_INTERPRET=1); got a tensor on "
         f"{device} with TRITON_INTERPRET={'1' if triton_interpreting() else '0'}; use kernel='torch' instead"
     )
+
+
+def output_buffer(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """A launcher's output: the caller's ``out`` once checked, else a new empty tensor.
+
+    Raises:
+        UserInputError: ``out`` of another dtype or shape, not contiguous, or on another device.
+    """
+    if out is None:
+        return torch.empty(*shape, dtype=dtype, device=device)
+    check_tensor("out", out, dtypes=(dtype,), shape=shape)
+    if not out.is_contiguous() or out.device != device:
+        raise UserInputError("out must be contiguous and on the operands' device")
+    return out

@@ -69,11 +69,13 @@ from mosaicquant.kernels._common import (
     check_same_device,
     check_tensor,
     check_triton_device,
+    output_buffer,
     resolve_kernel,
     triton_interpreting,
 )
 from mosaicquant.kernels._tiles import LOCK_SLOTS, lock_buffer
 from mosaicquant.kernels._tl import mac_int4, round_half_even, store_output, tile_indices
+from mosaicquant.kernels.w4a4_gemm import int_matmul
 from mosaicquant.methods.format import pack_int4, unpack_int4
 from mosaicquant.methods.quant import quantize
 
@@ -907,13 +909,7 @@ def mixed_gemm_triton(
     check_triton_device(device)
     if config is not None and not isinstance(config, MixedTileConfig):
         raise UserInputError(f"config must be a MixedTileConfig, got {type(config).__name__}")
-    out_dtype = torch.float32 if out_fp32 else torch.bfloat16
-    if out is not None:
-        check_tensor("out", out, dtypes=(out_dtype,), shape=(m, n))
-        if not out.is_contiguous() or out.device != device:
-            raise UserInputError("out must be contiguous and on the operands' device")
-    else:
-        out = torch.empty(m, n, dtype=out_dtype, device=device)
+    out = output_buffer(out, (m, n), torch.float32 if out_fp32 else torch.bfloat16, device)
     if m == 0 or n == 0:
         return out
     cfg = config or pick_mixed_config(m, n, fmt, device)
@@ -938,12 +934,6 @@ def mixed_gemm_triton(
     return out
 
 
-def _exact_matmul(a: torch.Tensor, w: torch.Tensor, bound: int) -> torch.Tensor:
-    """``a @ w.T`` of integers, exact: fp32 while every partial sum stays below 2**24, else fp64."""
-    dtype = torch.float32 if bound < 2**24 else torch.float64
-    return a.to(dtype) @ w.to(dtype).T
-
-
 def mixed_gemm_reference(
     acts: MixedActs,
     weights: MixedWeights,
@@ -966,13 +956,13 @@ def mixed_gemm_reference(
         # |acc| <= 64 per product, |zero * sum| <= 8 * 8 per element: 128 * width in all
         bound = 128 * width
         for g in range(fmt.n_groups):
-            acc = _exact_matmul(a[:, g], w[:, g], bound)
+            acc = int_matmul(a[:, g], w[:, g], bound)
             if acts.z_lo is not None:
                 acc = acc - acts.z_lo[:, g, None].to(acc.dtype) * weights.sum_lo[None, :, g].to(acc.dtype)
             y += acc.to(torch.float32) * acts.s_lo[:, g, None] * weights.s_lo[None, :, g].to(torch.float32)
     if fmt.k_hi:
         bound = 2 * 128 * 128 * fmt.k_hi
-        acc = _exact_matmul(acts.q_hi, weights.q_hi, bound)
+        acc = int_matmul(acts.q_hi, weights.q_hi, bound)
         if acts.z_hi is not None:
             acc = acc - acts.z_hi[:, None].to(acc.dtype) * weights.sum_hi[None, :].to(acc.dtype)
         y += acc.to(torch.float32) * acts.s_hi[:, None] * weights.s_hi[None, :].to(torch.float32)

@@ -22,7 +22,14 @@ import triton
 import triton.language as tl
 
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.kernels._common import triton_interpreting, check_same_device, check_tensor, check_triton_device, resolve_kernel
+from mosaicquant.kernels._common import (
+    check_same_device,
+    check_tensor,
+    check_triton_device,
+    output_buffer,
+    resolve_kernel,
+    triton_interpreting,
+)
 from mosaicquant.kernels._tiles import FMA_MAX_M, TileConfig, fit_to_blocks
 from mosaicquant.kernels._tl import mac_int4
 from mosaicquant.kernels.zipper import check_residual, residual_product_reference
@@ -112,12 +119,7 @@ def residual_add_triton(
     """
     m, n = _check(a_packed, a_scale, dense, residual, k)
     check_triton_device(a_packed.device)
-    if out is not None:
-        check_tensor("out", out, dtypes=(torch.bfloat16,), shape=(m, n))
-        if not out.is_contiguous() or out.device != dense.device:
-            raise UserInputError("out must be contiguous and on the operands' device")
-    else:
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=dense.device)
+    out = output_buffer(out, (m, n), torch.bfloat16, dense.device)
     if m == 0 or n == 0:
         return out
     bn_res, bk_res = residual.block_shape

@@ -34,6 +34,7 @@ from mosaicquant.kernels._common import (
     check_same_device,
     check_tensor,
     check_triton_device,
+    output_buffer,
     resolve_kernel,
     triton_interpreting,
     use_pdl,
@@ -207,13 +208,7 @@ def w4a4_gemm_triton(
     """
     m, n, kp = check_gemm_args(a_packed, a_scale, qweight, w_scale, bias, k)
     check_triton_device(a_packed.device)
-    out_dtype = torch.float32 if out_fp32 else torch.bfloat16
-    if out is not None:
-        check_tensor("out", out, dtypes=(out_dtype,), shape=(m, n))
-        if not out.is_contiguous() or out.device != a_packed.device:
-            raise UserInputError("out must be contiguous and on the operands' device")
-    else:
-        out = torch.empty(m, n, dtype=out_dtype, device=a_packed.device)
+    out = output_buffer(out, (m, n), torch.float32 if out_fp32 else torch.bfloat16, a_packed.device)
     if m == 0 or n == 0:
         return out
     cfg = config or pick_config(m, n, kp, a_packed.device)
@@ -292,11 +287,15 @@ def w4a4_gemm_swapped_triton(
     return out
 
 
-def int_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Exact ``a @ w.T`` of small integers in floating point (fp32 while exact, else fp64)."""
-    k = a.shape[-1]
-    # |acc| <= 64 * K; fp32 holds integers exactly up to 2**24.
-    dtype = torch.float32 if 64 * k < 2**24 else torch.float64
+def int_matmul(a: torch.Tensor, w: torch.Tensor, bound: int | None = None) -> torch.Tensor:
+    """Exact ``a @ w.T`` of small integers in floating point (fp32 while exact, else fp64).
+
+    ``bound``: a bound on every partial sum (default ``64 * K``, the bound of 4-bit operands);
+    fp32 holds integers exactly up to ``2**24``.
+    """
+    if bound is None:
+        bound = 64 * a.shape[-1]
+    dtype = torch.float32 if bound < 2**24 else torch.float64
     return a.to(dtype) @ w.to(dtype).T
 
 

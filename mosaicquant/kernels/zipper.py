@@ -43,7 +43,14 @@ import triton
 import triton.language as tl
 
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.kernels._common import check_tensor, check_triton_device, resolve_kernel, triton_interpreting, use_pdl
+from mosaicquant.kernels._common import (
+    check_tensor,
+    check_triton_device,
+    output_buffer,
+    resolve_kernel,
+    triton_interpreting,
+    use_pdl,
+)
 from mosaicquant.kernels._tiles import LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, fit_to_blocks, lock_buffer, pdl_default, pdl_launch, pick_config, prefetch_row_bytes
 from mosaicquant.kernels._tl import mac_int4, prefetch_rows_l2, store_output, tile_indices, wait_for_inputs
 from mosaicquant.kernels.w4a4_gemm import check_gemm_args, int_matmul
@@ -246,13 +253,7 @@ def zipper_gemm_triton(
     if block_map is None:
         block_map = residual_block_map(residual)
     check_tensor("block_map", block_map, dtypes=(torch.int32,), shape=residual.grid)
-    out_dtype = torch.float32 if out_fp32 else torch.bfloat16
-    if out is not None:
-        check_tensor("out", out, dtypes=(out_dtype,), shape=(m, n))
-        if not out.is_contiguous() or out.device != a_packed.device:
-            raise UserInputError("out must be contiguous and on the operands' device")
-    else:
-        out = torch.empty(m, n, dtype=out_dtype, device=a_packed.device)
+    out = output_buffer(out, (m, n), torch.float32 if out_fp32 else torch.bfloat16, a_packed.device)
     if m == 0 or n == 0:
         return out
     bn_res, bk_res = residual.block_shape
