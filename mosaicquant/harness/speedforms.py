@@ -93,6 +93,10 @@ def executable(model: nn.Module, info: dict) -> str:
                      f" ({in_kernel} fused with act-quant, {len(transformed) - in_kernel} in PyTorch)")
         if groups:
             part += "; one GEMM per " + ", ".join(groups)
+        swapped = {m.quant.swap_min_m for m in w4 if m.quant.swap_ok and m.quant.swap_min_m is not None}
+        if swapped:
+            part += (f"; calls of >= {min(swapped)} tokens (prefill): int8 activations + operand-swapped GEMM"
+                     + (" with the residual blocks in its tail" if fused else ""))
         parts.append(part)
     if mixed:
         def describe(fmt):

@@ -14,7 +14,8 @@ import torch
 
 from mosaicquant.harness.errors import UserInputError
 
-__all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "pdl_default", "pdl_launch", "prefetch_row_bytes"]
+__all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MIN_M", "pdl_default", "pdl_launch",
+           "prefetch_default", "prefetch_row_bytes"]
 
 # Up to this many rows the GEMMs use CUDA-core multiply-adds instead of tensor-core dots
 # (0: never; measured ALU-bound and no faster than the dot path, benchmarks/NOTES.md v2).
@@ -24,17 +25,32 @@ LOCK_SLOTS = 1 << 16
 # With programmatic dependent launch, GEMMs of up to this many rows prefetch their weights into
 # L2 before waiting for their inputs (decode sizes; larger M re-reads each weight tile anyway).
 PREFETCH_MAX_M = 256
-# Where launches use programmatic dependent launch by default: measured on the H200 against the
-# same launches without it (benchmarks/NOTES.md, v6), it gains 8-10% at M <= 8 on the 24-28 MiB
-# down_proj weights and 3-5% on 8 MiB, and loses 14-26% once the packed weights outgrow what L2
-# keeps (48-56 MiB gate/up: prefetched lines are evicted before use) and up to 30% at M = 64-512.
+# Where launches use programmatic dependent launch by default, and where they also prefetch their
+# weights into L2 while they wait. Measured on the H200 against the same launches without PDL
+# (benchmarks/NOTES.md, v6 and v7): PDL alone gains 3-11% at M <= 4 on every Llama-3 / Qwen3
+# linear, and at M = 8 on weights of up to 32 MiB packed (the 48-56 MiB gate/up lost 0-13% there);
+# at M >= 16 it loses up to 16%. The L2 prefetch on top gains a further ~5% on the long-K
+# down_proj rows (K >= 8192, 24-28 MiB), loses 3-7% on K = 4096 weights, and 15-26% once the
+# weights outgrow what L2 keeps (prefetched lines are evicted before use).
 PDL_MAX_M = 8
+PDL_ANY_SIZE_MAX_M = 4
 PDL_MAX_WEIGHT_BYTES = 32 * 2**20
+PREFETCH_MIN_KP = 4096
 
 
 def pdl_default(m: int, n: int, kp: int) -> bool:
     """Whether an ``[m, 2*kp] x [n, 2*kp]^T`` GEMM uses programmatic dependent launch by default."""
-    return m <= PDL_MAX_M and n * kp <= PDL_MAX_WEIGHT_BYTES
+    return m <= PDL_ANY_SIZE_MAX_M or (m <= PDL_MAX_M and n * kp <= PDL_MAX_WEIGHT_BYTES)
+
+
+def prefetch_default(n: int, kp: int) -> bool:
+    """Whether a PDL launch over ``[n, 2*kp]`` weights prefetches them into L2 by default (long rows that fit L2)."""
+    return kp >= PREFETCH_MIN_KP and n * kp <= PDL_MAX_WEIGHT_BYTES
+
+
+# Calls of at least this many tokens run the operand-swapped prefill GEMM (QuantLinear; measured
+# faster than the packed-activation GEMM on every Llama-3 / Qwen3 linear at M >= 512, v7).
+SWAP_MIN_M = 512
 
 
 def prefetch_row_bytes(n: int, kp: int, split: int, prefetch_mib: float | None) -> int:
@@ -43,17 +59,18 @@ def prefetch_row_bytes(n: int, kp: int, split: int, prefetch_mib: float | None) 
     Args:
         n, kp: the weights' rows and packed bytes per row.
         split: programs sharing a row along K (split-K).
-        prefetch_mib: ``None``: each program's whole slice; else a cap on the whole launch's
-            prefetch (MiB), shared evenly by rows and splits (``0``: no prefetch).
+        prefetch_mib: ``None``: each program's whole slice where :func:`prefetch_default` says
+            so, else nothing; a number: a cap on the whole launch's prefetch (MiB), shared
+            evenly by rows and splits (``0``: no prefetch).
 
     Raises:
         UserInputError: a negative cap.
     """
     if prefetch_mib is None:
-        return kp
+        return kp if prefetch_default(n, kp) else 0
     if not prefetch_mib >= 0:
         raise UserInputError(f"prefetch_mib={prefetch_mib!r} must be >= 0 (MiB prefetched per launch) or None")
-    return int(prefetch_mib * 2**20) // max(1, n * split)
+    return min(kp, int(prefetch_mib * 2**20) // max(1, n * split))
 
 
 def pdl_launch(pdl: bool) -> dict:

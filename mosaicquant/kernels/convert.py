@@ -58,8 +58,12 @@ def _run_quant(quant: QuantLinear, x: torch.Tensor, transform: nn.Module | None,
         if backend == "triton" and fused_hadamard_reason(transform, x.dtype) is None:
             lead = x.shape[:-1]
             x2 = x.reshape(-1, quant.in_features).contiguous()
-            a_packed, a_scale = hadamard_quantize_triton(x2, transform, quant.act_clip_ratio)
-            y = quant.forward_quantized(a_packed, a_scale, backend)
+            if quant.uses_swapped(x2.shape[0], backend):
+                a_split, a_scale = hadamard_quantize_triton(x2, transform, quant.act_clip_ratio, layout="split8")
+                y = quant.forward_split8(a_split, a_scale)
+            else:
+                a_packed, a_scale = hadamard_quantize_triton(x2, transform, quant.act_clip_ratio)
+                y = quant.forward_quantized(a_packed, a_scale, backend)
             return y.reshape(*lead, quant.out_features).to(x.dtype)
     if transform is not None:
         x = transform(x)

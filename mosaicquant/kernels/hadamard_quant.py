@@ -18,7 +18,8 @@ kernel does both in one pass, one program per token, the row held on chip:
    the PyTorch path rounds the transform's output — then quantized like
    :mod:`mosaicquant.kernels.act_quant`: ``scale = absmax · clip / 7`` (IEEE division; an
    all-zero row gets 1), ``q = clamp(round_half_even(z / scale), -8, 7)``, packed two a byte
-   (low nibble = even index), scale ``float32 [M]``.
+   (low nibble = even index), scale ``float32 [M]``; or, with ``layout="split8"``, one
+   ``int8`` a byte in act_quant's split8 layout (for the swapped prefill GEMM).
 
 The result equals ``quantize_activations(OnlineHadamard(x))`` up to float summation order:
 a transformed value can land one 16-bit ulp away from the PyTorch path's, which moves its
@@ -49,7 +50,7 @@ from mosaicquant.kernels._common import (
     triton_interpreting,
 )
 from mosaicquant.kernels._tl import release_dependents, round_half_even
-from mosaicquant.kernels.act_quant import quantize_activations_reference
+from mosaicquant.kernels.act_quant import LAYOUTS, quantize_activations_reference, split8_width
 from mosaicquant.methods.hadamard import OnlineHadamard, _sylvester, hadamard_factor
 
 __all__ = [
@@ -84,6 +85,7 @@ def _hadamard_quant_kernel(
     R, stride_xm, stride_qm, inv_sqrt_n, clip_ratio,
     D: tl.constexpr, R_PAD: tl.constexpr,
     HAS_SIGNS: tl.constexpr, SIGNS_FIRST: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    SPLIT8: tl.constexpr = False,
 ):
     release_dependents(PDL)  # the GEMM that reads our output may start (it waits for us before reading)
     row = tl.program_id(0).to(tl.int64)
@@ -128,10 +130,15 @@ def _hadamard_quant_kernel(
     tl.store(scale_ptr + row, scale)
     v = tl.minimum(tl.maximum(tl.math.div_rn(z, scale), -9.0), 9.0)
     q = tl.minimum(tl.maximum(round_half_even(v), -8.0), 7.0).to(tl.int8)
-    q_even, q_odd = tl.split(tl.reshape(q, [R_PAD, D // 2, 2]))
-    packed = (q_even & 0xF) | (q_odd << 4)
-    half = tl.arange(0, D // 2)
-    tl.store(q_ptr + row * stride_qm + rows[:, None] * (D // 2) + half[None, :], packed, mask=rows[:, None] < R)
+    if SPLIT8:
+        # element i → byte (i // 128) * 128 + (i % 2) * 64 + (i % 128) // 2 (act_quant's "split8")
+        at = (idx // 128) * 128 + (idx % 2) * 64 + (idx % 128) // 2
+        tl.store(q_ptr + row * stride_qm + at, q, mask=valid)
+    else:
+        q_even, q_odd = tl.split(tl.reshape(q, [R_PAD, D // 2, 2]))
+        packed = (q_even & 0xF) | (q_odd << 4)
+        half = tl.arange(0, D // 2)
+        tl.store(q_ptr + row * stride_qm + rows[:, None] * (D // 2) + half[None, :], packed, mask=rows[:, None] < R)
 
 
 def _view_of(transform: OnlineHadamard) -> tuple[int, int, int]:
@@ -184,7 +191,7 @@ def _check(x: torch.Tensor, transform: object, clip_ratio: float) -> None:
 
 def hadamard_quantize_triton(
     x: torch.Tensor, transform: OnlineHadamard, clip_ratio: float = 1.0,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None, layout: str = "packed",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kernel.
 
@@ -192,7 +199,10 @@ def hadamard_quantize_triton(
         x: ``[M, n]`` BF16/FP16 activations, unit stride along ``n``.
         transform: the layer's :class:`OnlineHadamard` (size ``n``; signs and transpose honoured).
         clip_ratio: fraction of each token's absmax kept, in (0, 1].
-        out: optional preallocated contiguous ``(packed uint8 [M, n/2], scale float32 [M])``.
+        out: optional preallocated contiguous ``(packed uint8 [M, n/2], scale float32 [M])``
+            (``"packed"`` layout only).
+        layout: ``"packed"`` or ``"split8"`` (``int8 [M, split8_width(n)]``, for the swapped
+            prefill GEMM; see :mod:`mosaicquant.kernels.act_quant`).
 
     Returns:
         ``(packed, scale)``.
@@ -208,7 +218,16 @@ def hadamard_quantize_triton(
     device = check_same_device(x=x)
     check_triton_device(device)
     m, n = x.shape
-    if out is not None:
+    if layout not in LAYOUTS:
+        raise UserInputError(f"layout={layout!r} is not allowed: choose one of {', '.join(LAYOUTS)}")
+    if layout == "split8":
+        if out is not None:
+            raise UserInputError("out= takes the packed layout only")
+        width = split8_width(n)
+        # the padding past n (to a whole 128-value block) must read as zeros
+        packed = (torch.zeros if width != n else torch.empty)(m, width, dtype=torch.int8, device=device)
+        scale = torch.empty(m, dtype=torch.float32, device=device)
+    elif out is not None:
         packed, scale = out
         check_tensor("out[0]", packed, dtypes=(torch.uint8,), shape=(m, n // 2))
         check_tensor("out[1]", scale, dtypes=(torch.float32,), shape=(m,))
@@ -230,7 +249,7 @@ def hadamard_quantize_triton(
         x, left, syl, signs if has_signs else scale, packed.view(torch.int8), scale,
         r, x.stride(0), packed.stride(0), 1.0 / math.sqrt(n), float(clip_ratio),
         D=d, R_PAD=r_pad, HAS_SIGNS=has_signs, SIGNS_FIRST=transform.transpose,
-        DOT_F32=triton_interpreting(), PDL=pdl_supported(device),
+        DOT_F32=triton_interpreting(), PDL=pdl_supported(device), SPLIT8=layout == "split8",
         num_warps=4 if r_pad * d <= 4096 else 8,
     )
     return packed, scale

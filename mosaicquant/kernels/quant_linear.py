@@ -7,6 +7,12 @@ A forward pass quantizes the activations per token (4-bit symmetric, ``act_clip_
 then runs the dense W4A4 GEMM, or ZipperEngine (fused) or the unfused pipeline when the
 layer has residual blocks. Input any float dtype ``[..., K]``, output BF16 ``[..., N]``.
 
+Prefill-sized calls (``M >= swap_min_m`` tokens on the Triton path) quantize the activations to
+the ``"split8"`` int8 layout instead and run the operand-swapped GEMM
+(:func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_swapped_triton`; the residual blocks, if any,
+fused in its tail): the same integers and scales, the same result up to float rounding
+(``benchmarks/NOTES.md``, v7/v8). The unfused pipeline always keeps the packed path.
+
 It computes the function of the simulated layer
 ``fake_quantize(x, 4, clip_ratio) @ packed.dequantize().T (+ bias)`` up to float
 accumulation order and the final BF16 rounding.
@@ -19,9 +25,16 @@ from torch import nn
 
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels._common import resolve_kernel
-from mosaicquant.kernels.act_quant import quantize_activations
+from mosaicquant.kernels._tiles import SWAP_MIN_M
+from mosaicquant.kernels.act_quant import quantize_activations, quantize_activations_triton
 from mosaicquant.kernels.residual_gemm import residual_add
-from mosaicquant.kernels.w4a4_gemm import w4a4_gemm, w4a4_gemm_reference, w4a4_gemm_triton
+from mosaicquant.kernels.w4a4_gemm import (
+    swapped_residual_reason,
+    w4a4_gemm,
+    w4a4_gemm_reference,
+    w4a4_gemm_swapped_triton,
+    w4a4_gemm_triton,
+)
 from mosaicquant.kernels.zipper import FUSE_MODES, check_residual, residual_block_map, zipper_gemm
 from mosaicquant.methods.format import PackedW4, ResidualBlocks
 
@@ -40,10 +53,14 @@ class QuantLinear(nn.Module):
         fused: run the residual fused into the GEMM (ZipperEngine) or as the unfused
             pipeline (dense GEMM to fp32, separate residual kernel, add).
         mode: ZipperEngine fusion mode, ``"auto"``, ``"inline"`` or ``"tail"``.
+        swap_min_m: calls of at least this many tokens on the Triton path run the
+            operand-swapped prefill GEMM (default :data:`mosaicquant.kernels._tiles.SWAP_MIN_M`);
+            ``None`` never. Layers whose residual blocks that GEMM cannot take (block columns
+            not a multiple of 128), and the unfused pipeline, keep the packed path.
 
     Raises:
-        UserInputError: group-wise base scales, a bad clip ratio, mode or kernel
-            preference, or a residual of another shape.
+        UserInputError: group-wise base scales, a bad clip ratio, mode, kernel
+            preference or ``swap_min_m``, or a residual of another shape.
 
     Example:
         >>> from mosaicquant.methods.quant import quantize
@@ -60,6 +77,7 @@ class QuantLinear(nn.Module):
         kernel: str | None = None,
         fused: bool = True,
         mode: str = "auto",
+        swap_min_m: int | None = SWAP_MIN_M,
     ) -> None:
         super().__init__()
         if not isinstance(packed, PackedW4):
@@ -76,12 +94,15 @@ class QuantLinear(nn.Module):
             raise UserInputError(f"mode={mode!r} is not allowed: choose one of {', '.join(FUSE_MODES)}")
         if kernel is not None:
             resolve_kernel(kernel)
+        if swap_min_m is not None and (not isinstance(swap_min_m, int) or swap_min_m < 1):
+            raise UserInputError(f"swap_min_m={swap_min_m!r} must be a positive int or None")
         self.in_features = k
         self.out_features = n
         self.act_clip_ratio = float(act_clip_ratio)
         self.kernel = kernel
         self.fused = bool(fused)
         self.mode = mode
+        self.swap_min_m = swap_min_m
         self.register_buffer("qweight", packed.qweight.contiguous())
         self.register_buffer("w_scale", packed.scales.reshape(n).to(torch.float16).contiguous())
         self.register_buffer("bias", None if packed.bias is None else packed.bias.to(torch.float32).reshape(n).contiguous())
@@ -97,6 +118,7 @@ class QuantLinear(nn.Module):
             self.register_buffer("res_values", residual.values.contiguous())
             self.register_buffer("res_scales", residual.scales.contiguous())
             self.register_buffer("res_block_map", residual_block_map(residual))
+        self.swap_ok = residual is None or (self.fused and swapped_residual_reason(self.block_shape) is None)
 
     @property
     def residual(self) -> ResidualBlocks | None:
@@ -140,8 +162,22 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
         backend = resolve_kernel(self.kernel, x2.device)
-        a_packed, a_scale = quantize_activations(x2, self.act_clip_ratio, kernel=backend)
-        return self.forward_quantized(a_packed, a_scale, backend).reshape(*lead, self.out_features)
+        if self.uses_swapped(x2.shape[0], backend):
+            a_split, a_scale = quantize_activations_triton(x2, self.act_clip_ratio, layout="split8")
+            y = self.forward_split8(a_split, a_scale)
+        else:
+            a_packed, a_scale = quantize_activations(x2, self.act_clip_ratio, kernel=backend)
+            y = self.forward_quantized(a_packed, a_scale, backend)
+        return y.reshape(*lead, self.out_features)
+
+    def uses_swapped(self, m: int, backend: str) -> bool:
+        """Whether a call of ``m`` tokens on ``backend`` runs the operand-swapped prefill GEMM."""
+        return backend == "triton" and self.swap_ok and self.swap_min_m is not None and m >= self.swap_min_m
+
+    def forward_split8(self, a_split: torch.Tensor, a_scale: torch.Tensor) -> torch.Tensor:
+        """The swapped GEMM on ``"split8"`` activations ``int8 [M, split8_width(K)]`` + ``[M]`` scales → BF16 ``[M, N]``."""
+        return w4a4_gemm_swapped_triton(a_split, a_scale, self.qweight, self.w_scale, self.in_features, self.bias,
+                                        residual=self.residual)
 
     def forward_quantized(self, a_packed: torch.Tensor, a_scale: torch.Tensor, backend: str) -> torch.Tensor:
         """The GEMM part on already quantized activations: ``[M, ceil(K/2)]`` packed + ``[M]`` scales → ``[M, N]`` BF16.

@@ -21,6 +21,15 @@ particular multiple: the tail step is masked (padding nibbles are zero on both s
 Small M (decode) is memory-bound and has few output tiles, so K is split across
 ``SPLIT_K`` programs: each writes an fp32 partial, the last to arrive (atomic counter per
 tile) sums the partials in split order, adds the bias and writes the output.
+
+Prefill-sized M runs the operand-swapped variant (:func:`w4a4_gemm_swapped_triton`,
+``Cᵀ = W Aᵀ``) on int8 activations in the ``"split8"`` layout: the unpacked weights are the
+tensor-core dot's register operand, so they are never written back to shared memory. It can
+also take a layer's residual blocks, walked after its dense loop (``residual_walk``): FP8 dots
+accumulating into the output tile itself (default on the GPU; the tile is divided by the
+block's row scales before and multiplied back after, exact integer products, one fp32
+accumulator: capped at 128 registers, two programs share an SM), or int8 dots into a second
+accumulator. ``benchmarks/NOTES.md`` (v7, v8) has the measurements.
 """
 
 from __future__ import annotations
@@ -41,9 +50,14 @@ from mosaicquant.kernels._common import (
 )
 from mosaicquant.kernels._tiles import LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, lock_buffer, pdl_default, pdl_launch, pick_config, prefetch_row_bytes
 from mosaicquant.kernels._tl import mac_int4, prefetch_rows_l2, store_output, tile_indices, unpack_hi, unpack_lo, wait_for_inputs
-from mosaicquant.methods.format import unpack_int4
+from mosaicquant.kernels.act_quant import SPLIT_BLOCK, split8_width
+from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 
-__all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_swapped_triton", "w4a4_gemm_reference", "check_gemm_args"]
+__all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_swapped_triton", "w4a4_gemm_reference", "check_gemm_args",
+           "swapped_residual_reason", "RESIDUAL_WALKS"]
+
+FP8_TAIL_MAX_REGS = 128
+RESIDUAL_WALKS = ("int8", "fp8")  # how the swapped GEMM multiplies residual blocks (RES_MODE 1, 2)
 
 
 @triton.jit
@@ -94,10 +108,55 @@ def _w4a4_gemm_kernel(
 
 
 @triton.jit
+def _unit_k0(coords_ptr, first, u, units, BKP_RES: tl.constexpr):
+    """First K index (= split8 byte offset) of unit ``u`` of a block row's residual walk (0 past the end)."""
+    p = first + u // (BKP_RES // 64)
+    col = tl.load(coords_ptr + 2 * p + 1, mask=u < units, other=0).to(tl.int64)
+    return col * (2 * BKP_RES) + 2 * ((u % (BKP_RES // 64)) * 64)
+
+
+@triton.jit
+def _residual_unit(a_ptr, res_val_ptr, res_scale_ptr, first, u, units, k0, safe_m, res_rows, stride_am, KS,
+                   BN_RES: tl.constexpr, BKP_RES: tl.constexpr):
+    """Unit ``u`` (starting at K index ``k0``): its two activation tiles, packed residual rows and scales.
+
+    Everything past the last unit (``u >= units``) loads as zeros.
+    """
+    valid = u < units
+    p = first + u // (BKP_RES // 64)
+    chunk = (u % (BKP_RES // 64)) * 64
+    half = tl.arange(0, 64)
+    a_blk = a_ptr + safe_m[None, :] * stride_am + k0 + half[:, None]
+    inside = valid & (k0 < KS)  # a ragged last block column ends early
+    a_even = tl.load(a_blk, mask=inside, other=0)
+    a_odd = tl.load(a_blk + 64, mask=inside, other=0)
+    r = tl.load(res_val_ptr + p * (BN_RES * BKP_RES) + res_rows[:, None] * BKP_RES + chunk + half[None, :],
+                mask=valid, other=0)
+    r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows, mask=valid, other=0.0).to(tl.float32)
+    return a_even, a_odd, r, r_scale
+
+
+@triton.jit
+def _to_fp8(q):
+    """Small integers (``int8``, |q| <= 8) as exact FP8 e4m3 values."""
+    return q.to(tl.float16).to(tl.float8e4nv)
+
+
+@triton.jit
+def _residual_mac(y, a_even, a_odd, r, r_scale, BN: tl.constexpr, BM: tl.constexpr, USE_ASM: tl.constexpr):
+    """``y += (R_lo · A_even + R_hi · A_odd) ⊙ s_r`` for one residual unit (exact int32 product, fp32 scaling)."""
+    r_acc = tl.dot(unpack_lo(r, USE_ASM), a_even, tl.zeros([BN, BM], dtype=tl.int32), out_dtype=tl.int32)
+    r_acc = tl.dot(unpack_hi(r, USE_ASM), a_odd, r_acc, out_dtype=tl.int32)
+    return y + r_acc.to(tl.float32) * r_scale[:, None]
+
+
+@triton.jit
 def _w4a4_swapped_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-    M, N, KP, stride_am, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
+    M, N, KP, KS, stride_am, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, RES_MODE: tl.constexpr,
+    BN_RES: tl.constexpr, BKP_RES: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     # Cᵀ = W Aᵀ: weight rows are the dot's first operand (unpacked in registers, where the
@@ -108,8 +167,13 @@ def _w4a4_swapped_kernel(
     half = tl.arange(0, 64)
     w_ptrs = w_ptr + safe_n[:, None] * stride_wn + half[None, :]
     a_ptrs = a_ptr + safe_m[None, :] * stride_am + half[:, None]
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    if RES_MODE > 0:
+        block_row = (pid_n * BN) // BN_RES
+        res_rows = (offs_n - block_row * BN_RES).to(tl.int64)  # storage is padded to full blocks
+    k_steps = tl.cdiv(KP, 64)
     acc = tl.zeros([BN, BM], dtype=tl.int32)
-    for step in range(0, tl.cdiv(KP, 64)):
+    for step in range(0, k_steps):
         if EVEN_K:
             w = tl.load(w_ptrs)
         else:
@@ -120,9 +184,37 @@ def _w4a4_swapped_kernel(
         acc = tl.dot(unpack_hi(w, USE_ASM), a_odd, acc, out_dtype=tl.int32)
         w_ptrs += 64
         a_ptrs += 128
-    w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    # the dense int32 accumulator dies here; residual blocks accumulate into y
+    y = acc.to(tl.float32) * w_scale[:, None]
+    if RES_MODE > 0:
+        # Tail walk over the kept residual blocks of this tile's block row (CSR), in units of one
+        # 128-value split8 block (a block column of Bk = 2 * BKP_RES values has Bk / 128 of them):
+        # the activation tiles are read as in the dense loop (again, mostly from L2), the block's
+        # rows are its packed bytes.
+        block_row = (pid_n * BN) // BN_RES
+        res_rows = (offs_n - block_row * BN_RES).to(tl.int64)  # storage is padded to full blocks
+        first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
+        units = (tl.load(row_ptr_ptr + block_row + 1).to(tl.int64) - first) * (BKP_RES // 64)
+        for u in range(0, units):
+            k0 = _unit_k0(coords_ptr, first, u, units, BKP_RES)
+            a_even, a_odd, r, r_scale = _residual_unit(
+                a_ptr, res_val_ptr, res_scale_ptr, first, u, units, k0, safe_m, res_rows, stride_am, KS, BN_RES, BKP_RES)
+            if RES_MODE == 1:
+                # exact int32 product in a second accumulator, scaled into y
+                y = _residual_mac(y, a_even, a_odd, r, r_scale, BN, BM, USE_ASM)
+            else:
+                # FP8 tensor-core dots accumulate into y itself (4-bit integers and their
+                # products are exact in e4m3 / fp32; a unit's sums stay below 2**24): y is
+                # divided by the unit's row scales, the product added, and multiplied back, so
+                # no second [BN, BM] accumulator is live (registers, hence two programs per SM)
+                # (a zero row scale only comes with zero integers: 1 there adds the same nothing)
+                r_scale = tl.where(r_scale == 0.0, 1.0, r_scale)
+                y = y * (1.0 / r_scale)[:, None]
+                y = tl.dot(_to_fp8(unpack_lo(r, USE_ASM)), _to_fp8(a_even), y)
+                y = tl.dot(_to_fp8(unpack_hi(r, USE_ASM)), _to_fp8(a_odd), y)
+                y = y * r_scale[:, None]
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
-    y = acc.to(tl.float32) * w_scale[:, None] * a_scale[None, :]
+    y = y * a_scale[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)[:, None]
     out_offs = offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
@@ -191,14 +283,15 @@ def w4a4_gemm_triton(
         out_fp32: write fp32 instead of BF16 (the unfused pipeline adds the residual to it).
         config: tiles (default :func:`mosaicquant.kernels._tiles.pick_config`).
         out: optional preallocated contiguous ``[M, N]`` output of the output dtype.
-        pdl: programmatic dependent launch; with it, launches of M ≤ 256 prefetch their weights
-            into L2 while the kernel before them finishes. ``None``: where
-            :func:`mosaicquant.kernels._tiles.pdl_default` says so (small M, weights that fit
-            L2) and ``MOSAICQUANT_PDL`` is not ``0``; ``True``/``False`` force it (where the
-            device supports it).
+        pdl: programmatic dependent launch; with it, launches of M ≤ 256 may prefetch their
+            weights into L2 while the kernel before them finishes (``prefetch_mib``). ``None``:
+            where :func:`mosaicquant.kernels._tiles.pdl_default` says so (small M) and
+            ``MOSAICQUANT_PDL`` is not ``0``; ``True``/``False`` force it (where the device
+            supports it).
         prefetch_mib: with PDL, cap on the weight bytes the launch prefetches into L2
             (:func:`mosaicquant.kernels._tiles.prefetch_row_bytes`; ``None``: every program's
-            whole slice, ``0``: PDL without prefetch).
+            whole slice where :func:`mosaicquant.kernels._tiles.prefetch_default` says so (long
+            rows that fit L2), else none; ``0``: PDL without prefetch).
 
     Returns:
         ``[M, N]`` BF16 (or fp32) output.
@@ -232,6 +325,15 @@ def w4a4_gemm_triton(
     return out
 
 
+def swapped_residual_reason(block_shape: tuple[int, int]) -> str | None:
+    """``None`` when the swapped GEMM can fuse residual blocks of ``(Bn, Bk)``, else why not."""
+    bn_res, bk_res = block_shape
+    if bk_res % SPLIT_BLOCK or bn_res % 16:
+        return (f"residual blocks {bn_res}x{bk_res}: the swapped GEMM needs rows a multiple of 16 and columns "
+                f"a multiple of {SPLIT_BLOCK} (whole split8 activation blocks)")
+    return None
+
+
 def w4a4_gemm_swapped_triton(
     a_split: torch.Tensor,
     a_scale: torch.Tensor,
@@ -240,30 +342,45 @@ def w4a4_gemm_swapped_triton(
     k: int,
     bias: torch.Tensor | None = None,
     *,
+    residual: ResidualBlocks | None = None,
+    residual_walk: str = "fp8",
     block_n: int = 128,
     block_m: int = 128,
     num_warps: int = 8,
     num_stages: int = 3,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense W4A4 GEMM with the operands swapped (``Cᵀ = W Aᵀ``), for prefill-sized M.
 
     The weights are unpacked in registers as the dot's first operand; the activations come in
     the ``"split8"`` layout (:func:`mosaicquant.kernels.act_quant.quantize_activations_triton`
-    with ``layout="split8"``) and are used as loaded. Same result as :func:`w4a4_gemm_triton`.
+    with ``layout="split8"``) and are used as loaded. Same result as :func:`w4a4_gemm_triton`
+    (with ``residual``: as :func:`mosaicquant.kernels.zipper.zipper_gemm_triton`, the kept
+    blocks walked after the dense loop, ZipperEngine's ``"tail"`` fusion).
 
     Args:
         a_split: ``int8 [M, split8_width(K)]`` activations.
         a_scale, qweight, w_scale, k, bias: as :func:`w4a4_gemm_triton`.
+        residual: optional :class:`~mosaicquant.methods.format.ResidualBlocks` of the layer
+            (block columns a multiple of 128, rows a multiple of 16; see
+            :func:`swapped_residual_reason`); ``block_n`` shrinks to nest in its block rows.
+        residual_walk: how the kept blocks (walked after the dense loop, their activation
+            tiles read again) are multiplied: ``"fp8"``, FP8 tensor-core dots accumulating into
+            the output tile itself (rescaled by each block's row scales around them; on the
+            GPU, int8 dots in the interpreter), or ``"int8"``, int8 dots into a second
+            accumulator; the same result up to fp32 rounding.
         block_n, block_m: weight rows and tokens per program (powers of two, >= 16).
         num_warps, num_stages: launch options.
+        out: optional preallocated contiguous ``bfloat16 [M, N]`` output.
 
     Returns:
         ``bfloat16 [M, N]``.
 
     Raises:
-        UserInputError: bad operands, a split layout of another width, or bad tiles.
+        UserInputError: bad operands, a split layout of another width, a residual of another
+            shape or block shape the kernel cannot take, or bad tiles.
     """
-    from mosaicquant.kernels.act_quant import split8_width
+    from mosaicquant.kernels.zipper import check_residual  # zipper builds on this module
 
     check_tensor("a_split", a_split, dtypes=(torch.int8,), dim=2)
     m = a_split.shape[0]
@@ -274,15 +391,38 @@ def w4a4_gemm_swapped_triton(
     for name, v in (("block_n", block_n), ("block_m", block_m)):
         if v < 16 or v & (v - 1):
             raise UserInputError(f"{name}={v} must be a power of two >= 16 (tl.dot tiles)")
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=a_split.device)
+    if residual_walk not in RESIDUAL_WALKS:
+        raise UserInputError(f"residual_walk={residual_walk!r} is not allowed: choose one of {', '.join(RESIDUAL_WALKS)}")
+    if residual is not None:
+        check_residual(residual, n, k)
+        reason = swapped_residual_reason(residual.block_shape)
+        if reason is not None:
+            raise UserInputError(reason)
+        check_same_device(a_split=a_split, residual_values=residual.values)
+        if residual.num_blocks == 0:
+            residual = None
+    bn_res, bk_res = residual.block_shape if residual is not None else (block_n, SPLIT_BLOCK)
+    while bn_res % block_n:
+        block_n //= 2
+    out = output_buffer(out, (m, n), torch.bfloat16, a_split.device)
     if m == 0 or n == 0:
         return out
     grid = (triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)
+    # Triton's interpreter has no FP8 dot: there the fp8 walk runs the int8 one
+    res_mode = 0 if residual is None else (2 if residual_walk == "fp8" and not triton_interpreting() else 1)
+    # the fp8 walk keeps one [BN, BM] accumulator: capped at 128 registers a thread, two programs
+    # of 8 warps share an SM as in the dense kernel (uncapped it took 172 and ran one per SM)
+    launch = {"maxnreg": FP8_TAIL_MAX_REGS} if res_mode == 2 else {}
+    res = (residual.row_ptr, residual.coords, residual.values.view(torch.int8), residual.scales) \
+        if residual is not None else (a_scale,) * 4
     _w4a4_swapped_kernel[grid](
         a_split, a_scale, qweight.view(torch.int8), w_scale.reshape(-1), bias if bias is not None else a_scale, out,
-        m, n, kp, a_split.stride(0), qweight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=kp % 64 == 0, BN=block_n, BM=block_m, GROUP_N=8,
-        USE_ASM=not triton_interpreting(), num_warps=num_warps, num_stages=num_stages,
+        *res, m, n, kp, a_split.shape[1], a_split.stride(0), qweight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=kp % 64 == 0,
+        # Triton's interpreter has no FP8 dot: there the fp8 walk runs the int8 one
+        RES_MODE=res_mode,
+        BN_RES=bn_res, BKP_RES=bk_res // 2, BN=block_n, BM=block_m, GROUP_N=8,
+        USE_ASM=not triton_interpreting(), num_warps=num_warps, num_stages=num_stages, **launch,
     )
     return out
 

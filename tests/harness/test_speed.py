@@ -16,6 +16,7 @@ from mosaicquant.harness.registry import get_method, get_suite
 from mosaicquant.harness.results import load_records
 from mosaicquant.harness.speedforms import FLOAT_PATH, executable, speed_form
 from mosaicquant.harness.suites import speed
+from mosaicquant.kernels._tiles import SWAP_MIN_M
 from mosaicquant.methods.qlinear import FakeQuantLinear, weight_memory
 
 TINY = shapes.ShapeModel("tiny-llama-shapes", "llama", 64, 128, 2, 4, 2, 16, 256, False)
@@ -96,6 +97,9 @@ def test_speed_forms_build_the_methods_format_and_run_on_the_kernels(tiny_shapes
         kernels = model(input_ids=ids).logits
     assert not any(isinstance(m, FakeQuantLinear) for m in model.modules())
     assert ("ZipperEngine" in path) == (method == "mosaicquant") and path == ctx.info["exec_path_speed"]
+    # 16x64 residual blocks are narrower than the swapped GEMM's 128-value steps: that path is not claimed
+    swapped = f">= {SWAP_MIN_M} tokens (prefill): int8 activations + operand-swapped GEMM" in path
+    assert swapped == (method != "mosaicquant")
     # the kernels compute the simulated model's function up to BF16 outputs (which can move a later
     # 4-bit activation to the next level): far closer to it than quantization is to the float model
     kernel_err = (kernels.float() - simulated).norm()

@@ -6,7 +6,16 @@ import torch
 from mosaicquant.kernels import _common
 from mosaicquant.kernels._common import PDL_ENV_VAR, pdl_supported, use_pdl
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.kernels._tiles import PDL_MAX_M, PDL_MAX_WEIGHT_BYTES, pdl_default, pdl_launch, prefetch_row_bytes
+from mosaicquant.kernels._tiles import (
+    PDL_ANY_SIZE_MAX_M,
+    PDL_MAX_M,
+    PDL_MAX_WEIGHT_BYTES,
+    PREFETCH_MIN_KP,
+    pdl_default,
+    pdl_launch,
+    prefetch_default,
+    prefetch_row_bytes,
+)
 from mosaicquant.kernels.act_quant import quantize_activations_triton
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_triton
 from mosaicquant.kernels.zipper import zipper_gemm_triton
@@ -29,17 +38,22 @@ def test_switch_reads_argument_then_environment(monkeypatch, env, arg, want):
     assert use_pdl(torch.device("cuda"), arg) is want
 
 
-def test_default_covers_small_m_and_weights_that_fit_l2():
+def test_default_covers_small_m_and_prefetches_long_rows_that_fit_l2():
     assert pdl_default(1, 4096, 7168)  # down_proj at decode: 28 MiB packed
+    assert pdl_default(PDL_ANY_SIZE_MAX_M, 28672, 2048)  # 56 MiB gate/up: PDL alone gained at M <= 4
+    assert not pdl_default(PDL_MAX_M, 28672, 2048)  # ... and lost at M = 8
     assert pdl_default(PDL_MAX_M, 1, PDL_MAX_WEIGHT_BYTES)
     assert not pdl_default(PDL_MAX_M + 1, 4096, 2048)  # more rows than measured to gain
-    assert not pdl_default(1, 28672, 2048)  # 56 MiB gate/up: outgrows L2, measured slower
-    assert not pdl_default(1, 1, PDL_MAX_WEIGHT_BYTES + 1)
+    assert prefetch_default(4096, 7168) and prefetch_default(4096, PREFETCH_MIN_KP)
+    assert not prefetch_default(6144, 2048)  # K = 4096 rows: the prefetch measured slower than PDL alone
+    assert not prefetch_default(PDL_MAX_WEIGHT_BYTES // PREFETCH_MIN_KP + 1, PREFETCH_MIN_KP)  # outgrows L2
 
 
 def test_prefetch_cap_shares_the_bytes_between_rows_and_splits():
-    assert prefetch_row_bytes(4096, 7168, 2, None) == 7168  # the whole slice
+    assert prefetch_row_bytes(4096, 7168, 2, None) == 7168  # the whole slice (the default prefetches these)
+    assert prefetch_row_bytes(6144, 2048, 2, None) == 0  # the default does not prefetch these
     assert prefetch_row_bytes(4096, 7168, 2, 0) == 0
+    assert prefetch_row_bytes(6144, 2048, 1, 1 << 16) == 2048  # a cap above the weights: the whole rows
     assert prefetch_row_bytes(28672, 2048, 1, 24) == 24 * 2**20 // 28672  # 877 of 2048 bytes a row
     assert 28672 * prefetch_row_bytes(28672, 2048, 1, 24) <= 24 * 2**20
     with pytest.raises(UserInputError, match="prefetch_mib"):

@@ -1,4 +1,4 @@
-"""The "split8" activation layout and the operand-swapped dense GEMM (prefill variant)."""
+"""The "split8" activation layout and the operand-swapped GEMM (prefill variant), dense and with residual blocks."""
 
 import pytest
 import torch
@@ -10,10 +10,15 @@ from mosaicquant.kernels.act_quant import (
     split8_from_int,
     split8_width,
 )
-from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_swapped_triton
-from mosaicquant.methods.format import unpack_int4
+from mosaicquant.kernels.hadamard_quant import hadamard_quantize_triton
+from mosaicquant.kernels.quant_linear import QuantLinear
+from mosaicquant.kernels.w4a4_gemm import swapped_residual_reason, w4a4_gemm_reference, w4a4_gemm_swapped_triton
+from mosaicquant.kernels.zipper import zipper_gemm_reference
+from mosaicquant.methods.format import PackedW4, unpack_int4
+from mosaicquant.methods.hadamard import OnlineHadamard, random_signs
+from mosaicquant.methods.quant import quantize
 
-from ._helpers import DEVICE, assert_close_bf16, needs_triton, random_activations, random_layer
+from ._helpers import DEVICE, assert_close_bf16, needs_triton, random_activations, random_layer, random_residual
 
 
 def test_split8_layout_puts_even_then_odd_values_of_each_block():
@@ -62,3 +67,77 @@ def test_swapped_gemm_rejects_bad_layout_and_tiles():
         w4a4_gemm_swapped_triton(a8, scale, qweight.to(DEVICE), w_scale.to(DEVICE), 256, block_m=24)
     with pytest.raises(UserInputError, match="layout='int4' is not allowed"):
         quantize_activations_triton(torch.zeros(2, 8, dtype=torch.bfloat16, device=DEVICE), layout="int4")
+
+
+@needs_triton()
+@pytest.mark.parametrize("m,n,k,block,fraction", [
+    (13, 200, 300, (128, 128), 0.5),   # ragged N and K: the last block row and column run past the layer
+    (67, 130, 640, (64, 256), 0.4),    # block rows of 64 (tile shrinks to them), columns of two split8 blocks
+    (5, 96, 1000, (32, 128), 1.0),     # every block kept, K not a multiple of 128
+])
+@pytest.mark.parametrize("walk", ["fp8", "int8"])
+def test_swapped_gemm_with_residual_matches_zipper_reference(m, n, k, block, fraction, walk):
+    gen = torch.Generator().manual_seed(m * n)
+    x = random_activations(m, k, gen)
+    _, qweight, w_scale = random_layer(n, k, gen)
+    residual = random_residual(n, k, block, fraction, gen)
+    bias = torch.randn(n, generator=gen)
+    packed, scale = quantize_activations_reference(x)
+    ref = zipper_gemm_reference(packed, scale, qweight, w_scale, k, residual, bias, out_fp32=True)
+    base = w4a4_gemm_reference(packed, scale, qweight, w_scale, k, bias, out_fp32=True)
+    assert (ref - base).abs().max() > 1e-2 * ref.abs().max()  # the residual matters at this tolerance
+    a8, s8 = quantize_activations_triton(x.to(DEVICE), layout="split8")
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    w4a4_gemm_swapped_triton(a8, s8, qweight.to(DEVICE), w_scale.to(DEVICE), k, bias.to(DEVICE),
+                             residual=residual.to(DEVICE), residual_walk=walk, block_n=128, block_m=64, out=out)
+    assert_close_bf16(out, ref, f"swapped + residual ({walk}) M={m} N={n} K={k} blocks {block}")
+
+
+@needs_triton()
+def test_swapped_gemm_refuses_residual_blocks_it_cannot_take():
+    gen = torch.Generator().manual_seed(1)
+    _, qweight, w_scale = random_layer(64, 256, gen)
+    residual = random_residual(64, 256, (32, 64), 0.5, gen).to(DEVICE)
+    a8 = torch.zeros(4, 256, dtype=torch.int8, device=DEVICE)
+    with pytest.raises(UserInputError, match=r"residual blocks 32x64: .* columns a multiple of 128"):
+        w4a4_gemm_swapped_triton(a8, torch.ones(4, device=DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), 256,
+                                 residual=residual)
+    assert swapped_residual_reason((32, 64)) is not None and swapped_residual_reason((16, 128)) is None
+    with pytest.raises(UserInputError, match="residual_walk='prefetched' is not allowed"):
+        w4a4_gemm_swapped_triton(a8, torch.ones(4, device=DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), 256,
+                                 residual_walk="prefetched")
+
+
+@needs_triton()
+@pytest.mark.parametrize("n,signs", [(576, False), (1536, True)])
+def test_hadamard_quant_split8_holds_the_packed_integers(n, signs):
+    had = OnlineHadamard(n, signs=random_signs(n, seed=n) if signs else None).to(DEVICE)
+    x = random_activations(7, n, torch.Generator().manual_seed(n)).to(DEVICE)
+    packed, scale = hadamard_quantize_triton(x, had, 0.9)
+    q8, s8 = hadamard_quantize_triton(x, had, 0.9, layout="split8")
+    assert q8.shape == (7, split8_width(n)) and torch.equal(s8, scale)
+    assert torch.equal(q8.cpu(), split8_from_int(unpack_int4(packed.cpu(), n)))
+
+
+@needs_triton()
+@pytest.mark.parametrize("residual", [True, False])
+def test_quant_linear_prefill_route_gives_the_packed_route_result(residual):
+    gen = torch.Generator().manual_seed(5)
+    n, k = 160, 384
+    qt = quantize(torch.randn(n, k, generator=gen), 4, scale_dtype=torch.float16)
+    res = random_residual(n, k, (32, 128), 0.3, gen) if residual else None
+    packed = PackedW4.from_quantized(qt, residual=res, bias=torch.randn(n, generator=gen))
+    x = random_activations(70, k, gen).to(DEVICE)
+    swapped = QuantLinear(packed, act_clip_ratio=0.9, kernel="triton", swap_min_m=64).to(DEVICE)
+    plain = QuantLinear(packed, act_clip_ratio=0.9, kernel="triton", swap_min_m=None).to(DEVICE)
+    assert swapped.uses_swapped(70, "triton") and not swapped.uses_swapped(63, "triton")
+    assert not plain.uses_swapped(70, "triton") and not swapped.uses_swapped(70, "torch")
+    ref = QuantLinear(packed, act_clip_ratio=0.9, kernel="torch")(x.cpu()).float()
+    assert_close_bf16(swapped(x), ref, "QuantLinear, swapped route")
+    assert_close_bf16(plain(x), ref, "QuantLinear, packed route")
+    # a residual the swapped GEMM cannot take keeps the packed route
+    if residual:
+        narrow = PackedW4.from_quantized(qt, residual=random_residual(n, k, (32, 64), 0.3, gen))
+        assert not QuantLinear(narrow, kernel="triton", swap_min_m=1).uses_swapped(70, "triton")
+    with pytest.raises(UserInputError, match="swap_min_m=0"):
+        QuantLinear(packed, swap_min_m=0)
