@@ -11,14 +11,17 @@ M = 1 … 8192. Variants per (shape, M):
   block selection, 128×128 blocks), fusion mode ``auto``; ``zip10_inline`` / ``zip10_tail``
   force a mode;
 - ``unfused10``: activation quantization + dense GEMM (fp32 out) + residual kernel (+ add);
-- ``w4a4_pdl`` / ``w4a4_nopdl``, ``zip10_pdl`` / ``zip10_nopdl``: ``w4a4`` and ``zip10`` with
-  programmatic dependent launch (and the L2 weight prefetch while the activation kernel runs)
-  forced on / off; the plain variants use the default (``mosaicquant.kernels._tiles.pdl_default``);
-  ``w4a4_pdl_nopf`` PDL without the L2 prefetch, ``w4a4_pdl_pf24`` with the prefetch capped at
-  24 MiB per launch;
-- ``w4a4_swap`` / ``w4a4_swap256`` (M ≥ 512): activation quantization to the ``split8`` int8
-  layout + the operand-swapped dense GEMM (``Cᵀ = W Aᵀ``, 128 weight rows × 128 / 256 tokens
-  per program).
+- ``w4a4_nopdl``, ``w4a4_pdl_nopf``, ``w4a4_pdl_pf``: ``w4a4`` without programmatic dependent
+  launch, with it but no L2 weight prefetch, with it and each program's whole weight slice
+  prefetched into L2 while the activation kernel runs; ``zip10_pdl`` / ``zip10_nopdl``: ``zip10``
+  with PDL forced on (default prefetch) / off. The plain variants use the defaults
+  (``mosaicquant.kernels._tiles.pdl_default`` / ``prefetch_default``);
+- ``w4a4_swap`` (M ≥ 128): activation quantization to the ``split8`` int8 layout + the
+  operand-swapped dense GEMM (``Cᵀ = W Aᵀ``, 128 weight rows × 128 tokens per program, 8 warps,
+  3 stages; ``_s4``: 4 stages, ``_bm64``: 64 tokens per program); ``zip{p}_swap``: the same with
+  the ``p`` % residual fused in its tail (what ``QuantLinear`` runs at M ≥ ``SWAP_MIN_M``: FP8
+  dots accumulating into the output tile), ``zip10_swap_int8`` with int8 dots into a second
+  accumulator.
 
 Each variant is checked against its PyTorch reference before it is timed. Timing: CUDA
 graphs of back-to-back calls whose weights rotate through copies larger than 3× L2
@@ -60,10 +63,10 @@ MODELS = {
     "llama3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "qwen3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)},
 }
-DEFAULT_MS = (1, 4, 8, 16, 32, 64, 128, 512, 2048, 8192)
+DEFAULT_MS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 2048, 8192)
 BLOCK = (128, 128)
 ROTATE_BYTES = 3 * 60 * 2**20
-SWAP_MIN_M = 512  # the swapped GEMM is a prefill variant (every M in --dry)
+SWAP_MIN_M = 128  # the swapped GEMM is a prefill variant, timed from here (every M in --dry)
 # bf16 output vs fp32 reference: one bf16 ulp relative, plus an absolute floor at 1e-3 of the output range.
 CHECK_RTOL = 2.0**-7
 CHECK_ATOL_FRAC = 1e-3
@@ -201,22 +204,22 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
             return call
         cfg = pick_config(m, n, kp, device)
         add("w4a4", [w4_call(i) for i in range(n_w4)], ok, rel, w4_bytes, {"config": repr(cfg)})
-        # the same launches with programmatic dependent launch + L2 weight prefetch forced on / off
-        # (pdl_nopf: PDL without the prefetch; pdl_pf24: prefetch capped at 24 MiB per launch)
-        for tag, pdl, pf in (("pdl", True, None), ("nopdl", False, None), ("pdl_nopf", True, 0), ("pdl_pf24", True, 24)):
+        # the same launches without programmatic dependent launch, with it but no L2 weight
+        # prefetch, with it and every program's whole weight slice prefetched
+        for tag, pdl, pf in (("nopdl", False, None), ("pdl_nopf", True, 0), ("pdl_pf", True, 1 << 16)):
             pok, prel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k, pdl=pdl, prefetch_mib=pf), ref)
             add(f"w4a4_{tag}", [w4_call(i, pdl=pdl, prefetch_mib=pf) for i in range(n_w4)], pok and act_ok, prel, w4_bytes)
         if m >= SWAP_MIN_M:
             # the operand-swapped prefill GEMM (weights unpacked in registers as the first operand,
             # activations in the split8 int8 layout), with its own activation quantization
-            for tag, bm in (("swap", 128), ("swap256", 256)):
-                def s_call(i, bm=bm):
+            for tag, opts in (("swap", {}), ("swap_s4", {"num_stages": 4}), ("swap_bm64", {"block_m": 64})):
+                def s_call(i, opts=opts):
                     def call():
                         q8, s8 = quantize_activations_triton(x, layout="split8")
-                        return w4a4_gemm_swapped_triton(q8, s8, qweights[i], w_scales[i], k, block_n=128, block_m=bm)
+                        return w4a4_gemm_swapped_triton(q8, s8, qweights[i], w_scales[i], k, **opts)
                     return call
                 q8, s8 = quantize_activations_triton(x, layout="split8")
-                sok, srel = check(w4a4_gemm_swapped_triton(q8, s8, qweight, w_scale, k, block_n=128, block_m=bm), ref)
+                sok, srel = check(w4a4_gemm_swapped_triton(q8, s8, qweight, w_scale, k, **opts), ref)
                 add(f"w4a4_{tag}", [s_call(i) for i in range(n_w4)], sok and act_ok, srel, w4_bytes)
         for j, ecfg in enumerate(explore_cfgs(m)):
             try:
@@ -242,6 +245,20 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
             name = f"zip{b}" if mode == "auto" else f"zip{b}_{mode}"
             add(name, [z_call(i) for i in range(n_w4)], zok and act_ok, zrel, w4_bytes + res_bytes,
                 {"blocks": rs[0].num_blocks})
+            walks = [("", "fp8")] + ([("_int8", "int8")] if b == 10 else [])
+            for suffix, walk in walks if m >= SWAP_MIN_M and mode == "auto" and b > 0 else []:
+                def zs_call(i, b=b, walk=walk):
+                    rs_ = residuals[b][0]
+                    def call():
+                        q8, s8 = quantize_activations_triton(x, layout="split8")
+                        return w4a4_gemm_swapped_triton(q8, s8, qweights[i], w_scales[i], k, residual=rs_[i],
+                                                        residual_walk=walk)
+                    return call
+                q8, s8 = quantize_activations_triton(x, layout="split8")
+                sok, srel = check(w4a4_gemm_swapped_triton(q8, s8, qweight, w_scale, k, residual=rs[0], residual_walk=walk),
+                                  zref)
+                add(f"zip{b}_swap{suffix}", [zs_call(i) for i in range(n_w4)], sok and act_ok, srel,
+                    w4_bytes + res_bytes, {"blocks": rs[0].num_blocks})
             if b == 10 and mode == "auto":
                 for tag, pdl in (("pdl", True), ("nopdl", False)):
                     pout = zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], block_map=maps[0], pdl=pdl)
@@ -343,7 +360,8 @@ def main(argv=None) -> int:
 
     failed = [r for r in rows if r.get("check_ok") is False]
     print(f"\nchecks: {len(rows) - len(failed)} ok, {len(failed)} FAILED; {time.time() - t0:.0f}s")
-    cols = ["w4a4", "w4a4_nopdl", "w4a4_pdl_nopf", "w4a4_pdl_pf24", "w4a4_swap", "w4a4_swap256", "zip10", "zip10_nopdl", "unfused10"]
+    cols = ["w4a4", "w4a4_nopdl", "w4a4_pdl_nopf", "w4a4_pdl_pf", "w4a4_swap", "zip0", "zip10", "zip10_swap",
+            "zip10_swap_int8", "unfused10"]
     print("speedup vs bf16 (same run, median); bf16 us in first column")
     print(f"{'shape':>12} {'M':>5} {'bf16us':>8} " + " ".join(f"{c:>12}" for c in cols))
     for (n, k) in shapes:
