@@ -4,7 +4,7 @@ For a few Llama-3-8B linears at prefill M, times the swapped GEMM alone (activat
 in the ``split8`` layout) with a residual of exactly ``j`` kept 128×128 blocks in every block row
 (evenly spaced columns), for each residual walk, against the same GEMM with no residual. The
 intercept (j → 0) and slope (per block) of the time separate a fixed cost of the residual code
-from the cost of each block. Checked against the PyTorch reference before timing.
+from the cost of each block. ``fp8_ts5`` is the fp8 walk pipelined 5 deep (``tail_stages=5``). Checked against the PyTorch reference before timing.
 
 Usage (GPU)::
 
@@ -51,6 +51,9 @@ def main(argv=None) -> int:
     parser.add_argument("--m", type=int, default=2048)
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("swapped_residual.py times compiled kernels: it needs a CUDA GPU (none found)", file=sys.stderr)
+        return 2
     device = torch.device("cuda")
     torch.manual_seed(0)
     rows = []
@@ -65,12 +68,14 @@ def main(argv=None) -> int:
         for j in PER_ROW:
             res = residual_per_row(n, k, j, device)
             ref = zipper_gemm_reference(packed, scale, qweight.cpu(), w_scale.cpu(), k, res.to("cpu"), out_fp32=True)
-            for walk in RESIDUAL_WALKS:
-                out = w4a4_gemm_swapped_triton(q8, s8, qweight, w_scale, k, residual=res, residual_walk=walk)
+            for walk, ts in [(w, None) for w in RESIDUAL_WALKS] + [("fp8", 5)]:
+                out = w4a4_gemm_swapped_triton(q8, s8, qweight, w_scale, k, residual=res, residual_walk=walk,
+                                               tail_stages=ts)
                 err = ((out.float().cpu() - ref).abs().max() / ref.abs().max()).item()
-                us = time_calls([lambda res=res, walk=walk: w4a4_gemm_swapped_triton(
-                    q8, s8, qweight, w_scale, k, residual=res, residual_walk=walk)]).median_us
-                rows.append({"n": n, "k": k, "m": args.m, "walk": walk, "per_row": j, "us": us, "rel_err": err})
+                us = time_calls([lambda res=res, walk=walk, ts=ts: w4a4_gemm_swapped_triton(
+                    q8, s8, qweight, w_scale, k, residual=res, residual_walk=walk, tail_stages=ts)]).median_us
+                name = walk if ts is None else f"{walk}_ts{ts}"
+                rows.append({"n": n, "k": k, "m": args.m, "walk": name, "per_row": j, "us": us, "rel_err": err})
         shown = [r for r in rows if r["n"] == n]
         print(f"{n}x{k} M={args.m}: dense {base:.1f} us; " + "; ".join(
             f"{r['walk']} j={r['per_row']}: {r['us'] / base:.2f}x (err {r['rel_err']:.1e})" for r in shown[1:]), flush=True)

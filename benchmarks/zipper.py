@@ -21,7 +21,7 @@ M = 1 … 8192. Variants per (shape, M):
   3 stages; ``_s4``: 4 stages, ``_bm64``: 64 tokens per program); ``zip{p}_swap``: the same with
   the ``p`` % residual fused in its tail (what ``QuantLinear`` runs at M ≥ ``SWAP_MIN_M``: FP8
   dots accumulating into the output tile), ``zip10_swap_int8`` with int8 dots into a second
-  accumulator.
+  accumulator, ``zip10_swap_ts5`` with the residual walk software-pipelined 5 deep.
 
 Each variant is checked against its PyTorch reference before it is timed. Timing: CUDA
 graphs of back-to-back calls whose weights rotate through copies larger than 3× L2
@@ -245,18 +245,18 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
             name = f"zip{b}" if mode == "auto" else f"zip{b}_{mode}"
             add(name, [z_call(i) for i in range(n_w4)], zok and act_ok, zrel, w4_bytes + res_bytes,
                 {"blocks": rs[0].num_blocks})
-            walks = [("", "fp8")] + ([("_int8", "int8")] if b == 10 else [])
-            for suffix, walk in walks if m >= SWAP_MIN_M and mode == "auto" and b > 0 else []:
-                def zs_call(i, b=b, walk=walk):
+            walks = [("", "fp8", None)] + ([("_int8", "int8", None), ("_ts5", "fp8", 5)] if b == 10 else [])
+            for suffix, walk, ts in walks if m >= SWAP_MIN_M and mode == "auto" and b > 0 else []:
+                def zs_call(i, b=b, walk=walk, ts=ts):
                     rs_ = residuals[b][0]
                     def call():
                         q8, s8 = quantize_activations_triton(x, layout="split8")
                         return w4a4_gemm_swapped_triton(q8, s8, qweights[i], w_scales[i], k, residual=rs_[i],
-                                                        residual_walk=walk)
+                                                        residual_walk=walk, tail_stages=ts)
                     return call
                 q8, s8 = quantize_activations_triton(x, layout="split8")
-                sok, srel = check(w4a4_gemm_swapped_triton(q8, s8, qweight, w_scale, k, residual=rs[0], residual_walk=walk),
-                                  zref)
+                sok, srel = check(w4a4_gemm_swapped_triton(q8, s8, qweight, w_scale, k, residual=rs[0], residual_walk=walk,
+                                                           tail_stages=ts), zref)
                 add(f"zip{b}_swap{suffix}", [zs_call(i) for i in range(n_w4)], sok and act_ok, srel,
                     w4_bytes + res_bytes, {"blocks": rs[0].num_blocks})
             if b == 10 and mode == "auto":
@@ -360,7 +360,7 @@ def main(argv=None) -> int:
 
     failed = [r for r in rows if r.get("check_ok") is False]
     print(f"\nchecks: {len(rows) - len(failed)} ok, {len(failed)} FAILED; {time.time() - t0:.0f}s")
-    cols = ["w4a4", "w4a4_nopdl", "w4a4_pdl_nopf", "w4a4_pdl_pf", "w4a4_swap", "zip0", "zip10", "zip10_swap",
+    cols = ["w4a4", "w4a4_nopdl", "w4a4_pdl_nopf", "w4a4_swap", "zip0", "zip10", "zip10_swap", "zip10_swap_ts5",
             "zip10_swap_int8", "unfused10"]
     print("speedup vs bf16 (same run, median); bf16 us in first column")
     print(f"{'shape':>12} {'M':>5} {'bf16us':>8} " + " ".join(f"{c:>12}" for c in cols))

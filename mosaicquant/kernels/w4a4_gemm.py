@@ -156,7 +156,7 @@ def _w4a4_swapped_kernel(
     row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
     M, N, KP, KS, stride_am, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, RES_MODE: tl.constexpr,
-    BN_RES: tl.constexpr, BKP_RES: tl.constexpr,
+    BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     # Cᵀ = W Aᵀ: weight rows are the dot's first operand (unpacked in registers, where the
@@ -195,7 +195,7 @@ def _w4a4_swapped_kernel(
         res_rows = (offs_n - block_row * BN_RES).to(tl.int64)  # storage is padded to full blocks
         first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
         units = (tl.load(row_ptr_ptr + block_row + 1).to(tl.int64) - first) * (BKP_RES // 64)
-        for u in range(0, units):
+        for u in tl.range(0, units, num_stages=TAIL_STAGES):
             k0 = _unit_k0(coords_ptr, first, u, units, BKP_RES)
             a_even, a_odd, r, r_scale = _residual_unit(
                 a_ptr, res_val_ptr, res_scale_ptr, first, u, units, k0, safe_m, res_rows, stride_am, KS, BN_RES, BKP_RES)
@@ -344,6 +344,7 @@ def w4a4_gemm_swapped_triton(
     *,
     residual: ResidualBlocks | None = None,
     residual_walk: str = "fp8",
+    tail_stages: int | None = None,
     block_n: int = 128,
     block_m: int = 128,
     num_warps: int = 8,
@@ -369,6 +370,9 @@ def w4a4_gemm_swapped_triton(
             the output tile itself (rescaled by each block's row scales around them; on the
             GPU, int8 dots in the interpreter), or ``"int8"``, int8 dots into a second
             accumulator; the same result up to fp32 rounding.
+        tail_stages: software-pipelining depth of the residual walk (``None``: the compiler's
+            default from ``num_stages``, which on sm_90 left each block's loads waiting for the
+            previous block's dots; 5 compiles to double-buffered tiles, see ``benchmarks/NOTES.md`` v9).
         block_n, block_m: weight rows and tokens per program (powers of two, >= 16).
         num_warps, num_stages: launch options.
         out: optional preallocated contiguous ``bfloat16 [M, N]`` output.
@@ -391,6 +395,8 @@ def w4a4_gemm_swapped_triton(
     for name, v in (("block_n", block_n), ("block_m", block_m)):
         if v < 16 or v & (v - 1):
             raise UserInputError(f"{name}={v} must be a power of two >= 16 (tl.dot tiles)")
+    if tail_stages is not None and (not isinstance(tail_stages, int) or not 1 <= tail_stages <= 8):
+        raise UserInputError(f"tail_stages={tail_stages!r} must be None or an int in [1, 8]")
     if residual_walk not in RESIDUAL_WALKS:
         raise UserInputError(f"residual_walk={residual_walk!r} is not allowed: choose one of {', '.join(RESIDUAL_WALKS)}")
     if residual is not None:
@@ -420,7 +426,7 @@ def w4a4_gemm_swapped_triton(
         *res, m, n, kp, a_split.shape[1], a_split.stride(0), qweight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=kp % 64 == 0,
         # Triton's interpreter has no FP8 dot: there the fp8 walk runs the int8 one
-        RES_MODE=res_mode,
+        RES_MODE=res_mode, TAIL_STAGES=tail_stages,
         BN_RES=bn_res, BKP_RES=bk_res // 2, BN=block_n, BM=block_m, GROUP_N=8,
         USE_ASM=not triton_interpreting(), num_warps=num_warps, num_stages=num_stages, **launch,
     )

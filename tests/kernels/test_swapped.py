@@ -75,8 +75,8 @@ def test_swapped_gemm_rejects_bad_layout_and_tiles():
     (67, 130, 640, (64, 256), 0.4),    # block rows of 64 (tile shrinks to them), columns of two split8 blocks
     (5, 96, 1000, (32, 128), 1.0),     # every block kept, K not a multiple of 128
 ])
-@pytest.mark.parametrize("walk", ["fp8", "int8"])
-def test_swapped_gemm_with_residual_matches_zipper_reference(m, n, k, block, fraction, walk):
+@pytest.mark.parametrize("walk,tail_stages", [("fp8", None), ("int8", None), ("fp8", 5)])
+def test_swapped_gemm_with_residual_matches_zipper_reference(m, n, k, block, fraction, walk, tail_stages):
     gen = torch.Generator().manual_seed(m * n)
     x = random_activations(m, k, gen)
     _, qweight, w_scale = random_layer(n, k, gen)
@@ -89,7 +89,8 @@ def test_swapped_gemm_with_residual_matches_zipper_reference(m, n, k, block, fra
     a8, s8 = quantize_activations_triton(x.to(DEVICE), layout="split8")
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     w4a4_gemm_swapped_triton(a8, s8, qweight.to(DEVICE), w_scale.to(DEVICE), k, bias.to(DEVICE),
-                             residual=residual.to(DEVICE), residual_walk=walk, block_n=128, block_m=64, out=out)
+                             residual=residual.to(DEVICE), residual_walk=walk, tail_stages=tail_stages,
+                             block_n=128, block_m=64, out=out)
     assert_close_bf16(out, ref, f"swapped + residual ({walk}) M={m} N={n} K={k} blocks {block}")
 
 
@@ -103,6 +104,9 @@ def test_swapped_gemm_refuses_residual_blocks_it_cannot_take():
         w4a4_gemm_swapped_triton(a8, torch.ones(4, device=DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), 256,
                                  residual=residual)
     assert swapped_residual_reason((32, 64)) is not None and swapped_residual_reason((16, 128)) is None
+    with pytest.raises(UserInputError, match=r"tail_stages=0 must be None or an int in \[1, 8\]"):
+        w4a4_gemm_swapped_triton(a8, torch.ones(4, device=DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), 256,
+                                 tail_stages=0)
     with pytest.raises(UserInputError, match="residual_walk='prefetched' is not allowed"):
         w4a4_gemm_swapped_triton(a8, torch.ones(4, device=DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), 256,
                                  residual_walk="prefetched")
