@@ -131,9 +131,18 @@ def _hadamard_quant_kernel(
     v = tl.minimum(tl.maximum(tl.math.div_rn(z, scale), -9.0), 9.0)
     q = tl.minimum(tl.maximum(round_half_even(v), -8.0), 7.0).to(tl.int8)
     if SPLIT8:
-        # element i → byte (i // 128) * 128 + (i % 2) * 64 + (i % 128) // 2 (act_quant's "split8")
-        at = (idx // 128) * 128 + (idx % 2) * 64 + (idx % 128) // 2
-        tl.store(q_ptr + row * stride_qm + at, q, mask=valid)
+        if D == 128:
+            # each row of the [R, 128] view is one split8 block: its even, then its odd values,
+            # as two contiguous 64-byte stores
+            q_even, q_odd = tl.split(tl.reshape(q, [R_PAD, 64, 2]))
+            half = tl.arange(0, 64)
+            at = q_ptr + row * stride_qm + rows[:, None] * 128 + half[None, :]
+            tl.store(at, q_even, mask=rows[:, None] < R)
+            tl.store(at + 64, q_odd, mask=rows[:, None] < R)
+        else:
+            # element i → byte (i // 128) * 128 + (i % 2) * 64 + (i % 128) // 2 (act_quant's "split8")
+            at = (idx // 128) * 128 + (idx % 2) * 64 + (idx % 128) // 2
+            tl.store(q_ptr + row * stride_qm + at, q, mask=valid)
     else:
         q_even, q_odd = tl.split(tl.reshape(q, [R_PAD, D // 2, 2]))
         packed = (q_even & 0xF) | (q_odd << 4)
