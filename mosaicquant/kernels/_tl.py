@@ -71,18 +71,112 @@ def unpack_hi(packed, USE_ASM: tl.constexpr = False):
         return packed >> 4
 
 
+# The same nibbles scaled by 16 (the nibble moved to the byte's high half, low half zero): a
+# signed byte holding 16 q is exactly 16 q, so a dot of such bytes is 16x (or 256x, both operands)
+# the 4-bit dot and the scaling folds away exactly (a power of two). Two and one instructions per
+# four bytes instead of four and five: the high nibble is already in place (mask), the low one is
+# shifted there (the bits shifted in from the byte below are masked off).
+_ASM_LO16 = tl.constexpr("""{
+shl.b32 $0, $1, 4;
+and.b32 $0, $0, 0xF0F0F0F0;
+}""")
+_ASM_HI16 = tl.constexpr("and.b32 $0, $1, 0xF0F0F0F0;")
+
+
 @triton.jit
-def mac_int4(acc, a, w, USE_DOT: tl.constexpr, USE_ASM: tl.constexpr):
+def unpack_lo16(packed, USE_ASM: tl.constexpr = False):
+    """Low nibbles of an ``int8`` tensor as ``16 * q`` (``int8``, exact: -128 … 112)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(_ASM_LO16, "=r,r", [packed], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        return (packed << 4).to(tl.int8)
+
+
+@triton.jit
+def unpack_hi16(packed, USE_ASM: tl.constexpr = False):
+    """High nibbles of an ``int8`` tensor as ``16 * q`` (``int8``); see :func:`unpack_lo16`."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(_ASM_HI16, "=r,r", [packed], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        return (packed & -16).to(tl.int8)
+
+
+# Small integers to FP8 e4m3 (exact for |q| <= 16), four bytes a register: each byte is biased to
+# an unsigned b (q + 8 for a nibble, q + 128 for an int8), placed under 0x64 to form the fp16
+# 1024 + b (two a register, prmt), the bias subtracted in fp16x2, and each pair converted to e4m3
+# by the hardware. 10-12 instructions per four values, about half of the compiler's element-wise
+# int8 -> fp16 -> e4m3 chain (benchmarks/NOTES.md v11).
+_E4M3_TAIL = """
+mov.b32 k, 0x64646464;
+prmt.b32 lo, t, k, 0x4140;
+prmt.b32 hi, t, k, 0x4342;
+sub.f16x2 lo, lo, m;
+sub.f16x2 hi, hi, m;
+cvt.rn.satfinite.e4m3x2.f16x2 l8, lo;
+cvt.rn.satfinite.e4m3x2.f16x2 h8, hi;
+mov.b32 $0, {l8, h8};
+}"""
+_E4M3_REGS = """{
+.reg .b32 t, k, m, lo, hi;
+.reg .b16 l8, h8;
+"""
+_ASM_NIB_LO_E4M3 = tl.constexpr(_E4M3_REGS + """and.b32 t, $1, 0x0F0F0F0F;
+xor.b32 t, t, 0x08080808;
+mov.b32 m, 0x64086408;""" + _E4M3_TAIL)
+_ASM_NIB_HI_E4M3 = tl.constexpr(_E4M3_REGS + """shr.u32 t, $1, 4;
+and.b32 t, t, 0x0F0F0F0F;
+xor.b32 t, t, 0x08080808;
+mov.b32 m, 0x64086408;""" + _E4M3_TAIL)
+_ASM_I8_E4M3 = tl.constexpr(_E4M3_REGS + """xor.b32 t, $1, 0x80808080;
+mov.b32 m, 0x64806480;""" + _E4M3_TAIL)
+
+
+@triton.jit
+def to_e4m3(q, USE_ASM: tl.constexpr = False):
+    """``int8`` integers with ``|q| <= 16`` as exact FP8 e4m3 values."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(_ASM_I8_E4M3, "=r,r", [q], dtype=tl.float8e4nv, is_pure=True, pack=4)
+    else:
+        return q.to(tl.float16).to(tl.float8e4nv)
+
+
+@triton.jit
+def unpack_e4m3(packed, HI: tl.constexpr, USE_ASM: tl.constexpr = False):
+    """The low (or, with ``HI``, high) nibbles of an ``int8`` tensor as exact FP8 e4m3 values.
+
+    Unpacked and converted in one pass (:func:`to_e4m3`'s method).
+    """
+    if not USE_ASM:
+        if HI:
+            return unpack_hi(packed).to(tl.float16).to(tl.float8e4nv)
+        return unpack_lo(packed).to(tl.float16).to(tl.float8e4nv)
+    if HI:
+        return tl.inline_asm_elementwise(_ASM_NIB_HI_E4M3, "=r,r", [packed], dtype=tl.float8e4nv, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(_ASM_NIB_LO_E4M3, "=r,r", [packed], dtype=tl.float8e4nv, is_pure=True, pack=4)
+
+
+@triton.jit
+def mac_int4(acc, a, w, USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, X16: tl.constexpr = False):
     """``acc += A·W`` for packed int8 tiles ``a [BM, BKP]`` and ``w [BKP, BN]`` (int32 ``acc``).
 
     ``USE_DOT``: two int8 tensor-core dots (even K, odd K). Otherwise CUDA-core multiply-adds
     over a ``[BM, BKP, BN]`` broadcast (for a handful of rows, where tensor-core tiles would be
     mostly padding and the operand layout conversions dominate).
+
+    ``X16`` (tensor-core dots only): both operands unpacked as ``16 * q`` (:func:`unpack_lo16`),
+    three instructions per eight bytes instead of nine; ``acc`` then holds ``256 *`` the
+    product (callers fold ``1 / 256`` into their scaling; exact while ``64 * 256 * K < 2**31``).
     """
-    a_lo = unpack_lo(a, USE_ASM)
-    a_hi = unpack_hi(a, USE_ASM)
-    w_lo = unpack_lo(w, USE_ASM)
-    w_hi = unpack_hi(w, USE_ASM)
+    if X16:
+        a_lo = unpack_lo16(a, USE_ASM)
+        a_hi = unpack_hi16(a, USE_ASM)
+        w_lo = unpack_lo16(w, USE_ASM)
+        w_hi = unpack_hi16(w, USE_ASM)
+    else:
+        a_lo = unpack_lo(a, USE_ASM)
+        a_hi = unpack_hi(a, USE_ASM)
+        w_lo = unpack_lo(w, USE_ASM)
+        w_hi = unpack_hi(w, USE_ASM)
     if USE_DOT:
         acc = tl.dot(a_lo, w_lo, acc, out_dtype=tl.int32)
         acc = tl.dot(a_hi, w_hi, acc, out_dtype=tl.int32)
@@ -136,28 +230,38 @@ def round_half_even(v):
 def store_output(
     out_ptr, part_ptr, lock_ptr, tile_id, pid_k, acc, bias_ptr,
     offs_m, offs_n, M, N, stride_om,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, OUT_FP32: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, OUT_FP32: tl.constexpr, TRANS: tl.constexpr = False,
 ):
     """Write an fp32 ``[BM, BN]`` result tile (plus bias) as BF16, or fp32 when ``OUT_FP32``.
 
     With ``SPLIT_K > 1`` every split writes its fp32 partial to ``part[pid_k]`` and bumps the
     tile's counter; the split that arrives last adds the partials in split order (so the result
     does not depend on arrival order), adds the bias, writes the output and resets the counter
-    to zero for the next launch.
+    to zero for the next launch. ``TRANS``: the tile is ``[BN, BM]`` (the operand-swapped GEMM's
+    ``Cᵀ``), written to the same ``[M, N]`` output.
     """
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if TRANS:
+        mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+        out_offs = offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    else:
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        bias = bias[:, None] if TRANS else bias[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-            acc = acc + bias[None, :]
+            acc = acc + bias
         if OUT_FP32:
             tl.store(out_ptr + out_offs, acc, mask=mask)
         else:
             tl.store(out_ptr + out_offs, acc.to(tl.bfloat16), mask=mask)
     else:
         # Launchers split K only when SPLIT_K * M * N < 2**31, so int32 offsets suffice here.
-        part_offs = offs_m[:, None] * N + offs_n[None, :]
+        if TRANS:
+            part_offs = offs_m[None, :] * N + offs_n[:, None]
+        else:
+            part_offs = offs_m[:, None] * N + offs_n[None, :]
         plane = M * N
         tl.store(part_ptr + pid_k * plane + part_offs, acc, mask=mask, cache_modifier=".cg")
         arrived = tl.atomic_add(lock_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
@@ -166,8 +270,7 @@ def store_output(
             for s in range(1, SPLIT_K):
                 total += tl.load(part_ptr + s * plane + part_offs, mask=mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
-                bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-                total = total + bias[None, :]
+                total = total + bias
             if OUT_FP32:
                 tl.store(out_ptr + out_offs, total, mask=mask)
             else:

@@ -13,7 +13,10 @@ holding elements ``2j`` (low nibble) and ``2j + 1`` (high nibble). A program own
 ``[BM, BN]`` output tile and walks packed K in steps of ``BKP`` bytes: it loads an
 ``[BM, BKP]`` activation tile and a ``[BKP, BN]`` weight tile (K-contiguous, 16-byte
 loads), splits both into low/high nibbles by shifts, and issues two int8 tensor-core dots
-(even K and odd K) into one int32 accumulator, so no interleave/join is needed. For a
+(even K and odd K) into one int32 accumulator, so no interleave/join is needed. By default the
+nibbles are unpacked as ``16 q`` (moved to the byte's high half: one or two instructions per
+four bytes instead of four or five), the accumulator holds ``256 ×`` the product, and the
+epilogue's exact power-of-two rescale gives the same result. For a
 handful of rows (``TileConfig.use_dot=False``, M ≤ 4) the same tiles go through CUDA-core
 multiply-adds instead of tensor-core dots. K needs no
 particular multiple: the tail step is masked (padding nibbles are zero on both sides).
@@ -49,7 +52,19 @@ from mosaicquant.kernels._common import (
     use_pdl,
 )
 from mosaicquant.kernels._tiles import LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, lock_buffer, pdl_default, pdl_launch, pick_config, prefetch_row_bytes
-from mosaicquant.kernels._tl import mac_int4, prefetch_rows_l2, store_output, tile_indices, unpack_hi, unpack_lo, wait_for_inputs
+from mosaicquant.kernels._tl import (
+    mac_int4,
+    prefetch_rows_l2,
+    store_output,
+    tile_indices,
+    unpack_hi,
+    to_e4m3,
+    unpack_hi16,
+    unpack_lo,
+    unpack_lo16,
+    unpack_e4m3,
+    wait_for_inputs,
+)
 from mosaicquant.kernels.act_quant import SPLIT_BLOCK, split8_width
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 
@@ -57,6 +72,8 @@ __all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_swapped_triton", "w4a4_ge
            "swapped_residual_reason", "RESIDUAL_WALKS"]
 
 FP8_TAIL_MAX_REGS = 128
+# Both operands unpacked as 16 q: |acc| <= 64 * 256 * K stays below 2**31 up to this K.
+X16_MAX_K = 2**17
 RESIDUAL_WALKS = ("int8", "fp8")  # how the swapped GEMM multiplies residual blocks (RES_MODE 1, 2)
 
 
@@ -67,6 +84,7 @@ def _w4a4_gemm_kernel(
     HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    X16: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -94,13 +112,15 @@ def _w4a4_gemm_kernel(
             kp = step * BKP + tl.arange(0, BKP)
             a = tl.load(a_ptrs, mask=kp[None, :] < KP, other=0)
             w = tl.load(w_ptrs, mask=kp[:, None] < KP, other=0)
-        acc = mac_int4(acc, a, w, USE_DOT, USE_ASM)
+        acc = mac_int4(acc, a, w, USE_DOT, USE_ASM, X16)
         a_ptrs += BKP
         w_ptrs += BKP
 
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     y = acc.to(tl.float32) * a_scale[:, None] * w_scale[None, :]
+    if X16:  # both operands were 16x: exact power-of-two rescale (the same rounding as without)
+        y = y * 0.00390625
     store_output(
         out_ptr, part_ptr, lock_ptr, pid, pid_k, y, bias_ptr, offs_m, offs_n, M, N, stride_om,
         HAS_BIAS=HAS_BIAS, SPLIT_K=SPLIT_K, OUT_FP32=OUT_FP32,
@@ -152,50 +172,71 @@ def _residual_mac(y, a_even, a_odd, r, r_scale, BN: tl.constexpr, BM: tl.constex
 
 @triton.jit
 def _w4a4_swapped_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
     M, N, KP, KS, stride_am, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, RES_MODE: tl.constexpr,
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
+    BKP: tl.constexpr = 64, SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, X16: tl.constexpr = False,
+    E4M3_ASM: tl.constexpr = False,
 ):
     # Cᵀ = W Aᵀ: weight rows are the dot's first operand (unpacked in registers, where the
     # tensor-core instruction can read them), the "split8" activations its second (int8 tiles
-    # loaded as stored, no unpacking). Each packed K step of 64 bytes meets one 128-value block.
+    # loaded as stored, no unpacking). A packed K step of BKP bytes meets BKP / 64 split8 blocks
+    # of 128 values: packed byte j of the step pairs with the block's even value j % 64 (and odd
+    # value j % 64 + 64). Decode-sized M splits K over SPLIT_K programs (fp32 partials).
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     pid_n, pid_m, offs_n, offs_m, safe_n, safe_m = tile_indices(pid, N, M, BN, BM, GROUP_N)
-    half = tl.arange(0, 64)
-    w_ptrs = w_ptr + safe_n[:, None] * stride_wn + half[None, :]
-    a_ptrs = a_ptr + safe_m[None, :] * stride_am + half[:, None]
+    kk = tl.arange(0, BKP)
+    k_steps = tl.cdiv(KP, BKP)
+    if SPLIT_K == 1:
+        step_begin = 0
+        step_end = k_steps
+        unit_begin = 0
+    else:
+        per_split = tl.cdiv(k_steps, SPLIT_K)
+        step_begin = pid_k * per_split
+        step_end = tl.minimum(step_begin + per_split, k_steps)
+        unit_begin = pid_k
+    w_ptrs = w_ptr + safe_n[:, None] * stride_wn + (step_begin * BKP + kk)[None, :]
+    a_ptrs = a_ptr + safe_m[None, :] * stride_am + (step_begin * 2 * BKP + (kk // 64) * 128 + kk % 64)[:, None]
     w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-    if RES_MODE > 0:
-        block_row = (pid_n * BN) // BN_RES
-        res_rows = (offs_n - block_row * BN_RES).to(tl.int64)  # storage is padded to full blocks
-    k_steps = tl.cdiv(KP, 64)
+    wait_for_inputs(PDL)  # the activations come from the kernel before us
     acc = tl.zeros([BN, BM], dtype=tl.int32)
-    for step in range(0, k_steps):
+    for step in range(step_begin, step_end):
         if EVEN_K:
             w = tl.load(w_ptrs)
+            a_even = tl.load(a_ptrs)  # the split8 rows are padded to whole blocks
+            a_odd = tl.load(a_ptrs + 64)
         else:
-            w = tl.load(w_ptrs, mask=(step * 64 + half)[None, :] < KP, other=0)
-        a_even = tl.load(a_ptrs)  # the split8 rows are padded to whole blocks
-        a_odd = tl.load(a_ptrs + 64)
-        acc = tl.dot(unpack_lo(w, USE_ASM), a_even, acc, out_dtype=tl.int32)
-        acc = tl.dot(unpack_hi(w, USE_ASM), a_odd, acc, out_dtype=tl.int32)
-        w_ptrs += 64
-        a_ptrs += 128
+            inside = (step * BKP + kk) < KP
+            w = tl.load(w_ptrs, mask=inside[None, :], other=0)
+            a_even = tl.load(a_ptrs, mask=inside[:, None], other=0)
+            a_odd = tl.load(a_ptrs + 64, mask=inside[:, None], other=0)
+        if X16:
+            acc = tl.dot(unpack_lo16(w, USE_ASM), a_even, acc, out_dtype=tl.int32)
+            acc = tl.dot(unpack_hi16(w, USE_ASM), a_odd, acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(unpack_lo(w, USE_ASM), a_even, acc, out_dtype=tl.int32)
+            acc = tl.dot(unpack_hi(w, USE_ASM), a_odd, acc, out_dtype=tl.int32)
+        w_ptrs += BKP
+        a_ptrs += 2 * BKP
     # the dense int32 accumulator dies here; residual blocks accumulate into y
     y = acc.to(tl.float32) * w_scale[:, None]
+    if X16:  # the weights were 16x: exact power-of-two rescale
+        y = y * 0.0625
     if RES_MODE > 0:
         # Tail walk over the kept residual blocks of this tile's block row (CSR), in units of one
-        # 128-value split8 block (a block column of Bk = 2 * BKP_RES values has Bk / 128 of them):
-        # the activation tiles are read as in the dense loop (again, mostly from L2), the block's
-        # rows are its packed bytes.
+        # 128-value split8 block (a block column of Bk = 2 * BKP_RES values has Bk / 128 of them;
+        # with split K, every SPLIT_K-th unit): the activation tiles are read as in the dense loop
+        # (again, mostly from L2), the block's rows are its packed bytes.
         block_row = (pid_n * BN) // BN_RES
         res_rows = (offs_n - block_row * BN_RES).to(tl.int64)  # storage is padded to full blocks
         first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
         units = (tl.load(row_ptr_ptr + block_row + 1).to(tl.int64) - first) * (BKP_RES // 64)
-        for u in tl.range(0, units, num_stages=TAIL_STAGES):
+        for u in tl.range(unit_begin, units, SPLIT_K, num_stages=TAIL_STAGES):
             k0 = _unit_k0(coords_ptr, first, u, units, BKP_RES)
             a_even, a_odd, r, r_scale = _residual_unit(
                 a_ptr, res_val_ptr, res_scale_ptr, first, u, units, k0, safe_m, res_rows, stride_am, KS, BN_RES, BKP_RES)
@@ -210,15 +251,19 @@ def _w4a4_swapped_kernel(
                 # (a zero row scale only comes with zero integers: 1 there adds the same nothing)
                 r_scale = tl.where(r_scale == 0.0, 1.0, r_scale)
                 y = y * (1.0 / r_scale)[:, None]
-                y = tl.dot(_to_fp8(unpack_lo(r, USE_ASM)), _to_fp8(a_even), y)
-                y = tl.dot(_to_fp8(unpack_hi(r, USE_ASM)), _to_fp8(a_odd), y)
+                if E4M3_ASM:
+                    y = tl.dot(unpack_e4m3(r, False, USE_ASM), to_e4m3(a_even, USE_ASM), y)
+                    y = tl.dot(unpack_e4m3(r, True, USE_ASM), to_e4m3(a_odd, USE_ASM), y)
+                else:
+                    y = tl.dot(_to_fp8(unpack_lo(r, USE_ASM)), _to_fp8(a_even), y)
+                    y = tl.dot(_to_fp8(unpack_hi(r, USE_ASM)), _to_fp8(a_odd), y)
                 y = y * r_scale[:, None]
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     y = y * a_scale[None, :]
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)[:, None]
-    out_offs = offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    tl.store(out_ptr + out_offs, y.to(tl.bfloat16), mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
+    store_output(
+        out_ptr, part_ptr, lock_ptr, pid, pid_k, y, bias_ptr, offs_m, offs_n, M, N, stride_om,
+        HAS_BIAS=HAS_BIAS, SPLIT_K=SPLIT_K, OUT_FP32=False, TRANS=True,
+    )
 
 
 def check_gemm_args(
@@ -270,6 +315,7 @@ def w4a4_gemm_triton(
     out: torch.Tensor | None = None,
     pdl: bool | None = None,
     prefetch_mib: float | None = None,
+    x16: bool = True,
 ) -> torch.Tensor:
     """Launch the dense W4A4 Triton GEMM.
 
@@ -292,6 +338,10 @@ def w4a4_gemm_triton(
             (:func:`mosaicquant.kernels._tiles.prefetch_row_bytes`; ``None``: every program's
             whole slice where :func:`mosaicquant.kernels._tiles.prefetch_default` says so (long
             rows that fit L2), else none; ``0``: PDL without prefetch).
+        x16: unpack both operands as ``16 * q`` (:func:`mosaicquant.kernels._tl.mac_int4`; the
+            same result exactly; taken only with tensor-core dots and ``K < 2**17``, where the
+            256x accumulator cannot overflow). Default on: 1.04-1.37x faster at M <= 32 on the
+            H200 (``benchmarks/NOTES.md`` v10).
 
     Returns:
         ``[M, N]`` BF16 (or fp32) output.
@@ -320,6 +370,7 @@ def w4a4_gemm_triton(
         HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0,
         BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot,
         USE_ASM=not triton_interpreting(), PDL=pdl, PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
+        X16=bool(x16) and cfg.use_dot and k < X16_MAX_K,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out
@@ -347,8 +398,13 @@ def w4a4_gemm_swapped_triton(
     tail_stages: int | None = None,
     block_n: int = 128,
     block_m: int = 128,
+    block_kp: int = 64,
+    split_k: int = 1,
     num_warps: int = 8,
     num_stages: int = 3,
+    pdl: bool = False,
+    x16: bool = True,
+    e4m3_asm: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense W4A4 GEMM with the operands swapped (``Cᵀ = W Aᵀ``), for prefill-sized M.
@@ -374,7 +430,19 @@ def w4a4_gemm_swapped_triton(
             default from ``num_stages``, which on sm_90 left each block's loads waiting for the
             previous block's dots; 5 compiles to double-buffered tiles, see ``benchmarks/NOTES.md`` v9).
         block_n, block_m: weight rows and tokens per program (powers of two, >= 16).
+        block_kp: packed K bytes per step (64, 128 or 256: one, two or four split8 blocks).
+        split_k: programs sharing an output tile along K (fp32 partials summed in split order
+            by the last to arrive, as :func:`w4a4_gemm_triton`; the residual units are dealt
+            out among them); for decode-sized M.
         num_warps, num_stages: launch options.
+        pdl: programmatic dependent launch (wait for the activation kernel inside the GEMM;
+            where the device supports it).
+        x16: unpack the weights as ``16 * q`` (two and one instructions per four bytes instead
+            of four and five; the same result, exactly). Default on: 1.03-1.11x faster dense at
+            M = 2048 on the H200, no change with a residual (``benchmarks/NOTES.md`` v10).
+        e4m3_asm: the fp8 walk converts the residual nibbles and the activation tiles to e4m3
+            with inline PTX (:func:`mosaicquant.kernels._tl.to_e4m3`, about half the compiler's
+            instructions) instead of Triton's element-wise casts; the same values, exactly.
         out: optional preallocated contiguous ``bfloat16 [M, N]`` output.
 
     Returns:
@@ -395,6 +463,10 @@ def w4a4_gemm_swapped_triton(
     for name, v in (("block_n", block_n), ("block_m", block_m)):
         if v < 16 or v & (v - 1):
             raise UserInputError(f"{name}={v} must be a power of two >= 16 (tl.dot tiles)")
+    if block_kp not in (64, 128, 256):
+        raise UserInputError(f"block_kp={block_kp!r} must be 64, 128 or 256 (whole split8 blocks of 128 values)")
+    if not isinstance(split_k, int) or not 1 <= split_k <= 64:
+        raise UserInputError(f"split_k={split_k!r} must be an int in [1, 64]")
     if tail_stages is not None and (not isinstance(tail_stages, int) or not 1 <= tail_stages <= 8):
         raise UserInputError(f"tail_stages={tail_stages!r} must be None or an int in [1, 8]")
     if residual_walk not in RESIDUAL_WALKS:
@@ -413,7 +485,12 @@ def w4a4_gemm_swapped_triton(
     out = output_buffer(out, (m, n), torch.bfloat16, a_split.device)
     if m == 0 or n == 0:
         return out
-    grid = (triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    if split_k > 1 and (tiles > LOCK_SLOTS or split_k * m * n >= 2**31):
+        split_k = 1  # the same result: the partial buffer and counters cover this size only unsplit
+    grid = (tiles, split_k)
+    part = torch.empty(split_k, m, n, dtype=torch.float32, device=out.device) if split_k > 1 else out
+    pdl = use_pdl(a_split.device, pdl)
     # Triton's interpreter has no FP8 dot: there the fp8 walk runs the int8 one
     res_mode = 0 if residual is None else (2 if residual_walk == "fp8" and not triton_interpreting() else 1)
     # the fp8 walk keeps one [BN, BM] accumulator: capped at 128 registers a thread, two programs
@@ -423,12 +500,15 @@ def w4a4_gemm_swapped_triton(
         if residual is not None else (a_scale,) * 4
     _w4a4_swapped_kernel[grid](
         a_split, a_scale, qweight.view(torch.int8), w_scale.reshape(-1), bias if bias is not None else a_scale, out,
+        part, lock_buffer(out.device),
         *res, m, n, kp, a_split.shape[1], a_split.stride(0), qweight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=kp % 64 == 0,
+        HAS_BIAS=bias is not None, EVEN_K=kp % block_kp == 0,
         # Triton's interpreter has no FP8 dot: there the fp8 walk runs the int8 one
         RES_MODE=res_mode, TAIL_STAGES=tail_stages,
         BN_RES=bn_res, BKP_RES=bk_res // 2, BN=block_n, BM=block_m, GROUP_N=8,
-        USE_ASM=not triton_interpreting(), num_warps=num_warps, num_stages=num_stages, **launch,
+        USE_ASM=not triton_interpreting(), BKP=block_kp, SPLIT_K=split_k, PDL=pdl, X16=bool(x16),
+        E4M3_ASM=bool(e4m3_asm),
+        num_warps=num_warps, num_stages=num_stages, **launch, **pdl_launch(pdl),
     )
     return out
 

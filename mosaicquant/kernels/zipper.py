@@ -53,7 +53,7 @@ from mosaicquant.kernels._common import (
 )
 from mosaicquant.kernels._tiles import LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, fit_to_blocks, lock_buffer, pdl_default, pdl_launch, pick_config, prefetch_row_bytes
 from mosaicquant.kernels._tl import mac_int4, prefetch_rows_l2, store_output, tile_indices, wait_for_inputs
-from mosaicquant.kernels.w4a4_gemm import check_gemm_args, int_matmul
+from mosaicquant.kernels.w4a4_gemm import X16_MAX_K, check_gemm_args, int_matmul
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 
 __all__ = [
@@ -78,6 +78,7 @@ def _zipper_kernel(
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    X16: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -117,7 +118,7 @@ def _zipper_kernel(
         else:
             a = tl.load(a_ptrs, mask=kp[None, :] < KP, other=0)
             w = tl.load(w_ptrs, mask=kp[:, None] < KP, other=0)
-        acc = mac_int4(acc, a, w, USE_DOT, USE_ASM)
+        acc = mac_int4(acc, a, w, USE_DOT, USE_ASM, X16)
         if MODE == 1:
             block_col = (step * BKP) // BKP_RES
             block = tl.load(block_map_ptr + block_row * n_block_cols + block_col)
@@ -126,7 +127,7 @@ def _zipper_kernel(
             r_ptrs = (res_val_ptr + block64 * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES
                       + (kp - block_col * BKP_RES)[:, None])
             r = tl.load(r_ptrs, mask=kept, other=0)
-            r_acc = mac_int4(tl.zeros([BM, BN], dtype=tl.int32), a, r, USE_DOT, USE_ASM)
+            r_acc = mac_int4(tl.zeros([BM, BN], dtype=tl.int32), a, r, USE_DOT, USE_ASM, X16)
             r_scale = tl.load(res_scale_ptr + block64 * BN_RES + res_rows, mask=kept, other=0.0).to(tl.float32)
             res_acc += r_acc.to(tl.float32) * r_scale[None, :]
         a_ptrs += BKP
@@ -150,12 +151,14 @@ def _zipper_kernel(
                 a = tl.load(a_ptr + safe_m[:, None] * stride_am + kp[None, :], mask=kp[None, :] < KP, other=0)
                 r = tl.load(res_val_ptr + p * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES
                             + (chunk + tl.arange(0, BKP))[:, None])
-                r_acc = mac_int4(r_acc, a, r, USE_DOT, USE_ASM)
+                r_acc = mac_int4(r_acc, a, r, USE_DOT, USE_ASM, X16)
             r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows).to(tl.float32)
             y += r_acc.to(tl.float32) * r_scale[None, :]
 
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     y = y * a_scale[:, None]
+    if X16:  # every product was 256x: exact power-of-two rescale (the same rounding as without)
+        y = y * 0.00390625
     store_output(
         out_ptr, part_ptr, lock_ptr, pid, pid_k, y, bias_ptr, offs_m, offs_n, M, N, stride_om,
         HAS_BIAS=HAS_BIAS, SPLIT_K=SPLIT_K, OUT_FP32=OUT_FP32,
@@ -223,6 +226,7 @@ def zipper_gemm_triton(
     out: torch.Tensor | None = None,
     pdl: bool | None = None,
     prefetch_mib: float | None = None,
+    x16: bool = True,
 ) -> torch.Tensor:
     """Launch the fused dense + residual Triton GEMM.
 
@@ -238,6 +242,7 @@ def zipper_gemm_triton(
             (decode-sized launches also prefetch their tiles' residual blocks).
         prefetch_mib: cap on the dense weight bytes prefetched, as there (residual blocks are
             prefetched whole while the prefetch is on).
+        x16: unpack as ``16 * q``, as in :func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_triton` (default on).
 
     Returns:
         ``[M, N]`` BF16 (or fp32).
@@ -274,6 +279,7 @@ def zipper_gemm_triton(
         BN_RES=bn_res, BKP_RES=bk_res // 2,
         BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot,
         USE_ASM=not triton_interpreting(), PDL=pdl, PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
+        X16=bool(x16) and cfg.use_dot and k < X16_MAX_K,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out

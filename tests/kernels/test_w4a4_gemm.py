@@ -88,3 +88,16 @@ def test_bad_operands_raise_clear_errors():
         w4a4_gemm(a_packed.view(torch.int8), a_scale, qweight, w_scale, 16, kernel="torch")
     with pytest.raises(UserInputError, match=r"a_scale must have shape \[3\]"):
         w4a4_gemm(a_packed, a_scale[:2], qweight, w_scale, 16, kernel="torch")
+
+
+@needs_triton()
+@pytest.mark.parametrize("config", ["default", "split3"])
+def test_sixteen_q_unpacking_gives_the_plain_unpacking_result_exactly(config):
+    # x16 (the default) unpacks nibbles as 16 q and rescales by 1/256 at the end: a power of two,
+    # so every product, partial sum and rounding is the plain path's times 256 -- bit-equal output.
+    m, n, k = 13, 130, 1000
+    ops = [t.to(DEVICE) for t in _operands(m, n, k, seed=11)]
+    plain = w4a4_gemm_triton(*ops[:4], k, ops[4], config=CONFIGS[config], x16=False, out_fp32=True)
+    x16 = w4a4_gemm_triton(*ops[:4], k, ops[4], config=CONFIGS[config], x16=True, out_fp32=True)
+    assert torch.equal(plain, x16)
+    assert_close_bf16(x16, w4a4_gemm_reference(*[t.cpu() for t in ops[:4]], k, ops[4].cpu(), out_fp32=True), "x16")

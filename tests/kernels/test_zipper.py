@@ -97,3 +97,16 @@ def test_bad_residual_and_mode_raise():
         zipper_gemm(a_packed, a_scale, qweight, w_scale, 128, other, kernel="torch")
     with pytest.raises(UserInputError, match="mode='zip'"):
         zipper_gemm(a_packed, a_scale, qweight, w_scale, 128, residual, kernel="torch", mode="zip")
+
+
+@needs_triton()
+@pytest.mark.parametrize("mode", ["inline", "tail"])
+def test_sixteen_q_unpacking_is_bit_equal_to_the_plain_unpacking(mode):
+    m, n, k = 13, 96, 520
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, (32, 64), 0.4, seed=12)
+    dev = [t.to(DEVICE) for t in (a_packed, a_scale, qweight, w_scale)]
+    outs = [zipper_gemm_triton(*dev, k, _dev(residual), bias.to(DEVICE), mode=mode, config=SPLIT, x16=x16, out_fp32=True)
+            for x16 in (False, True)]
+    assert torch.equal(outs[0], outs[1])
+    ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
+    assert_close_bf16(outs[1], ref, f"zipper x16 {mode}")
