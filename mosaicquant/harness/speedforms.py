@@ -95,8 +95,15 @@ def executable(model: nn.Module, info: dict) -> str:
             part += "; one GEMM per " + ", ".join(groups)
         swapped = {m.quant.swap_min_m for m in w4 if m.quant.swap_ok and m.quant.swap_min_m is not None}
         if swapped:
-            part += (f"; calls of >= {min(swapped)} tokens (prefill): int8 activations + operand-swapped GEMM"
+            part += (f"; calls of >= {min(swapped)} tokens whose 128x128 output tiles fill the GPU (prefill): "
+                     f"int8 activations + operand-swapped GEMM"
                      + (" with the residual blocks in its tail" if fused else ""))
+        decode = sorted({m.quant.swap_decode for m in w4 if m.quant.swap_ok and m.quant.swap_decode is not None
+                         and m.quant.block_shape is None})
+        if decode:
+            lo, hi = decode[0]
+            part += (f"; {'layers without residual' if fused else 'calls'} of {lo}-{hi} tokens: the swapped GEMM "
+                     f"at decode tiles")
         parts.append(part)
     if mixed:
         def describe(fmt):

@@ -14,8 +14,9 @@ import torch
 
 from mosaicquant.harness.errors import UserInputError
 
-__all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MIN_M", "pdl_default", "pdl_launch",
-           "prefetch_default", "prefetch_row_bytes"]
+__all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MIN_M", "SWAP_MIN_TILES_PER_SM",
+           "SWAP_DECODE_M", "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
+           "swapped_prefill"]
 
 # Up to this many rows the GEMMs use CUDA-core multiply-adds instead of tensor-core dots
 # (0: never; measured ALU-bound and no faster than the dot path, benchmarks/NOTES.md v2).
@@ -48,9 +49,50 @@ def prefetch_default(n: int, kp: int) -> bool:
     return kp >= PREFETCH_MIN_KP and n * kp <= PDL_MAX_WEIGHT_BYTES
 
 
-# Calls of at least this many tokens run the operand-swapped prefill GEMM (QuantLinear; measured
-# faster than the packed-activation GEMM on every Llama-3 / Qwen3 linear at M >= 512, v7).
-SWAP_MIN_M = 512
+# Calls of at least this many tokens may run the operand-swapped prefill GEMM (QuantLinear), when
+# its 128 x 128 output tiles fill the GPU (swapped_prefill). Measured against the packed-activation
+# GEMM on every Llama-3 / Qwen3 linear at M = 128 ... 8192 in one run (v10): with 96 or more tiles
+# (0.7 per SM of the H200) the dense swapped GEMM was 1.07-1.63x faster, with 64 or fewer 0.55-0.97x;
+# with residual blocks in its tail it needs 192 or more (1.03-1.30x faster; 0.48-0.87x at <= 128).
+SWAP_MIN_M = 128
+SWAP_MIN_TILES_PER_SM = {"dense": 0.7, "residual": 1.2}
+# Dense layers (no residual) also run calls of this many tokens on the swapped GEMM, at decode
+# tiles (swapped_decode_config): measured against the packed kernel with the same unpacking on
+# every Llama-3 / Qwen3 linear in one run (v10): 1.12-1.19x faster on gate/up, 1.02-1.06x on
+# down_proj, 0.99-1.03x on q/k/v and o_proj at M = 16 and 32; at M <= 8 no tile of it was faster
+# on every shape.
+SWAP_DECODE_M = (16, 32)
+
+
+def swapped_prefill(m: int, n: int, device: torch.device, residual: bool, min_m: int = SWAP_MIN_M,
+                    min_tiles_per_sm: float | None = None) -> bool:
+    """Whether an ``[m, K] x [n, K]^T`` 4-bit GEMM of ``m >= min_m`` tokens runs the swapped prefill GEMM.
+
+    ``min_tiles_per_sm``: 128 x 128 output tiles per SM it needs (default: :data:`SWAP_MIN_TILES_PER_SM`
+    for a dense layer or one with residual blocks).
+    """
+    if m < min_m:
+        return False
+    if min_tiles_per_sm is None:
+        min_tiles_per_sm = SWAP_MIN_TILES_PER_SM["residual" if residual else "dense"]
+    return -(-n // 128) * -(-m // 128) >= min_tiles_per_sm * _sm_count(device)
+
+
+def swapped_decode_config(m: int, n: int, kp: int, device: torch.device) -> dict:
+    """Tiles (keyword arguments of ``w4a4_gemm_swapped_triton``) for a decode-sized swapped GEMM.
+
+    64 weight rows (one warpgroup's ``wgmma`` M) x 16 or 32 tokens, 256 K values a step, 4 stages,
+    K split until every SM has about two programs (at least two K steps each).
+    """
+    block_m = 16 if m <= 16 else 32
+    tiles = -(-n // 64) * -(-m // block_m)
+    k_steps = -(-kp // 128)
+    sms = _sm_count(device)
+    split = 1
+    while tiles * split < 2 * sms and k_steps // (2 * split) >= 2 and split < 16:
+        split *= 2
+    return {"block_n": 64, "block_m": block_m, "block_kp": 128, "split_k": split, "num_warps": 4, "num_stages": 4,
+            "pdl": pdl_default(m, n, kp)}
 
 
 def prefetch_row_bytes(n: int, kp: int, split: int, prefetch_mib: float | None) -> int:

@@ -7,11 +7,14 @@ A forward pass quantizes the activations per token (4-bit symmetric, ``act_clip_
 then runs the dense W4A4 GEMM, or ZipperEngine (fused) or the unfused pipeline when the
 layer has residual blocks. Input any float dtype ``[..., K]``, output BF16 ``[..., N]``.
 
-Prefill-sized calls (``M >= swap_min_m`` tokens on the Triton path) quantize the activations to
-the ``"split8"`` int8 layout instead and run the operand-swapped GEMM
+Prefill-sized calls (``M >= swap_min_m`` tokens on the Triton path, when the GEMM's 128 x 128
+output tiles fill the GPU: :func:`mosaicquant.kernels._tiles.swapped_prefill`) quantize the
+activations to the ``"split8"`` int8 layout instead and run the operand-swapped GEMM
 (:func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_swapped_triton`; the residual blocks, if any,
 fused in its tail): the same integers and scales, the same result up to float rounding
-(``benchmarks/NOTES.md``, v7/v8). The unfused pipeline always keeps the packed path.
+(``benchmarks/NOTES.md``, v7, v8, v10). The unfused pipeline always keeps the packed path.
+Layers without residual blocks also run decode calls of ``swap_decode`` tokens (16-32) that way,
+at decode tiles (v10).
 
 It computes the function of the simulated layer
 ``fake_quantize(x, 4, clip_ratio) @ packed.dequantize().T (+ bias)`` up to float
@@ -25,7 +28,7 @@ from torch import nn
 
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels._common import resolve_kernel
-from mosaicquant.kernels._tiles import SWAP_MIN_M
+from mosaicquant.kernels._tiles import SWAP_DECODE_M, SWAP_MIN_M, swapped_decode_config, swapped_prefill
 from mosaicquant.kernels.act_quant import quantize_activations, quantize_activations_triton
 from mosaicquant.kernels.residual_gemm import residual_add
 from mosaicquant.kernels.w4a4_gemm import (
@@ -54,9 +57,17 @@ class QuantLinear(nn.Module):
             pipeline (dense GEMM to fp32, separate residual kernel, add).
         mode: ZipperEngine fusion mode, ``"auto"``, ``"inline"`` or ``"tail"``.
         swap_min_m: calls of at least this many tokens on the Triton path run the
-            operand-swapped prefill GEMM (default :data:`mosaicquant.kernels._tiles.SWAP_MIN_M`);
-            ``None`` never. Layers whose residual blocks that GEMM cannot take (block columns
-            not a multiple of 128), and the unfused pipeline, keep the packed path.
+            operand-swapped prefill GEMM (default :data:`mosaicquant.kernels._tiles.SWAP_MIN_M`)
+            when its output tiles fill the GPU (``swap_min_tiles_per_sm``); ``None`` never. Layers
+            whose residual blocks that GEMM cannot take (block columns not a multiple of 128), and
+            the unfused pipeline, keep the packed path.
+        swap_min_tiles_per_sm: 128 x 128 output tiles per SM a call needs for the swapped prefill
+            GEMM (``None``: the measured defaults,
+            :data:`mosaicquant.kernels._tiles.SWAP_MIN_TILES_PER_SM`; ``0``: every call of
+            ``swap_min_m`` tokens or more).
+        swap_decode: ``(lo, hi)``: a layer without residual blocks runs calls of ``lo`` to ``hi``
+            tokens on the swapped GEMM too, at decode tiles (default
+            :data:`mosaicquant.kernels._tiles.SWAP_DECODE_M`); ``None`` never.
 
     Raises:
         UserInputError: group-wise base scales, a bad clip ratio, mode, kernel
@@ -78,6 +89,8 @@ class QuantLinear(nn.Module):
         fused: bool = True,
         mode: str = "auto",
         swap_min_m: int | None = SWAP_MIN_M,
+        swap_decode: tuple[int, int] | None = SWAP_DECODE_M,
+        swap_min_tiles_per_sm: float | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(packed, PackedW4):
@@ -96,6 +109,14 @@ class QuantLinear(nn.Module):
             resolve_kernel(kernel)
         if swap_min_m is not None and (not isinstance(swap_min_m, int) or swap_min_m < 1):
             raise UserInputError(f"swap_min_m={swap_min_m!r} must be a positive int or None")
+        if swap_min_tiles_per_sm is not None and not (isinstance(swap_min_tiles_per_sm, (int, float))
+                                                      and 0 <= swap_min_tiles_per_sm < float("inf")):
+            raise UserInputError(f"swap_min_tiles_per_sm={swap_min_tiles_per_sm!r} must be None or a number >= 0")
+        if swap_decode is not None:
+            if not (isinstance(swap_decode, (tuple, list)) and len(swap_decode) == 2
+                    and all(isinstance(v, int) for v in swap_decode) and 1 <= swap_decode[0] <= swap_decode[1]):
+                raise UserInputError(f"swap_decode={swap_decode!r} must be None or (lo, hi) ints with 1 <= lo <= hi")
+            swap_decode = tuple(swap_decode)
         self.in_features = k
         self.out_features = n
         self.act_clip_ratio = float(act_clip_ratio)
@@ -103,6 +124,8 @@ class QuantLinear(nn.Module):
         self.fused = bool(fused)
         self.mode = mode
         self.swap_min_m = swap_min_m
+        self.swap_decode = swap_decode
+        self.swap_min_tiles_per_sm = swap_min_tiles_per_sm
         self.register_buffer("qweight", packed.qweight.contiguous())
         self.register_buffer("w_scale", packed.scales.reshape(n).to(torch.float16).contiguous())
         self.register_buffer("bias", None if packed.bias is None else packed.bias.to(torch.float32).reshape(n).contiguous())
@@ -171,13 +194,27 @@ class QuantLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def uses_swapped(self, m: int, backend: str) -> bool:
-        """Whether a call of ``m`` tokens on ``backend`` runs the operand-swapped prefill GEMM."""
-        return backend == "triton" and self.swap_ok and self.swap_min_m is not None and m >= self.swap_min_m
+        """Whether a call of ``m`` tokens on ``backend`` runs the operand-swapped GEMM (prefill, or decode tiles)."""
+        if backend != "triton" or not self.swap_ok:
+            return False
+        return self._swap_prefill(m) or self._swap_decode(m)
+
+    def _swap_prefill(self, m: int) -> bool:
+        return self.swap_min_m is not None and swapped_prefill(
+            m, self.out_features, self.qweight.device, self.block_shape is not None, self.swap_min_m,
+            self.swap_min_tiles_per_sm)
+
+    def _swap_decode(self, m: int) -> bool:
+        return (self.swap_decode is not None and self.block_shape is None
+                and self.swap_decode[0] <= m <= self.swap_decode[1] and not self._swap_prefill(m))
 
     def forward_split8(self, a_split: torch.Tensor, a_scale: torch.Tensor) -> torch.Tensor:
         """The swapped GEMM on ``"split8"`` activations ``int8 [M, split8_width(K)]`` + ``[M]`` scales → BF16 ``[M, N]``."""
+        m = a_split.shape[0]
+        tiles = swapped_decode_config(m, self.out_features, (self.in_features + 1) // 2, a_split.device) \
+            if self._swap_decode(m) else {}
         return w4a4_gemm_swapped_triton(a_split, a_scale, self.qweight, self.w_scale, self.in_features, self.bias,
-                                        residual=self.residual)
+                                        residual=self.residual, **tiles)
 
     def forward_quantized(self, a_packed: torch.Tensor, a_scale: torch.Tensor, backend: str) -> torch.Tensor:
         """The GEMM part on already quantized activations: ``[M, ceil(K/2)]`` packed + ``[M]`` scales → ``[M, N]`` BF16.

@@ -98,8 +98,11 @@ def test_speed_forms_build_the_methods_format_and_run_on_the_kernels(tiny_shapes
     assert not any(isinstance(m, FakeQuantLinear) for m in model.modules())
     assert ("ZipperEngine" in path) == (method == "mosaicquant") and path == ctx.info["exec_path_speed"]
     # 16x64 residual blocks are narrower than the swapped GEMM's 128-value steps: that path is not claimed
-    swapped = f">= {SWAP_MIN_M} tokens (prefill): int8 activations + operand-swapped GEMM" in path
+    swapped = f">= {SWAP_MIN_M} tokens whose 128x128 output tiles fill the GPU (prefill): int8 activations + " \
+        "operand-swapped GEMM" in path
     assert swapped == (method != "mosaicquant")
+    # dense layers also run 16-32 token calls on it, at decode tiles
+    assert ("of 16-32 tokens: the swapped GEMM at decode tiles" in path) == (method != "mosaicquant")
     # the kernels compute the simulated model's function up to BF16 outputs (which can move a later
     # 4-bit activation to the next level): far closer to it than quantization is to the float model
     kernel_err = (kernels.float() - simulated).norm()

@@ -11,6 +11,7 @@ from mosaicquant.kernels.act_quant import (
     split8_width,
 )
 from mosaicquant.kernels.hadamard_quant import hadamard_quantize_triton
+from mosaicquant.kernels._tiles import SWAP_MIN_TILES_PER_SM, _sm_count, swapped_prefill
 from mosaicquant.kernels.quant_linear import QuantLinear
 from mosaicquant.kernels.w4a4_gemm import swapped_residual_reason, w4a4_gemm_reference, w4a4_gemm_swapped_triton
 from mosaicquant.kernels.zipper import zipper_gemm_reference
@@ -40,18 +41,23 @@ def test_act_quant_split8_matches_packed_integers(m, k):
     assert torch.equal(s.cpu(), scale)
 
 
-@needs_triton()
-@pytest.mark.parametrize("m,n,k", [(1, 200, 300), (13, 77, 257), (67, 130, 1000), (300, 256, 640)])
-def test_swapped_gemm_matches_reference(m, n, k):
-    gen = torch.Generator().manual_seed(m + n)
+def _dense_case(m, n, k, seed):
+    """Random operands on DEVICE (split8 activations, weights, scales, bias) and the fp32 reference."""
+    gen = torch.Generator().manual_seed(seed)
     x = random_activations(m, k, gen)
     _, qweight, w_scale = random_layer(n, k, gen)
     bias = torch.randn(n, generator=gen)
     packed, scale = quantize_activations_reference(x)
     ref = w4a4_gemm_reference(packed, scale, qweight, w_scale, k, bias, out_fp32=True)
     a8, s8 = quantize_activations_triton(x.to(DEVICE), layout="split8")
-    out = w4a4_gemm_swapped_triton(a8, s8, qweight.to(DEVICE), w_scale.to(DEVICE), k, bias.to(DEVICE),
-                                   block_n=64, block_m=64)
+    return (a8, s8, qweight.to(DEVICE), w_scale.to(DEVICE), k, bias.to(DEVICE)), ref
+
+
+@needs_triton()
+@pytest.mark.parametrize("m,n,k", [(1, 200, 300), (13, 77, 257), (67, 130, 1000), (300, 256, 640)])
+def test_swapped_gemm_matches_reference(m, n, k):
+    args, ref = _dense_case(m, n, k, seed=m + n)
+    out = w4a4_gemm_swapped_triton(*args, block_n=64, block_m=64)
     assert_close_bf16(out, ref, f"swapped M={m} N={n} K={k}")
 
 
@@ -132,7 +138,7 @@ def test_quant_linear_prefill_route_gives_the_packed_route_result(residual):
     res = random_residual(n, k, (32, 128), 0.3, gen) if residual else None
     packed = PackedW4.from_quantized(qt, residual=res, bias=torch.randn(n, generator=gen))
     x = random_activations(70, k, gen).to(DEVICE)
-    swapped = QuantLinear(packed, act_clip_ratio=0.9, kernel="triton", swap_min_m=64).to(DEVICE)
+    swapped = QuantLinear(packed, act_clip_ratio=0.9, kernel="triton", swap_min_m=64, swap_min_tiles_per_sm=0).to(DEVICE)
     plain = QuantLinear(packed, act_clip_ratio=0.9, kernel="triton", swap_min_m=None).to(DEVICE)
     assert swapped.uses_swapped(70, "triton") and not swapped.uses_swapped(63, "triton")
     assert not plain.uses_swapped(70, "triton") and not swapped.uses_swapped(70, "torch")
@@ -142,6 +148,77 @@ def test_quant_linear_prefill_route_gives_the_packed_route_result(residual):
     # a residual the swapped GEMM cannot take keeps the packed route
     if residual:
         narrow = PackedW4.from_quantized(qt, residual=random_residual(n, k, (32, 64), 0.3, gen))
-        assert not QuantLinear(narrow, kernel="triton", swap_min_m=1).uses_swapped(70, "triton")
+        assert not QuantLinear(narrow, kernel="triton", swap_min_m=1, swap_min_tiles_per_sm=0).uses_swapped(70, "triton")
     with pytest.raises(UserInputError, match="swap_min_m=0"):
         QuantLinear(packed, swap_min_m=0)
+
+
+@needs_triton()
+@pytest.mark.parametrize("m,n,k,opts", [
+    (1, 200, 300, dict(block_n=64, block_m=16, block_kp=128, split_k=3, num_warps=4, x16=True)),
+    (13, 77, 1000, dict(block_n=64, block_m=16, block_kp=256, split_k=2, num_warps=4, x16=True)),
+    (32, 130, 640, dict(block_n=64, block_m=32, block_kp=128, split_k=4, num_warps=4, x16=False)),
+])
+def test_swapped_gemm_at_decode_tiles_matches_reference(m, n, k, opts):
+    # decode tiles: several split8 blocks a step (ragged K masks the last), K split across programs
+    args, ref = _dense_case(m, n, k, seed=m + k)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    w4a4_gemm_swapped_triton(*args, out=out, **opts)
+    assert_close_bf16(out, ref, f"swapped decode tiles M={m} N={n} K={k} {opts}")
+
+
+@needs_triton()
+def test_swapped_gemm_split_k_deals_out_the_residual_units():
+    m, n, k = 16, 130, 1000
+    gen = torch.Generator().manual_seed(3)
+    x = random_activations(m, k, gen)
+    _, qweight, w_scale = random_layer(n, k, gen)
+    residual = random_residual(n, k, (64, 256), 0.5, gen)
+    packed, scale = quantize_activations_reference(x)
+    ref = zipper_gemm_reference(packed, scale, qweight, w_scale, k, residual, out_fp32=True)
+    a8, s8 = quantize_activations_triton(x.to(DEVICE), layout="split8")
+    out = w4a4_gemm_swapped_triton(a8, s8, qweight.to(DEVICE), w_scale.to(DEVICE), k, residual=residual.to(DEVICE),
+                                   block_n=64, block_m=16, block_kp=128, split_k=3, num_warps=4, x16=True)
+    assert_close_bf16(out, ref, "swapped, split K, residual")
+    with pytest.raises(UserInputError, match="block_kp=96 must be 64, 128 or 256"):
+        w4a4_gemm_swapped_triton(a8, s8, qweight.to(DEVICE), w_scale.to(DEVICE), k, block_kp=96)
+    with pytest.raises(UserInputError, match=r"split_k=0 must be an int in \[1, 64\]"):
+        w4a4_gemm_swapped_triton(a8, s8, qweight.to(DEVICE), w_scale.to(DEVICE), k, split_k=0)
+
+
+@needs_triton()
+def test_quant_linear_decode_route_runs_dense_layers_swapped_at_16_to_32_tokens():
+    gen = torch.Generator().manual_seed(6)
+    n, k = 130, 640
+    qt = quantize(torch.randn(n, k, generator=gen), 4, scale_dtype=torch.float16)
+    dense = QuantLinear(PackedW4.from_quantized(qt, bias=torch.randn(n, generator=gen)), act_clip_ratio=0.9,
+                        kernel="triton", swap_min_m=512, swap_min_tiles_per_sm=0).to(DEVICE)
+    with_res = QuantLinear(PackedW4.from_quantized(qt, residual=random_residual(n, k, (32, 128), 0.3, gen)),
+                           kernel="triton", swap_min_m=512, swap_min_tiles_per_sm=0).to(DEVICE)
+    assert [m for m in (8, 15, 16, 24, 32, 33, 511, 512) if dense.uses_swapped(m, "triton")] == [16, 24, 32, 512]
+    assert [m for m in (16, 32, 512) if with_res.uses_swapped(m, "triton")] == [512]  # residual: decode stays packed
+    off = QuantLinear(PackedW4.from_quantized(qt), kernel="triton", swap_decode=None)
+    assert not off.uses_swapped(16, "triton") and not dense.uses_swapped(16, "torch")
+    ref_layer = QuantLinear(PackedW4.from_quantized(qt, bias=dense.bias.cpu()), act_clip_ratio=0.9, kernel="torch")
+    for m in (16, 32):
+        x = random_activations(m, k, gen)
+        assert_close_bf16(dense(x.to(DEVICE)), ref_layer(x).float(), f"QuantLinear decode route M={m}")
+    for bad in ((0, 4), (8, 4), "16"):
+        with pytest.raises(UserInputError, match="swap_decode="):
+            QuantLinear(PackedW4.from_quantized(qt), swap_decode=bad)
+
+
+
+def test_prefill_route_needs_enough_output_tiles_to_fill_the_gpu():
+    # 128 x 128 output tiles per SM: 0.7 for a dense layer, 1.2 with residual blocks (v10 measurements)
+    sms = _sm_count(torch.device("cpu"))
+    assert swapped_prefill(4096, 128, torch.device("cpu"), residual=False)
+    assert not swapped_prefill(127, 10**6, torch.device("cpu"), residual=False)  # below SWAP_MIN_M
+    assert [swapped_prefill(128 * t, 128, torch.device("cpu"), residual=False) for t in range(1, 8)] == \
+        [t >= SWAP_MIN_TILES_PER_SM["dense"] * sms for t in range(1, 8)]
+    assert [swapped_prefill(128 * t, 128, torch.device("cpu"), residual=True) for t in range(1, 8)] == \
+        [t >= SWAP_MIN_TILES_PER_SM["residual"] * sms for t in range(1, 8)]
+    assert swapped_prefill(128, 128, torch.device("cpu"), residual=True, min_tiles_per_sm=0)
+    qt = quantize(torch.randn(64, 256, generator=torch.Generator().manual_seed(0)), 4, scale_dtype=torch.float16)
+    with pytest.raises(UserInputError, match="swap_min_tiles_per_sm=-1"):
+        QuantLinear(PackedW4.from_quantized(qt), swap_min_tiles_per_sm=-1)
