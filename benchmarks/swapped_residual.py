@@ -4,7 +4,9 @@ For a few Llama-3-8B linears at prefill M, times the swapped GEMM alone (activat
 in the ``split8`` layout) with a residual of exactly ``j`` kept 128×128 blocks in every block row
 (evenly spaced columns), for each residual walk, against the same GEMM with no residual. The
 intercept (j → 0) and slope (per block) of the time separate a fixed cost of the residual code
-from the cost of each block. ``fp8_ts5`` is the fp8 walk pipelined 5 deep (``tail_stages=5``). Checked against the PyTorch reference before timing.
+from the cost of each block. ``fp8_cc`` is the fp8 walk with the compiler's element-wise e4m3
+conversions instead of the inline-PTX ones (the default, v11). Checked against the PyTorch
+reference before timing.
 
 Usage (GPU)::
 
@@ -68,13 +70,13 @@ def main(argv=None) -> int:
         for j in PER_ROW:
             res = residual_per_row(n, k, j, device)
             ref = zipper_gemm_reference(packed, scale, qweight.cpu(), w_scale.cpu(), k, res.to("cpu"), out_fp32=True)
-            for walk, ts in [(w, None) for w in RESIDUAL_WALKS] + [("fp8", 5)]:
+            for walk, asm in [(w, True) for w in RESIDUAL_WALKS] + [("fp8", False)]:
                 out = w4a4_gemm_swapped_triton(q8, s8, qweight, w_scale, k, residual=res, residual_walk=walk,
-                                               tail_stages=ts)
+                                               e4m3_asm=asm)
                 err = ((out.float().cpu() - ref).abs().max() / ref.abs().max()).item()
-                us = time_calls([lambda res=res, walk=walk, ts=ts: w4a4_gemm_swapped_triton(
-                    q8, s8, qweight, w_scale, k, residual=res, residual_walk=walk, tail_stages=ts)]).median_us
-                name = walk if ts is None else f"{walk}_ts{ts}"
+                us = time_calls([lambda res=res, walk=walk, asm=asm: w4a4_gemm_swapped_triton(
+                    q8, s8, qweight, w_scale, k, residual=res, residual_walk=walk, e4m3_asm=asm)]).median_us
+                name = walk if asm else f"{walk}_cc"
                 rows.append({"n": n, "k": k, "m": args.m, "walk": name, "per_row": j, "us": us, "rel_err": err})
         shown = [r for r in rows if r["n"] == n]
         print(f"{n}x{k} M={args.m}: dense {base:.1f} us; " + "; ".join(

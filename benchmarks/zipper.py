@@ -4,9 +4,14 @@ Shapes: the linear layers of Llama-3-8B and Qwen3-8B (random weights of the real
 M = 1 … 8192. Variants per (shape, M):
 
 - ``bf16``: ``F.linear`` (cuBLAS), the baseline every ratio refers to;
+- ``ql_dense`` / ``ql_zip10``: not timed again, a label on the measured variant that ``QuantLinear``
+  runs at that M for a layer without / with the 10% residual (``same_as`` names it);
 - ``int8_mm``: ``torch._int_mm`` on pre-quantized int8 operands (no activation quantization);
 - ``act_quant``: the activation quantizer alone;
-- ``w4a4``: activation quantization + dense W4A4 GEMM;
+- ``w4a4``: activation quantization + dense W4A4 GEMM (nibbles unpacked as ``16 q``, the
+  default); ``w4a4_x1``: the same with the plain sign-extending unpacking;
+- ``w4a4_swapdec`` (M = 16 … 32): split8 activation quantization + the swapped GEMM at decode
+  tiles (what ``QuantLinear`` runs for a layer without residual at these M);
 - ``zip{p}``: activation quantization + ZipperEngine with a ``p`` % residual budget (random
   block selection, 128×128 blocks), fusion mode ``auto``; ``zip10_inline`` / ``zip10_tail``
   force a mode;
@@ -21,7 +26,9 @@ M = 1 … 8192. Variants per (shape, M):
   3 stages; ``_s4``: 4 stages, ``_bm64``: 64 tokens per program); ``zip{p}_swap``: the same with
   the ``p`` % residual fused in its tail (what ``QuantLinear`` runs at M ≥ ``SWAP_MIN_M``: FP8
   dots accumulating into the output tile), ``zip10_swap_int8`` with int8 dots into a second
-  accumulator, ``zip10_swap_ts5`` with the residual walk software-pipelined 5 deep.
+  accumulator; ``zip10_swap_x1`` / ``w4a4_swap_x1`` / ``zip10_x1``: the plain sign-extending
+  unpacking instead of ``16 q`` (the default everywhere); ``zip10_swap_cc``: the FP8 walk with the
+  compiler's element-wise e4m3 conversions instead of the inline-PTX ones (the default).
 
 Each variant is checked against its PyTorch reference before it is timed. Timing: CUDA
 graphs of back-to-back calls whose weights rotate through copies larger than 3× L2
@@ -52,7 +59,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mosaicquant.harness.timing import time_calls as _time_calls  # noqa: E402
-from mosaicquant.kernels._tiles import TileConfig, pick_config  # noqa: E402
+from mosaicquant.kernels._tiles import (  # noqa: E402
+    SWAP_DECODE_M,
+    TileConfig,
+    pick_config,
+    swapped_decode_config,
+    swapped_prefill,
+)
 from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton  # noqa: E402
 from mosaicquant.kernels.residual_gemm import residual_add_triton  # noqa: E402
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_swapped_triton, w4a4_gemm_triton  # noqa: E402
@@ -67,6 +80,7 @@ DEFAULT_MS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 2048, 8192)
 BLOCK = (128, 128)
 ROTATE_BYTES = 3 * 60 * 2**20
 SWAP_MIN_M = 128  # the swapped GEMM is a prefill variant, timed from here (every M in --dry)
+DRY = False  # --dry: tiny shapes, every variant at every M
 # bf16 output vs fp32 reference: one bf16 ulp relative, plus an absolute floor at 1e-3 of the output range.
 CHECK_RTOL = 2.0**-7
 CHECK_ATOL_FRAC = 1e-3
@@ -197,30 +211,39 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
         ok, rel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k), ref)
         ok = ok and act_ok
 
-        def w4_call(i, cfg=None, pdl=None, prefetch_mib=None):
+        def w4_call(i, cfg=None, pdl=None, prefetch_mib=None, x16=True):
             def call():
                 p, s = quantize_activations_triton(x)
-                return w4a4_gemm_triton(p, s, qweights[i], w_scales[i], k, config=cfg, pdl=pdl, prefetch_mib=prefetch_mib)
+                return w4a4_gemm_triton(p, s, qweights[i], w_scales[i], k, config=cfg, pdl=pdl, prefetch_mib=prefetch_mib,
+                                        x16=x16)
             return call
         cfg = pick_config(m, n, kp, device)
         add("w4a4", [w4_call(i) for i in range(n_w4)], ok, rel, w4_bytes, {"config": repr(cfg)})
+        xok, xrel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k, x16=False), ref)
+        add("w4a4_x1", [w4_call(i, x16=False) for i in range(n_w4)], xok and act_ok, xrel, w4_bytes)
         # the same launches without programmatic dependent launch, with it but no L2 weight
         # prefetch, with it and every program's whole weight slice prefetched
         for tag, pdl, pf in (("nopdl", False, None), ("pdl_nopf", True, 0), ("pdl_pf", True, 1 << 16)):
             pok, prel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k, pdl=pdl, prefetch_mib=pf), ref)
             add(f"w4a4_{tag}", [w4_call(i, pdl=pdl, prefetch_mib=pf) for i in range(n_w4)], pok and act_ok, prel, w4_bytes)
+        # the operand-swapped GEMM (weights unpacked in registers as the first operand, activations in
+        # the split8 int8 layout), with its own activation quantization: at decode tiles where
+        # QuantLinear runs it for a dense layer, at its prefill tiles (and variants) from SWAP_MIN_M
+        swap_variants = []
+        if SWAP_DECODE_M[0] <= m <= SWAP_DECODE_M[1] or DRY:
+            swap_variants.append(("swapdec", swapped_decode_config(m, n, kp, device)))
         if m >= SWAP_MIN_M:
-            # the operand-swapped prefill GEMM (weights unpacked in registers as the first operand,
-            # activations in the split8 int8 layout), with its own activation quantization
-            for tag, opts in (("swap", {}), ("swap_s4", {"num_stages": 4}), ("swap_bm64", {"block_m": 64})):
-                def s_call(i, opts=opts):
-                    def call():
-                        q8, s8 = quantize_activations_triton(x, layout="split8")
-                        return w4a4_gemm_swapped_triton(q8, s8, qweights[i], w_scales[i], k, **opts)
-                    return call
-                q8, s8 = quantize_activations_triton(x, layout="split8")
-                sok, srel = check(w4a4_gemm_swapped_triton(q8, s8, qweight, w_scale, k, **opts), ref)
-                add(f"w4a4_{tag}", [s_call(i) for i in range(n_w4)], sok and act_ok, srel, w4_bytes)
+            swap_variants += [("swap", {}), ("swap_x1", {"x16": False}), ("swap_s4", {"num_stages": 4}),
+                              ("swap_bm64", {"block_m": 64})]
+        for tag, opts in swap_variants:
+            def s_call(i, opts=opts):
+                def call():
+                    q8, s8 = quantize_activations_triton(x, layout="split8")
+                    return w4a4_gemm_swapped_triton(q8, s8, qweights[i], w_scales[i], k, **opts)
+                return call
+            q8, s8 = quantize_activations_triton(x, layout="split8")
+            sok, srel = check(w4a4_gemm_swapped_triton(q8, s8, qweight, w_scale, k, **opts), ref)
+            add(f"w4a4_{tag}", [s_call(i) for i in range(n_w4)], sok and act_ok, srel, w4_bytes, {"tiles": opts})
         for j, ecfg in enumerate(explore_cfgs(m)):
             try:
                 eok, erel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k, config=ecfg), ref)
@@ -245,21 +268,31 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
             name = f"zip{b}" if mode == "auto" else f"zip{b}_{mode}"
             add(name, [z_call(i) for i in range(n_w4)], zok and act_ok, zrel, w4_bytes + res_bytes,
                 {"blocks": rs[0].num_blocks})
-            walks = [("", "fp8", None)] + ([("_int8", "int8", None), ("_ts5", "fp8", 5)] if b == 10 else [])
-            for suffix, walk, ts in walks if m >= SWAP_MIN_M and mode == "auto" and b > 0 else []:
-                def zs_call(i, b=b, walk=walk, ts=ts):
+            walks = [("", {})] + ([("_int8", {"residual_walk": "int8"}), ("_x1", {"x16": False}),
+                                   ("_cc", {"e4m3_asm": False})] if b == 10 else [])
+            for suffix, wopts in walks if m >= SWAP_MIN_M and mode == "auto" and b > 0 else []:
+                def zs_call(i, b=b, wopts=wopts):
                     rs_ = residuals[b][0]
                     def call():
                         q8, s8 = quantize_activations_triton(x, layout="split8")
-                        return w4a4_gemm_swapped_triton(q8, s8, qweights[i], w_scales[i], k, residual=rs_[i],
-                                                        residual_walk=walk, tail_stages=ts)
+                        return w4a4_gemm_swapped_triton(q8, s8, qweights[i], w_scales[i], k, residual=rs_[i], **wopts)
                     return call
                 q8, s8 = quantize_activations_triton(x, layout="split8")
-                sok, srel = check(w4a4_gemm_swapped_triton(q8, s8, qweight, w_scale, k, residual=rs[0], residual_walk=walk,
-                                                           tail_stages=ts), zref)
+                sok, srel = check(w4a4_gemm_swapped_triton(q8, s8, qweight, w_scale, k, residual=rs[0], **wopts), zref)
                 add(f"zip{b}_swap{suffix}", [zs_call(i) for i in range(n_w4)], sok and act_ok, srel,
                     w4_bytes + res_bytes, {"blocks": rs[0].num_blocks})
             if b == 10 and mode == "auto":
+                xout = zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], block_map=maps[0], x16=False)
+                xok, xrel = check(xout, zref)
+
+                def zx_call(i):
+                    rs_, maps_ = residuals[10]
+                    def call():
+                        p, s = quantize_activations_triton(x)
+                        return zipper_gemm_triton(p, s, qweights[i], w_scales[i], k, rs_[i], block_map=maps_[i], x16=False)
+                    return call
+                add("zip10_x1", [zx_call(i) for i in range(n_w4)], xok and act_ok, xrel, w4_bytes + res_bytes,
+                    {"blocks": rs[0].num_blocks})
                 for tag, pdl in (("pdl", True), ("nopdl", False)):
                     pout = zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], block_map=maps[0], pdl=pdl)
                     pok, prel = check(pout, zref)
@@ -283,6 +316,21 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
         print(f"N={n} K={k} M={m}: " + "  ".join(
             f"{r['variant']}={r['us']:.1f}us({r['speedup_vs_bf16']:.2f}x{'' if r['check_ok'] else ' FAIL'})" for r in shown
         ), flush=True)
+
+
+def add_quantlinear_rows(rows, n, k, device) -> None:
+    """Label, per M, the measured variants ``QuantLinear`` runs: ``ql_dense`` (a layer without residual
+    blocks) and ``ql_zip10`` (with the 10% residual). Copies of those rows (``same_as`` names them)."""
+    for m in sorted({r["m"] for r in rows if r.get("n") == n and r.get("k") == k}):
+        sel = {r["variant"]: r for r in rows if r.get("n") == n and r.get("k") == k and r.get("m") == m and "us" in r}
+        if SWAP_DECODE_M[0] <= m <= SWAP_DECODE_M[1]:
+            dense = "w4a4_swapdec"
+        else:
+            dense = "w4a4_swap" if swapped_prefill(m, n, device, residual=False) else "w4a4"
+        zipped = "zip10_swap" if swapped_prefill(m, n, device, residual=True) else "zip10"
+        for label, src in (("ql_dense", dense), ("ql_zip10", zipped)):
+            if src in sel:
+                rows.append(dict(sel[src], variant=label, same_as=src))
 
 
 def versions(device) -> dict:
@@ -314,7 +362,8 @@ def main(argv=None) -> int:
     budgets = [int(v) for v in args.budgets.split(",")]
     shapes: dict[tuple[int, int], list[str]] = {}
     if args.dry:
-        global ROTATE_BYTES, SWAP_MIN_M
+        global ROTATE_BYTES, SWAP_MIN_M, DRY
+        DRY = True
         ROTATE_BYTES = 1
         SWAP_MIN_M = 1
         shapes = {(320, 384): ["dry"]}
@@ -350,6 +399,7 @@ def main(argv=None) -> int:
     for (n, k), names in shapes.items():
         print(f"== {n}x{k} ({', '.join(names)})  t={time.time() - t0:.0f}s", flush=True)
         bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_filter)
+        add_quantlinear_rows(rows, n, k, device)
         (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         torch.cuda.empty_cache() if device.type == "cuda" else None
     keys = sorted({key for r in rows for key in r})
@@ -358,10 +408,11 @@ def main(argv=None) -> int:
         writer.writeheader()
         writer.writerows(rows)
 
-    failed = [r for r in rows if r.get("check_ok") is False]
-    print(f"\nchecks: {len(rows) - len(failed)} ok, {len(failed)} FAILED; {time.time() - t0:.0f}s")
-    cols = ["w4a4", "w4a4_nopdl", "w4a4_pdl_nopf", "w4a4_swap", "zip0", "zip10", "zip10_swap", "zip10_swap_ts5",
-            "zip10_swap_int8", "unfused10"]
+    measured = [r for r in rows if "same_as" not in r]
+    failed = [r for r in measured if r.get("check_ok") is False]
+    print(f"\nchecks: {len(measured) - len(failed)} ok, {len(failed)} FAILED; {time.time() - t0:.0f}s")
+    cols = ["ql_dense", "w4a4", "w4a4_x1", "w4a4_swapdec", "w4a4_swap", "w4a4_swap_x1", "zip0", "ql_zip10", "zip10",
+            "zip10_x1", "zip10_swap", "zip10_swap_cc", "unfused10"]
     print("speedup vs bf16 (same run, median); bf16 us in first column")
     print(f"{'shape':>12} {'M':>5} {'bf16us':>8} " + " ".join(f"{c:>12}" for c in cols))
     for (n, k) in shapes:
