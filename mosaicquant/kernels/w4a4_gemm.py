@@ -427,8 +427,8 @@ def w4a4_gemm_swapped_triton(
             GPU, int8 dots in the interpreter), or ``"int8"``, int8 dots into a second
             accumulator; the same result up to fp32 rounding.
         tail_stages: software-pipelining depth of the residual walk (``None``: the compiler's
-            default from ``num_stages``, which on sm_90 left each block's loads waiting for the
-            previous block's dots; 5 compiles to double-buffered tiles, see ``benchmarks/NOTES.md`` v9).
+            default from ``num_stages``; 5 compiles to double-buffered tiles but measured no
+            faster on the H200, ``benchmarks/NOTES.md`` v9).
         block_n, block_m: weight rows and tokens per program (powers of two, >= 16).
         block_kp: packed K bytes per step (64, 128 or 256: one, two or four split8 blocks).
         split_k: programs sharing an output tile along K (fp32 partials summed in split order
