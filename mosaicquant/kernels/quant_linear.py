@@ -195,24 +195,25 @@ class QuantLinear(nn.Module):
 
     def uses_swapped(self, m: int, backend: str) -> bool:
         """Whether a call of ``m`` tokens on ``backend`` runs the operand-swapped GEMM (prefill, or decode tiles)."""
-        if backend != "triton" or not self.swap_ok:
-            return False
-        return self._swap_prefill(m) or self._swap_decode(m)
+        return backend == "triton" and self._swap_route(m) is not None
 
-    def _swap_prefill(self, m: int) -> bool:
-        return self.swap_min_m is not None and swapped_prefill(
-            m, self.out_features, self.qweight.device, self.block_shape is not None, self.swap_min_m,
-            self.swap_min_tiles_per_sm)
-
-    def _swap_decode(self, m: int) -> bool:
-        return (self.swap_decode is not None and self.block_shape is None
-                and self.swap_decode[0] <= m <= self.swap_decode[1] and not self._swap_prefill(m))
+    def _swap_route(self, m: int) -> str | None:
+        """``"prefill"``, ``"decode"`` (the swapped GEMM at decode tiles) or ``None`` for a call of ``m`` tokens."""
+        if not self.swap_ok:
+            return None
+        if self.swap_min_m is not None and swapped_prefill(
+                m, self.out_features, self.qweight.device, self.block_shape is not None, self.swap_min_m,
+                self.swap_min_tiles_per_sm):
+            return "prefill"
+        if self.swap_decode is not None and self.block_shape is None and self.swap_decode[0] <= m <= self.swap_decode[1]:
+            return "decode"
+        return None
 
     def forward_split8(self, a_split: torch.Tensor, a_scale: torch.Tensor) -> torch.Tensor:
         """The swapped GEMM on ``"split8"`` activations ``int8 [M, split8_width(K)]`` + ``[M]`` scales → BF16 ``[M, N]``."""
         m = a_split.shape[0]
         tiles = swapped_decode_config(m, self.out_features, (self.in_features + 1) // 2, a_split.device) \
-            if self._swap_decode(m) else {}
+            if self._swap_route(m) == "decode" else {}
         return w4a4_gemm_swapped_triton(a_split, a_scale, self.qweight, self.w_scale, self.in_features, self.bias,
                                         residual=self.residual, **tiles)
 

@@ -57,12 +57,12 @@ from mosaicquant.kernels._tl import (
     prefetch_rows_l2,
     store_output,
     tile_indices,
-    unpack_hi,
     to_e4m3,
+    unpack_e4m3,
+    unpack_hi,
     unpack_hi16,
     unpack_lo,
     unpack_lo16,
-    unpack_e4m3,
     wait_for_inputs,
 )
 from mosaicquant.kernels.act_quant import SPLIT_BLOCK, split8_width
@@ -154,12 +154,6 @@ def _residual_unit(a_ptr, res_val_ptr, res_scale_ptr, first, u, units, k0, safe_
                 mask=valid, other=0)
     r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows, mask=valid, other=0.0).to(tl.float32)
     return a_even, a_odd, r, r_scale
-
-
-@triton.jit
-def _to_fp8(q):
-    """Small integers (``int8``, |q| <= 8) as exact FP8 e4m3 values."""
-    return q.to(tl.float16).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -255,8 +249,8 @@ def _w4a4_swapped_kernel(
                     y = tl.dot(unpack_e4m3(r, False, USE_ASM), to_e4m3(a_even, USE_ASM), y)
                     y = tl.dot(unpack_e4m3(r, True, USE_ASM), to_e4m3(a_odd, USE_ASM), y)
                 else:
-                    y = tl.dot(_to_fp8(unpack_lo(r, USE_ASM)), _to_fp8(a_even), y)
-                    y = tl.dot(_to_fp8(unpack_hi(r, USE_ASM)), _to_fp8(a_odd), y)
+                    y = tl.dot(to_e4m3(unpack_lo(r, USE_ASM)), to_e4m3(a_even), y)
+                    y = tl.dot(to_e4m3(unpack_hi(r, USE_ASM)), to_e4m3(a_odd), y)
                 y = y * r_scale[:, None]
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     y = y * a_scale[None, :]
@@ -502,9 +496,7 @@ def w4a4_gemm_swapped_triton(
         a_split, a_scale, qweight.view(torch.int8), w_scale.reshape(-1), bias if bias is not None else a_scale, out,
         part, lock_buffer(out.device),
         *res, m, n, kp, a_split.shape[1], a_split.stride(0), qweight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=kp % block_kp == 0,
-        # Triton's interpreter has no FP8 dot: there the fp8 walk runs the int8 one
-        RES_MODE=res_mode, TAIL_STAGES=tail_stages,
+        HAS_BIAS=bias is not None, EVEN_K=kp % block_kp == 0, RES_MODE=res_mode, TAIL_STAGES=tail_stages,
         BN_RES=bn_res, BKP_RES=bk_res // 2, BN=block_n, BM=block_m, GROUP_N=8,
         USE_ASM=not triton_interpreting(), BKP=block_kp, SPLIT_K=split_k, PDL=pdl, X16=bool(x16),
         E4M3_ASM=bool(e4m3_asm),
