@@ -15,6 +15,10 @@ is recorded as unavailable with the reason, never timed on a stand-in. The recor
     * ``decode_tok_s/b{B}`` for each batch ``B``: one decode step with a static KV cache
       holding ``context`` tokens, captured in a CUDA graph and replayed (launch overhead
       excluded, as in CUDA-graph serving); tokens/s = ``B`` / median step time.
+    * both run on the ``runtime`` decoder (:mod:`mosaicquant.harness.runtime`): ``fused``
+      (single-kernel norms, RoPE + KV write, split-KV attention, SiLU·mul, for every method
+      alike), ``transformers`` (the eager code), or ``auto`` (fused where the model allows,
+      else transformers); the record's ``method_info.speed.runtime`` says which ran and why.
     * with ``nvidia-ml-py`` on the GPU: ``decode_energy_j_per_tok/b{B}`` (energy counter over
       ``energy_s`` seconds of replays after the timed ones), ``decode_power_w/b{B}`` (mean power
       of that window) and ``decode_sm_clock_mhz/b{B}`` (sampled at
@@ -40,15 +44,16 @@ from dataclasses import dataclass
 import torch
 
 from mosaicquant.harness.config import Config, check_range
-from mosaicquant.harness.errors import Unavailable
+from mosaicquant.harness.errors import Unavailable, UserInputError
 from mosaicquant.harness.registry import register_suite
 from mosaicquant.harness.results import Metric
+from mosaicquant.harness.runtime import RUNTIMES, FusedDecoder, resolve_runtime
 from mosaicquant.harness.speedforms import executable
 from mosaicquant.harness.telemetry import Telemetry
 from mosaicquant.harness.timing import time_calls
 
 __all__ = ["ThroughputConfig", "LatencyConfig", "throughput", "latency", "LINEAR_GROUPS", "measure_prefill",
-           "decode_step", "measure_decode", "measure_linear_group", "SPEED_SUITES"]
+           "decode_step", "fused_decode_step", "measure_decode", "measure_linear_group", "SPEED_SUITES"]
 
 SPEED_SUITES = ("throughput", "latency")
 
@@ -69,6 +74,11 @@ def _check_ints(name: str, values, minimum: int = 1) -> None:
         check_range(name, v, minimum, None, integer=True)
 
 
+def _check_runtime(runtime: str) -> None:
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime: {runtime!r} is not allowed: choose from {', '.join(RUNTIMES)}")
+
+
 @dataclass(frozen=True)
 class ThroughputConfig(Config):
     """Throughput options.
@@ -83,6 +93,8 @@ class ThroughputConfig(Config):
             launches timed with CUDA events, for models whose layers cannot be captured).
         energy_s: seconds of decode steps replayed in one NVML window per batch size (energy per
             token, mean power), after the timed replays.
+        runtime: decoder code around the linears: ``auto``, ``fused`` or ``transformers``
+            (:data:`mosaicquant.harness.runtime.RUNTIMES`).
     """
 
     description = "prefill tokens/s and CUDA-graph decode tokens/s at batch 4-32, with NVML energy (GPU)"
@@ -94,8 +106,10 @@ class ThroughputConfig(Config):
     replays: int = 11
     cuda_graphs: bool = True
     energy_s: float = 2.0
+    runtime: str = "auto"
 
     def validate(self):
+        _check_runtime(self.runtime)
         check_range("energy_s", self.energy_s, 0.1, 600.0)
         check_range("prefill_len", self.prefill_len, 1, None, integer=True)
         check_range("prefill_batch", self.prefill_batch, 1, None, integer=True)
@@ -115,6 +129,7 @@ class LatencyConfig(Config):
         steps: also time the end-to-end prefill and decode steps.
         prefill_len, batches, context: as in ``throughput`` (end-to-end steps).
         replays: timed repetitions.
+        runtime: decoder code of the end-to-end steps, as in ``throughput``.
     """
 
     description = "per-linear-layer latency over M = 1..8192 and end-to-end step latency (GPU, CUDA graphs)"
@@ -127,8 +142,10 @@ class LatencyConfig(Config):
     batches: tuple[int, ...] = (4, 8, 16, 32)
     context: int = 512
     replays: int = 11
+    runtime: str = "auto"
 
     def validate(self):
+        _check_runtime(self.runtime)
         _check_ints("ms", self.ms)
         for g in self.groups:
             if g not in LINEAR_GROUPS:
@@ -163,15 +180,20 @@ def _dtype(model) -> torch.dtype:
     return emb.weight.dtype
 
 
-def measure_prefill(model, batch: int, length: int, device, replays: int = 11, graphs: bool = True):
+def measure_prefill(model, batch: int, length: int, device, replays: int = 11, graphs: bool = True,
+                    decoder: FusedDecoder | None = None):
     """Median µs of a prefill of ``batch × length`` random tokens (last-position logits only).
 
     ``graphs``: replay one captured CUDA graph of the forward (else eager launches).
+    ``decoder``: run on this :class:`~mosaicquant.harness.runtime.FusedDecoder` (else transformers' code).
     """
     ids = torch.randint(0, _vocab(model), (batch, length), device=device)
 
     def call():
-        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        if decoder is not None:
+            decoder.prefill(ids)
+        else:
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
 
     return time_calls([call], min_us=0.0, replays=replays, graphs=graphs)
 
@@ -184,6 +206,24 @@ def _static_cache(model, batch: int, max_len: int, device, dtype):
     except TypeError:  # transformers 4.x takes the batch, device and dtype up front
         return StaticCache(config=model.config, max_batch_size=batch, max_cache_len=max_len, device=device,
                            dtype=dtype)
+
+
+def fused_decode_step(decoder: FusedDecoder, batch: int, context: int):
+    """Like :func:`decode_step`, on the fused decoder: its cache filled by a random prompt, then
+    every call decodes the token at position ``context`` (lengths live on the device)."""
+    cache = decoder.new_cache(batch, context + 8)
+    vocab = _vocab(decoder.model)
+    device = decoder.device
+    decoder.prefill(torch.randint(0, vocab, (batch, context), device=device), cache)
+    step_ids = torch.randint(0, vocab, (batch, 1), device=device)
+    positions = torch.full((batch,), context, dtype=torch.int64, device=device)
+    lengths = (positions + 1).to(torch.int32)
+
+    def step():
+        return decoder.decode(step_ids, positions, cache, lengths)
+
+    step.input_ids = step_ids
+    return step
 
 
 def decode_step(model, batch: int, context: int, device):
@@ -216,9 +256,10 @@ def decode_step(model, batch: int, context: int, device):
 
 
 def measure_decode(model, batch: int, context: int, device, replays: int = 11, graphs: bool = True,
-                   telemetry: Telemetry | None = None, telemetry_s: float = 2.0):
+                   telemetry: Telemetry | None = None, telemetry_s: float = 2.0, decoder: FusedDecoder | None = None):
     """Median µs of one decode step at ``batch`` with ``context`` cached tokens (static KV cache)."""
-    step = decode_step(model, batch, context, device)
+    step = fused_decode_step(decoder, batch, context) if decoder is not None else decode_step(model, batch, context,
+                                                                                               device)
     return time_calls([step], min_us=50_000.0, replays=replays, graphs=graphs, telemetry=telemetry,
                       telemetry_s=telemetry_s)
 
@@ -265,7 +306,9 @@ def _tok_s(tokens: int, t) -> Metric:
     return Metric(value, higher_is_better=True, unit="tok/s", spread=spread)
 
 
-def _prepare(model, ctx, suite: str, graphs: bool = True):
+def _prepare(model, ctx, suite: str, graphs: bool = True, runtime: str | None = "auto"):
+    """Checks, the executable form, and the decoder runtime (a FusedDecoder, or ``None`` for
+    transformers' code or when ``runtime`` is ``None``: no end-to-end step is timed)."""
     _require_cuda(ctx.device, suite)
     _decoder_layers(model)
     if _dtype(model) not in (torch.bfloat16, torch.float16):
@@ -275,23 +318,31 @@ def _prepare(model, ctx, suite: str, graphs: bool = True):
     ctx.method_info.setdefault("speed", {}).update(
         gpu=torch.cuda.get_device_name(ctx.device), exec_path=path,
         timing="CUDA graphs (prefill, decode, per-layer)" if graphs else "eager launches, CUDA events (prefill, decode)")
-    return path
+    if runtime is None:
+        return None
+    try:
+        name, description = resolve_runtime(runtime, model)
+    except UserInputError as err:
+        raise Unavailable(str(err)) from err
+    ctx.method_info["speed"].update(runtime=name, runtime_description=description)
+    return FusedDecoder(model) if name == "fused" else None
 
 
 @register_suite("throughput", config=ThroughputConfig, description=ThroughputConfig.description)
 def throughput(model, config: ThroughputConfig, ctx):
     """Prefill and decode tokens/s of the executable model on the GPU."""
-    _prepare(model, ctx, "throughput", config.cuda_graphs)
+    decoder = _prepare(model, ctx, "throughput", config.cuda_graphs, config.runtime)
     device = ctx.device
     metrics: dict[str, Metric] = {}
-    t = measure_prefill(model, config.prefill_batch, config.prefill_len, device, config.replays, config.cuda_graphs)
+    t = measure_prefill(model, config.prefill_batch, config.prefill_len, device, config.replays, config.cuda_graphs,
+                        decoder)
     metrics["prefill_tok_s"] = _tok_s(config.prefill_batch * config.prefill_len, t)
     telemetry = Telemetry(device)
     if not telemetry.active:
         ctx.method_info.setdefault("speed", {})["telemetry"] = f"none: {telemetry.reason}"
     for b in config.batches:
         t = measure_decode(model, b, config.context, device, config.replays, config.cuda_graphs, telemetry,
-                           config.energy_s)
+                           config.energy_s, decoder)
         metrics[f"decode_tok_s/b{b}"] = _tok_s(b, t)
         w = t.window
         if w is not None:
@@ -309,7 +360,7 @@ def throughput(model, config: ThroughputConfig, ctx):
 @register_suite("latency", config=LatencyConfig, description=LatencyConfig.description)
 def latency(model, config: LatencyConfig, ctx):
     """Per-linear-layer latency over M and end-to-end step latency on the GPU."""
-    _prepare(model, ctx, "latency")
+    decoder = _prepare(model, ctx, "latency", runtime=config.runtime if config.steps else None)
     device = ctx.device
     metrics: dict[str, Metric] = {}
     for group in config.groups:
@@ -318,11 +369,11 @@ def latency(model, config: LatencyConfig, ctx):
             metrics[f"linear_us/{group}/m{m}"] = Metric(t.median_us, higher_is_better=False, unit="us",
                                                         spread=t.spread_us)
     if config.steps:
-        t = measure_prefill(model, 1, config.prefill_len, device, config.replays)
+        t = measure_prefill(model, 1, config.prefill_len, device, config.replays, decoder=decoder)
         metrics["step_ms/prefill"] = Metric(t.median_us / 1e3, higher_is_better=False, unit="ms",
                                             spread=t.spread_us / 1e3)
         for b in config.batches:
-            t = measure_decode(model, b, config.context, device, config.replays)
+            t = measure_decode(model, b, config.context, device, config.replays, decoder=decoder)
             metrics[f"step_ms/decode_b{b}"] = Metric(t.median_us / 1e3, higher_is_better=False, unit="ms",
                                                      spread=t.spread_us / 1e3)
     return metrics

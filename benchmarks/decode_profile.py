@@ -1,0 +1,127 @@
+"""Where a decode step's time goes, per method and decoder runtime (GPU).
+
+For each method on a random-weight shape model: the step time as the throughput suite
+measures it (CUDA graph, median), then the same step run eagerly under the PyTorch profiler,
+its GPU kernels summed by category (µs per step): the 4-bit GEMMs, activation quantization
+(with the fused online Hadamard), BF16 GEMMs (cuBLAS: the BF16 linears, the output head),
+attention, norms, RoPE + KV write, SiLU·mul, and everything else. ``graph - kernels`` is what
+the graph still spends between kernels.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/decode_profile.py --out OUT \\
+        --model llama-3-8b-shapes --methods fp16,rtn,quarot,mosaicquant --batches 4,32
+
+Writes ``OUT/decode_profile.json`` (every kernel name with its category and µs per step)
+and prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from mosaicquant.harness.context import QuantContext  # noqa: E402
+from mosaicquant.harness.registry import get_method  # noqa: E402
+from mosaicquant.harness.runtime import FusedDecoder  # noqa: E402
+from mosaicquant.harness.shapes import build_shape_model  # noqa: E402
+from mosaicquant.harness.speedforms import executable, speed_form  # noqa: E402
+from mosaicquant.harness.suites.speed import decode_step, fused_decode_step  # noqa: E402
+from mosaicquant.harness.timing import time_calls  # noqa: E402
+
+CATEGORIES = (
+    ("w4a4 gemm", r"_w4a4_gemm_kernel|_w4a4_swapped_kernel|_zipper_kernel|_residual_add_kernel|_mixed_gemm"),
+    ("act-quant", r"_act_quant_kernel|_hadamard_quant_kernel|_mixed_act_quant"),
+    ("attention", r"_attn_|flash|fmha|attention|softmax"),
+    ("norm", r"_rmsnorm_kernel"),
+    ("rope+kv", r"_rope_kv_kernel"),
+    ("silu*mul", r"_silu_mul_kernel"),
+    ("bf16 gemm", r"gemm|nvjet|cutlass|sm90_xmma|ampere|cublas"),
+)
+
+
+def category(name: str) -> str:
+    for cat, pattern in CATEGORIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return cat
+    return "other"
+
+
+def profile_step(step, steps: int = 5) -> dict[str, float]:
+    """µs per step of every GPU kernel the eager step runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = defaultdict(float)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[evt.name] += evt.device_time / steps
+    return dict(per_kernel)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="llama-3-8b-shapes")
+    ap.add_argument("--methods", default="fp16,rtn,quarot,mosaicquant")
+    ap.add_argument("--batches", default="4,32")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--runtimes", default="fused,transformers")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    os.makedirs(args.out, exist_ok=True)
+    rows, records = [], []
+    for method in args.methods.split(","):
+        torch.manual_seed(0)
+        model = build_shape_model(args.model, dtype=torch.bfloat16, device=device)
+        ctx = QuantContext(calibration=lambda: None, seed=0, device=device)
+        config = get_method(method).config() if method != "fp16" else None
+        speed_form(method, model, config, ctx)
+        executable(model, ctx.info)
+        decoder = FusedDecoder(model)
+        for runtime in args.runtimes.split(","):
+            for b in (int(x) for x in args.batches.split(",")):
+                with torch.no_grad():
+                    step = (fused_decode_step(decoder, b, args.context) if runtime == "fused"
+                            else decode_step(model, b, args.context, device))
+                    graph_us = time_calls([step], min_us=50_000.0, replays=11).median_us
+                    kernels = profile_step(step)
+                by_cat: dict[str, float] = defaultdict(float)
+                for name, us in kernels.items():
+                    by_cat[category(name)] += us
+                total = sum(kernels.values())
+                rows.append((method, runtime, b, graph_us, total, len(kernels), dict(by_cat)))
+                records.append({"method": method, "runtime": runtime, "batch": b, "context": args.context,
+                                "graph_step_us": graph_us, "kernel_sum_us": total,
+                                "categories_us": dict(by_cat),
+                                "kernels": [{"name": n, "category": category(n), "us_per_step": us}
+                                            for n, us in sorted(kernels.items(), key=lambda kv: -kv[1])]})
+                print(f"{method} {runtime} b{b}: graph {graph_us:.0f} us, kernels {total:.0f} us", flush=True)
+        del model, decoder
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "decode_profile.json"), "w") as f:
+        json.dump({"model": args.model, "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                   "rows": records}, f, indent=1)
+    cats = [c for c, _ in CATEGORIES] + ["other"]
+    print(f"\n{args.model}, context {args.context}: µs per decode step (graph median; kernel sums from the profiler)")
+    print("| method | runtime | B | graph | kernels | " + " | ".join(cats) + " |")
+    print("|---" * (5 + len(cats)) + "|")
+    for method, runtime, b, graph_us, total, _, by_cat in rows:
+        print(f"| {method} | {runtime} | {b} | {graph_us:.0f} | {total:.0f} | "
+              + " | ".join(f"{by_cat.get(c, 0.0):.0f}" for c in cats) + " |")
+
+
+if __name__ == "__main__":
+    main()

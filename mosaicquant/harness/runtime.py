@@ -1,0 +1,381 @@
+"""The decoder runtimes the speed suites time: transformers' eager code, or a fused decoder.
+
+A method changes the linear layers; the rest of a decode step (norms, RoPE, the KV cache,
+attention, the activation, the output head) is the same for every method, and in
+transformers' eager code it is some thirty small kernels a layer — on Llama-3-8B at batch
+4 about half of a BF16 step, which caps what any weight format can show end to end. The
+``fused`` runtime runs the same model with those ops as single kernels
+(:mod:`mosaicquant.kernels.decoder`) and calls the model's own linear modules (the
+method's kernel layers, their online transforms and fused projection groups included), so
+every method, the BF16 baseline included, is timed on the same lean decoder — the way a
+serving engine would run it.
+
+:class:`FusedDecoder` per layer: ``residual += x`` and RMSNorm in one kernel; the q/k/v
+projections as one GEMM (a method's :class:`~mosaicquant.kernels.convert.FusedProjections`
+group, or the float weights stacked once, the original linears left as views of the
+stack); per-head q/k norms (Qwen3), RoPE, and the KV-cache write in one kernel;
+split-KV decode attention (two kernels) or, for a prefill, PyTorch's
+``scaled_dot_product_attention`` (causal, flash); ``o_proj``; the second add + RMSNorm;
+gate/up as one GEMM; SiLU·mul; ``down_proj``. The KV cache is the model dtype (16-bit),
+``[B, kv_heads, L, D]`` per layer.
+
+:func:`fused_reason` says why a model cannot run on it (an architecture it does not know,
+a KV-cache quantizer, hooks on modules it does not call, a sliding window, ...); the
+suites then run transformers' code and record why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mosaicquant.harness.errors import UserInputError, unknown_name
+
+__all__ = ["RUNTIMES", "FUSED_DESCRIPTION", "FusedDecoder", "DecodeCache", "fused_reason", "resolve_runtime"]
+
+#: ``auto``: fused where :func:`fused_reason` allows, else transformers (the record says why)
+RUNTIMES = ("auto", "fused", "transformers")
+FUSED_DESCRIPTION = ("fused decoder (Triton add+RMSNorm, q/k norm + RoPE + KV write, split-KV decode attention, "
+                     "SiLU*mul; SDPA flash attention for prefill; q/k/v and gate/up as one GEMM each; 16-bit KV)")
+TRANSFORMERS_DESCRIPTION = "transformers eager decoder (static KV cache, 16-bit unless the method quantizes it)"
+
+_STANDARD_ATTENTION = (None, "sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
+
+def _norm_ok(norm: nn.Module) -> bool:
+    return (type(norm).__name__.endswith("RMSNorm") and isinstance(getattr(norm, "weight", None), torch.Tensor)
+            and isinstance(getattr(norm, "variance_epsilon", None), float))
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def fused_reason(model: nn.Module) -> str | None:
+    """``None`` when :class:`FusedDecoder` can run ``model``, else why not (one sentence)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    config = getattr(model, "config", None)
+    if layers is None or config is None or not hasattr(inner, "embed_tokens") or not hasattr(model, "lm_head"):
+        return f"{type(model).__name__} is not a decoder-only model with model.layers, embed_tokens and lm_head"
+    if getattr(config, "_attn_implementation", None) not in _STANDARD_ATTENTION:
+        return (f"attention runs through '{config._attn_implementation}' (a KV-cache quantizer or another wrapper), "
+                "which the fused decoder does not reproduce")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act={config.hidden_act!r}; the fused decoder runs SiLU-gated MLPs"
+    if getattr(config, "use_sliding_window", False) or (
+            getattr(config, "sliding_window", None) and getattr(config, "model_type", "") == "mistral"):
+        return "sliding-window attention is not implemented in the fused decoder"
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None or getattr(rotary, "rope_type", "default") == "dynamic":
+        return "no rotary embedding module with a fixed table (model.rotary_emb; dynamic RoPE is not taken)"
+    if not _norm_ok(getattr(inner, "norm", None)):
+        return "the final norm is not an RMSNorm with weight and variance_epsilon"
+    for i, layer in enumerate(layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        parts = [layer, attn, mlp, getattr(layer, "input_layernorm", None),
+                 getattr(layer, "post_attention_layernorm", None)]
+        if any(p is None for p in parts) or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj",
+                                                                                 "o_proj", "head_dim")):
+            return f"layer {i} lacks the Llama/Qwen parts (self_attn q/k/v/o_proj, mlp, two RMSNorms)"
+        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return f"layer {i}'s MLP is not gate/up/down"
+        if not (_norm_ok(parts[3]) and _norm_ok(parts[4])):
+            return f"layer {i}'s norms are not RMSNorms with weight and variance_epsilon"
+        if hasattr(attn, "q_norm") != hasattr(attn, "k_norm") or (
+                hasattr(attn, "q_norm") and not (_norm_ok(attn.q_norm) and _norm_ok(attn.k_norm))):
+            return f"layer {i}'s q/k norms are not RMSNorms"
+        bypassed = [*parts, getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+        if any(p is not None and _hooked(p) for p in bypassed):
+            return (f"layer {i} has forward hooks on a module the fused decoder does not call "
+                    "(decoder layer, attention, MLP or norm)")
+        d = int(attn.head_dim)
+        if d < 16 or d > 256 or d & (d - 1):
+            return f"head size {d}; the fused kernels take powers of two from 16 to 256"
+    return None
+
+
+def resolve_runtime(runtime: str, model: nn.Module) -> tuple[str, str]:
+    """The runtime that will run ``model`` and its description for the record.
+
+    Raises:
+        UserInputError: an unknown runtime name, or ``fused`` for a model it cannot run.
+    """
+    if runtime not in RUNTIMES:
+        raise unknown_name("runtime", runtime, RUNTIMES)
+    if runtime == "transformers":
+        return "transformers", TRANSFORMERS_DESCRIPTION
+    reason = fused_reason(model)
+    if reason is None:
+        return "fused", FUSED_DESCRIPTION
+    if runtime == "fused":
+        raise UserInputError(f"runtime 'fused' cannot run this model: {reason}; use --runtime transformers or auto")
+    return "transformers", f"{TRANSFORMERS_DESCRIPTION}; the fused decoder was not used: {reason}"
+
+
+class _Stacked:
+    """Sibling projections reading one input, run as one matrix product with stacked outputs."""
+
+    def __init__(self, parent: nn.Module, names: tuple[str, ...]):
+        from mosaicquant.kernels.convert import ProjectionSlice, _run_quant
+
+        mods = [getattr(parent, n) for n in names]
+        self.width = sum(int(m.out_features) for m in mods)
+        first = mods[0]
+        group = getattr(first, "group", None)
+        if (isinstance(first, ProjectionSlice) and list(group.names) == list(names)
+                and all(getattr(m, "group", None) is group for m in mods)):
+            self.fn = lambda x: _run_quant(group.quant, x, group.input_transform, group.fuse_transform)
+            self.kind = "group"
+        elif all(type(m) is nn.Linear and not _hooked(m) for m in mods) and len({m.weight.dtype for m in mods}) == 1:
+            # float weights: one stacked tensor; the original linears become views of it (no copy kept)
+            weight = torch.cat([m.weight.data for m in mods])
+            bias = None
+            if any(m.bias is not None for m in mods):
+                bias = torch.cat([m.bias.data if m.bias is not None else weight.new_zeros(m.out_features)
+                                  for m in mods])
+            start = 0
+            for m in mods:
+                m.weight = nn.Parameter(weight[start:start + m.out_features], requires_grad=False)
+                if m.bias is not None:
+                    m.bias = nn.Parameter(bias[start:start + m.out_features], requires_grad=False)
+                start += m.out_features
+            self.fn = lambda x: F.linear(x, weight, bias)
+            self.kind = "stacked"
+        else:
+            self.fn = lambda x: torch.cat([m(x) for m in mods], dim=-1)
+            self.kind = "separate"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+@dataclass
+class _Layer:
+    input_norm: nn.Module
+    post_norm: nn.Module
+    qkv: _Stacked
+    o_proj: nn.Module
+    gate_up: _Stacked
+    down_proj: nn.Module
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qk_eps: float
+    scaling: float
+
+
+@dataclass
+class DecodeCache:
+    """The fused decoder's KV cache of ``batch`` sequences up to ``length`` tokens.
+
+    Attributes:
+        keys, values: per layer ``[batch, kv_heads, length, head_dim]``.
+        cos, sin: rotary tables ``[length, head_dim]`` in the model dtype.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @property
+    def batch(self) -> int:
+        return int(self.keys[0].shape[0])
+
+    @property
+    def length(self) -> int:
+        return int(self.keys[0].shape[2])
+
+
+class FusedDecoder:
+    """Run a Llama/Qwen-layout causal LM with fused non-linear kernels (see the module docstring).
+
+    Args:
+        model: the (quantized, kernel-converted) model; its float q/k/v and gate/up weights
+            are re-stored once as stacked tensors, the original linears becoming views.
+        kernel: kernel preference for the fused ops (``"torch"`` runs their references).
+
+    Raises:
+        UserInputError: the model cannot run here (:func:`fused_reason`).
+
+    Example:
+        >>> dec = FusedDecoder(model)                                       # doctest: +SKIP
+        >>> cache = dec.new_cache(batch=4, length=520)                      # doctest: +SKIP
+        >>> logits = dec.prefill(prompt_ids, cache)                         # doctest: +SKIP
+        >>> logits = dec.decode(next_ids, positions, cache)                 # doctest: +SKIP
+    """
+
+    def __init__(self, model: nn.Module, kernel: str | None = None):
+        reason = fused_reason(model)
+        if reason is not None:
+            raise UserInputError(f"the fused decoder cannot run this model: {reason}")
+        self.model = model
+        self.kernel = kernel
+        inner = model.model
+        cfg = model.config
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(inner.layers[0].self_attn.head_dim)
+        self.embed = inner.embed_tokens
+        self.final_norm = inner.norm
+        self.lm_head = model.lm_head
+        self.rotary = inner.rotary_emb
+        self._table_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.layers: list[_Layer] = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qn = getattr(attn, "q_norm", None)
+            kn = getattr(attn, "k_norm", None)
+            self.layers.append(_Layer(
+                layer.input_layernorm, layer.post_attention_layernorm,
+                _Stacked(attn, ("q_proj", "k_proj", "v_proj")), attn.o_proj,
+                _Stacked(mlp, ("gate_proj", "up_proj")), mlp.down_proj,
+                None if qn is None else qn.weight, None if kn is None else kn.weight,
+                float(qn.variance_epsilon) if qn is not None else 1e-6,
+                float(getattr(attn, "scaling", self.head_dim ** -0.5))))
+        width = (self.heads + 2 * self.kv_heads) * self.head_dim
+        if self.layers[0].qkv.width != width:
+            raise UserInputError(f"q/k/v projections give {self.layers[0].qkv.width} columns; the config's heads "
+                                 f"give {width}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, batch: int, length: int) -> DecodeCache:
+        """A KV cache for ``batch`` sequences of up to ``length`` tokens, with its rotary tables.
+
+        Raises:
+            UserInputError: a batch or length below 1.
+        """
+        if batch < 1 or length < 1:
+            raise UserInputError(f"cache batch={batch} and length={length} must be >= 1")
+        shape = (batch, self.kv_heads, length, self.head_dim)
+        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        cos, sin = self._tables(length)
+        return DecodeCache(keys, values, cos, sin)
+
+    def _tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # kept per length: the check below synchronizes, which a CUDA-graph capture must not meet
+        if length in self._table_cache:
+            return self._table_cache[length]
+        probe = torch.empty(1, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            cos, sin = self.rotary(probe, torch.arange(length, device=self.device)[None])
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        half = self.head_dim // 2
+        if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
+            raise UserInputError("the rotary tables are not [freqs, freqs]: the fused RoPE kernel cannot take them")
+        self._table_cache[length] = (cos, sin)
+        return cos, sin
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, tokens_per_seq: int, keys, values, cos, sin,
+                attend) -> tuple[torch.Tensor, torch.Tensor]:
+        from mosaicquant.kernels.decoder import rmsnorm, rope_kv, silu_mul
+
+        kernel = self.kernel
+        residual = x
+        h = None
+        for i, lay in enumerate(self.layers):
+            if h is None:
+                residual = x.clone()
+                h = rmsnorm(x, lay.input_norm.weight, lay.input_norm.variance_epsilon, kernel=kernel)
+            else:
+                h = rmsnorm(h, lay.input_norm.weight, lay.input_norm.variance_epsilon, residual, kernel=kernel)
+            qkv = lay.qkv(h)
+            q = rope_kv(qkv, positions, cos, sin, keys[i], values[i], self.heads, self.kv_heads, tokens_per_seq,
+                        lay.q_norm, lay.k_norm, lay.qk_eps, kernel=kernel)
+            a = attend(q, keys[i], values[i], lay.scaling)
+            h = rmsnorm(lay.o_proj(a), lay.post_norm.weight, lay.post_norm.variance_epsilon, residual,
+                        kernel=kernel)
+            h = lay.down_proj(silu_mul(lay.gate_up(h), kernel=kernel))
+        return h, residual
+
+    def _head(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        from mosaicquant.kernels.decoder import rmsnorm
+
+        x = rmsnorm(h, self.final_norm.weight, self.final_norm.variance_epsilon, residual, kernel=self.kernel)
+        return self.lm_head(x)
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+            raise UserInputError(f"input ids must be an integer [batch, tokens] tensor, got "
+                                 f"{getattr(ids, 'shape', type(ids))}")
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
+        """Run ``ids [B, S]`` from position 0; return the last position's logits ``[B, vocab]``.
+
+        With a ``cache`` (batch ``B``, length ``≥ S``) the keys and values stay there for
+        :meth:`decode`; without one they go to a one-layer scratch buffer.
+
+        Raises:
+            UserInputError: bad ids, or a cache of another batch or too short.
+        """
+        self._check_ids(ids)
+        b, s = ids.shape
+        if cache is not None and (cache.batch != b or cache.length < s):
+            raise UserInputError(f"cache holds batch {cache.batch} × {cache.length} tokens; the prompt is {b} × {s}")
+        if cache is None:
+            shape = (b, self.kv_heads, s, self.head_dim)
+            k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            v = torch.empty_like(k)
+            keys, values = [k] * len(self.layers), [v] * len(self.layers)
+            cos, sin = self._tables(s)
+        else:
+            keys, values, cos, sin = cache.keys, cache.values, cache.cos, cache.sin
+        positions = torch.arange(s, device=self.device).repeat(b)
+        x = self.embed(ids).reshape(b * s, -1)
+        group = self.heads // self.kv_heads
+
+        def attend(q, kc, vc, scale):
+            qh = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
+            kh, vh = kc[:, :, :s], vc[:, :, :s]
+            if group > 1:
+                kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+            return o.transpose(1, 2).reshape(b * s, self.heads * self.head_dim)
+
+        h, residual = self._layers(x, positions, s, keys, values, cos, sin, attend)
+        last = torch.arange(b, device=self.device) * s + (s - 1)
+        return self._head(h[last].contiguous(), residual[last].contiguous())
+
+    @torch.no_grad()
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: DecodeCache,
+               lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step: token ``ids [B, 1]`` at ``positions [B]``; returns logits ``[B, vocab]``.
+
+        The keys before each position must be in ``cache`` (from :meth:`prefill` or earlier
+        steps). ``lengths`` (``positions + 1`` as int32) may be passed precomputed, e.g. for
+        a captured graph. Positions are device tensors and are not checked against the
+        cache length (that would synchronize); they must be below it.
+
+        Raises:
+            UserInputError: bad ids, positions of another shape, or a cache of another batch.
+        """
+        self._check_ids(ids)
+        b = ids.shape[0]
+        if ids.shape[1] != 1 or cache.batch != b:
+            raise UserInputError(f"decode takes ids [batch, 1] with the cache's batch {cache.batch}; "
+                                 f"got {list(ids.shape)}")
+        if not isinstance(positions, torch.Tensor) or positions.shape != (b,):
+            raise UserInputError(f"positions must be a [{b}] tensor, got {getattr(positions, 'shape', positions)}")
+        from mosaicquant.kernels.decoder import decode_attention
+
+        if lengths is None:
+            lengths = (positions + 1).to(torch.int32)
+        x = self.embed(ids).reshape(b, -1)
+
+        def attend(q, kc, vc, scale):
+            return decode_attention(q, kc, vc, lengths, scale, kernel=self.kernel)
+
+        h, residual = self._layers(x, positions, 1, cache.keys, cache.values, cache.cos, cache.sin, attend)
+        return self._head(h, residual)

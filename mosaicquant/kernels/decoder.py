@@ -1,0 +1,512 @@
+"""The non-linear ops of a decoder step as single kernels: RMSNorm, RoPE + KV write, attention, SiLU·mul.
+
+A Llama/Qwen decoder layer in transformers' eager code runs some thirty small kernels
+besides its linears (casts, ``pow``/``mean``/``rsqrt`` of each RMSNorm, the halves and
+products of RoPE, the cache update, the softmax pieces, the activation). At decode sizes
+each one is a few microseconds of fixed cost, so on an 8B model they take about as long as
+the BF16 linears themselves and bound what any weight format can gain end to end. These
+kernels do each group in one launch, for every method alike (the BF16 baseline included):
+
+- :func:`rmsnorm`: ``s = x + residual`` (stored back into ``residual``) and
+  ``w · bf16(s / rms(s))``, one program per token, the row held on chip;
+- :func:`rope_kv`: per token, the optional per-head q/k RMSNorm (Qwen3), rotary
+  embedding of q and k from precomputed cos/sin tables, q written out, k and v written
+  into the KV cache at the token's position;
+- :func:`decode_attention`: attention of one new query per sequence over its cached keys,
+  split along the cache (flash-decoding): every program takes one KV head of one
+  sequence — its ``G`` query heads share the loaded keys (grouped-query attention) — and
+  a chunk of the cache, keeps an online softmax, and writes fp32 partials that a second
+  kernel combines; lengths are read on the device, so a captured CUDA graph replays at
+  any position;
+- :func:`silu_mul`: ``bf16(silu(g)) · u`` of the gate/up halves.
+
+Each op rounds where transformers' eager code rounds (the residual sum, the normalized
+row, every RoPE product, the activation), so the RMSNorm, RoPE and SiLU·mul outputs equal
+the eager ones up to fp32 summation order and the last ulp of ``exp``/``rsqrt``; attention
+agrees to bf16 accuracy (fp32 softmax, bf16 probabilities into the value product, as in
+flash attention). :mod:`mosaicquant.harness.runtime` assembles them into a decoder.
+
+Every op has a PyTorch reference here (``*_reference``), which the ``"torch"`` kernel
+preference runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from mosaicquant.harness.errors import UserInputError
+from mosaicquant.kernels._common import check_tensor, check_triton_device, resolve_kernel, triton_interpreting
+from mosaicquant.kernels.hadamard_quant import _round_to_bf16
+
+__all__ = [
+    "rmsnorm",
+    "rmsnorm_reference",
+    "rope_kv",
+    "rope_kv_reference",
+    "decode_attention",
+    "decode_attention_reference",
+    "attention_splits",
+    "silu_mul",
+    "silu_mul_reference",
+]
+
+_HALF = (torch.bfloat16, torch.float16)
+_LOG2E = 1.4426950408889634
+
+
+def _tl_dtype(dtype: torch.dtype):
+    return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
+
+
+def _bits(dtype: torch.dtype) -> bool:
+    # BF16 roundings by bit arithmetic: Triton's interpreter truncates fp32 -> bf16 conversions, and on
+    # the H200 the compiled ``.to(bf16).to(fp32)`` pairs did not round every RoPE product (15% of the
+    # outputs off by up to 2 ulps of the inputs); integer ops are kept as written everywhere
+    return dtype == torch.bfloat16
+
+
+@triton.jit
+def _rnd(x, DT: tl.constexpr, BITS: tl.constexpr):
+    """``x`` rounded to the 16-bit dtype ``DT`` (nearest, ties to even), kept in fp32."""
+    if BITS:
+        return _round_to_bf16(x)
+    else:
+        return x.to(DT).to(tl.float32)
+
+
+# ---------------------------------------------------------------------------------------------- RMSNorm
+
+
+@triton.jit
+def _rmsnorm_kernel(X, R, W, OUT, n, eps, stride_x, stride_r, stride_o,
+                    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        x = _rnd(x + r, DT, BITS)
+        tl.store(R + row * stride_r + offs, x.to(DT), mask=mask)
+    var = tl.sum(x * x, axis=0) / n
+    y = _rnd(x * (1.0 / tl.sqrt(var + eps)), DT, BITS)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + row * stride_o + offs, _rnd(w * y, DT, BITS).to(DT), mask=mask)
+
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' RMSNorm (after ``residual += x`` when a residual is given, in place)."""
+    if residual is not None:
+        residual.copy_(residual + x)
+        x = residual
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+            out: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
+    """RMSNorm of the rows of ``x`` (after ``residual += x``, in place, when ``residual`` is given).
+
+    Args:
+        x: ``[T, n]`` BF16/FP16 rows (unit stride along ``n``).
+        weight: ``[n]`` norm weight, same dtype.
+        eps: the norm's epsilon.
+        residual: ``[T, n]`` running residual stream; it becomes ``residual + x`` and is normalized.
+        out: optional ``[T, n]`` output buffer.
+        kernel: kernel preference (see :mod:`mosaicquant.kernels._common`).
+
+    Returns:
+        ``[T, n]``: ``weight · bf16(s · rsqrt(mean(s²) + eps))`` with ``s = x`` (or the new residual).
+
+    Raises:
+        UserInputError: shapes, dtypes or strides the kernel cannot take.
+    """
+    check_tensor("x", x, dtypes=_HALF, dim=2)
+    t, n = x.shape
+    check_tensor("weight", weight, dtypes=(x.dtype,), shape=(n,))
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=(x.dtype,), shape=(t, n))
+    if resolve_kernel(kernel, x.device) == "torch":
+        y = rmsnorm_reference(x, weight, eps, residual)
+        return y if out is None else out.copy_(y)
+    check_triton_device(x.device)
+    if not weight.is_contiguous():
+        raise UserInputError("weight must be contiguous")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    check_tensor("out", out, dtypes=(x.dtype,), shape=(t, n))
+    if t:
+        res = residual if residual is not None else x
+        _rmsnorm_kernel[(t,)](x, res, weight, out, n, float(eps), x.stride(0), res.stride(0), out.stride(0),
+                              BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None,
+                              DT=_tl_dtype(x.dtype), BITS=_bits(x.dtype), num_warps=4 if n <= 4096 else 8)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- RoPE + KV write
+
+
+@triton.jit
+def _rope_half(x1, x2, c, s, DT: tl.constexpr, BITS: tl.constexpr):
+    # transformers: q·cos + rotate_half(q)·sin, each product rounded to the 16-bit dtype
+    o1 = _rnd(_rnd(x1 * c, DT, BITS) - _rnd(x2 * s, DT, BITS), DT, BITS).to(DT)
+    o2 = _rnd(_rnd(x2 * c, DT, BITS) + _rnd(x1 * s, DT, BITS), DT, BITS).to(DT)
+    return o1, o2
+
+
+@triton.jit
+def _head_norm(x1, x2, w1, w2, eps, D: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr):
+    var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D
+    r = (1.0 / tl.sqrt(var + eps))[:, None]
+    y1 = _rnd(w1[None, :] * _rnd(x1 * r, DT, BITS), DT, BITS)
+    y2 = _rnd(w2[None, :] * _rnd(x2 * r, DT, BITS), DT, BITS)
+    return y1, y2
+
+
+@triton.jit
+def _rope_kv_kernel(QKV, POS, COS, SIN, QN, KN, QOUT, KC, VC, eps, tokens_per_seq,
+                    stride_t, stride_cos, stride_qo, stride_cb, stride_ch, stride_cl,
+                    HQ: tl.constexpr, HKV: tl.constexpr, HQP: tl.constexpr, HKVP: tl.constexpr,
+                    D: tl.constexpr, QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    b = t // tokens_per_seq
+    pos = tl.load(POS + t).to(tl.int64)
+    HALF: tl.constexpr = D // 2
+    d = tl.arange(0, HALF)
+    c = tl.load(COS + pos * stride_cos + d).to(tl.float32)[None, :]
+    s = tl.load(SIN + pos * stride_cos + d).to(tl.float32)[None, :]
+    row = QKV + t * stride_t
+    hq = tl.arange(0, HQP)[:, None]
+    mq = hq < HQ
+    q1 = tl.load(row + hq * D + d[None, :], mask=mq, other=0.0).to(tl.float32)
+    q2 = tl.load(row + hq * D + HALF + d[None, :], mask=mq, other=0.0).to(tl.float32)
+    hk = tl.arange(0, HKVP)[:, None]
+    mk = hk < HKV
+    k_row = row + HQ * D
+    k1 = tl.load(k_row + hk * D + d[None, :], mask=mk, other=0.0).to(tl.float32)
+    k2 = tl.load(k_row + hk * D + HALF + d[None, :], mask=mk, other=0.0).to(tl.float32)
+    if QK_NORM:
+        q1, q2 = _head_norm(q1, q2, tl.load(QN + d).to(tl.float32), tl.load(QN + HALF + d).to(tl.float32),
+                            eps, D, DT, BITS)
+        k1, k2 = _head_norm(k1, k2, tl.load(KN + d).to(tl.float32), tl.load(KN + HALF + d).to(tl.float32),
+                            eps, D, DT, BITS)
+    q1, q2 = _rope_half(q1, q2, c, s, DT, BITS)
+    k1, k2 = _rope_half(k1, k2, c, s, DT, BITS)
+    qo = QOUT + t * stride_qo + hq * D + d[None, :]
+    tl.store(qo, q1, mask=mq)
+    tl.store(qo + HALF, q2, mask=mq)
+    cache = b * stride_cb + hk * stride_ch + pos * stride_cl + d[None, :]
+    tl.store(KC + cache, k1, mask=mk)
+    tl.store(KC + cache + HALF, k2, mask=mk)
+    v_row = k_row + HKV * D
+    v1 = tl.load(v_row + hk * D + d[None, :], mask=mk, other=0.0)
+    v2 = tl.load(v_row + hk * D + HALF + d[None, :], mask=mk, other=0.0)
+    tl.store(VC + cache, v1, mask=mk)
+    tl.store(VC + cache + HALF, v2, mask=mk)
+
+
+def _head_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def rope_kv_reference(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, tokens_per_seq,
+                      q_norm=None, k_norm=None, eps=1e-6):
+    """PyTorch reference of :func:`rope_kv` (transformers' ops and roundings)."""
+    t = qkv.shape[0]
+    d = k_cache.shape[-1]
+    q = qkv[:, :heads * d].reshape(t, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].reshape(t, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:(heads + 2 * kv_heads) * d].reshape(t, kv_heads, d)
+    if q_norm is not None:
+        q, k = _head_norm_reference(q, q_norm, eps), _head_norm_reference(k, k_norm, eps)
+    pos = positions.long()
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+
+    def rot(x):
+        return torch.cat((-x[..., d // 2:], x[..., :d // 2]), dim=-1)
+
+    q = (q * c) + (rot(q) * s)
+    k = (k * c) + (rot(k) * s)
+    b = torch.arange(t, device=qkv.device) // tokens_per_seq
+    k_cache[b, :, pos] = k
+    v_cache[b, :, pos] = v
+    return q
+
+
+def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int, tokens_per_seq: int,
+            q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+            out: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
+    """RoPE on q and k of stacked ``[q | k | v]`` rows; k and v written into the cache.
+
+    Args:
+        qkv: ``[T, (heads + 2·kv_heads)·D]`` projections of ``T = B · tokens_per_seq`` tokens,
+            sequence-major (unit stride along the last dimension).
+        positions: ``[T]`` integer position of each token (where its k/v go in the cache).
+        cos, sin: ``[P, D]`` tables in the model's dtype (transformers' rotary embedding at
+            positions ``0..P-1``; both halves equal).
+        k_cache, v_cache: ``[B, kv_heads, L, D]`` (``L > max(positions)``).
+        heads, kv_heads: query and key/value heads.
+        tokens_per_seq: tokens of each sequence in ``qkv``.
+        q_norm, k_norm: optional ``[D]`` per-head RMSNorm weights applied before RoPE (Qwen3).
+        eps: their epsilon.
+        out: optional ``[T, heads, D]`` output for q.
+        kernel: kernel preference.
+
+    Returns:
+        ``[T, heads, D]`` rotated queries.
+
+    Raises:
+        UserInputError: inconsistent shapes, a head size the kernel cannot take (a power of
+            two from 16 to 256), or dtypes that differ.
+    """
+    check_tensor("qkv", qkv, dtypes=_HALF, dim=2)
+    check_tensor("k_cache", k_cache, dtypes=(qkv.dtype,), dim=4)
+    b, hkv, _, d = k_cache.shape
+    if hkv != kv_heads or heads % kv_heads:
+        raise UserInputError(f"k_cache has {hkv} heads; expected kv_heads={kv_heads} dividing heads={heads}")
+    if d < 16 or d > 256 or d & (d - 1):
+        raise UserInputError(f"head size {d} is not taken: the kernels need a power of two from 16 to 256")
+    check_tensor("v_cache", v_cache, dtypes=(qkv.dtype,), shape=tuple(k_cache.shape))
+    if v_cache.stride() != k_cache.stride():
+        raise UserInputError("k_cache and v_cache must have the same strides")
+    t = qkv.shape[0]
+    if qkv.shape[1] != (heads + 2 * kv_heads) * d:
+        raise UserInputError(f"qkv has {qkv.shape[1]} columns; expected (heads + 2·kv_heads)·D = "
+                             f"{(heads + 2 * kv_heads) * d}")
+    if tokens_per_seq < 1 or t != b * tokens_per_seq:
+        raise UserInputError(f"qkv has {t} tokens; expected batch {b} × tokens_per_seq {tokens_per_seq}")
+    check_tensor("positions", positions, dtypes=(torch.int32, torch.int64), shape=(t,))
+    check_tensor("cos", cos, dtypes=(qkv.dtype,), dim=2)
+    check_tensor("sin", sin, dtypes=(qkv.dtype,), shape=tuple(cos.shape))
+    if cos.shape[1] != d:
+        raise UserInputError(f"cos/sin tables have width {cos.shape[1]}; expected the head size {d}")
+    if (q_norm is None) != (k_norm is None):
+        raise UserInputError("q_norm and k_norm are given together or not at all")
+    if q_norm is not None:
+        check_tensor("q_norm", q_norm, dtypes=(qkv.dtype,), shape=(d,))
+        check_tensor("k_norm", k_norm, dtypes=(qkv.dtype,), shape=(d,))
+    if resolve_kernel(kernel, qkv.device) == "torch":
+        q = rope_kv_reference(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, tokens_per_seq,
+                              q_norm, k_norm, eps)
+        return q if out is None else out.copy_(q)
+    check_triton_device(qkv.device)
+    out = torch.empty(t, heads, d, dtype=qkv.dtype, device=qkv.device) if out is None else out
+    check_tensor("out", out, dtypes=(qkv.dtype,), shape=(t, heads, d))
+    if not out.is_contiguous() or k_cache.stride(-1) != 1 or cos.stride() != sin.stride():
+        raise UserInputError("out must be contiguous, the caches unit-strided along D, cos and sin alike")
+    if t:
+        qn = q_norm if q_norm is not None else cos
+        _rope_kv_kernel[(t,)](
+            qkv, positions, cos, sin, qn, k_norm if k_norm is not None else cos, out, k_cache, v_cache,
+            float(eps), tokens_per_seq, qkv.stride(0), cos.stride(0), out.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            HQ=heads, HKV=kv_heads, HQP=triton.next_power_of_2(heads), HKVP=triton.next_power_of_2(kv_heads),
+            D=d, QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype), num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- decode attention
+
+
+@triton.jit
+def _attn_split_kernel(Q, KC, VC, LENS, PM, PL, PACC, scale_log2, chunk,
+                       stride_qb, stride_qh, stride_cb, stride_ch, stride_cl,
+                       HKV, NSPLIT, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                       BLOCK_N: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (bh // HKV).to(tl.int64)
+    h = bh % HKV
+    length = tl.load(LENS + b)
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
+                other=0.0)
+    if DOT_F32:  # Triton's interpreter computes 16-bit dots wrongly; the same products in fp32
+        q = q.to(tl.float32)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l_sum = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    base = b * stride_cb + h * stride_ch
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n < end
+        off = base + n[:, None].to(tl.int64) * stride_cl + d[None, :]
+        k = tl.load(KC + off, mask=valid[:, None], other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        v = tl.load(VC + off, mask=valid[:, None], other=0.0)
+        if DOT_F32:
+            pv = tl.dot(_round_to_bf16(p) if DT == tl.bfloat16 else p.to(DT).to(tl.float32), v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(DT), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    part = (bh * NSPLIT + split).to(tl.int64) * GP + g
+    tl.store(PM + part, m)
+    tl.store(PL + part, l_sum)
+    tl.store(PACC + part[:, None] * D + d[None, :], acc)
+
+
+@triton.jit
+def _attn_combine_kernel(PM, PL, PACC, OUT, stride_ob, HQ, NSPLIT, G: tl.constexpr, GP: tl.constexpr,
+                         SP: tl.constexpr, D: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr):
+    bq = tl.program_id(0)
+    b = bq // HQ
+    hq = bq % HQ
+    bh = b * (HQ // G) + hq // G
+    sp = tl.arange(0, SP)
+    d = tl.arange(0, D)
+    part = (bh * NSPLIT + sp).to(tl.int64) * GP + hq % G
+    ok = sp < NSPLIT
+    m = tl.load(PM + part, mask=ok, other=float("-inf"))
+    l_sum = tl.load(PL + part, mask=ok, other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)
+    acc = tl.load(PACC + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_sum * w, axis=0)
+    tl.store(OUT + b.to(tl.int64) * stride_ob + hq * D + d, _rnd(o, DT, BITS).to(DT))
+
+
+def attention_splits(batch: int, kv_heads: int, cache_len: int, sms: int = 132, block_n: int = 64) -> int:
+    """Keys per program of :func:`decode_attention`: a multiple of ``block_n`` giving ~2 programs per SM."""
+    want = max(1, math.ceil(2 * sms / max(batch * kv_heads, 1)))
+    return max(block_n, math.ceil(math.ceil(cache_len / want) / block_n) * block_n)
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """PyTorch reference of :func:`decode_attention` (fp32 softmax over each sequence's keys)."""
+    b, hq, d = q.shape
+    g = hq // k_cache.shape[1]
+    out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device)
+    for i in range(b):
+        n = int(lengths[i])
+        k = k_cache[i, :, :n].float().repeat_interleave(g, dim=0)
+        v = v_cache[i, :, :n].float().repeat_interleave(g, dim=0)
+        s = torch.einsum("hd,hnd->hn", q[i].float(), k) * scale
+        out[i] = torch.einsum("hn,hnd->hd", torch.softmax(s, dim=-1), v).reshape(-1).to(q.dtype)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                     scale: float, chunk: int | None = None, out: torch.Tensor | None = None,
+                     kernel: str | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over the first ``lengths[b]`` cached keys.
+
+    Args:
+        q: ``[B, heads, D]`` queries (unit stride along D).
+        k_cache, v_cache: ``[B, kv_heads, L, D]``; ``heads`` a multiple of ``kv_heads`` (GQA).
+        lengths: ``[B]`` int32 keys to attend per sequence, ``1..L`` (read on the device).
+        scale: softmax scale (``D^-0.5`` for these models).
+        chunk: keys per program (a multiple of 64); default :func:`attention_splits`.
+        out: optional ``[B, heads·D]`` output.
+        kernel: kernel preference.
+
+    Returns:
+        ``[B, heads·D]`` in q's dtype.
+
+    Raises:
+        UserInputError: shapes, dtypes, head sizes or a chunk the kernel cannot take.
+    """
+    check_tensor("q", q, dtypes=_HALF, dim=3)
+    b, hq, d = q.shape
+    check_tensor("k_cache", k_cache, dtypes=(q.dtype,), dim=4)
+    if k_cache.shape[0] != b or k_cache.shape[3] != d or hq % k_cache.shape[1]:
+        raise UserInputError(f"k_cache shape {list(k_cache.shape)} does not fit q {list(q.shape)} "
+                             "([B, kv_heads, L, D] with kv_heads dividing the query heads)")
+    check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape))
+    check_tensor("lengths", lengths, dtypes=(torch.int32,), shape=(b,))
+    if d < 16 or d > 256 or d & (d - 1):
+        raise UserInputError(f"head size {d} is not taken: the kernels need a power of two from 16 to 256")
+    hkv, cache_len = k_cache.shape[1], k_cache.shape[2]
+    if resolve_kernel(kernel, q.device) == "torch":
+        y = decode_attention_reference(q, k_cache, v_cache, lengths, scale)
+        return y if out is None else out.copy_(y)
+    check_triton_device(q.device)
+    if v_cache.stride() != k_cache.stride():
+        raise UserInputError("k_cache and v_cache must have the same strides")
+    block_n = 64
+    if chunk is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        chunk = attention_splits(b, hkv, cache_len, sms, block_n)
+    if chunk < block_n or chunk % block_n:
+        raise UserInputError(f"chunk={chunk} must be a positive multiple of {block_n}")
+    nsplit = math.ceil(cache_len / chunk)
+    g = hq // hkv
+    gp = max(16, triton.next_power_of_2(g))
+    out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device) if out is None else out
+    check_tensor("out", out, dtypes=(q.dtype,), shape=(b, hq * d))
+    pm = torch.empty(b * hkv * nsplit * gp, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty(b * hkv * nsplit * gp, d, dtype=torch.float32, device=q.device)
+    _attn_split_kernel[(b * hkv, nsplit)](
+        q, k_cache, v_cache, lengths, pm, pl, pacc, float(scale) * _LOG2E, chunk,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        hkv, nsplit, G=g, GP=gp, D=d, BLOCK_N=block_n, DT=_tl_dtype(q.dtype), DOT_F32=triton_interpreting(),
+        num_warps=4)
+    _attn_combine_kernel[(b * hq,)](pm, pl, pacc, out, out.stride(0), hq, nsplit, G=g, GP=gp,
+                                    SP=max(2, triton.next_power_of_2(nsplit)), D=d, DT=_tl_dtype(q.dtype),
+                                    BITS=_bits(q.dtype), num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- SiLU·mul
+
+
+@triton.jit
+def _silu_mul_kernel(GU, OUT, n, stride_g, stride_o, up_offset, BLOCK: tl.constexpr, DT: tl.constexpr,
+                     BITS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(GU + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * stride_g + up_offset + offs, mask=mask, other=0.0).to(tl.float32)
+    a = _rnd(g / (1.0 + tl.exp(-g)), DT, BITS)
+    tl.store(OUT + row * stride_o + offs, _rnd(a * u, DT, BITS).to(DT), mask=mask)
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) · up`` of ``[T, 2I]`` stacked rows, in transformers' roundings."""
+    i = gate_up.shape[-1] // 2
+    return torch.nn.functional.silu(gate_up[:, :i]) * gate_up[:, i:]
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
+    """``bf16(silu(gate)) · up`` of stacked ``[T, 2I]`` rows (gate first).
+
+    Raises:
+        UserInputError: an odd width, a dtype or stride the kernel cannot take.
+    """
+    check_tensor("gate_up", gate_up, dtypes=_HALF, dim=2)
+    t, w = gate_up.shape
+    if w % 2:
+        raise UserInputError(f"gate_up has an odd width {w}; expected [gate | up] of equal widths")
+    if resolve_kernel(kernel, gate_up.device) == "torch":
+        y = silu_mul_reference(gate_up)
+        return y if out is None else out.copy_(y)
+    check_triton_device(gate_up.device)
+    n = w // 2
+    out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device) if out is None else out
+    check_tensor("out", out, dtypes=(gate_up.dtype,), shape=(t, n))
+    block = min(4096, triton.next_power_of_2(n))
+    if t:
+        _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0), n,
+                                                     BLOCK=block, DT=_tl_dtype(gate_up.dtype), BITS=_bits(gate_up.dtype), num_warps=4)
+    return out

@@ -1,0 +1,175 @@
+"""The fused decoder runtime against transformers' eager code, on tiny Llama and Qwen3 shapes."""
+
+import pytest
+import torch
+
+from mosaicquant.harness import shapes
+from mosaicquant.harness.context import QuantContext
+from mosaicquant.harness.errors import UserInputError
+from mosaicquant.harness.registry import get_method
+from mosaicquant.harness.runtime import FusedDecoder, fused_reason, resolve_runtime
+from mosaicquant.harness.speedforms import executable, speed_form
+from mosaicquant.harness.suites import speed
+
+TINY = shapes.ShapeModel("tiny-llama-shapes", "llama", 64, 128, 2, 4, 2, 16, 256, False)
+TINY_QWEN = shapes.ShapeModel("tiny-qwen3-shapes", "qwen3", 64, 128, 2, 4, 2, 32, 256, True)
+# logits of the fused decoder against the eager code, both BF16: attention's bf16 probabilities and
+# summation order move a logit by a few bf16 ulps of the logit range
+LOGIT_TOL = 0.03
+# with 4-bit activations a one-ulp difference before a quantizer can move an integer by one step,
+# so quantized models are compared by SQNR of the logits
+QUANT_SQNR_DB = 25.0
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    monkeypatch.setitem(shapes.SHAPE_MODELS, TINY.name, TINY)
+    monkeypatch.setitem(shapes.SHAPE_MODELS, TINY_QWEN.name, TINY_QWEN)
+
+
+def _model(name):
+    torch.manual_seed(0)
+    model = shapes.build_shape_model(name, dtype=torch.bfloat16, device=DEVICE)
+    # non-trivial norm weights, so a norm the decoder skipped or applied twice shows
+    with torch.no_grad():
+        for mod in model.modules():
+            if type(mod).__name__.endswith("RMSNorm"):
+                mod.weight.mul_(1 + 0.3 * torch.rand_like(mod.weight))
+    return model.eval()
+
+
+def _close(out, ref, what):
+    out, ref = out.float(), ref.float()
+    err = (out - ref).abs().max().item()
+    assert err <= LOGIT_TOL * ref.abs().max().item(), f"{what}: max |diff| {err:.4g}, logit range {ref.abs().max():.3g}"
+
+
+def _sqnr_db(out, ref):
+    out, ref = out.float(), ref.float()
+    return 10 * torch.log10(ref.pow(2).sum() / (out - ref).pow(2).sum().clamp_min(1e-30)).item()
+
+
+def _eager_reference(model, prompt, steps):
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        cache = DynamicCache()
+        out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        logits = [out.logits[:, -1]]
+        for ids in steps:
+            logits.append(model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1])
+    return logits
+
+
+@pytest.mark.parametrize("name", [TINY.name, TINY_QWEN.name])
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_fused_decoder_matches_the_eager_decoder(tiny, name, kernel):
+    model = _model(name)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 256, (3, 11), generator=g).to(DEVICE)
+    steps = [torch.randint(0, 256, (3, 1), generator=g).to(DEVICE) for _ in range(3)]
+    ref = _eager_reference(model, prompt, steps)
+    dec = FusedDecoder(model, kernel=kernel)
+    cache = dec.new_cache(3, 20)
+    _close(dec.prefill(prompt, cache), ref[0], "prefill")
+    for i, ids in enumerate(steps):
+        pos = torch.full((3,), 11 + i, device=DEVICE)
+        _close(dec.decode(ids, pos, cache), ref[i + 1], f"decode step {i}")
+    # without a cache the prefill writes a scratch buffer and gives the same logits
+    _close(dec.prefill(prompt), ref[0], "prefill without a cache")
+
+
+def test_float_projections_are_stacked_once_and_the_model_is_unchanged(tiny):
+    model = _model(TINY.name)
+    ids = torch.randint(0, 256, (2, 7), device=DEVICE)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    dec = FusedDecoder(model)
+    attn = model.model.layers[0].self_attn
+    assert dec.layers[0].qkv.kind == "stacked" and dec.layers[0].gate_up.kind == "stacked"
+    q, k = attn.q_proj.weight, attn.k_proj.weight
+    assert k.data_ptr() == q.data_ptr() + q.numel() * q.element_size(), "k_proj is a view after q_proj in one stack"
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)
+
+
+@pytest.mark.parametrize("method,options", [("rtn", {}), ("quarot", {}), ("mosaicquant", {"budget": 0.25,
+                                                                                           "block": "16x64"})])
+def test_quantized_models_run_their_kernel_layers_in_the_fused_decoder(tiny, method, options):
+    model = _model(TINY.name)
+    ctx = QuantContext(calibration=lambda: None, seed=0, device=DEVICE)
+    speed_form(method, model, get_method(method).config(**options), ctx)
+    executable(model, ctx.info)
+    prompt = torch.randint(0, 256, (2, 9), device=DEVICE)
+    step = torch.randint(0, 256, (2, 1), device=DEVICE)
+    ref = _eager_reference(model, prompt, [step])
+    dec = FusedDecoder(model)
+    assert dec.layers[0].qkv.kind == "group" and dec.layers[0].gate_up.kind == "group"
+    cache = dec.new_cache(2, 16)
+    for what, out, r in (("prefill", dec.prefill(prompt, cache), ref[0]),
+                          ("decode", dec.decode(step, torch.full((2,), 9, device=DEVICE), cache), ref[1])):
+        sqnr = _sqnr_db(out, r)
+        assert sqnr >= QUANT_SQNR_DB, f"{method} {what}: logits SQNR {sqnr:.1f} dB < {QUANT_SQNR_DB} dB"
+
+
+def test_the_timed_step_repeats_one_position_and_matches_a_full_forward(tiny):
+    model = _model(TINY_QWEN.name)
+    dec = FusedDecoder(model)
+    torch.manual_seed(5)
+    step = speed.fused_decode_step(dec, 2, 6)
+    first = step()
+    for _ in range(3):
+        assert torch.equal(step(), first)
+    torch.manual_seed(5)
+    prompt = torch.randint(0, 256, (2, 6), device=DEVICE)
+    with torch.no_grad():
+        full = model(input_ids=torch.cat([prompt, step.input_ids], 1)).logits[:, -1]
+    _close(first, full, "replayed decode step")
+    # timed as the suites time it (CUDA graphs on a GPU, wall clock here)
+    assert speed.measure_decode(model, 2, 6, DEVICE, replays=3, decoder=dec).median_us > 0
+    assert speed.measure_prefill(model, 1, 8, DEVICE, replays=3, decoder=dec).median_us > 0
+
+
+def test_what_the_fused_decoder_cannot_run_is_named(tiny):
+    from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant
+
+    model = _model(TINY.name)
+    assert fused_reason(model) is None
+    assert resolve_runtime("auto", model)[0] == "fused"
+    handle = model.model.layers[1].post_attention_layernorm.register_forward_hook(lambda *a: None)
+    assert "layer 1 has forward hooks" in fused_reason(model)
+    handle.remove()
+    enable_kv_quant(model, KVQuantSpec(bits=4))
+    reason = fused_reason(model)
+    assert "KV-cache quantizer" in reason
+    name, description = resolve_runtime("auto", model)
+    assert name == "transformers" and reason in description
+    with pytest.raises(UserInputError, match="runtime 'fused' cannot run this model"):
+        resolve_runtime("fused", model)
+    with pytest.raises(UserInputError, match="Did you mean: fused"):
+        resolve_runtime("fussed", model)
+    with pytest.raises(UserInputError, match="cannot run this model"):
+        FusedDecoder(model)
+    assert "not a decoder-only model" in fused_reason(torch.nn.Linear(2, 2))
+
+
+def test_decoder_inputs_are_checked(tiny):
+    dec = FusedDecoder(_model(TINY.name))
+    cache = dec.new_cache(2, 8)
+    with pytest.raises(UserInputError, match="prompt is 2 × 9"):
+        dec.prefill(torch.zeros(2, 9, dtype=torch.long, device=DEVICE), cache)
+    with pytest.raises(UserInputError, match="decode takes ids"):
+        dec.decode(torch.zeros(3, 1, dtype=torch.long, device=DEVICE), torch.zeros(3, dtype=torch.long), cache)
+    with pytest.raises(UserInputError, match="integer"):
+        dec.prefill(torch.zeros(2, 4))
+    with pytest.raises(UserInputError, match="must be >= 1"):
+        dec.new_cache(0, 8)
+
+
+def test_runtime_option_is_validated():
+    assert speed.ThroughputConfig(runtime="transformers").runtime == "transformers"
+    with pytest.raises(ValueError, match="runtime: 'vllm' is not allowed"):
+        speed.ThroughputConfig(runtime="vllm")
+    with pytest.raises(ValueError, match="runtime"):
+        speed.LatencyConfig(runtime="")

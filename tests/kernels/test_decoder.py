@@ -1,0 +1,184 @@
+"""The decoder-step kernels (RMSNorm, RoPE + KV write, decode attention, SiLU·mul) against their references."""
+
+import math
+
+import pytest
+import torch
+
+from mosaicquant.harness.errors import UserInputError
+from mosaicquant.kernels.decoder import (
+    attention_splits,
+    decode_attention,
+    decode_attention_reference,
+    rmsnorm,
+    rmsnorm_reference,
+    rope_kv,
+    rope_kv_reference,
+    silu_mul,
+    silu_mul_reference,
+)
+from tests.kernels._helpers import DEVICE, needs_triton
+
+pytestmark = needs_triton()
+BF16 = torch.bfloat16
+# fp32 sums in another order and rsqrt against 1/sqrt move a 16-bit result by at most one ulp, rarely
+ULP_FRACTION = 0.02
+# attention: bf16 probabilities into the value product (as flash attention) against an fp32 softmax
+ATTN_RTOL = 2.0**-6
+ATTN_ATOL = 4e-3
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 ulps (both bf16, same sign region)."""
+    ia = a.view(torch.int16).to(torch.int32)
+    ib = b.view(torch.int16).to(torch.int32)
+    return (ia - ib).abs()
+
+
+def _assert_ulp_close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    out, ref = out.cpu(), ref.cpu()
+    assert torch.isfinite(out.float()).all(), f"{what}: non-finite entries (unwritten poison?)"
+    d = _ulps(out, ref)
+    off = (d > 0).float().mean().item()
+    assert d.max().item() <= 1 and off <= ULP_FRACTION, (
+        f"{what}: max {d.max().item()} ulps, {off:.3%} of entries off (allowed 1 ulp on <= {ULP_FRACTION:.0%})")
+
+
+@pytest.mark.parametrize("t,n", [(1, 576), (13, 100), (67, 256)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_matches_reference(t, n, with_residual):
+    g = torch.Generator().manual_seed(t * n)
+    x = torch.randn(t, n, generator=g).to(BF16).to(DEVICE)
+    w = (1 + 0.3 * torch.randn(n, generator=g)).to(BF16).to(DEVICE)
+    res = torch.randn(t, n, generator=g).to(BF16).to(DEVICE) if with_residual else None
+    res_ref = res.clone() if with_residual else None
+    out = torch.full_like(x, float("nan"))
+    y = rmsnorm(x, w, 1e-5, residual=res, out=out, kernel="triton")
+    ref = rmsnorm_reference(x, w, 1e-5, res_ref)
+    assert y is out
+    _assert_ulp_close(y, ref, f"rmsnorm t={t} n={n}")
+    if with_residual:
+        assert torch.equal(res, res_ref), "the residual sum is one rounding of x + residual: bit-exact"
+
+
+def test_rmsnorm_reference_is_transformers_norm():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(96, eps=1e-6).to(BF16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(96))
+    x = torch.randn(5, 96).to(BF16)
+    assert torch.equal(rmsnorm_reference(x, norm.weight.data, 1e-6), norm(x))
+
+
+def _rope_inputs(t_per_seq, batch, heads, kv_heads, d, length, seed):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    g = torch.Generator().manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=heads * d, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d,
+                      max_position_embeddings=length)
+    rot = LlamaRotaryEmbedding(cfg)
+    cos, sin = rot(torch.empty(1, dtype=BF16), torch.arange(length)[None])
+    t = batch * t_per_seq
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(BF16)
+    positions = torch.randint(0, length, (t,), generator=g)
+    return qkv, positions, cos[0].contiguous(), sin[0].contiguous()
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,qk_norm", [(4, 2, 32, False), (6, 2, 64, True), (3, 3, 16, False)])
+def test_rope_kv_matches_reference(heads, kv_heads, d, qk_norm):
+    batch, per_seq, length = 3, 5, 40
+    qkv, pos, cos, sin = _rope_inputs(per_seq, batch, heads, kv_heads, d, length, heads * d)
+    # distinct positions within a sequence (a cache slot is written once)
+    pos = torch.cat([torch.randperm(length)[:per_seq] for _ in range(batch)])
+    qn = (1 + 0.2 * torch.randn(d)).to(BF16) if qk_norm else None
+    kn = (1 + 0.2 * torch.randn(d)).to(BF16) if qk_norm else None
+    shape = (batch, kv_heads, length, d)
+    kc, vc = torch.full(shape, float("nan"), dtype=BF16), torch.full(shape, float("nan"), dtype=BF16)
+    kr, vr = kc.clone(), vc.clone()
+    dev = [x.to(DEVICE) if x is not None else None for x in (qkv, pos, cos, sin, kc, vc, qn, kn)]
+    out = torch.full((qkv.shape[0], heads, d), float("nan"), dtype=BF16, device=DEVICE)
+    q = rope_kv(dev[0], dev[1], dev[2], dev[3], dev[4], dev[5], heads, kv_heads, per_seq, dev[6], dev[7], 1e-6,
+                out=out, kernel="triton")
+    qr = rope_kv_reference(qkv, pos, cos, sin, kr, vr, heads, kv_heads, per_seq, qn, kn, 1e-6)
+    _assert_ulp_close(q, qr, "rotated q")
+    written = ~torch.isnan(kr.float())
+    assert torch.equal(written, ~torch.isnan(dev[4].cpu().float())), "k written exactly at the tokens' slots"
+    _assert_ulp_close(dev[4].cpu()[written].reshape(-1, d), kr[written].reshape(-1, d), "rotated k in the cache")
+    assert torch.equal(dev[5].cpu()[written], vr[written]), "v is copied as it is"
+
+
+def test_rope_reference_is_transformers_rope():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    heads, kv_heads, d = 4, 2, 32
+    qkv, pos, cos, sin = _rope_inputs(6, 1, heads, kv_heads, d, 64, 1)
+    pos = torch.arange(6)
+    kc = torch.zeros(1, kv_heads, 64, d, dtype=BF16)
+    q = rope_kv_reference(qkv, pos, cos, sin, kc, kc.clone(), heads, kv_heads, 6)
+    qh = qkv[:, :heads * d].reshape(1, 6, heads, d).transpose(1, 2)
+    kh = qkv[:, heads * d:(heads + kv_heads) * d].reshape(1, 6, kv_heads, d).transpose(1, 2)
+    q_hf, k_hf = apply_rotary_pos_emb(qh, kh, cos[pos][None], sin[pos][None])
+    assert torch.equal(q, q_hf[0].transpose(0, 1))
+    assert torch.equal(kc[0, :, :6], k_hf[0])
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (4, 4, 32), (9, 3, 64)])
+@pytest.mark.parametrize("chunk", [None, 64, 128])
+def test_decode_attention_matches_reference(heads, kv_heads, d, chunk):
+    g = torch.Generator().manual_seed(heads * d)
+    b, length = 4, 200
+    q = torch.randn(b, heads, d, generator=g).to(BF16)
+    kc = torch.randn(b, kv_heads, length, d, generator=g).to(BF16)
+    vc = torch.randn(b, kv_heads, length, d, generator=g).to(BF16)
+    lengths = torch.tensor([1, 37, 64, 200], dtype=torch.int32)
+    ref = decode_attention_reference(q, kc, vc, lengths, d ** -0.5)
+    out = torch.full((b, heads * d), float("nan"), dtype=BF16, device=DEVICE)
+    y = decode_attention(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), lengths.to(DEVICE), d ** -0.5, chunk=chunk,
+                         out=out, kernel="triton").cpu().float()
+    assert torch.isfinite(y).all(), "unwritten outputs"
+    err = (y - ref.float()).abs()
+    bad = err > ATTN_RTOL * ref.float().abs() + ATTN_ATOL
+    assert not bad.any(), f"{int(bad.sum())} outputs off, max err {err.max().item():.3g}"
+    # a length-1 sequence attends only its first key: the output is that value
+    assert torch.allclose(y[0].reshape(heads, d), vc[0, :, 0].float().repeat_interleave(heads // kv_heads, 0),
+                          rtol=0, atol=1e-2)
+
+
+def test_attention_splits_fill_the_gpu():
+    assert attention_splits(4, 8, 520, 132) == 64
+    chunk = attention_splits(32, 8, 520, 132)
+    assert chunk % 64 == 0 and 32 * 8 * math.ceil(520 / chunk) >= 132
+    assert attention_splits(1, 1, 10, 132) == 64
+
+
+@pytest.mark.parametrize("t,i", [(1, 96), (13, 4100), (67, 33)])
+def test_silu_mul_matches_reference(t, i):
+    g = torch.Generator().manual_seed(i)
+    gu = (2 * torch.randn(t, 2 * i, generator=g)).to(BF16).to(DEVICE)
+    out = torch.full((t, i), float("nan"), dtype=BF16, device=DEVICE)
+    y = silu_mul(gu, out=out, kernel="triton")
+    _assert_ulp_close(y, silu_mul_reference(gu), f"silu*mul t={t} I={i}")
+
+
+def test_bad_inputs_are_named():
+    x = torch.randn(2, 8).to(BF16)
+    with pytest.raises(UserInputError, match="weight must have shape"):
+        rmsnorm(x, torch.ones(7, dtype=BF16), 1e-6)
+    with pytest.raises(UserInputError, match="odd width"):
+        silu_mul(torch.randn(2, 7).to(BF16))
+    with pytest.raises(UserInputError, match="head size 48"):
+        decode_attention(torch.randn(1, 2, 48).to(BF16), torch.randn(1, 1, 8, 48).to(BF16),
+                         torch.randn(1, 1, 8, 48).to(BF16), torch.ones(1, dtype=torch.int32), 0.1)
+    with pytest.raises(UserInputError, match="lengths has dtype int64"):
+        decode_attention(torch.randn(1, 2, 32).to(BF16), torch.randn(1, 1, 8, 32).to(BF16),
+                         torch.randn(1, 1, 8, 32).to(BF16), torch.ones(1, dtype=torch.int64), 0.1)
+    kc = torch.zeros(2, 2, 8, 32, dtype=BF16)
+    with pytest.raises(UserInputError, match="expected batch 2 × tokens_per_seq 2"):
+        rope_kv(torch.randn(3, 8 * 32).to(BF16), torch.zeros(3, dtype=torch.int64), torch.ones(8, 32, dtype=BF16),
+                torch.ones(8, 32, dtype=BF16), kc, kc.clone(), 4, 2, 2)
+    with pytest.raises(UserInputError, match="chunk=96"):
+        decode_attention(torch.randn(1, 2, 32).to(BF16).to(DEVICE), torch.randn(1, 1, 8, 32).to(BF16).to(DEVICE),
+                         torch.randn(1, 1, 8, 32).to(BF16).to(DEVICE), torch.ones(1, dtype=torch.int32).to(DEVICE),
+                         0.1, chunk=96, kernel="triton")
