@@ -78,7 +78,8 @@ def main() -> None:
     ap.add_argument("--methods", default="fp16,rtn,quarot,mosaicquant")
     ap.add_argument("--batches", default="4,32")
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--runtimes", default="fused,transformers")
+    ap.add_argument("--runtimes", default="fused,fused_nq,transformers",
+                    help="fused, fused_nq (the norm and the activation quantizer as two kernels), transformers")
     args = ap.parse_args()
     device = torch.device("cuda")
     os.makedirs(args.out, exist_ok=True)
@@ -90,11 +91,13 @@ def main() -> None:
         config = get_method(method).config() if method != "fp16" else None
         speed_form(method, model, config, ctx)
         executable(model, ctx.info)
-        decoder = FusedDecoder(model)
+        decoders = {"fused": FusedDecoder(model), "fused_nq": FusedDecoder(model, fuse_norm_quant=False)}
         for runtime in args.runtimes.split(","):
+            if runtime == "fused_nq" and method == "fp16":
+                continue  # nothing to quantize
             for b in (int(x) for x in args.batches.split(",")):
                 with torch.no_grad():
-                    step = (fused_decode_step(decoder, b, args.context) if runtime == "fused"
+                    step = (fused_decode_step(decoders[runtime], b, args.context) if runtime in decoders
                             else decode_step(model, b, args.context, device))
                     graph_us = time_calls([step], min_us=50_000.0, replays=11).median_us
                     kernels = profile_step(step)
@@ -109,7 +112,7 @@ def main() -> None:
                                 "kernels": [{"name": n, "category": category(n), "us_per_step": us}
                                             for n, us in sorted(kernels.items(), key=lambda kv: -kv[1])]})
                 print(f"{method} {runtime} b{b}: graph {graph_us:.0f} us, kernels {total:.0f} us", flush=True)
-        del model, decoder
+        del model, decoders
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "decode_profile.json"), "w") as f:
         json.dump({"model": args.model, "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,

@@ -10,7 +10,9 @@ method's kernel layers, their online transforms and fused projection groups incl
 every method, the BF16 baseline included, is timed on the same lean decoder — the way a
 serving engine would run it.
 
-:class:`FusedDecoder` per layer: ``residual += x`` and RMSNorm in one kernel; the q/k/v
+:class:`FusedDecoder` per layer: ``residual += x`` and RMSNorm in one kernel (which also
+quantizes the activations to 4 bits when a W4A4 GEMM reads the norm's output directly:
+RTN, SmoothQuant, and the rotated methods, whose rotations are folded there); the q/k/v
 projections as one GEMM (a method's :class:`~mosaicquant.kernels.convert.FusedProjections`
 group, or the float weights stacked once, the original linears left as views of the
 stack); per-head q/k norms (Qwen3), RoPE, and the KV-cache write in one kernel;
@@ -38,8 +40,9 @@ __all__ = ["RUNTIMES", "FUSED_DESCRIPTION", "FusedDecoder", "DecodeCache", "fuse
 
 #: ``auto``: fused where :func:`fused_reason` allows, else transformers (the record says why)
 RUNTIMES = ("auto", "fused", "transformers")
-FUSED_DESCRIPTION = ("fused decoder (Triton add+RMSNorm, q/k norm + RoPE + KV write, split-KV decode attention, "
-                     "SiLU*mul; SDPA flash attention for prefill; q/k/v and gate/up as one GEMM each; 16-bit KV)")
+FUSED_DESCRIPTION = ("fused decoder (Triton add+RMSNorm, fused with the 4-bit activation quantizer where a W4A4 "
+                     "GEMM reads the norm directly; q/k norm + RoPE + KV write; split-KV decode attention; SiLU*mul; "
+                     "SDPA flash attention for prefill; q/k/v and gate/up as one GEMM each; 16-bit KV)")
 TRANSFORMERS_DESCRIPTION = "transformers eager decoder (static KV cache, 16-bit unless the method quantizes it)"
 
 _STANDARD_ATTENTION = (None, "sdpa", "eager", "flash_attention_2", "flash_attention_3")
@@ -122,6 +125,7 @@ class _Stacked:
     def __init__(self, parent: nn.Module, names: tuple[str, ...]):
         from mosaicquant.kernels.convert import ProjectionSlice, _run_quant
 
+        self.quant = None
         mods = [getattr(parent, n) for n in names]
         self.width = sum(int(m.out_features) for m in mods)
         first = mods[0]
@@ -130,6 +134,8 @@ class _Stacked:
                 and all(getattr(m, "group", None) is group for m in mods)):
             self.fn = lambda x: _run_quant(group.quant, x, group.input_transform, group.fuse_transform)
             self.kind = "group"
+            # a W4A4 GEMM reading its input as it is: the norm before it can quantize for it
+            self.quant = group.quant if group.input_transform is None else None
         elif all(type(m) is nn.Linear and not _hooked(m) for m in mods) and len({m.weight.dtype for m in mods}) == 1:
             # float weights: one stacked tensor; the original linears become views of it (no copy kept)
             weight = torch.cat([m.weight.data for m in mods])
@@ -197,6 +203,9 @@ class FusedDecoder:
         model: the (quantized, kernel-converted) model; its float q/k/v and gate/up weights
             are re-stored once as stacked tensors, the original linears becoming views.
         kernel: kernel preference for the fused ops (``"torch"`` runs their references).
+        fuse_norm_quant: where a W4A4 projection group reads a norm's output directly (no
+            online transform), run the norm and its activation quantizer as one kernel
+            (:func:`~mosaicquant.kernels.decoder.rmsnorm_quant`; same integers and scales).
 
     Raises:
         UserInputError: the model cannot run here (:func:`fused_reason`).
@@ -208,12 +217,13 @@ class FusedDecoder:
         >>> logits = dec.decode(next_ids, positions, cache)                 # doctest: +SKIP
     """
 
-    def __init__(self, model: nn.Module, kernel: str | None = None):
+    def __init__(self, model: nn.Module, kernel: str | None = None, fuse_norm_quant: bool = True):
         reason = fused_reason(model)
         if reason is not None:
             raise UserInputError(f"the fused decoder cannot run this model: {reason}")
         self.model = model
         self.kernel = kernel
+        self.fuse_norm_quant = bool(fuse_norm_quant)
         inner = model.model
         cfg = model.config
         self.heads = int(cfg.num_attention_heads)
@@ -282,22 +292,33 @@ class FusedDecoder:
         from mosaicquant.kernels.decoder import rmsnorm, rope_kv, silu_mul
 
         kernel = self.kernel
-        residual = x
+        residual = x.clone()
         h = None
         for i, lay in enumerate(self.layers):
-            if h is None:
-                residual = x.clone()
-                h = rmsnorm(x, lay.input_norm.weight, lay.input_norm.variance_epsilon, kernel=kernel)
-            else:
-                h = rmsnorm(h, lay.input_norm.weight, lay.input_norm.variance_epsilon, residual, kernel=kernel)
-            qkv = lay.qkv(h)
+            # the first layer's norm reads the embeddings (no residual sum yet)
+            qkv = self._norm_then(x if h is None else h, lay.input_norm, None if h is None else residual, lay.qkv)
             q = rope_kv(qkv, positions, cos, sin, keys[i], values[i], self.heads, self.kv_heads, tokens_per_seq,
                         lay.q_norm, lay.k_norm, lay.qk_eps, kernel=kernel)
             a = attend(q, keys[i], values[i], lay.scaling)
-            h = rmsnorm(lay.o_proj(a), lay.post_norm.weight, lay.post_norm.variance_epsilon, residual,
-                        kernel=kernel)
-            h = lay.down_proj(silu_mul(lay.gate_up(h), kernel=kernel))
+            gate_up = self._norm_then(lay.o_proj(a), lay.post_norm, residual, lay.gate_up)
+            h = lay.down_proj(silu_mul(gate_up, kernel=kernel))
         return h, residual
+
+    def _norm_then(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None,
+                   stacked: _Stacked) -> torch.Tensor:
+        """``stacked(rmsnorm(x))`` (after ``residual += x``), the norm fused with the GEMM's quantizer where it can."""
+        from mosaicquant.kernels._common import resolve_kernel
+        from mosaicquant.kernels.decoder import rmsnorm, rmsnorm_quant
+
+        quant = stacked.quant
+        if (quant is not None and self.fuse_norm_quant and resolve_kernel(self.kernel, x.device) == "triton"
+                and resolve_kernel(quant.kernel, x.device) == "triton"):
+            swapped = quant.uses_swapped(x.shape[0], "triton")
+            a, scale = rmsnorm_quant(x, norm.weight, norm.variance_epsilon, residual, quant.act_clip_ratio,
+                                     "split8" if swapped else "packed", kernel="triton")
+            y = quant.forward_split8(a, scale) if swapped else quant.forward_quantized(a, scale, "triton")
+            return y.to(x.dtype)
+        return stacked(rmsnorm(x, norm.weight, norm.variance_epsilon, residual, kernel=self.kernel))
 
     def _head(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         from mosaicquant.kernels.decoder import rmsnorm

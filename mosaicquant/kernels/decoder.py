@@ -9,6 +9,9 @@ kernels do each group in one launch, for every method alike (the BF16 baseline i
 
 - :func:`rmsnorm`: ``s = x + residual`` (stored back into ``residual``) and
   ``w · bf16(s / rms(s))``, one program per token, the row held on chip;
+  :func:`rmsnorm_quant` continues with the 4-bit activation quantizer
+  (:mod:`mosaicquant.kernels.act_quant`'s operations and layouts) for a W4A4 GEMM that reads
+  the norm's output directly, so the normalized row is never stored;
 - :func:`rope_kv`: per token, the optional per-head q/k RMSNorm (Qwen3), rotary
   embedding of q and k from precomputed cos/sin tables, q written out, k and v written
   into the KV cache at the token's position;
@@ -39,12 +42,21 @@ import triton
 import triton.language as tl
 
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.kernels._common import check_tensor, check_triton_device, resolve_kernel, triton_interpreting
+from mosaicquant.kernels._common import (
+    check_tensor,
+    check_triton_device,
+    pdl_supported,
+    resolve_kernel,
+    triton_interpreting,
+)
+from mosaicquant.kernels._tl import release_dependents, round_half_even
 from mosaicquant.kernels.hadamard_quant import _round_to_bf16
 
 __all__ = [
     "rmsnorm",
     "rmsnorm_reference",
+    "rmsnorm_quant",
+    "rmsnorm_quant_reference",
     "rope_kv",
     "rope_kv_reference",
     "decode_attention",
@@ -510,3 +522,106 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None, kernel: str
         _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0), n,
                                                      BLOCK=block, DT=_tl_dtype(gate_up.dtype), BITS=_bits(gate_up.dtype), num_warps=4)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- RMSNorm + 4-bit quant
+
+
+@triton.jit
+def _rmsnorm_quant_kernel(X, R, W, Q, SCALE, n, kp, eps, clip_ratio, stride_x, stride_r, stride_q,
+                          HB: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr,
+                          SPLIT8: tl.constexpr, PDL: tl.constexpr):
+    release_dependents(PDL)  # the GEMM reading our output may start its prologue (it waits before reading)
+    row = tl.program_id(0).to(tl.int64)
+    pairs = tl.arange(0, HB)
+    k = pairs[:, None] * 2 + tl.arange(0, 2)[None, :]
+    mask = k < n
+    x = tl.load(X + row * stride_x + k, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(R + row * stride_r + k, mask=mask, other=0.0).to(tl.float32)
+        x = _rnd(x + r, DT, BITS)
+        tl.store(R + row * stride_r + k, x.to(DT), mask=mask)
+    var = tl.sum(tl.sum(x * x, axis=1), axis=0) / n
+    y = _rnd(x * (1.0 / tl.sqrt(var + eps)), DT, BITS)
+    w = tl.load(W + k, mask=mask, other=0.0).to(tl.float32)
+    z = _rnd(w * y, DT, BITS)  # the normalized row exactly as rmsnorm() stores it
+    # then act_quant's quantizer on it (same operations, same integers)
+    scale = tl.math.div_rn(tl.max(tl.max(tl.abs(z), axis=1), axis=0) * clip_ratio, 7.0)
+    scale = tl.where(scale > 0.0, scale, 1.0)
+    tl.store(SCALE + row, scale)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(z, scale), -9.0), 9.0)
+    q = tl.minimum(tl.maximum(round_half_even(v), -8.0), 7.0).to(tl.int8)
+    q_even, q_odd = tl.split(q)
+    q_row = Q + row * stride_q
+    if SPLIT8:
+        at = (pairs // 64) * 128 + pairs % 64
+        inside = pairs < tl.cdiv(kp, 64) * 64
+        tl.store(q_row + at, q_even, mask=inside)
+        tl.store(q_row + at + 64, q_odd, mask=inside)
+    else:
+        tl.store(q_row + pairs, (q_even & 0xF) | (q_odd << 4), mask=pairs < kp)
+
+
+def rmsnorm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                            clip_ratio: float, layout: str = "packed") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rmsnorm_reference`, then the activation quantizer's reference (``layout`` as in act_quant)."""
+    from mosaicquant.kernels.act_quant import quantize_activations_reference, split8_from_int
+    from mosaicquant.methods.format import unpack_int4
+
+    y = rmsnorm_reference(x, weight, eps, residual)
+    packed, scale = quantize_activations_reference(y, clip_ratio)
+    if layout == "split8":
+        return split8_from_int(unpack_int4(packed, y.shape[1])), scale
+    return packed, scale
+
+
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                  clip_ratio: float = 1.0, layout: str = "packed",
+                  kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rmsnorm` and the 4-bit activation quantizer in one pass: the normalized row is never stored.
+
+    Gives the integers and scales of ``quantize_activations(rmsnorm(x, ...))``
+    (:mod:`mosaicquant.kernels.act_quant`, same layouts), for a GEMM that reads the norm's
+    output directly (no online transform in between).
+
+    Args:
+        x, weight, eps, residual: as in :func:`rmsnorm` (``residual += x`` in place).
+        clip_ratio: fraction of each token's absmax kept, in (0, 1].
+        layout: ``"packed"`` (``uint8 [T, ceil(n/2)]``) or ``"split8"`` (``int8 [T, split8_width(n)]``).
+        kernel: kernel preference.
+
+    Returns:
+        ``(q, scale)``: the quantized activations and ``float32 [T]`` scales.
+
+    Raises:
+        UserInputError: what :func:`rmsnorm` rejects, a clip ratio outside (0, 1], an unknown layout.
+    """
+    from mosaicquant.kernels.act_quant import LAYOUTS, split8_width
+
+    check_tensor("x", x, dtypes=_HALF, dim=2)
+    t, n = x.shape
+    check_tensor("weight", weight, dtypes=(x.dtype,), shape=(n,))
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=(x.dtype,), shape=(t, n))
+    if layout not in LAYOUTS:
+        raise UserInputError(f"layout={layout!r} is not allowed: choose one of {', '.join(LAYOUTS)}")
+    if not isinstance(clip_ratio, (int, float)) or not 0.0 < float(clip_ratio) <= 1.0:
+        raise UserInputError(f"clip_ratio={clip_ratio!r} is out of range: allowed (0, 1]")
+    if resolve_kernel(kernel, x.device) == "torch":
+        return rmsnorm_quant_reference(x, weight, eps, residual, clip_ratio, layout)
+    check_triton_device(x.device)
+    kp = (n + 1) // 2
+    if layout == "split8":
+        q = torch.empty(t, split8_width(n), dtype=torch.int8, device=x.device)
+    else:
+        q = torch.empty(t, kp, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(t, dtype=torch.float32, device=x.device)
+    if t:
+        hb = max(64, triton.next_power_of_2(kp))
+        res = residual if residual is not None else x
+        _rmsnorm_quant_kernel[(t,)](
+            x, res, weight, q.view(torch.int8), scale, n, kp, float(eps), float(clip_ratio), x.stride(0),
+            res.stride(0), q.stride(0), HB=hb, HAS_RES=residual is not None, DT=_tl_dtype(x.dtype),
+            BITS=_bits(x.dtype), SPLIT8=layout == "split8", PDL=pdl_supported(x.device),
+            num_warps=4 if n <= 4096 else 8)
+    return q, scale

@@ -106,11 +106,17 @@ def test_quantized_models_run_their_kernel_layers_in_the_fused_decoder(tiny, met
     ref = _eager_reference(model, prompt, [step])
     dec = FusedDecoder(model)
     assert dec.layers[0].qkv.kind == "group" and dec.layers[0].gate_up.kind == "group"
+    # rotations fold into the weights: every method here feeds q/k/v and gate/up from the norm directly
+    assert dec.layers[0].qkv.quant is not None and dec.layers[1].gate_up.quant is not None
     cache = dec.new_cache(2, 16)
     for what, out, r in (("prefill", dec.prefill(prompt, cache), ref[0]),
                           ("decode", dec.decode(step, torch.full((2,), 9, device=DEVICE), cache), ref[1])):
         sqnr = _sqnr_db(out, r)
         assert sqnr >= QUANT_SQNR_DB, f"{method} {what}: logits SQNR {sqnr:.1f} dB < {QUANT_SQNR_DB} dB"
+    if method == "rtn":
+        # the norm fused with the quantizer gives the same integers as the two kernels: the same logits
+        unfused = FusedDecoder(model, fuse_norm_quant=False)
+        assert torch.equal(unfused.prefill(prompt[:, :4]), dec.prefill(prompt[:, :4]))
 
 
 def test_the_timed_step_repeats_one_position_and_matches_a_full_forward(tiny):

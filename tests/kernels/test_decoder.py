@@ -11,6 +11,8 @@ from mosaicquant.kernels.decoder import (
     decode_attention,
     decode_attention_reference,
     rmsnorm,
+    rmsnorm_quant,
+    rmsnorm_quant_reference,
     rmsnorm_reference,
     rope_kv,
     rope_kv_reference,
@@ -59,6 +61,30 @@ def test_rmsnorm_matches_reference(t, n, with_residual):
     _assert_ulp_close(y, ref, f"rmsnorm t={t} n={n}")
     if with_residual:
         assert torch.equal(res, res_ref), "the residual sum is one rounding of x + residual: bit-exact"
+
+
+@pytest.mark.parametrize("t,n", [(1, 4100), (13, 100), (5, 576)])
+@pytest.mark.parametrize("layout", ["packed", "split8"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_quant_equals_the_norm_then_the_quantizer(t, n, layout, with_residual):
+    from mosaicquant.kernels.act_quant import quantize_activations_triton
+
+    g = torch.Generator().manual_seed(t + n)
+    x = torch.randn(t, n, generator=g).to(BF16).to(DEVICE)
+    w = (1 + 0.3 * torch.randn(n, generator=g)).to(BF16).to(DEVICE)
+    res = torch.randn(t, n, generator=g).to(BF16).to(DEVICE) if with_residual else None
+    res_two = res.clone() if with_residual else None
+    res_ref = res.cpu().clone() if with_residual else None
+    q, scale = rmsnorm_quant(x, w, 1e-5, res, clip_ratio=0.9, layout=layout, kernel="triton")
+    q2, scale2 = quantize_activations_triton(rmsnorm(x, w, 1e-5, res_two, kernel="triton"), 0.9, layout=layout)
+    assert torch.equal(q, q2) and torch.equal(scale, scale2), "fused: the same integers and scales as two kernels"
+    if with_residual:
+        assert torch.equal(res, res_two)
+    # the PyTorch reference of the pair agrees up to a norm output one ulp away (which may move an integer)
+    qr, sr = rmsnorm_quant_reference(x.cpu(), w.cpu(), 1e-5, res_ref, 0.9, layout)
+    assert q.dtype == qr.dtype and q.shape == qr.shape
+    assert torch.allclose(scale.cpu(), sr, rtol=2.0**-7)
+    assert (q.cpu() != qr).float().mean().item() <= ULP_FRACTION
 
 
 def test_rmsnorm_reference_is_transformers_norm():
