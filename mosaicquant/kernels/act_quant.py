@@ -49,6 +49,26 @@ SPLIT_BLOCK = 128  # K values per block of the "split8" layout (64 even, then 64
 
 
 @triton.jit
+def quantize_store(x, scale, q_row, kp, KP, SPLIT8: tl.constexpr):
+    """Quantize pairs ``x [len(kp), 2]`` (fp32) of one row with ``scale``; store them packed or split8."""
+    # Clamping to [-9, 9] before rounding does not change clamp(round(v), -8, 7) and keeps
+    # the magic-number rounding in its exact range for any clip ratio.
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -9.0), 9.0)
+    q = tl.minimum(tl.maximum(round_half_even(v), -8.0), 7.0).to(tl.int8)
+    q_even, q_odd = tl.split(q)
+    if SPLIT8:
+        # pair kp → block kp // 64: even value at byte kp % 64 of the block, odd value 64 bytes on;
+        # pairs past K (up to the padded block) hold zeros (x was loaded as 0 there)
+        at = (kp // 64) * 128 + kp % 64
+        inside = kp < tl.cdiv(KP, 64) * 64
+        tl.store(q_row + at, q_even, mask=inside)
+        tl.store(q_row + at + 64, q_odd, mask=inside)
+    else:
+        packed = (q_even & 0xF) | (q_odd << 4)
+        tl.store(q_row + kp, packed, mask=kp < KP)
+
+
+@triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, scale_ptr, K, KP, stride_xm, stride_qm, clip_ratio,
     BLOCK_KP: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr, SPLIT8: tl.constexpr = False,
@@ -81,21 +101,7 @@ def _act_quant_kernel(
             x = x_all
         else:
             x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-        # Clamping to [-9, 9] before rounding does not change clamp(round(v), -8, 7) and keeps
-        # the magic-number rounding in its exact range for any clip ratio.
-        v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -9.0), 9.0)
-        q = tl.minimum(tl.maximum(round_half_even(v), -8.0), 7.0).to(tl.int8)
-        q_even, q_odd = tl.split(q)
-        if SPLIT8:
-            # pair kp → block kp // 64: even value at byte kp % 64 of the block, odd value 64 bytes on;
-            # pairs past K (up to the padded block) hold zeros (x was loaded as 0 there)
-            at = (kp // 64) * 128 + kp % 64
-            inside = kp < tl.cdiv(KP, 64) * 64
-            tl.store(q_row + at, q_even, mask=inside)
-            tl.store(q_row + at + 64, q_odd, mask=inside)
-        else:
-            packed = (q_even & 0xF) | (q_odd << 4)
-            tl.store(q_row + kp, packed, mask=kp < KP)
+        quantize_store(x, scale, q_row, kp, KP, SPLIT8)
 
 
 def _check_inputs(x: torch.Tensor, clip_ratio: float) -> None:

@@ -49,7 +49,14 @@ from mosaicquant.kernels._common import (
     resolve_kernel,
     triton_interpreting,
 )
-from mosaicquant.kernels._tl import release_dependents, round_half_even
+from mosaicquant.kernels._tl import release_dependents
+from mosaicquant.kernels.act_quant import (
+    LAYOUTS,
+    quantize_activations_reference,
+    quantize_store,
+    split8_from_int,
+    split8_width,
+)
 from mosaicquant.kernels.hadamard_quant import _round_to_bf16
 
 __all__ = [
@@ -121,6 +128,15 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * h.to(x.dtype)
 
 
+def _check_norm_inputs(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> tuple[int, int]:
+    check_tensor("x", x, dtypes=_HALF, dim=2)
+    t, n = x.shape
+    check_tensor("weight", weight, dtypes=(x.dtype,), shape=(n,))
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=(x.dtype,), shape=(t, n))
+    return t, n
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
             out: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
     """RMSNorm of the rows of ``x`` (after ``residual += x``, in place, when ``residual`` is given).
@@ -139,11 +155,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     Raises:
         UserInputError: shapes, dtypes or strides the kernel cannot take.
     """
-    check_tensor("x", x, dtypes=_HALF, dim=2)
-    t, n = x.shape
-    check_tensor("weight", weight, dtypes=(x.dtype,), shape=(n,))
-    if residual is not None:
-        check_tensor("residual", residual, dtypes=(x.dtype,), shape=(t, n))
+    t, n = _check_norm_inputs(x, weight, residual)
     if resolve_kernel(kernel, x.device) == "torch":
         y = rmsnorm_reference(x, weight, eps, residual)
         return y if out is None else out.copy_(y)
@@ -549,23 +561,12 @@ def _rmsnorm_quant_kernel(X, R, W, Q, SCALE, n, kp, eps, clip_ratio, stride_x, s
     scale = tl.math.div_rn(tl.max(tl.max(tl.abs(z), axis=1), axis=0) * clip_ratio, 7.0)
     scale = tl.where(scale > 0.0, scale, 1.0)
     tl.store(SCALE + row, scale)
-    v = tl.minimum(tl.maximum(tl.math.div_rn(z, scale), -9.0), 9.0)
-    q = tl.minimum(tl.maximum(round_half_even(v), -8.0), 7.0).to(tl.int8)
-    q_even, q_odd = tl.split(q)
-    q_row = Q + row * stride_q
-    if SPLIT8:
-        at = (pairs // 64) * 128 + pairs % 64
-        inside = pairs < tl.cdiv(kp, 64) * 64
-        tl.store(q_row + at, q_even, mask=inside)
-        tl.store(q_row + at + 64, q_odd, mask=inside)
-    else:
-        tl.store(q_row + pairs, (q_even & 0xF) | (q_odd << 4), mask=pairs < kp)
+    quantize_store(z, scale, Q + row * stride_q, pairs, kp, SPLIT8)
 
 
 def rmsnorm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
                             clip_ratio: float, layout: str = "packed") -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rmsnorm_reference`, then the activation quantizer's reference (``layout`` as in act_quant)."""
-    from mosaicquant.kernels.act_quant import quantize_activations_reference, split8_from_int
     from mosaicquant.methods.format import unpack_int4
 
     y = rmsnorm_reference(x, weight, eps, residual)
@@ -596,13 +597,7 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     Raises:
         UserInputError: what :func:`rmsnorm` rejects, a clip ratio outside (0, 1], an unknown layout.
     """
-    from mosaicquant.kernels.act_quant import LAYOUTS, split8_width
-
-    check_tensor("x", x, dtypes=_HALF, dim=2)
-    t, n = x.shape
-    check_tensor("weight", weight, dtypes=(x.dtype,), shape=(n,))
-    if residual is not None:
-        check_tensor("residual", residual, dtypes=(x.dtype,), shape=(t, n))
+    t, n = _check_norm_inputs(x, weight, residual)
     if layout not in LAYOUTS:
         raise UserInputError(f"layout={layout!r} is not allowed: choose one of {', '.join(LAYOUTS)}")
     if not isinstance(clip_ratio, (int, float)) or not 0.0 < float(clip_ratio) <= 1.0:

@@ -131,6 +131,8 @@ def throughput_table(group: list[Cell]) -> pd.DataFrame:
     rows = []
     for cell in group:
         row = _info_columns(cell)
+        # the decoder code around the linears (mosaicquant.harness.runtime); older records do not say
+        row["runtime"] = (cell.method_info.get("speed") or {}).get("runtime") or ""
         pre = cell.metrics.get(PREFILL)
         row["prefill tok/s"] = _cell_text(pre, speedup(pre, ref.metrics.get(PREFILL)) if ref else None)
         dec, ref_dec = decode_points(cell), decode_points(ref) if ref else {}
