@@ -3,7 +3,7 @@
 For each method on a random-weight shape model: the step time as the throughput suite
 measures it (CUDA graph, median), then the same step run eagerly under the PyTorch profiler,
 its GPU kernels summed by category (µs per step): the 4-bit GEMMs, activation quantization
-(with the fused online Hadamard), BF16 GEMMs (cuBLAS: the BF16 linears, the output head),
+(with the fused online Hadamard), the norm fused with the quantizer, BF16 GEMMs (cuBLAS: the BF16 linears, the output head),
 attention, norms, RoPE + KV write, SiLU·mul, and everything else. ``graph - kernels`` is what
 the graph still spends between kernels.
 
@@ -39,6 +39,7 @@ CATEGORIES = (
     ("w4a4 gemm", r"_w4a4_gemm_kernel|_w4a4_swapped_kernel|_zipper_kernel|_residual_add_kernel|_mixed_gemm"),
     ("act-quant", r"_act_quant_kernel|_hadamard_quant_kernel|_mixed_act_quant"),
     ("attention", r"_attn_|flash|fmha|attention|softmax"),
+    ("norm+quant", r"_rmsnorm_quant_kernel"),
     ("norm", r"_rmsnorm_kernel"),
     ("rope+kv", r"_rope_kv_kernel"),
     ("silu*mul", r"_silu_mul_kernel"),

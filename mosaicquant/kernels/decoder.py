@@ -618,5 +618,5 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
             x, res, weight, q.view(torch.int8), scale, n, kp, float(eps), float(clip_ratio), x.stride(0),
             res.stride(0), q.stride(0), HB=hb, HAS_RES=residual is not None, DT=_tl_dtype(x.dtype),
             BITS=_bits(x.dtype), SPLIT8=layout == "split8", PDL=pdl_supported(x.device),
-            num_warps=4 if n <= 4096 else 8)
+            num_warps=4 if hb <= 1024 else (8 if hb <= 4096 else 16))  # act_quant's rule (per-element div_rn)
     return q, scale
