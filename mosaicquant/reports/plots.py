@@ -35,7 +35,7 @@ from matplotlib.figure import Figure as MplFigure
 
 from mosaicquant.harness.results import _slug  # figure names read like record names
 from mosaicquant.reports.cells import FP16_LABEL, Cell, aggregate_cells
-from mosaicquant.reports.speed import decode_points, fp16_cell, linear_points, speedup, suite_groups
+from mosaicquant.reports.speed import decode_points, fp16_cell, linear_points, same_runtime, speedup, suite_groups
 
 __all__ = [
     "Figure",
@@ -84,7 +84,12 @@ def _save(fig, path: Path) -> Path:
 
 
 def decode_speedup(cell: Cell, ref: Cell) -> tuple[float, list[int]] | None:
-    """Geometric mean over shared batch sizes of the decode speed-up vs ``ref``, and those batches."""
+    """Geometric mean over shared batch sizes of the decode speed-up vs ``ref``, and those batches.
+
+    ``None`` without shared batches, or when the two ran on different decoder runtimes.
+    """
+    if not same_runtime(cell, ref):
+        return None
     mine, theirs = decode_points(cell), decode_points(ref)
     ratios = {b: speedup(mine[b], theirs[b]) for b in mine.keys() & theirs.keys()}
     ratios = {b: r for b, r in ratios.items() if r is not None}

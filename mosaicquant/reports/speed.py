@@ -92,6 +92,28 @@ def _step_order(name: str) -> tuple[int, int]:
     return (0, 0) if name == "prefill" else (1, int(name.removeprefix("decode_b")))
 
 
+def runtime_of(cell: Cell) -> str | None:
+    """The decoder runtime a speed cell ran on (``fused`` / ``transformers``), ``None`` for older records."""
+    return (cell.method_info.get("speed") or {}).get("runtime")
+
+
+def same_runtime(cell: Cell, ref: Cell | None) -> bool:
+    """Whether end-to-end numbers of ``cell`` and ``ref`` may be divided: not when their runtimes differ.
+
+    A method the fused decoder cannot run (e.g. a KV-cache quantizer) runs transformers' eager
+    code, whose steps are 2-4× slower for reasons that have nothing to do with the method.
+    """
+    return ref is not None and (runtime_of(cell) is None or runtime_of(ref) is None
+                                or runtime_of(cell) == runtime_of(ref))
+
+
+def _runtime_note(cell: Cell, ref: Cell | None) -> str | None:
+    if ref is None or same_runtime(cell, ref):
+        return None
+    return (f"ran on the {runtime_of(cell)} runtime, the fp16 row on {runtime_of(ref)}: "
+            "no end-to-end speed-up shown")
+
+
 def speedup(method: MetricSummary | None, fp16: MetricSummary | None) -> float | None:
     """How many times faster than fp16 (above 1 is faster), or None without both values."""
     if method is None or fp16 is None or method.value <= 0 or fp16.value <= 0:
@@ -132,13 +154,14 @@ def throughput_table(group: list[Cell]) -> pd.DataFrame:
     for cell in group:
         row = _info_columns(cell)
         # the decoder code around the linears (mosaicquant.harness.runtime); older records do not say
-        row["runtime"] = (cell.method_info.get("speed") or {}).get("runtime") or ""
+        row["runtime"] = runtime_of(cell) or ""
+        comparable = same_runtime(cell, ref)
         pre = cell.metrics.get(PREFILL)
-        row["prefill tok/s"] = _cell_text(pre, speedup(pre, ref.metrics.get(PREFILL)) if ref else None)
-        dec, ref_dec = decode_points(cell), decode_points(ref) if ref else {}
+        row["prefill tok/s"] = _cell_text(pre, speedup(pre, ref.metrics.get(PREFILL)) if comparable else None)
+        dec, ref_dec = decode_points(cell), decode_points(ref) if comparable else {}
         for b in batches:
             row[f"decode b{b} tok/s"] = _cell_text(dec.get(b), speedup(dec.get(b), ref_dec.get(b)))
-        row["notes"] = cell.note
+        row["notes"] = "; ".join(n for n in (cell.note, _runtime_note(cell, ref)) if n) or None
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -215,8 +238,9 @@ def step_table(group: list[Cell]) -> pd.DataFrame:
     for cell in group:
         steps = step_points(cell)
         row = {"method": cell.method}
+        comparable = same_runtime(cell, ref)
         for n in names:
-            row[f"{n} ms"] = _cell_text(steps.get(n), speedup(steps.get(n), ref_steps.get(n)))
-        row["notes"] = cell.note
+            row[f"{n} ms"] = _cell_text(steps.get(n), speedup(steps.get(n), ref_steps.get(n)) if comparable else None)
+        row["notes"] = "; ".join(n for n in (cell.note, _runtime_note(cell, ref)) if n) or None
         rows.append(row)
     return pd.DataFrame(rows)

@@ -155,6 +155,29 @@ def test_decode_speedup_is_geometric_mean_over_shared_batches(tmp_path, write_ce
     assert batches == [4, 8] and value == pytest.approx(math.sqrt(2.0 * 4.0))
 
 
+def test_no_end_to_end_speedup_across_decoder_runtimes(tmp_path, write_cell, speed_metrics):
+    # a method the fused decoder cannot run (e.g. a KV-cache quantizer) falls back to the eager code:
+    # its tok/s are shown, but never divided by an fp16 row that ran on the other runtime
+    throughput, _ = speed_metrics
+
+    def info(runtime, kv=16):
+        return {"wbits": 4, "abits": 4, "kv_bits": kv, "exec_path": "triton", "speed": {"runtime": runtime}}
+
+    write_cell(tmp_path, SPEED, "fp16", "throughput", throughput({4: 800.0}, prefill=40000.0), info=info("fused"))
+    write_cell(tmp_path, SPEED, "rtn", "throughput", throughput({4: 1400.0}, prefill=60000.0), info=info("fused"))
+    write_cell(tmp_path, SPEED, "quarot", "throughput", throughput({4: 500.0}, prefill=30000.0),
+               info=info("transformers", kv=4))
+    cells = aggregate_cells(load_records(tmp_path))
+    fp16 = cells[(SPEED, "fp16", "throughput")]
+    assert decode_speedup(cells[(SPEED, "quarot", "throughput")], fp16) is None
+    assert decode_speedup(cells[(SPEED, "rtn", "throughput")], fp16)[0] == pytest.approx(1.75)
+    section = write_tables(tmp_path).read_text().split(f"### Throughput on {SPEED}")[1].split("###")[0]
+    rows = {line.split(" | ")[0].strip("| "): line for line in section.splitlines() if line.startswith("| ")}
+    assert "| fused |" in rows["rtn"] and "(1.75×)" in rows["rtn"] and "(1.50×)" in rows["rtn"]
+    assert "| transformers |" in rows["quarot"] and "×" not in rows["quarot"].split("| transformers |")[1]
+    assert "ran on the transformers runtime, the fp16 row on fused: no end-to-end speed-up shown" in rows["quarot"]
+
+
 def test_seeds_aggregate_mean_and_spread(tmp_path, write_cell):
     for seed, value in ((0, 100.0), (1, 110.0)):
         write_cell(tmp_path, SPEED, "rtn", "throughput", {"decode_tok_s/b4": (value, True, "tok/s", 1.0)}, seed=seed)
