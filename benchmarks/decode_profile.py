@@ -80,7 +80,8 @@ def main() -> None:
     ap.add_argument("--batches", default="4,32")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--runtimes", default="fused,fused_nq,transformers",
-                    help="fused, fused_nq (the norm and the activation quantizer as two kernels), transformers")
+                    help="fused, fused_nq (the activation quantizers as kernels of their own, not inside the "
+                         "norm and the SiLU*mul), transformers")
     args = ap.parse_args()
     device = torch.device("cuda")
     os.makedirs(args.out, exist_ok=True)
@@ -92,7 +93,7 @@ def main() -> None:
         config = get_method(method).config() if method != "fp16" else None
         speed_form(method, model, config, ctx)
         executable(model, ctx.info)
-        decoders = {"fused": FusedDecoder(model), "fused_nq": FusedDecoder(model, fuse_norm_quant=False)}
+        decoders = {"fused": FusedDecoder(model), "fused_nq": FusedDecoder(model, fuse_quant=False)}
         for runtime in args.runtimes.split(","):
             if runtime == "fused_nq" and method == "fp16":
                 continue  # nothing to quantize

@@ -18,7 +18,8 @@ group, or the float weights stacked once, the original linears left as views of 
 stack); per-head q/k norms (Qwen3), RoPE, and the KV-cache write in one kernel;
 split-KV decode attention (two kernels) or, for a prefill, PyTorch's
 ``scaled_dot_product_attention`` (causal, flash); ``o_proj``; the second add + RMSNorm;
-gate/up as one GEMM; SiLU·mul; ``down_proj``. The KV cache is the model dtype (16-bit),
+gate/up as one GEMM; SiLU·mul (for a W4A4 ``down_proj``, computed inside its activation
+quantizer, after or without its online Hadamard); ``down_proj``. The KV cache is the model dtype (16-bit),
 ``[B, kv_heads, L, D]`` per layer.
 
 :func:`fused_reason` says why a model cannot run on it (an architecture it does not know,
@@ -41,7 +42,8 @@ __all__ = ["RUNTIMES", "FUSED_DESCRIPTION", "FusedDecoder", "DecodeCache", "fuse
 #: ``auto``: fused where :func:`fused_reason` allows, else transformers (the record says why)
 RUNTIMES = ("auto", "fused", "transformers")
 FUSED_DESCRIPTION = ("fused decoder (Triton add+RMSNorm, fused with the 4-bit activation quantizer where a W4A4 "
-                     "GEMM reads the norm directly; q/k norm + RoPE + KV write; split-KV decode attention; SiLU*mul; "
+                     "GEMM reads the norm directly; q/k norm + RoPE + KV write; split-KV decode attention; SiLU*mul, "
+                     "inside down_proj's quantizer for W4A4 layers; "
                      "SDPA flash attention for prefill; q/k/v and gate/up as one GEMM each; 16-bit KV)")
 TRANSFORMERS_DESCRIPTION = "transformers eager decoder (static KV cache, 16-bit unless the method quantizes it)"
 
@@ -203,9 +205,11 @@ class FusedDecoder:
         model: the (quantized, kernel-converted) model; its float q/k/v and gate/up weights
             are re-stored once as stacked tensors, the original linears becoming views.
         kernel: kernel preference for the fused ops (``"torch"`` runs their references).
-        fuse_norm_quant: where a W4A4 projection group reads a norm's output directly (no
-            online transform), run the norm and its activation quantizer as one kernel
-            (:func:`~mosaicquant.kernels.decoder.rmsnorm_quant`; same integers and scales).
+        fuse_quant: run the W4A4 activation quantizers inside the kernel before them (same
+            integers and scales): the norm and the quantizer of a projection group that reads
+            the norm directly (:func:`~mosaicquant.kernels.decoder.rmsnorm_quant`), and
+            SiLU·mul inside ``down_proj``'s quantizer (with its online Hadamard, if any;
+            ``gated=True`` of the act_quant / hadamard_quant launchers).
 
     Raises:
         UserInputError: the model cannot run here (:func:`fused_reason`).
@@ -217,13 +221,13 @@ class FusedDecoder:
         >>> logits = dec.decode(next_ids, positions, cache)                 # doctest: +SKIP
     """
 
-    def __init__(self, model: nn.Module, kernel: str | None = None, fuse_norm_quant: bool = True):
+    def __init__(self, model: nn.Module, kernel: str | None = None, fuse_quant: bool = True):
         reason = fused_reason(model)
         if reason is not None:
             raise UserInputError(f"the fused decoder cannot run this model: {reason}")
         self.model = model
         self.kernel = kernel
-        self.fuse_norm_quant = bool(fuse_norm_quant)
+        self.fuse_quant = bool(fuse_quant)
         inner = model.model
         cfg = model.config
         self.heads = int(cfg.num_attention_heads)
@@ -289,7 +293,7 @@ class FusedDecoder:
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, tokens_per_seq: int, keys, values, cos, sin,
                 attend) -> tuple[torch.Tensor, torch.Tensor]:
-        from mosaicquant.kernels.decoder import rmsnorm, rope_kv, silu_mul
+        from mosaicquant.kernels.decoder import rope_kv
 
         kernel = self.kernel
         residual = x.clone()
@@ -301,8 +305,34 @@ class FusedDecoder:
                         lay.q_norm, lay.k_norm, lay.qk_eps, kernel=kernel)
             a = attend(q, keys[i], values[i], lay.scaling)
             gate_up = self._norm_then(lay.o_proj(a), lay.post_norm, residual, lay.gate_up)
-            h = lay.down_proj(silu_mul(gate_up, kernel=kernel))
+            h = self._silu_down(gate_up, lay.down_proj)
         return h, residual
+
+    def _silu_down(self, gate_up: torch.Tensor, down: nn.Module) -> torch.Tensor:
+        """``down(silu_mul(gate_up))``; SiLU·mul computed inside down's activation quantizer where it can."""
+        from mosaicquant.kernels._common import resolve_kernel
+        from mosaicquant.kernels.act_quant import quantize_activations_triton
+        from mosaicquant.kernels.convert import KernelLinear
+        from mosaicquant.kernels.decoder import silu_mul
+        from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason, hadamard_quantize_triton
+        from mosaicquant.kernels.quant_linear import QuantLinear
+
+        quant = getattr(down, "quant", None)
+        device = gate_up.device
+        if (self.fuse_quant and type(down) is KernelLinear and isinstance(quant, QuantLinear) and not _hooked(down)
+                and resolve_kernel(self.kernel, device) == "triton" and resolve_kernel(quant.kernel, device) == "triton"):
+            swapped = quant.uses_swapped(gate_up.shape[0], "triton")
+            layout = "split8" if swapped else "packed"
+            transform = down.input_transform
+            a = None
+            if transform is None:
+                a, scale = quantize_activations_triton(gate_up, quant.act_clip_ratio, layout=layout, gated=True)
+            elif down.fuse_transform and fused_hadamard_reason(transform, gate_up.dtype) is None:
+                a, scale = hadamard_quantize_triton(gate_up, transform, quant.act_clip_ratio, layout=layout, gated=True)
+            if a is not None:
+                y = quant.forward_split8(a, scale) if swapped else quant.forward_quantized(a, scale, "triton")
+                return y.to(gate_up.dtype)
+        return down(silu_mul(gate_up, kernel=self.kernel))
 
     def _norm_then(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None,
                    stacked: _Stacked) -> torch.Tensor:
@@ -311,7 +341,7 @@ class FusedDecoder:
         from mosaicquant.kernels.decoder import rmsnorm, rmsnorm_quant
 
         quant = stacked.quant
-        if (quant is not None and self.fuse_norm_quant and resolve_kernel(self.kernel, x.device) == "triton"
+        if (quant is not None and self.fuse_quant and resolve_kernel(self.kernel, x.device) == "triton"
                 and resolve_kernel(quant.kernel, x.device) == "triton"):
             swapped = quant.uses_swapped(x.shape[0], "triton")
             a, scale = rmsnorm_quant(x, norm.weight, norm.variance_epsilon, residual, quant.act_clip_ratio,

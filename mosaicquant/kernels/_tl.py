@@ -302,3 +302,30 @@ def tile_coords(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.const
     first_m = (pid // group) * GROUP_M
     rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
     return first_m + (pid % group) % rows_in_group, (pid % group) // rows_in_group
+
+
+@triton.jit
+def round_to_bf16(z):
+    """fp32 → the nearest BF16 value (ties to even), kept in fp32; finite inputs.
+
+    Bit arithmetic rather than ``.to(tl.bfloat16)``: Triton's interpreter truncates that
+    conversion, and compiled ``.to(bf16).to(fp32)`` pairs were seen not to round on the H200
+    (``benchmarks/NOTES.md``, v12); this is round-to-nearest-even on both.
+    """
+    u = z.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def silu_mul_rounded(g, u, IS_BF16: tl.constexpr):
+    """``silu(g) · u`` of fp32 values from a 16-bit tensor, rounded as transformers' eager ops round.
+
+    ``silu`` is rounded to the 16-bit dtype (BF16 if ``IS_BF16``, else FP16), then the product;
+    the result is kept in fp32 (exactly representable in the 16-bit dtype).
+    """
+    a = g / (1.0 + tl.exp(-g))
+    if IS_BF16:
+        return round_to_bf16(round_to_bf16(a) * u)
+    else:
+        return (a.to(tl.float16).to(tl.float32) * u).to(tl.float16).to(tl.float32)

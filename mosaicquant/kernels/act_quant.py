@@ -35,7 +35,7 @@ import triton.language as tl
 
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels._common import check_same_device, check_tensor, check_triton_device, pdl_supported, resolve_kernel
-from mosaicquant.kernels._tl import release_dependents, round_half_even
+from mosaicquant.kernels._tl import release_dependents, round_half_even, silu_mul_rounded
 from mosaicquant.methods.format import pack_int4
 from mosaicquant.methods.quant import quantize
 
@@ -69,9 +69,21 @@ def quantize_store(x, scale, q_row, kp, KP, SPLIT8: tl.constexpr):
 
 
 @triton.jit
+def _load_row(x_row, k, K, GATED: tl.constexpr):
+    """Activations ``k`` of one row in fp32; with ``GATED`` the row is ``[gate | up]`` (``K`` each)
+    and the activations are ``silu(gate) · up``, rounded as :func:`mosaicquant.kernels.decoder.silu_mul` rounds."""
+    x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+    if GATED:
+        up = tl.load(x_row + K + k, mask=k < K, other=0.0).to(tl.float32)
+        x = silu_mul_rounded(x, up, x_row.dtype.element_ty == tl.bfloat16)
+    return x
+
+
+@triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, scale_ptr, K, KP, stride_xm, stride_qm, clip_ratio,
     BLOCK_KP: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr, SPLIT8: tl.constexpr = False,
+    GATED: tl.constexpr = False,
 ):
     release_dependents(PDL)  # the GEMM that reads our output may start (it waits for us before reading)
     row = tl.program_id(0).to(tl.int64)
@@ -82,13 +94,13 @@ def _act_quant_kernel(
 
     if ONE_PASS:
         k = pairs[:, None] * 2 + lanes[None, :]
-        x_all = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        x_all = _load_row(x_row, k, K, GATED)
         absmax = tl.max(tl.abs(x_all), axis=1)
     else:
         absmax = tl.zeros([BLOCK_KP], dtype=tl.float32)
         for kp0 in range(0, KP, BLOCK_KP):
             k = (kp0 + pairs)[:, None] * 2 + lanes[None, :]
-            x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+            x = _load_row(x_row, k, K, GATED)
             absmax = tl.maximum(absmax, tl.max(tl.abs(x), axis=1))
     scale = tl.math.div_rn(tl.max(absmax, axis=0) * clip_ratio, 7.0)
     scale = tl.where(scale > 0.0, scale, 1.0)
@@ -100,7 +112,7 @@ def _act_quant_kernel(
         if ONE_PASS:
             x = x_all
         else:
-            x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+            x = _load_row(x_row, k, K, GATED)
         quantize_store(x, scale, q_row, kp, KP, SPLIT8)
 
 
@@ -110,6 +122,12 @@ def _check_inputs(x: torch.Tensor, clip_ratio: float) -> None:
         raise UserInputError(f"clip_ratio={clip_ratio!r} is out of range: allowed (0, 1]")
     if x.shape[1] < 1:
         raise UserInputError(f"x must have at least one column, got shape {tuple(x.shape)}")
+
+
+def _check_gated(x: torch.Tensor) -> None:
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[1] % 2:
+        raise UserInputError(f"gated input must be BF16/FP16 [M, 2K] ([gate | up]), got {str(x.dtype).replace('torch.', '')} "
+                             f"{list(x.shape)}")
 
 
 def split8_width(k: int) -> int:
@@ -131,6 +149,7 @@ def quantize_activations_triton(
     clip_ratio: float = 1.0,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     layout: str = "packed",
+    gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the Triton activation quantizer.
 
@@ -140,6 +159,9 @@ def quantize_activations_triton(
         out: optional preallocated contiguous ``(packed, scale)`` (``"packed"`` layout only).
         layout: ``"packed"`` (two values a byte) or ``"split8"`` (one ``int8`` a byte, even/odd
             halves of 128-value blocks; see the module docstring).
+        gated: ``x`` is ``[M, 2K]`` BF16/FP16 ``[gate | up]`` and the activations quantized are
+            ``silu(gate) · up`` (:func:`mosaicquant.kernels.decoder.silu_mul`, the same roundings),
+            computed as they are loaded: a gated MLP's down-projection input without its own kernel.
 
     Returns:
         ``(packed, scale)``: ``uint8 [M, ceil(K/2)]`` (or ``int8 [M, split8_width(K)]``) and
@@ -154,6 +176,9 @@ def quantize_activations_triton(
     if layout not in LAYOUTS:
         raise UserInputError(f"layout={layout!r} is not allowed: choose one of {', '.join(LAYOUTS)}")
     m, k = x.shape
+    if gated:
+        _check_gated(x)
+        k //= 2
     kp = (k + 1) // 2
     if layout == "split8":
         if out is not None:
@@ -165,7 +190,7 @@ def quantize_activations_triton(
             _act_quant_kernel[(m,)](
                 x, q, scale, k, kp, x.stride(0), q.stride(0), float(clip_ratio),
                 BLOCK_KP=block_kp, ONE_PASS=kp <= block_kp, PDL=pdl_supported(x.device), SPLIT8=True,
-                num_warps=4 if block_kp <= 1024 else (8 if block_kp <= 4096 else 16),
+                GATED=gated, num_warps=4 if block_kp <= 1024 else (8 if block_kp <= 4096 else 16),
             )
         return q, scale
     if out is not None:
@@ -183,7 +208,8 @@ def quantize_activations_triton(
     num_warps = 4 if block_kp <= 1024 else (8 if block_kp <= 4096 else 16)
     _act_quant_kernel[(m,)](
         x, packed.view(torch.int8), scale, k, kp, x.stride(0), packed.stride(0), float(clip_ratio),
-        BLOCK_KP=block_kp, ONE_PASS=kp <= block_kp, PDL=pdl_supported(x.device), num_warps=num_warps,
+        BLOCK_KP=block_kp, ONE_PASS=kp <= block_kp, PDL=pdl_supported(x.device), GATED=gated,
+        num_warps=num_warps,
     )
     return packed, scale
 

@@ -49,7 +49,8 @@ from mosaicquant.kernels._common import (
     resolve_kernel,
     triton_interpreting,
 )
-from mosaicquant.kernels._tl import release_dependents
+from mosaicquant.kernels._tl import release_dependents, silu_mul_rounded
+from mosaicquant.kernels._tl import round_to_bf16 as _round_to_bf16
 from mosaicquant.kernels.act_quant import (
     LAYOUTS,
     quantize_activations_reference,
@@ -57,7 +58,6 @@ from mosaicquant.kernels.act_quant import (
     split8_from_int,
     split8_width,
 )
-from mosaicquant.kernels.hadamard_quant import _round_to_bf16
 
 __all__ = [
     "rmsnorm",
@@ -495,15 +495,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
-def _silu_mul_kernel(GU, OUT, n, stride_g, stride_o, up_offset, BLOCK: tl.constexpr, DT: tl.constexpr,
-                     BITS: tl.constexpr):
+def _silu_mul_kernel(GU, OUT, n, stride_g, stride_o, up_offset, BLOCK: tl.constexpr, DT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(GU + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GU + row * stride_g + up_offset + offs, mask=mask, other=0.0).to(tl.float32)
-    a = _rnd(g / (1.0 + tl.exp(-g)), DT, BITS)
-    tl.store(OUT + row * stride_o + offs, _rnd(a * u, DT, BITS).to(DT), mask=mask)
+    # the same helper computes the gated inputs of act_quant / hadamard_quant (gated=True)
+    tl.store(OUT + row * stride_o + offs, silu_mul_rounded(g, u, DT == tl.bfloat16).to(DT), mask=mask)
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -532,7 +531,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None, kernel: str
     block = min(4096, triton.next_power_of_2(n))
     if t:
         _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0), n,
-                                                     BLOCK=block, DT=_tl_dtype(gate_up.dtype), BITS=_bits(gate_up.dtype), num_warps=4)
+                                                     BLOCK=block, DT=_tl_dtype(gate_up.dtype), num_warps=4)
     return out
 
 

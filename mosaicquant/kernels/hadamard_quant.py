@@ -49,7 +49,8 @@ from mosaicquant.kernels._common import (
     resolve_kernel,
     triton_interpreting,
 )
-from mosaicquant.kernels._tl import release_dependents, round_half_even
+from mosaicquant.kernels._tl import release_dependents, round_half_even, silu_mul_rounded
+from mosaicquant.kernels._tl import round_to_bf16 as _round_to_bf16
 from mosaicquant.kernels.act_quant import LAYOUTS, quantize_activations_reference, split8_width
 from mosaicquant.methods.hadamard import OnlineHadamard, _sylvester, hadamard_factor
 
@@ -68,24 +69,12 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _round_to_bf16(z):
-    """fp32 → the nearest BF16 value (ties to even), kept in fp32; finite inputs.
-
-    Bit arithmetic rather than ``.to(tl.bfloat16)``: Triton's interpreter truncates that
-    conversion, the GPU rounds it; this is round-to-nearest-even on both.
-    """
-    u = z.to(tl.uint32, bitcast=True)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _hadamard_quant_kernel(
     x_ptr, left_ptr, syl_ptr, signs_ptr, q_ptr, scale_ptr,
     R, stride_xm, stride_qm, inv_sqrt_n, clip_ratio,
     D: tl.constexpr, R_PAD: tl.constexpr,
     HAS_SIGNS: tl.constexpr, SIGNS_FIRST: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
-    SPLIT8: tl.constexpr = False,
+    SPLIT8: tl.constexpr = False, GATED: tl.constexpr = False, up_offset=0,
 ):
     release_dependents(PDL)  # the GEMM that reads our output may start (it waits for us before reading)
     row = tl.program_id(0).to(tl.int64)
@@ -94,6 +83,9 @@ def _hadamard_quant_kernel(
     idx = rows[:, None] * D + cols[None, :]
     valid = rows[:, None] < R
     x = tl.load(x_ptr + row * stride_xm + idx, mask=valid, other=0.0)
+    if GATED:  # x holds [gate | up]: the transform's input is silu(gate) · up, rounded as silu_mul rounds it
+        up = tl.load(x_ptr + row * stride_xm + up_offset + idx, mask=valid, other=0.0).to(tl.float32)
+        x = silu_mul_rounded(x.to(tl.float32), up, x_ptr.dtype.element_ty == tl.bfloat16).to(x_ptr.dtype.element_ty)
     if HAS_SIGNS:
         if SIGNS_FIRST:
             s = tl.load(signs_ptr + idx, mask=valid, other=1.0)
@@ -188,19 +180,21 @@ def _operands(m: int, log2_p: int, transpose: bool, device: torch.device, dtype:
     return left.to(device=device, dtype=dtype).contiguous(), syl.to(device=device, dtype=dtype).contiguous()
 
 
-def _check(x: torch.Tensor, transform: object, clip_ratio: float) -> None:
+def _check(x: torch.Tensor, transform: object, clip_ratio: float, gated: bool = False) -> None:
     check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32), dim=2)
     if not isinstance(transform, OnlineHadamard):
         raise UserInputError(f"transform must be an OnlineHadamard, got {type(transform).__name__}")
-    if x.shape[1] != transform.size:
-        raise UserInputError(f"x has {x.shape[1]} columns, the transform is of size {transform.size}")
+    width = 2 * transform.size if gated else transform.size
+    if x.shape[1] != width:
+        raise UserInputError(f"x has {x.shape[1]} columns; the transform is of size {transform.size}"
+                             + (" and a gated input holds [gate | up]" if gated else ""))
     if not isinstance(clip_ratio, (int, float)) or not 0.0 < float(clip_ratio) <= 1.0:
         raise UserInputError(f"clip_ratio={clip_ratio!r} is out of range: allowed (0, 1]")
 
 
 def hadamard_quantize_triton(
     x: torch.Tensor, transform: OnlineHadamard, clip_ratio: float = 1.0,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None, layout: str = "packed",
+    out: tuple[torch.Tensor, torch.Tensor] | None = None, layout: str = "packed", gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kernel.
 
@@ -212,6 +206,9 @@ def hadamard_quantize_triton(
             (``"packed"`` layout only).
         layout: ``"packed"`` or ``"split8"`` (``int8 [M, split8_width(n)]``, for the swapped
             prefill GEMM; see :mod:`mosaicquant.kernels.act_quant`).
+        gated: ``x`` is ``[M, 2n]`` ``[gate | up]``; the transform's input is ``silu(gate) · up``
+            with :func:`mosaicquant.kernels.decoder.silu_mul`'s roundings (a gated MLP's
+            down-projection input, without its own kernel).
 
     Returns:
         ``(packed, scale)``.
@@ -220,13 +217,13 @@ def hadamard_quantize_triton(
         UserInputError: bad arguments, a transform or dtype the kernel does not take (the
             message says why), or a device the Triton path cannot run on.
     """
-    _check(x, transform, clip_ratio)
+    _check(x, transform, clip_ratio, gated)
     reason = fused_hadamard_reason(transform, x.dtype)
     if reason is not None:
         raise UserInputError(f"the fused Hadamard + quantization kernel cannot run this input: {reason}")
     device = check_same_device(x=x)
     check_triton_device(device)
-    m, n = x.shape
+    m, n = x.shape[0], transform.size
     if layout not in LAYOUTS:
         raise UserInputError(f"layout={layout!r} is not allowed: choose one of {', '.join(LAYOUTS)}")
     if layout == "split8":
@@ -259,7 +256,7 @@ def hadamard_quantize_triton(
         r, x.stride(0), packed.stride(0), 1.0 / math.sqrt(n), float(clip_ratio),
         D=d, R_PAD=r_pad, HAS_SIGNS=has_signs, SIGNS_FIRST=transform.transpose,
         DOT_F32=triton_interpreting(), PDL=pdl_supported(device), SPLIT8=layout == "split8",
-        num_warps=4 if r_pad * d <= 4096 else 8,
+        GATED=gated, up_offset=n if gated else 0, num_warps=4 if r_pad * d <= 4096 else 8,
     )
     return packed, scale
 

@@ -87,6 +87,38 @@ def test_rmsnorm_quant_equals_the_norm_then_the_quantizer(t, n, layout, with_res
     assert (q.cpu() != qr).float().mean().item() <= ULP_FRACTION
 
 
+@pytest.mark.parametrize("layout", ["packed", "split8"])
+@pytest.mark.parametrize("kind,k", [("plain", 100), ("plain", 4100), ("hadamard", 256), ("hadamard", 1536)])
+def test_gated_quantizers_equal_silu_mul_then_the_quantizer(layout, kind, k):
+    # down_proj's quantizer computes silu(gate)·up as it loads: the same integers as silu_mul first
+    from mosaicquant.kernels.act_quant import quantize_activations_triton
+    from mosaicquant.kernels.hadamard_quant import hadamard_quantize_triton
+    from mosaicquant.methods.hadamard import OnlineHadamard, random_signs
+
+    g = torch.Generator().manual_seed(k)
+    gate_up = (2 * torch.randn(5, 2 * k, generator=g)).to(BF16).to(DEVICE)
+    product = silu_mul(gate_up, kernel="triton")
+    if kind == "plain":
+        got = quantize_activations_triton(gate_up, 0.9, layout=layout, gated=True)
+        want = quantize_activations_triton(product, 0.9, layout=layout)
+    else:
+        had = OnlineHadamard(k, signs=random_signs(k, seed=k)).to(DEVICE)
+        got = hadamard_quantize_triton(gate_up, had, 0.9, layout=layout, gated=True)
+        want = hadamard_quantize_triton(product, had, 0.9, layout=layout)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_gated_input_shapes_are_checked():
+    from mosaicquant.kernels.act_quant import quantize_activations_triton
+    from mosaicquant.kernels.hadamard_quant import hadamard_quantize_triton
+    from mosaicquant.methods.hadamard import OnlineHadamard
+
+    with pytest.raises(UserInputError, match="gated input must be BF16/FP16"):
+        quantize_activations_triton(torch.randn(2, 7).to(BF16).to(DEVICE), gated=True)
+    with pytest.raises(UserInputError, match="gated input holds"):
+        hadamard_quantize_triton(torch.randn(2, 256).to(BF16).to(DEVICE), OnlineHadamard(256), gated=True)
+
+
 def test_rmsnorm_reference_is_transformers_norm():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
