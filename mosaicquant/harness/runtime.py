@@ -18,8 +18,8 @@ group, or the float weights stacked once, the original linears left as views of 
 stack); per-head q/k norms (Qwen3), RoPE, and the KV-cache write in one kernel;
 split-KV decode attention (two kernels) or, for a prefill, PyTorch's
 ``scaled_dot_product_attention`` (causal, flash); ``o_proj``; the second add + RMSNorm;
-gate/up as one GEMM; SiLU·mul (for a W4A4 ``down_proj``, computed inside its activation
-quantizer, after or without its online Hadamard); ``down_proj``. The KV cache is the model dtype (16-bit),
+gate/up as one GEMM; SiLU·mul (for a W4A4 ``down_proj`` without an online transform,
+computed inside its activation quantizer); ``down_proj``. The KV cache is the model dtype (16-bit),
 ``[B, kv_heads, L, D]`` per layer.
 
 :func:`fused_reason` says why a model cannot run on it (an architecture it does not know,
@@ -43,7 +43,7 @@ __all__ = ["RUNTIMES", "FUSED_DESCRIPTION", "FusedDecoder", "DecodeCache", "fuse
 RUNTIMES = ("auto", "fused", "transformers")
 FUSED_DESCRIPTION = ("fused decoder (Triton add+RMSNorm, fused with the 4-bit activation quantizer where a W4A4 "
                      "GEMM reads the norm directly; q/k norm + RoPE + KV write; split-KV decode attention; SiLU*mul, "
-                     "inside down_proj's quantizer for W4A4 layers; "
+                     "inside down_proj's quantizer for W4A4 layers without an online Hadamard; "
                      "SDPA flash attention for prefill; q/k/v and gate/up as one GEMM each; 16-bit KV)")
 TRANSFORMERS_DESCRIPTION = "transformers eager decoder (static KV cache, 16-bit unless the method quantizes it)"
 
@@ -208,8 +208,8 @@ class FusedDecoder:
         fuse_quant: run the W4A4 activation quantizers inside the kernel before them (same
             integers and scales): the norm and the quantizer of a projection group that reads
             the norm directly (:func:`~mosaicquant.kernels.decoder.rmsnorm_quant`), and
-            SiLU·mul inside ``down_proj``'s quantizer (with its online Hadamard, if any;
-            ``gated=True`` of the act_quant / hadamard_quant launchers).
+            SiLU·mul inside ``down_proj``'s quantizer when it has no online transform
+            (``gated=True`` of the act_quant launcher).
 
     Raises:
         UserInputError: the model cannot run here (:func:`fused_reason`).
@@ -314,7 +314,6 @@ class FusedDecoder:
         from mosaicquant.kernels.act_quant import quantize_activations_triton
         from mosaicquant.kernels.convert import KernelLinear
         from mosaicquant.kernels.decoder import silu_mul
-        from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason, hadamard_quantize_triton
         from mosaicquant.kernels.quant_linear import QuantLinear
 
         quant = getattr(down, "quant", None)
@@ -323,13 +322,11 @@ class FusedDecoder:
                 and resolve_kernel(self.kernel, device) == "triton" and resolve_kernel(quant.kernel, device) == "triton"):
             swapped = quant.uses_swapped(gate_up.shape[0], "triton")
             layout = "split8" if swapped else "packed"
-            transform = down.input_transform
-            a = None
-            if transform is None:
+            # Only without an online transform: the fused Hadamard kernel runs one program per token,
+            # and SiLU·mul inside it cost more at decode sizes than its own kernel saved (+124 µs
+            # against -109 µs a Llama-3-8B step at batch 4; benchmarks/NOTES.md, v12)
+            if down.input_transform is None:
                 a, scale = quantize_activations_triton(gate_up, quant.act_clip_ratio, layout=layout, gated=True)
-            elif down.fuse_transform and fused_hadamard_reason(transform, gate_up.dtype) is None:
-                a, scale = hadamard_quantize_triton(gate_up, transform, quant.act_clip_ratio, layout=layout, gated=True)
-            if a is not None:
                 y = quant.forward_split8(a, scale) if swapped else quant.forward_quantized(a, scale, "triton")
                 return y.to(gate_up.dtype)
         return down(silu_mul(gate_up, kernel=self.kernel))
