@@ -142,6 +142,19 @@ def _hadamard_quant_kernel(
         tl.store(q_ptr + row * stride_qm + rows[:, None] * (D // 2) + half[None, :], packed, mask=rows[:, None] < R)
 
 
+def _warps(m: int, padded: int) -> int:
+    """Warps per program for ``m`` tokens of ``padded`` values (the padded ``[R, D]`` view).
+
+    At decode sizes (``m <= 32``) one program per token is all the kernel has, and more warps
+    shorten it: on the H200, 4096 values took 4.5 µs with 8 warps against 4.8 with 4, and
+    14336 (16384 padded) 17.2 µs with 16 against 18.3 with 8 (``benchmarks/hadamard_warps.py``).
+    Larger calls keep 4 warps up to 4096 values and 8 above (not re-measured).
+    """
+    if m <= 32 and padded >= 4096:
+        return 8 if padded <= 8192 else 16
+    return 4 if padded <= 4096 else 8
+
+
 def _view_of(transform: OnlineHadamard) -> tuple[int, int, int]:
     """``(R, D, R_PAD)`` of the ``[R, D]`` row view."""
     p = 1 << transform.log2_sylvester
@@ -195,6 +208,7 @@ def _check(x: torch.Tensor, transform: object, clip_ratio: float, gated: bool = 
 def hadamard_quantize_triton(
     x: torch.Tensor, transform: OnlineHadamard, clip_ratio: float = 1.0,
     out: tuple[torch.Tensor, torch.Tensor] | None = None, layout: str = "packed", gated: bool = False,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kernel.
 
@@ -209,6 +223,7 @@ def hadamard_quantize_triton(
         gated: ``x`` is ``[M, 2n]`` ``[gate | up]``; the transform's input is ``silu(gate) · up``
             with :func:`mosaicquant.kernels.decoder.silu_mul`'s roundings (a gated MLP's
             down-projection input, without its own kernel).
+        num_warps: warps per program (default :func:`_warps`).
 
     Returns:
         ``(packed, scale)``.
@@ -256,7 +271,8 @@ def hadamard_quantize_triton(
         r, x.stride(0), packed.stride(0), 1.0 / math.sqrt(n), float(clip_ratio),
         D=d, R_PAD=r_pad, HAS_SIGNS=has_signs, SIGNS_FIRST=transform.transpose,
         DOT_F32=triton_interpreting(), PDL=pdl_supported(device), SPLIT8=layout == "split8",
-        GATED=gated, up_offset=n if gated else 0, num_warps=4 if r_pad * d <= 4096 else 8,
+        GATED=gated, up_offset=n if gated else 0,
+        num_warps=num_warps if num_warps is not None else _warps(m, r_pad * d),
     )
     return packed, scale
 
