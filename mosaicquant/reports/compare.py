@@ -39,6 +39,7 @@ import pandas as pd
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.harness.results import SCHEMA, load_records
 from mosaicquant.reports.cells import Cell, MetricSummary, aggregate_cells, format_number, natural_key
+from mosaicquant.reports.speed import runtime_of
 
 __all__ = ["Threshold", "ComparedMetric", "Comparison", "parse_fail_on", "compare_records", "compare_dirs",
            "write_json"]
@@ -274,6 +275,10 @@ def compare_records(base_records: list[dict[str, Any]], new_records: list[dict[s
         shown.sort(key=natural_key)
         seeds = f"{len(base.ok_seeds)}/{len(new.ok_seeds)}"
         new_broken = new.status != "ok" and base.status == "ok"
+        # end-to-end speed moves with the decoder code around the linears: say so where it changed
+        runtimes = (runtime_of(base), runtime_of(new))
+        runtime_note = (f"decoder runtime changed: base {runtimes[0] or 'not recorded'}, new {runtimes[1] or 'not recorded'}"
+                        if runtimes[0] != runtimes[1] else "")
         for name in shown:
             threshold = _threshold_for(name, thresholds)
             if new_broken and threshold is not None and name in base.metrics:
@@ -284,8 +289,10 @@ def compare_records(base_records: list[dict[str, Any]], new_records: list[dict[s
                     noise=None, seeds=seeds, verdict=f"{new.status.upper()} in new", regression=True,
                     note=new.note))
                 continue
-            result.rows.append(_compare_metric(base, name, base.metrics.get(name), new.metrics.get(name),
-                                               threshold, seeds))
+            row = _compare_metric(base, name, base.metrics.get(name), new.metrics.get(name), threshold, seeds)
+            if runtime_note and not name.startswith("linear_us/"):
+                row.note = runtime_note
+            result.rows.append(row)
     return result
 
 

@@ -152,3 +152,19 @@ def test_missing_or_empty_directory_is_exit_2(tmp_path, write_cell, speed_metric
     assert "holds no result records" in capsys.readouterr().err
     with pytest.raises(UserInputError, match="does not exist"):
         compare_dirs(tmp_path / "missing", base)
+
+
+def test_a_changed_decoder_runtime_is_named_next_to_the_verdict(tmp_path, write_cell, speed_metrics, capsys):
+    throughput, latency = speed_metrics
+    info = {"wbits": 4, "abits": 4, "kv_bits": 16, "exec_path": "triton"}
+    base, new = tmp_path / "base", tmp_path / "new"
+    write_cell(base, MODEL, "rtn", "throughput", throughput({4: 600.0}), info=info)
+    write_cell(new, MODEL, "rtn", "throughput", throughput({4: 1500.0}),
+               info={**info, "speed": {"runtime": "fused"}})
+    write_cell(base, MODEL, "rtn", "latency", latency({1: 10.0}), info=info)
+    write_cell(new, MODEL, "rtn", "latency", latency({1: 10.0}), info={**info, "speed": {"runtime": "fused"}})
+    assert main(["compare", str(base), str(new), "--fail-on", "decode_tok_s/b4:5%,linear_us/*:5%"]) == 0
+    out = capsys.readouterr().out
+    assert "improved (decoder runtime changed: base not recorded, new fused)" in _row(out, "rtn", "decode_tok_s/b4")
+    # per-layer latency does not depend on the decoder runtime
+    assert "runtime" not in _row(out, "rtn", "linear_us/qkv_proj/m1")
