@@ -3,9 +3,9 @@
 For each method on a random-weight shape model: the step time as the throughput suite
 measures it (CUDA graph, median), then the same step run eagerly under the PyTorch profiler,
 its GPU kernels summed by category (µs per step): the 4-bit GEMMs, activation quantization
-(with the fused online Hadamard), the norm fused with the quantizer, BF16 GEMMs (cuBLAS: the BF16 linears, the output head),
-attention, norms, RoPE + KV write, SiLU·mul, and everything else. ``graph - kernels`` is what
-the graph still spends between kernels.
+(with the fused online Hadamard), the norm fused with the quantizer, BF16 GEMMs (cuBLAS: the
+BF16 linears, the output head), attention, norms, RoPE + KV write, SiLU·mul, and everything
+else. ``graph - kernels`` is what the graph still spends between kernels.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/decode_profile.py --out OUT \\
         --model llama-3-8b-shapes --methods fp16,rtn,quarot,mosaicquant --batches 4,32

@@ -318,8 +318,10 @@ class FusedDecoder:
 
         quant = getattr(down, "quant", None)
         device = gate_up.device
+        triton_here = resolve_kernel(self.kernel, device) == "triton" and (
+            quant is None or resolve_kernel(quant.kernel, device) == "triton")
         if (self.fuse_quant and type(down) is KernelLinear and isinstance(quant, QuantLinear) and not _hooked(down)
-                and resolve_kernel(self.kernel, device) == "triton" and resolve_kernel(quant.kernel, device) == "triton"):
+                and triton_here):
             swapped = quant.uses_swapped(gate_up.shape[0], "triton")
             layout = "split8" if swapped else "packed"
             # Only without an online transform: the fused Hadamard kernel runs one program per token,

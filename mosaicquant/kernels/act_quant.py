@@ -126,8 +126,8 @@ def _check_inputs(x: torch.Tensor, clip_ratio: float) -> None:
 
 def _check_gated(x: torch.Tensor) -> None:
     if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[1] % 2:
-        raise UserInputError(f"gated input must be BF16/FP16 [M, 2K] ([gate | up]), got {str(x.dtype).replace('torch.', '')} "
-                             f"{list(x.shape)}")
+        dtype = str(x.dtype).replace("torch.", "")
+        raise UserInputError(f"gated input must be BF16/FP16 [M, 2K] ([gate | up]), got {dtype} {list(x.shape)}")
 
 
 def split8_width(k: int) -> int:

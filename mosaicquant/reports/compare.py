@@ -277,7 +277,7 @@ def compare_records(base_records: list[dict[str, Any]], new_records: list[dict[s
         new_broken = new.status != "ok" and base.status == "ok"
         # end-to-end speed moves with the decoder code around the linears: say so where it changed
         runtimes = (runtime_of(base), runtime_of(new))
-        runtime_note = (f"decoder runtime changed: base {runtimes[0] or 'not recorded'}, new {runtimes[1] or 'not recorded'}"
+        runtime_note = ("decoder runtime changed: base {}, new {}".format(*(r or "not recorded" for r in runtimes))
                         if runtimes[0] != runtimes[1] else "")
         for name in shown:
             threshold = _threshold_for(name, thresholds)
