@@ -23,8 +23,13 @@ computed inside its activation quantizer); ``down_proj``. The KV cache is the mo
 ``[B, kv_heads, L, D]`` per layer.
 
 :func:`fused_reason` says why a model cannot run on it (an architecture it does not know,
-a KV-cache quantizer, hooks on modules it does not call, a sliding window, ...); the
-suites then run transformers' code and record why.
+hooks on modules it does not call, a sliding window, an unknown attention wrapper, ...);
+the suites then run transformers' code and record why.
+
+A method's simulated KV-cache quantizer (:mod:`mosaicquant.methods.kvcache`: optional Q/K
+Hadamard, K/V fake-quantized per token) is reproduced with the same PyTorch functions on
+each step's new tokens, right after they are written to the cache: the values attention
+reads are those of the method's simulation, and, as there, the cache stays 16-bit.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ FUSED_DESCRIPTION = ("fused decoder (Triton add+RMSNorm, fused with the 4-bit ac
 TRANSFORMERS_DESCRIPTION = "transformers eager decoder (static KV cache, 16-bit unless the method quantizes it)"
 
 _STANDARD_ATTENTION = (None, "sdpa", "eager", "flash_attention_2", "flash_attention_3")
+_KV_SPEC_ATTR = "kv_quant_spec"  # mosaicquant.methods.kvcache's per-attention-module spec
 
 
 def _norm_ok(norm: nn.Module) -> bool:
@@ -66,9 +72,11 @@ def fused_reason(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     if layers is None or config is None or not hasattr(inner, "embed_tokens") or not hasattr(model, "lm_head"):
         return f"{type(model).__name__} is not a decoder-only model with model.layers, embed_tokens and lm_head"
-    if getattr(config, "_attn_implementation", None) not in _STANDARD_ATTENTION:
-        return (f"attention runs through '{config._attn_implementation}' (a KV-cache quantizer or another wrapper), "
-                "which the fused decoder does not reproduce")
+    from mosaicquant.methods.kvcache import KV_ATTENTION_NAMES
+
+    if getattr(config, "_attn_implementation", None) not in (*_STANDARD_ATTENTION, *KV_ATTENTION_NAMES.values()):
+        return (f"attention runs through '{config._attn_implementation}', a wrapper the fused decoder does not "
+                "reproduce")
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act={config.hidden_act!r}; the fused decoder runs SiLU-gated MLPs"
     if getattr(config, "use_sliding_window", False) or (
@@ -103,6 +111,17 @@ def fused_reason(model: nn.Module) -> str | None:
     return None
 
 
+def _kv_note(model: nn.Module) -> str:
+    from mosaicquant.methods.kvcache import kv_quant_spec_of
+
+    spec = kv_quant_spec_of(model)
+    if spec is None or not spec.active:
+        return ""
+    what = f"{spec.bits}-bit fake-quant of K/V" if spec.enabled else "no K/V quantization"
+    return (f"; KV: {what}{' after a Q/K Hadamard' if spec.rotate_qk else ''} on each step's new tokens in "
+            "PyTorch, 16-bit cache (the method's simulation)")
+
+
 def resolve_runtime(runtime: str, model: nn.Module) -> tuple[str, str]:
     """The runtime that will run ``model`` and its description for the record.
 
@@ -115,7 +134,7 @@ def resolve_runtime(runtime: str, model: nn.Module) -> tuple[str, str]:
         return "transformers", TRANSFORMERS_DESCRIPTION
     reason = fused_reason(model)
     if reason is None:
-        return "fused", FUSED_DESCRIPTION
+        return "fused", FUSED_DESCRIPTION + _kv_note(model)
     if runtime == "fused":
         raise UserInputError(f"runtime 'fused' cannot run this model: {reason}; use --runtime transformers or auto")
     return "transformers", f"{TRANSFORMERS_DESCRIPTION}; the fused decoder was not used: {reason}"
@@ -161,6 +180,22 @@ class _Stacked:
         return self.fn(x)
 
 
+def _quantize_new_kv(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq: torch.Tensor,
+                     positions: torch.Tensor, spec) -> torch.Tensor:
+    """The method's KV simulation on the tokens just written: ``quantize_qkv`` on q and their K/V.
+
+    Per-token quantization makes this equal to re-quantizing the whole cache every step (what
+    the eager wrapper does), for the cost of the new tokens only.
+    """
+    from mosaicquant.methods.kvcache import quantize_qkv
+
+    pos = positions.long()
+    q, k, v = quantize_qkv(q, keys[seq, :, pos], values[seq, :, pos], spec)
+    keys[seq, :, pos] = k
+    values[seq, :, pos] = v
+    return q.contiguous()
+
+
 @dataclass
 class _Layer:
     input_norm: nn.Module
@@ -173,6 +208,7 @@ class _Layer:
     k_norm: torch.Tensor | None
     qk_eps: float
     scaling: float
+    kv_spec: object = None  # an active mosaicquant.methods.kvcache.KVQuantSpec, or None
 
 
 @dataclass
@@ -249,11 +285,18 @@ class FusedDecoder:
                 _Stacked(mlp, ("gate_proj", "up_proj")), mlp.down_proj,
                 None if qn is None else qn.weight, None if kn is None else kn.weight,
                 float(qn.variance_epsilon) if qn is not None else 1e-6,
-                float(getattr(attn, "scaling", self.head_dim ** -0.5))))
+                float(getattr(attn, "scaling", self.head_dim ** -0.5)),
+                self._active_spec(attn)))
         width = (self.heads + 2 * self.kv_heads) * self.head_dim
         if self.layers[0].qkv.width != width:
             raise UserInputError(f"q/k/v projections give {self.layers[0].qkv.width} columns; the config's heads "
                                  f"give {width}")
+
+    def _active_spec(self, attn: nn.Module):
+        spec = getattr(attn, _KV_SPEC_ATTR, None)
+        if spec is None or not spec.active or self.model.config._attn_implementation in _STANDARD_ATTENTION:
+            return None  # a spec left on a module whose wrapper was switched off does nothing
+        return spec
 
     @property
     def dtype(self) -> torch.dtype:
@@ -298,11 +341,16 @@ class FusedDecoder:
         kernel = self.kernel
         residual = x.clone()
         h = None
+        seq = None
         for i, lay in enumerate(self.layers):
             # the first layer's norm reads the embeddings (no residual sum yet)
             qkv = self._norm_then(x if h is None else h, lay.input_norm, None if h is None else residual, lay.qkv)
             q = rope_kv(qkv, positions, cos, sin, keys[i], values[i], self.heads, self.kv_heads, tokens_per_seq,
                         lay.q_norm, lay.k_norm, lay.qk_eps, kernel=kernel)
+            if lay.kv_spec is not None:
+                if seq is None:
+                    seq = torch.arange(positions.shape[0], device=positions.device) // tokens_per_seq
+                q = _quantize_new_kv(q, keys[i], values[i], seq, positions, lay.kv_spec)
             a = attend(q, keys[i], values[i], lay.scaling)
             gate_up = self._norm_then(lay.o_proj(a), lay.post_norm, residual, lay.gate_up)
             h = self._silu_down(gate_up, lay.down_proj)

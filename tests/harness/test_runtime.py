@@ -138,17 +138,15 @@ def test_the_timed_step_repeats_one_position_and_matches_a_full_forward(tiny):
 
 
 def test_what_the_fused_decoder_cannot_run_is_named(tiny):
-    from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant
-
     model = _model(TINY.name)
     assert fused_reason(model) is None
     assert resolve_runtime("auto", model)[0] == "fused"
     handle = model.model.layers[1].post_attention_layernorm.register_forward_hook(lambda *a: None)
     assert "layer 1 has forward hooks" in fused_reason(model)
     handle.remove()
-    enable_kv_quant(model, KVQuantSpec(bits=4))
+    model.config._attn_implementation = "someones_attention"
     reason = fused_reason(model)
-    assert "KV-cache quantizer" in reason
+    assert "'someones_attention', a wrapper the fused decoder does not reproduce" in reason
     name, description = resolve_runtime("auto", model)
     assert name == "transformers" and reason in description
     with pytest.raises(UserInputError, match="runtime 'fused' cannot run this model"):
@@ -158,6 +156,33 @@ def test_what_the_fused_decoder_cannot_run_is_named(tiny):
     with pytest.raises(UserInputError, match="cannot run this model"):
         FusedDecoder(model)
     assert "not a decoder-only model" in fused_reason(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("spec", [dict(bits=4, symmetric=False, clip_ratio=0.95, rotate_qk=True),
+                                  dict(bits=3, group_size=8)])
+def test_the_methods_kv_quantizer_runs_in_the_fused_decoder(tiny, spec):
+    from mosaicquant.methods.kvcache import KVQuantSpec, disable_kv_quant, enable_kv_quant
+
+    model = _model(TINY_QWEN.name)
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, 256, (2, 9), generator=g).to(DEVICE)
+    steps = [torch.randint(0, 256, (2, 1), generator=g).to(DEVICE) for _ in range(2)]
+    plain = _eager_reference(model, prompt, steps)
+    enable_kv_quant(model, KVQuantSpec(**spec))
+    name, description = resolve_runtime("auto", model)
+    assert name == "fused" and f"KV: {spec['bits']}-bit fake-quant of K/V" in description
+    ref = _eager_reference(model, prompt, steps)
+    dec = FusedDecoder(model)
+    cache = dec.new_cache(2, 12)
+    got = [dec.prefill(prompt, cache)] + [dec.decode(ids, torch.full((2,), 9 + i, device=DEVICE), cache)
+                                          for i, ids in enumerate(steps)]
+    for i, (out, r, p) in enumerate(zip(got, ref, plain)):
+        _close(out, r, f"step {i} with the KV quantizer")
+        # the check can fail: the quantizer moves the logits well beyond the tolerance
+        assert (r.float() - p.float()).abs().max() > 2 * LOGIT_TOL * p.float().abs().max(), "KV quantizer inert?"
+    disable_kv_quant(model)
+    assert "; KV: " not in resolve_runtime("auto", model)[1]
+    _close(FusedDecoder(model).prefill(prompt), plain[0], "after the quantizer is removed")
 
 
 def test_decoder_inputs_are_checked(tiny):
