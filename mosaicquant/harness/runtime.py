@@ -209,6 +209,10 @@ class _Layer:
     qk_eps: float
     scaling: float
     kv_spec: object = None  # an active mosaicquant.methods.kvcache.KVQuantSpec, or None
+    # the W4A4 layers whose activation quantizer runs inside the kernel before them (decided once)
+    qkv_quant: object = None
+    gate_up_quant: object = None
+    down_quant: object = None
 
 
 @dataclass
@@ -275,6 +279,7 @@ class FusedDecoder:
         self.rotary = inner.rotary_emb
         self._table_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.layers: list[_Layer] = []
+        device = self.embed.weight.device
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qn = getattr(attn, "q_norm", None)
@@ -287,10 +292,41 @@ class FusedDecoder:
                 float(qn.variance_epsilon) if qn is not None else 1e-6,
                 float(getattr(attn, "scaling", self.head_dim ** -0.5)),
                 self._active_spec(attn)))
+            lay = self.layers[-1]
+            lay.qkv_quant = self._fusable(lay.qkv.quant, device)
+            lay.gate_up_quant = self._fusable(lay.gate_up.quant, device)
+            lay.down_quant = self._fusable(self._plain_w4a4(mlp.down_proj), device)
         width = (self.heads + 2 * self.kv_heads) * self.head_dim
         if self.layers[0].qkv.width != width:
             raise UserInputError(f"q/k/v projections give {self.layers[0].qkv.width} columns; the config's heads "
                                  f"give {width}")
+
+    def _fusable(self, quant, device: torch.device):
+        """``quant`` when its quantizer can run inside the kernel before it (Triton on both sides), else None."""
+        from mosaicquant.kernels._common import resolve_kernel
+
+        if quant is None or not self.fuse_quant:
+            return None
+        if resolve_kernel(self.kernel, device) != "triton" or resolve_kernel(quant.kernel, device) != "triton":
+            return None
+        return quant
+
+    @staticmethod
+    def _plain_w4a4(down: nn.Module):
+        """The :class:`QuantLinear` of a kernel layer with no online transform and no hooks, else None.
+
+        Only those take SiLU·mul inside their quantizer: the fused Hadamard kernel runs one program
+        per token, and SiLU·mul inside it cost more at decode sizes than its own kernel saved
+        (+124 µs against -109 µs a Llama-3-8B step at batch 4; benchmarks/NOTES.md, v12).
+        """
+        from mosaicquant.kernels.convert import KernelLinear
+        from mosaicquant.kernels.quant_linear import QuantLinear
+
+        quant = getattr(down, "quant", None)
+        if type(down) is KernelLinear and isinstance(quant, QuantLinear) and not _hooked(down) \
+                and down.input_transform is None:
+            return quant
+        return None
 
     def _active_spec(self, attn: nn.Module):
         spec = getattr(attn, _KV_SPEC_ATTR, None)
@@ -344,7 +380,8 @@ class FusedDecoder:
         seq = None
         for i, lay in enumerate(self.layers):
             # the first layer's norm reads the embeddings (no residual sum yet)
-            qkv = self._norm_then(x if h is None else h, lay.input_norm, None if h is None else residual, lay.qkv)
+            qkv = self._norm_then(x if h is None else h, lay.input_norm, None if h is None else residual, lay.qkv,
+                                  lay.qkv_quant)
             q = rope_kv(qkv, positions, cos, sin, keys[i], values[i], self.heads, self.kv_heads, tokens_per_seq,
                         lay.q_norm, lay.k_norm, lay.qk_eps, kernel=kernel)
             if lay.kv_spec is not None:
@@ -352,50 +389,35 @@ class FusedDecoder:
                     seq = torch.arange(positions.shape[0], device=positions.device) // tokens_per_seq
                 q = _quantize_new_kv(q, keys[i], values[i], seq, positions, lay.kv_spec)
             a = attend(q, keys[i], values[i], lay.scaling)
-            gate_up = self._norm_then(lay.o_proj(a), lay.post_norm, residual, lay.gate_up)
-            h = self._silu_down(gate_up, lay.down_proj)
+            gate_up = self._norm_then(lay.o_proj(a), lay.post_norm, residual, lay.gate_up, lay.gate_up_quant)
+            h = self._silu_down(gate_up, lay.down_proj, lay.down_quant)
         return h, residual
 
-    def _silu_down(self, gate_up: torch.Tensor, down: nn.Module) -> torch.Tensor:
-        """``down(silu_mul(gate_up))``; SiLU·mul computed inside down's activation quantizer where it can."""
-        from mosaicquant.kernels._common import resolve_kernel
+    def _silu_down(self, gate_up: torch.Tensor, down: nn.Module, quant) -> torch.Tensor:
+        """``down(silu_mul(gate_up))``; with ``quant`` (see :meth:`_plain_w4a4`) SiLU·mul runs inside its quantizer."""
         from mosaicquant.kernels.act_quant import quantize_activations_triton
-        from mosaicquant.kernels.convert import KernelLinear
         from mosaicquant.kernels.decoder import silu_mul
-        from mosaicquant.kernels.quant_linear import QuantLinear
 
-        quant = getattr(down, "quant", None)
-        device = gate_up.device
-        triton_here = resolve_kernel(self.kernel, device) == "triton" and (
-            quant is None or resolve_kernel(quant.kernel, device) == "triton")
-        if (self.fuse_quant and type(down) is KernelLinear and isinstance(quant, QuantLinear) and not _hooked(down)
-                and triton_here):
-            swapped = quant.uses_swapped(gate_up.shape[0], "triton")
-            layout = "split8" if swapped else "packed"
-            # Only without an online transform: the fused Hadamard kernel runs one program per token,
-            # and SiLU·mul inside it cost more at decode sizes than its own kernel saved (+124 µs
-            # against -109 µs a Llama-3-8B step at batch 4; benchmarks/NOTES.md, v12)
-            if down.input_transform is None:
-                a, scale = quantize_activations_triton(gate_up, quant.act_clip_ratio, layout=layout, gated=True)
-                y = quant.forward_split8(a, scale) if swapped else quant.forward_quantized(a, scale, "triton")
-                return y.to(gate_up.dtype)
-        return down(silu_mul(gate_up, kernel=self.kernel))
+        if quant is None:
+            return down(silu_mul(gate_up, kernel=self.kernel))
+        swapped = quant.uses_swapped(gate_up.shape[0], "triton")
+        a, scale = quantize_activations_triton(gate_up, quant.act_clip_ratio, layout="split8" if swapped else "packed",
+                                               gated=True)
+        y = quant.forward_split8(a, scale) if swapped else quant.forward_quantized(a, scale, "triton")
+        return y.to(gate_up.dtype)
 
-    def _norm_then(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None,
-                   stacked: _Stacked) -> torch.Tensor:
-        """``stacked(rmsnorm(x))`` (after ``residual += x``), the norm fused with the GEMM's quantizer where it can."""
-        from mosaicquant.kernels._common import resolve_kernel
+    def _norm_then(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, stacked: _Stacked,
+                   quant) -> torch.Tensor:
+        """``stacked(rmsnorm(x))`` (after ``residual += x``); with ``quant`` the norm also quantizes for it."""
         from mosaicquant.kernels.decoder import rmsnorm, rmsnorm_quant
 
-        quant = stacked.quant
-        if (quant is not None and self.fuse_quant and resolve_kernel(self.kernel, x.device) == "triton"
-                and resolve_kernel(quant.kernel, x.device) == "triton"):
-            swapped = quant.uses_swapped(x.shape[0], "triton")
-            a, scale = rmsnorm_quant(x, norm.weight, norm.variance_epsilon, residual, quant.act_clip_ratio,
-                                     "split8" if swapped else "packed", kernel="triton")
-            y = quant.forward_split8(a, scale) if swapped else quant.forward_quantized(a, scale, "triton")
-            return y.to(x.dtype)
-        return stacked(rmsnorm(x, norm.weight, norm.variance_epsilon, residual, kernel=self.kernel))
+        if quant is None:
+            return stacked(rmsnorm(x, norm.weight, norm.variance_epsilon, residual, kernel=self.kernel))
+        swapped = quant.uses_swapped(x.shape[0], "triton")
+        a, scale = rmsnorm_quant(x, norm.weight, norm.variance_epsilon, residual, quant.act_clip_ratio,
+                                 "split8" if swapped else "packed", kernel="triton")
+        y = quant.forward_split8(a, scale) if swapped else quant.forward_quantized(a, scale, "triton")
+        return y.to(x.dtype)
 
     def _head(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         from mosaicquant.kernels.decoder import rmsnorm
