@@ -4,6 +4,8 @@
 - :mod:`.hadamard_quant`: the online Hadamard fused with the activation quantizer;
 - :mod:`.w4a4_gemm`: dense W4A4 GEMM;
 - :mod:`.zipper`: ZipperEngine, the dense GEMM with the sparse residual fused in;
+- :mod:`.gemv`: the decode GEMV on CUDA-core ``dp4a`` (dense and with the residual), and the
+  residual walk ZipperEngine uses for a handful of tokens;
 - :mod:`.residual_gemm`: the residual as a separate kernel (unfused pipeline);
 - :mod:`.quant_linear`: ``QuantLinear``, the module that runs the packed format;
 - :mod:`.convert`: a simulated model → its kernel-backed form (stacked q/k/v and gate/up).

@@ -15,7 +15,7 @@ import torch
 from mosaicquant.harness.errors import UserInputError
 
 __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MIN_M", "SWAP_MIN_TILES_PER_SM",
-           "SWAP_DECODE_M", "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
+           "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "DP4A_WALK_MAX_M", "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
            "swapped_prefill"]
 
 # Up to this many rows the GEMMs use CUDA-core multiply-adds instead of tensor-core dots
@@ -62,6 +62,16 @@ SWAP_MIN_TILES_PER_SM = {"dense": 0.7, "residual": 1.2}
 # down_proj, 0.99-1.03x on q/k/v and o_proj at M = 16 and 32; at M <= 8 no tile of it was faster
 # on every shape.
 SWAP_DECODE_M = (16, 32)
+# Calls of up to this many tokens run the decode GEMV (CUDA-core dp4a, mosaicquant.kernels.gemv)
+# instead of the tensor-core GEMMs. Measured on every Llama-3 / Qwen3 linear in one run (v13): at
+# M = 1 it was 1.77-3.05x BF16 against the tensor-core kernel's 1.64-2.30x; at M = 4 its dp4a work
+# (two instructions a word per token) made it slower on every shape but gate/up.
+GEMV_ROUTE_MAX_M = 1
+# ZipperEngine's tail walks its residual blocks on dp4a (mosaicquant.kernels.gemv.residual_dp4a) up to
+# this many tokens, on int8 tensor-core dots above. Measured against each other in one run (v13): the
+# dp4a walk was 1.05-1.20x faster at M = 1, level at M = 2, level to 1.08x faster at M = 4 (the gate/up
+# shapes), and 0.84-0.95x at M = 8.
+DP4A_WALK_MAX_M = 4
 
 
 def swapped_prefill(m: int, n: int, device: torch.device, residual: bool, min_m: int = SWAP_MIN_M,

@@ -14,7 +14,8 @@ activations to the ``"split8"`` int8 layout instead and run the operand-swapped 
 fused in its tail): the same integers and scales, the same result up to float rounding
 (``benchmarks/NOTES.md``, v7, v8, v10). The unfused pipeline always keeps the packed path.
 Layers without residual blocks also run decode calls of ``swap_decode`` tokens (16-32) that way,
-at decode tiles (v10).
+at decode tiles (v10). Calls of at most ``gemv_max_m`` tokens run the decode GEMV on CUDA-core
+``dp4a`` instead (:mod:`mosaicquant.kernels.gemv`, dense and with the residual; v13).
 
 It computes the function of the simulated layer
 ``fake_quantize(x, 4, clip_ratio) @ packed.dequantize().T (+ bias)`` up to float
@@ -28,8 +29,15 @@ from torch import nn
 
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels._common import resolve_kernel
-from mosaicquant.kernels._tiles import SWAP_DECODE_M, SWAP_MIN_M, swapped_decode_config, swapped_prefill
+from mosaicquant.kernels._tiles import (
+    GEMV_ROUTE_MAX_M,
+    SWAP_DECODE_M,
+    SWAP_MIN_M,
+    swapped_decode_config,
+    swapped_prefill,
+)
 from mosaicquant.kernels.act_quant import quantize_activations, quantize_activations_triton
+from mosaicquant.kernels.gemv import GEMV_MAX_M, gemv_reason, gemv_triton
 from mosaicquant.kernels.residual_gemm import residual_add
 from mosaicquant.kernels.w4a4_gemm import (
     swapped_residual_reason,
@@ -68,6 +76,9 @@ class QuantLinear(nn.Module):
         swap_decode: ``(lo, hi)``: a layer without residual blocks runs calls of ``lo`` to ``hi``
             tokens on the swapped GEMM too, at decode tiles (default
             :data:`mosaicquant.kernels._tiles.SWAP_DECODE_M`); ``None`` never.
+        gemv_max_m: calls of up to this many tokens on the Triton path run the decode GEMV where it
+            takes them (:func:`mosaicquant.kernels.gemv.gemv_reason`; the fused residual only);
+            default :data:`mosaicquant.kernels._tiles.GEMV_ROUTE_MAX_M`, ``0`` never.
 
     Raises:
         UserInputError: group-wise base scales, a bad clip ratio, mode, kernel
@@ -91,6 +102,7 @@ class QuantLinear(nn.Module):
         swap_min_m: int | None = SWAP_MIN_M,
         swap_decode: tuple[int, int] | None = SWAP_DECODE_M,
         swap_min_tiles_per_sm: float | None = None,
+        gemv_max_m: int = GEMV_ROUTE_MAX_M,
     ) -> None:
         super().__init__()
         if not isinstance(packed, PackedW4):
@@ -112,6 +124,8 @@ class QuantLinear(nn.Module):
         if swap_min_tiles_per_sm is not None and not (isinstance(swap_min_tiles_per_sm, (int, float))
                                                       and 0 <= swap_min_tiles_per_sm < float("inf")):
             raise UserInputError(f"swap_min_tiles_per_sm={swap_min_tiles_per_sm!r} must be None or a number >= 0")
+        if not isinstance(gemv_max_m, int) or not 0 <= gemv_max_m <= GEMV_MAX_M:
+            raise UserInputError(f"gemv_max_m={gemv_max_m!r} must be an int in [0, {GEMV_MAX_M}]")
         if swap_decode is not None:
             if not (isinstance(swap_decode, (tuple, list)) and len(swap_decode) == 2
                     and all(isinstance(v, int) for v in swap_decode) and 1 <= swap_decode[0] <= swap_decode[1]):
@@ -126,6 +140,7 @@ class QuantLinear(nn.Module):
         self.swap_min_m = swap_min_m
         self.swap_decode = swap_decode
         self.swap_min_tiles_per_sm = swap_min_tiles_per_sm
+        self.gemv_max_m = gemv_max_m
         self.register_buffer("qweight", packed.qweight.contiguous())
         self.register_buffer("w_scale", packed.scales.reshape(n).to(torch.float16).contiguous())
         self.register_buffer("bias", None if packed.bias is None else packed.bias.to(torch.float32).reshape(n).contiguous())
@@ -193,6 +208,11 @@ class QuantLinear(nn.Module):
             y = self.forward_quantized(a_packed, a_scale, backend)
         return y.reshape(*lead, self.out_features)
 
+    def uses_gemv(self, m: int) -> bool:
+        """Whether a Triton call of ``m`` packed tokens runs the decode GEMV."""
+        return (1 <= m <= self.gemv_max_m and (self.block_shape is None or self.fused)
+                and gemv_reason(m, self.in_features, self.residual) is None)
+
     def uses_swapped(self, m: int, backend: str) -> bool:
         """Whether a call of ``m`` tokens on ``backend`` runs the operand-swapped GEMM (prefill, or decode tiles)."""
         return backend == "triton" and self._swap_route(m) is not None
@@ -226,6 +246,8 @@ class QuantLinear(nn.Module):
         """
         k = self.in_features
         residual = self.residual
+        if backend == "triton" and self.uses_gemv(a_packed.shape[0]):
+            return gemv_triton(a_packed, a_scale, self.qweight, self.w_scale, k, self.bias, residual=residual)
         if residual is None:
             return w4a4_gemm(a_packed, a_scale, self.qweight, self.w_scale, k, self.bias, kernel=backend)
         if self.fused:

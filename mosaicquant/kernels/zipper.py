@@ -34,6 +34,11 @@ work grows exactly by the residual's share, which suits large (compute-bound) M.
 (``benchmarks/NOTES.md``, v1), because the per-step residual dot doubles the operand
 conversion work, which dominates at small M too. Split-K (small M) splits the dense steps and,
 in tail mode, deals the blocks of a row round-robin over the splits.
+
+The tail walk multiplies the blocks on int8 tensor-core dots, or, for a handful of tokens
+(``residual_walk``), on CUDA-core ``dp4a`` over the blocks' 32-bit words
+(:func:`mosaicquant.kernels.gemv.residual_dp4a`): no ``[BM, BKP]`` activation tile and no
+nibble unpacking into dot operands, two instructions a word per token.
 """
 
 from __future__ import annotations
@@ -51,8 +56,9 @@ from mosaicquant.kernels._common import (
     triton_interpreting,
     use_pdl,
 )
-from mosaicquant.kernels._tiles import LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, fit_to_blocks, lock_buffer, pdl_default, pdl_launch, pick_config, prefetch_row_bytes
+from mosaicquant.kernels._tiles import DP4A_WALK_MAX_M, LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, fit_to_blocks, lock_buffer, pdl_default, pdl_launch, pick_config, prefetch_row_bytes
 from mosaicquant.kernels._tl import mac_int4, prefetch_rows_l2, store_output, tile_indices, wait_for_inputs
+from mosaicquant.kernels.gemv import gemv_reason, residual_dp4a
 from mosaicquant.kernels.w4a4_gemm import X16_MAX_K, check_gemm_args, int_matmul
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 
@@ -66,19 +72,20 @@ __all__ = [
 ]
 
 FUSE_MODES = ("auto", "inline", "tail")
+RESIDUAL_WALKS = ("auto", "dot", "dp4a")  # how the tail mode multiplies the kept blocks
 _MODE_ID = {"inline": 1, "tail": 2}
 
 
 @triton.jit
 def _zipper_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
-    block_map_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
+    block_map_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, a_words_ptr, res_words_ptr,
     M, N, KP, stride_am, stride_wn, stride_om, PF_ROW_BYTES, n_block_cols,
     HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    X16: tl.constexpr = False,
+    X16: tl.constexpr = False, DP4A_TOKENS: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -139,7 +146,16 @@ def _zipper_kernel(
     y = acc.to(tl.float32) * w_scale[None, :]
     if MODE == 1:
         y += res_acc
-    if MODE == 2:
+    if MODE == 2 and DP4A_TOKENS > 0:
+        # a handful of tokens (one M tile): the blocks' words on CUDA-core dp4a (256x the product)
+        res = residual_dp4a(a_words_ptr, stride_am // 4, M, KP // 4, row_ptr_ptr, coords_ptr, res_words_ptr,
+                            res_scale_ptr, pid_n, pid_k, offs_n, DP4A_TOKENS, BM, BN, BN_RES, BKP_RES // 4,
+                            SPLIT_K, USE_ASM)
+        if X16:
+            y += res
+        else:
+            y += res * 0.00390625
+    elif MODE == 2:
         # int64 bounds keep the block offsets below in 64-bit arithmetic.
         first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
         last = tl.load(row_ptr_ptr + block_row + 1).to(tl.int64)
@@ -227,6 +243,7 @@ def zipper_gemm_triton(
     pdl: bool | None = None,
     prefetch_mib: float | None = None,
     x16: bool = True,
+    residual_walk: str = "auto",
 ) -> torch.Tensor:
     """Launch the fused dense + residual Triton GEMM.
 
@@ -243,6 +260,11 @@ def zipper_gemm_triton(
         prefetch_mib: cap on the dense weight bytes prefetched, as there (residual blocks are
             prefetched whole while the prefetch is on).
         x16: unpack as ``16 * q``, as in :func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_triton` (default on).
+        residual_walk: how the tail mode multiplies the kept blocks: ``"dot"``, int8 tensor-core dots
+            on ``[BM, BKP]`` activation tiles, or ``"dp4a"``, the blocks' 32-bit words on CUDA-core
+            ``dp4a`` (:func:`mosaicquant.kernels.gemv.residual_dp4a`; calls the decode GEMV takes:
+            at most 8 tokens, ``K`` a multiple of 8); ``"auto"``: ``"dp4a"`` where it can run, up to
+            :data:`mosaicquant.kernels._tiles.DP4A_WALK_MAX_M` tokens (measured faster there, v13).
 
     Returns:
         ``[M, N]`` BF16 (or fp32).
@@ -255,6 +277,18 @@ def zipper_gemm_triton(
     check_residual(residual, n, k)
     check_triton_device(a_packed.device)
     fuse = _resolve_mode(mode, m)
+    if residual_walk not in RESIDUAL_WALKS:
+        raise UserInputError(f"residual_walk={residual_walk!r} is not allowed: choose one of "
+                             f"{', '.join(RESIDUAL_WALKS)}")
+    dp4a_reason = gemv_reason(max(m, 1), k, residual)
+    if fuse != "tail":
+        dp4a_reason = dp4a_reason or f"mode {fuse!r} has no tail walk"
+    if dp4a_reason is None and (a_packed.stride(0) % 4 or a_packed.storage_offset() % 4):
+        dp4a_reason = "the activation rows do not start at 4-byte boundaries"
+    if residual_walk == "dp4a" and dp4a_reason is not None:
+        raise UserInputError(f"residual_walk='dp4a' cannot run this call: {dp4a_reason}")
+    use_dp4a = residual_walk == "dp4a" or (residual_walk == "auto" and m <= DP4A_WALK_MAX_M)
+    dp4a_tokens = triton.next_power_of_2(max(m, 1)) if use_dp4a and dp4a_reason is None else 0
     if block_map is None:
         block_map = residual_block_map(residual)
     check_tensor("block_map", block_map, dtypes=(torch.int32,), shape=residual.grid)
@@ -274,12 +308,13 @@ def zipper_gemm_triton(
         a_packed.view(torch.int8), a_scale, qweight.view(torch.int8), w_scale.reshape(-1),
         bias if bias is not None else a_scale, out, part, lock_buffer(out.device),
         block_map, residual.row_ptr, residual.coords, residual.values.view(torch.int8), residual.scales,
+        *((a_packed.view(torch.int32), residual.values.view(torch.int32)) if dp4a_tokens else (a_scale, a_scale)),
         m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), pf_row, residual.grid[1],
         HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0, MODE=_MODE_ID[fuse],
         BN_RES=bn_res, BKP_RES=bk_res // 2,
         BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot,
         USE_ASM=not triton_interpreting(), PDL=pdl, PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
-        X16=bool(x16) and cfg.use_dot and k < X16_MAX_K,
+        X16=bool(x16) and cfg.use_dot and k < X16_MAX_K, DP4A_TOKENS=dp4a_tokens,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out

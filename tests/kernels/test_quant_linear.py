@@ -3,6 +3,7 @@ import torch
 
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels import KERNEL_ENV_VAR, QuantLinear, resolve_kernel
+from mosaicquant.kernels._tiles import GEMV_ROUTE_MAX_M
 from mosaicquant.methods.format import PackedW4
 from mosaicquant.methods.quant import fake_quantize, quantize
 
@@ -43,6 +44,26 @@ def test_kernel_layer_equals_simulated_layer(kernel, fused, residual):
     assert err < SIM_REL_TOL, f"kernel={kernel} fused={fused}: relative error {err:.3g} >= {SIM_REL_TOL}"
 
 
+@needs_triton()
+@pytest.mark.parametrize("residual", [True, False])
+def test_single_tokens_run_the_decode_gemv(residual):
+    n, k, clip = 96, 200, 0.9
+    packed = _packed(n, k, seed=24, residual=residual)
+    x = (torch.randn(1, k, generator=torch.Generator().manual_seed(25)) * 3).to(torch.bfloat16)
+    layer = QuantLinear(packed, act_clip_ratio=clip, kernel="triton").to(DEVICE)
+    assert layer.uses_gemv(1) and not layer.uses_gemv(GEMV_ROUTE_MAX_M + 1)
+    assert not QuantLinear(packed, kernel="triton", gemv_max_m=0).uses_gemv(1)
+    if residual:
+        assert not QuantLinear(packed, kernel="triton", fused=False).uses_gemv(1)
+    ref = _simulated(packed, x, clip)
+    y = layer(x.to(DEVICE))
+    err = (y.float().cpu() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < SIM_REL_TOL
+    # the same call on the tensor-core kernel gives the same result up to rounding
+    y_tc = QuantLinear(packed, act_clip_ratio=clip, kernel="triton", gemv_max_m=0).to(DEVICE)(x.to(DEVICE))
+    assert (y.float() - y_tc.float()).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
+
+
 def test_residual_changes_the_output():
     packed = _packed(96, 200, seed=23)
     base_only = PackedW4(packed.shape, packed.qweight, packed.scales, bias=packed.bias)
@@ -59,6 +80,8 @@ def test_group_wise_base_is_rejected():
 
 
 def test_bad_arguments_raise():
+    with pytest.raises(UserInputError, match="gemv_max_m=9"):
+        QuantLinear(_packed(16, 64, seed=1), gemv_max_m=9)
     packed = _packed(32, 64, seed=24, residual=False)
     with pytest.raises(UserInputError, match="act_clip_ratio=0"):
         QuantLinear(packed, act_clip_ratio=0)

@@ -110,3 +110,35 @@ def test_sixteen_q_unpacking_is_bit_equal_to_the_plain_unpacking(mode):
     assert torch.equal(outs[0], outs[1])
     ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
     assert_close_bf16(outs[1], ref, f"zipper x16 {mode}")
+
+
+@needs_triton()
+@pytest.mark.parametrize("m,n,k,block,config", [
+    (1, 200, 304, (64, 64), None),     # ragged last block row and column
+    (6, 96, 520, (32, 64), SPLIT),     # blocks dealt over two K splits
+    (8, 130, 1024, (64, 128), None),
+])
+def test_dp4a_residual_walk_matches_reference(m, n, k, block, config):
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, 0.3, seed=m + k)
+    ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
+    for walk in ("dot", "dp4a"):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
+                           _dev(residual), bias.to(DEVICE), mode="tail", out=out, config=config, residual_walk=walk)
+        assert_close_bf16(out, ref, f"zipper {walk} walk {m}x{n}x{k}")
+    dense = w4a4_gemm_reference(a_packed, a_scale, qweight, w_scale, k, bias, out_fp32=True)
+    assert (dense - ref).abs().max() > 10 * 2.0**-7 * ref.abs().max()
+
+
+@needs_triton()
+def test_dp4a_residual_walk_refuses_what_it_cannot_take():
+    m, n, k = 9, 64, 256
+    a_packed, a_scale, qweight, w_scale, residual, _ = _case(m, n, k, (32, 64), 0.3, seed=3)
+    args = (a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k, _dev(residual))
+    with pytest.raises(UserInputError, match="1 to 8"):
+        zipper_gemm_triton(*args, residual_walk="dp4a")
+    few = (args[0][:4], args[1][:4], *args[2:])
+    with pytest.raises(UserInputError, match="no tail walk"):
+        zipper_gemm_triton(*few, mode="inline", residual_walk="dp4a")
+    with pytest.raises(UserInputError, match="residual_walk='fp8'"):
+        zipper_gemm_triton(*args, residual_walk="fp8")
