@@ -88,24 +88,52 @@ def _token_rows(a_ptr, stride_am, M):
 
 
 @triton.jit
-def residual_dp4a(a_ptr, stride_am, M, KW, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
-                  pid_n, pid_k, offs_n, NT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BN_RES: tl.constexpr, BKW_RES: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr):
-    """``256 ·`` the residual product of ``BN`` channels (``offs_n``, inside one block row) for up to 8 tokens.
+def _residual_block(p, last, coords_ptr, res_val_ptr, res_scale_ptr, res_rows,
+                    BN_RES: tl.constexpr, BKW_RES: tl.constexpr):
+    """Block ``p``'s column, the channels' words and row scales (zeros once ``p >= last``)."""
+    kept = p < last
+    col = tl.load(coords_ptr + 2 * p + 1, mask=kept, other=0).to(tl.int64)
+    r = tl.load(res_val_ptr + p * (BN_RES * BKW_RES) + res_rows[:, None] * BKW_RES + tl.arange(0, BKW_RES)[None, :],
+                mask=kept, other=0)
+    s = tl.load(res_scale_ptr + p * BN_RES + res_rows, mask=kept, other=0.0).to(tl.float32)
+    return col, r, s
 
-    Walks the kept blocks of the channels' block row, every ``SPLIT_K``-th one from ``pid_k``
-    (CSR ``row_ptr``/``coords``): each block's 32-bit words (``BKW_RES`` a row) times the
-    activation words of its block column on ``dp4a``, scaled by the block's row scales and
-    summed in fp32 per thread; one cross-thread sum at the end. ``NT`` (1, 2, 4 or 8, at least
-    ``M``) tokens are multiplied. Returns fp32 ``[BM, BN]`` (``BM >= NT``; rows from ``M`` on are
-    zero), before the token scales. ``a_ptr``/``res_val_ptr``
-    point to int32 words.
+
+@triton.jit
+def residual_dp4a_begin(row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, pid_n, pid_k, offs_n,
+                        BN: tl.constexpr, BN_RES: tl.constexpr, BKW_RES: tl.constexpr):
+    """Start of :func:`residual_dp4a`'s walk: ``(first, last, col, r, s)``, the first block already loaded.
+
+    Called before the dense loop (and before waiting for the activations: the blocks do not
+    depend on the kernel before), so the first block's load overlaps the dense work instead of
+    following it.
     """
     block_row = (pid_n * BN) // BN_RES
     res_rows = (offs_n - block_row * BN_RES).to(tl.int64)  # storage is padded to full blocks
-    rw = tl.arange(0, BKW_RES)
-    first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
+    first = tl.load(row_ptr_ptr + block_row).to(tl.int64) + pid_k
     last = tl.load(row_ptr_ptr + block_row + 1).to(tl.int64)
+    col, r, s = _residual_block(first, last, coords_ptr, res_val_ptr, res_scale_ptr, res_rows, BN_RES, BKW_RES)
+    return first, last, col, r, s
+
+
+@triton.jit
+def residual_dp4a(a_ptr, stride_am, M, KW, coords_ptr, res_val_ptr, res_scale_ptr, pid_n, offs_n,
+                  first, last, col, r, s, NT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BN_RES: tl.constexpr, BKW_RES: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """``256 ·`` the residual product of ``BN`` channels (``offs_n``, inside one block row) for up to 8 tokens.
+
+    Walks the kept blocks of the channels' block row, every ``SPLIT_K``-th one from ``first``
+    (CSR ``row_ptr``/``coords``; :func:`residual_dp4a_begin` gives ``first``, ``last`` and the
+    first block ``col, r, s``): each block's 32-bit words (``BKW_RES`` a row) times the
+    activation words of its block column on ``dp4a``, scaled by the block's row scales and
+    summed in fp32 per thread; one cross-thread sum at the end. The next block is loaded while
+    one is multiplied. ``NT`` (1, 2, 4 or 8, at least ``M``) tokens are multiplied. Returns fp32
+    ``[BM, BN]`` (``BM >= NT``; rows from ``M`` on are zero), before the token scales.
+    ``a_ptr``/``res_val_ptr`` point to int32 words.
+    """
+    block_row = (pid_n * BN) // BN_RES
+    res_rows = (offs_n - block_row * BN_RES).to(tl.int64)
+    rw = tl.arange(0, BKW_RES)
     a0, a1, a2, a3, a4, a5, a6, a7 = _token_rows(a_ptr, stride_am, M)
     r0 = tl.zeros([BN, BKW_RES], dtype=tl.float32)
     r1 = tl.zeros([BN, BKW_RES], dtype=tl.float32)
@@ -115,26 +143,29 @@ def residual_dp4a(a_ptr, stride_am, M, KW, row_ptr_ptr, coords_ptr, res_val_ptr,
     r5 = tl.zeros([BN, BKW_RES], dtype=tl.float32)
     r6 = tl.zeros([BN, BKW_RES], dtype=tl.float32)
     r7 = tl.zeros([BN, BKW_RES], dtype=tl.float32)
-    for p in range(first + pid_k, last, SPLIT_K):
-        col = tl.load(coords_ptr + 2 * p + 1).to(tl.int64)
-        r = tl.load(res_val_ptr + p * (BN_RES * BKW_RES) + res_rows[:, None] * BKW_RES + rw[None, :])
-        s = tl.load(res_scale_ptr + p * BN_RES + res_rows).to(tl.float32)[:, None]
+    for p in range(first, last, SPLIT_K):
+        col_next, r_next, s_next = _residual_block(p + SPLIT_K, last, coords_ptr, res_val_ptr, res_scale_ptr,
+                                                   res_rows, BN_RES, BKW_RES)
+        scale = s[:, None]
         r_lo = (r << 4) & -0x0F0F0F10
         r_hi = r & -0x0F0F0F10
         k = col * BKW_RES + rw
         inside = k < KW  # a ragged last block column ends early
         zero = tl.zeros([BN, BKW_RES], dtype=tl.int32)
-        r0 += _token_mac(zero, r_lo, r_hi, a0, k, inside, USE_ASM, True).to(tl.float32) * s
+        r0 += _token_mac(zero, r_lo, r_hi, a0, k, inside, USE_ASM, True).to(tl.float32) * scale
         if NT > 1:
-            r1 += _token_mac(zero, r_lo, r_hi, a1, k, inside, USE_ASM, True).to(tl.float32) * s
+            r1 += _token_mac(zero, r_lo, r_hi, a1, k, inside, USE_ASM, True).to(tl.float32) * scale
         if NT > 2:
-            r2 += _token_mac(zero, r_lo, r_hi, a2, k, inside, USE_ASM, True).to(tl.float32) * s
-            r3 += _token_mac(zero, r_lo, r_hi, a3, k, inside, USE_ASM, True).to(tl.float32) * s
+            r2 += _token_mac(zero, r_lo, r_hi, a2, k, inside, USE_ASM, True).to(tl.float32) * scale
+            r3 += _token_mac(zero, r_lo, r_hi, a3, k, inside, USE_ASM, True).to(tl.float32) * scale
         if NT > 4:
-            r4 += _token_mac(zero, r_lo, r_hi, a4, k, inside, USE_ASM, True).to(tl.float32) * s
-            r5 += _token_mac(zero, r_lo, r_hi, a5, k, inside, USE_ASM, True).to(tl.float32) * s
-            r6 += _token_mac(zero, r_lo, r_hi, a6, k, inside, USE_ASM, True).to(tl.float32) * s
-            r7 += _token_mac(zero, r_lo, r_hi, a7, k, inside, USE_ASM, True).to(tl.float32) * s
+            r4 += _token_mac(zero, r_lo, r_hi, a4, k, inside, USE_ASM, True).to(tl.float32) * scale
+            r5 += _token_mac(zero, r_lo, r_hi, a5, k, inside, USE_ASM, True).to(tl.float32) * scale
+            r6 += _token_mac(zero, r_lo, r_hi, a6, k, inside, USE_ASM, True).to(tl.float32) * scale
+            r7 += _token_mac(zero, r_lo, r_hi, a7, k, inside, USE_ASM, True).to(tl.float32) * scale
+        col = col_next
+        r = r_next
+        s = s_next
     rows = tl.arange(0, BM)[:, None]
     y = tl.where(rows == 0, tl.sum(r0, axis=1)[None, :], 0.0)
     y = tl.where(rows == 1, tl.sum(r1, axis=1)[None, :], y)
@@ -175,6 +206,9 @@ def _gemv_kernel(
     acc5 = tl.zeros([BN, BKW], dtype=tl.int32)
     acc6 = tl.zeros([BN, BKW], dtype=tl.int32)
     acc7 = tl.zeros([BN, BKW], dtype=tl.int32)
+    if HAS_RES:
+        res_first, res_last, res_col, res_r, res_s = residual_dp4a_begin(
+            row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, pid_n, pid_k, offs_n, BN, BN_RES, BKW_RES)
     wait_for_inputs(PDL)  # the activations come from the kernel before us
     for step in range(step_begin, step_end):
         k = step * BKW + kw
@@ -219,8 +253,8 @@ def _gemv_kernel(
     y = tl.where(rows == 6, y6[None, :], y)
     y = tl.where(rows == 7, y7[None, :], y)
     if HAS_RES:
-        y += residual_dp4a(a_ptr, stride_am, M, KW, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
-                           pid_n, pid_k, offs_n, BM, BM, BN, BN_RES, BKW_RES, SPLIT_K, USE_ASM)
+        y += residual_dp4a(a_ptr, stride_am, M, KW, coords_ptr, res_val_ptr, res_scale_ptr, pid_n, offs_n,
+                           res_first, res_last, res_col, res_r, res_s, BM, BM, BN, BN_RES, BKW_RES, SPLIT_K, USE_ASM)
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     y = y * a_scale[:, None] * 0.00390625  # both operands were 16x: exact power-of-two rescale
     store_output(

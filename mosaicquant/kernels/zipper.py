@@ -58,7 +58,7 @@ from mosaicquant.kernels._common import (
 )
 from mosaicquant.kernels._tiles import DP4A_WALK_MAX_M, LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, fit_to_blocks, lock_buffer, pdl_default, pdl_launch, pick_config, prefetch_row_bytes
 from mosaicquant.kernels._tl import mac_int4, prefetch_rows_l2, store_output, tile_indices, wait_for_inputs
-from mosaicquant.kernels.gemv import gemv_reason, residual_dp4a
+from mosaicquant.kernels.gemv import gemv_reason, residual_dp4a, residual_dp4a_begin
 from mosaicquant.kernels.w4a4_gemm import X16_MAX_K, check_gemm_args, int_matmul
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 
@@ -109,6 +109,9 @@ def _zipper_kernel(
             first_row = tl.zeros([1], dtype=tl.int64) + (pid_n * BN - block_row * BN_RES)
             for p in range(p_first + pid_k, p_last, SPLIT_K):
                 prefetch_rows_l2(res_val_ptr + p * (BN_RES * BKP_RES), first_row, BKP_RES, 0, BN * BKP_RES, LINES=8)
+    if MODE == 2 and DP4A_TOKENS > 0:
+        res_first, res_last, res_col, res_r, res_s = residual_dp4a_begin(
+            row_ptr_ptr, coords_ptr, res_words_ptr, res_scale_ptr, pid_n, pid_k, offs_n, BN, BN_RES, BKP_RES // 4)
     wait_for_inputs(PDL)
     offs_kp = step_begin * BKP + tl.arange(0, BKP)
     a_ptrs = a_ptr + safe_m[:, None] * stride_am + offs_kp[None, :]
@@ -148,9 +151,9 @@ def _zipper_kernel(
         y += res_acc
     if MODE == 2 and DP4A_TOKENS > 0:
         # a handful of tokens (one M tile): the blocks' words on CUDA-core dp4a (256x the product)
-        res = residual_dp4a(a_words_ptr, stride_am // 4, M, KP // 4, row_ptr_ptr, coords_ptr, res_words_ptr,
-                            res_scale_ptr, pid_n, pid_k, offs_n, DP4A_TOKENS, BM, BN, BN_RES, BKP_RES // 4,
-                            SPLIT_K, USE_ASM)
+        res = residual_dp4a(a_words_ptr, stride_am // 4, M, KP // 4, coords_ptr, res_words_ptr, res_scale_ptr,
+                            pid_n, offs_n, res_first, res_last, res_col, res_r, res_s, DP4A_TOKENS, BM, BN,
+                            BN_RES, BKP_RES // 4, SPLIT_K, USE_ASM)
         if X16:
             y += res
         else:
