@@ -20,10 +20,13 @@ the same integers as ``int8``, one per byte, in blocks of ``SPLIT_BLOCK`` = 128 
 A GEMM then reads each block's even and odd halves as two contiguous int8 tiles, with no
 unpacking.
 
-One program per token. Rows of up to ``2 * MAX_BLOCK_KP`` elements are loaded once and kept
-in registers; longer rows take a first pass for the absmax and a second (reading the row
-again, from L1/L2) to quantize and pack. Each pass loads ``[BLOCK_KP, 2]`` tiles
-(contiguous, then split into the even and odd elements), so loads are wide and coalesced.
+One program per token, or ``P`` ("programs per token", decode sizes on a GPU) each taking a
+contiguous slice of the row's pairs and meeting once for the row's absmax
+(:mod:`mosaicquant.kernels._token_split`); the integers and scales are the same for every ``P``.
+Slices of up to ``MAX_BLOCK_KP`` pairs are loaded once and kept in registers; longer ones take
+a first pass for the absmax and a second (reading the slice again, from L1/L2) to quantize and
+pack. Each pass loads ``[BLOCK_KP, 2]`` tiles (contiguous, then split into the even and odd
+elements), so loads are wide and coalesced.
 Inputs holding NaN/Inf give unspecified integers (the reference raises, the kernel cannot).
 """
 
@@ -34,8 +37,21 @@ import triton
 import triton.language as tl
 
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.kernels._common import check_same_device, check_tensor, check_triton_device, pdl_supported, resolve_kernel
+from mosaicquant.kernels._common import (
+    check_same_device,
+    check_tensor,
+    check_triton_device,
+    pdl_supported,
+    resolve_kernel,
+)
 from mosaicquant.kernels._tl import release_dependents, round_half_even, silu_mul_rounded
+from mosaicquant.kernels._token_split import (
+    barrier_buffer,
+    check_num_warps,
+    resolve_programs_per_token,
+    token_scale,
+    token_slice,
+)
 from mosaicquant.methods.format import pack_int4
 from mosaicquant.methods.quant import quantize
 
@@ -46,6 +62,12 @@ ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK_KP = 8192
 LAYOUTS = ("packed", "split8")
 SPLIT_BLOCK = 128  # K values per block of the "split8" layout (64 even, then 64 odd)
+# The default rule for several programs per token: rows of SPLIT_MIN_ROW values or more, slices
+# of SPLIT_MIN_WIDTH or more (benchmarks/quant_split.py on the H200, M = 1 ... 32, 8 warps: a
+# 4096-wide row took 2.2-2.6 µs with one program and no less split; a 14336-wide one 7.5-7.9 µs
+# with one, 3.5-4.2 with 8 (slices of 1792 values), 3.4-4.0 with 16 and 4.6-5.4 with 4).
+SPLIT_MIN_ROW = 8192
+SPLIT_MIN_WIDTH = 1024
 
 
 @triton.jit
@@ -69,51 +91,62 @@ def quantize_store(x, scale, q_row, kp, KP, SPLIT8: tl.constexpr):
 
 
 @triton.jit
-def _load_row(x_row, k, K, GATED: tl.constexpr):
-    """Activations ``k`` of one row in fp32; with ``GATED`` the row is ``[gate | up]`` (``K`` each)
-    and the activations are ``silu(gate) · up``, rounded as :func:`mosaicquant.kernels.decoder.silu_mul` rounds."""
-    x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+def _load_row(x_row, k, K, end, GATED: tl.constexpr):
+    """Activations ``k < end`` of one row in fp32 (0 past ``end``); with ``GATED`` the row is ``[gate | up]``
+    (``K`` each) and the activations are ``silu(gate) · up``, rounded as :func:`mosaicquant.kernels.decoder.silu_mul`
+    rounds them."""
+    x = tl.load(x_row + k, mask=k < end, other=0.0).to(tl.float32)
     if GATED:
-        up = tl.load(x_row + K + k, mask=k < K, other=0.0).to(tl.float32)
+        up = tl.load(x_row + K + k, mask=k < end, other=0.0).to(tl.float32)
         x = silu_mul_rounded(x, up, x_row.dtype.element_ty == tl.bfloat16)
     return x
 
 
 @triton.jit
 def _act_quant_kernel(
-    x_ptr, q_ptr, scale_ptr, K, KP, stride_xm, stride_qm, clip_ratio,
+    x_ptr, q_ptr, scale_ptr, sync_ptr, K, KP, SLICE_KP, stride_xm, stride_qm, clip_ratio,
     BLOCK_KP: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr, SPLIT8: tl.constexpr = False,
-    GATED: tl.constexpr = False,
+    GATED: tl.constexpr = False, P: tl.constexpr = 1, SYNC: tl.constexpr = True,
 ):
     release_dependents(PDL)  # the GEMM that reads our output may start (it waits for us before reading)
-    row = tl.program_id(0).to(tl.int64)
+    row, slice_id, tag = token_slice(sync_ptr, P, SYNC)
+    if P == 1:
+        lo = 0
+        hi = KP
+        end = K
+    else:
+        # program token · P + s quantizes pairs [lo, hi) of the token's row (SLICE_KP: a multiple of 64)
+        lo = slice_id * SLICE_KP
+        hi = tl.minimum(lo + SLICE_KP, KP)
+        end = tl.minimum(2 * hi, K)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
     pairs = tl.arange(0, BLOCK_KP)
     lanes = tl.arange(0, 2)
 
     if ONE_PASS:
-        k = pairs[:, None] * 2 + lanes[None, :]
-        x_all = _load_row(x_row, k, K, GATED)
+        k = (lo + pairs)[:, None] * 2 + lanes[None, :]
+        x_all = _load_row(x_row, k, K, end, GATED)
         absmax = tl.max(tl.abs(x_all), axis=1)
     else:
         absmax = tl.zeros([BLOCK_KP], dtype=tl.float32)
-        for kp0 in range(0, KP, BLOCK_KP):
+        for kp0 in range(lo, hi, BLOCK_KP):
             k = (kp0 + pairs)[:, None] * 2 + lanes[None, :]
-            x = _load_row(x_row, k, K, GATED)
+            x = _load_row(x_row, k, K, end, GATED)
             absmax = tl.maximum(absmax, tl.max(tl.abs(x), axis=1))
-    scale = tl.math.div_rn(tl.max(absmax, axis=0) * clip_ratio, 7.0)
-    scale = tl.where(scale > 0.0, scale, 1.0)
-    tl.store(scale_ptr + row, scale)
+    scale = token_scale(tl.max(absmax, axis=0), clip_ratio, sync_ptr, row, slice_id, tag, P, SYNC)
+    if lo == 0:
+        tl.store(scale_ptr + row, scale)
 
-    for kp0 in range(0, KP, BLOCK_KP):
+    # quantize_store writes pairs below hi (split8: up to the end of hi's 64-pair block, zeros past KP)
+    for kp0 in range(lo, hi, BLOCK_KP):
         kp = kp0 + pairs
         k = kp[:, None] * 2 + lanes[None, :]
         if ONE_PASS:
             x = x_all
         else:
-            x = _load_row(x_row, k, K, GATED)
-        quantize_store(x, scale, q_row, kp, KP, SPLIT8)
+            x = _load_row(x_row, k, K, end, GATED)
+        quantize_store(x, scale, q_row, kp, hi, SPLIT8)
 
 
 def _check_inputs(x: torch.Tensor, clip_ratio: float) -> None:
@@ -150,6 +183,8 @@ def quantize_activations_triton(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     layout: str = "packed",
     gated: bool = False,
+    programs_per_token: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the Triton activation quantizer.
 
@@ -162,56 +197,95 @@ def quantize_activations_triton(
         gated: ``x`` is ``[M, 2K]`` BF16/FP16 ``[gate | up]`` and the activations quantized are
             ``silu(gate) · up`` (:func:`mosaicquant.kernels.decoder.silu_mul`, the same roundings),
             computed as they are loaded: a gated MLP's down-projection input without its own kernel.
+        programs_per_token: programs that share each token's row (a power of two, at most 16;
+            the same results for any). ``None``: :func:`mosaicquant.kernels._token_split.default_programs_per_token`
+            for rows of at least ``SPLIT_MIN_ROW`` values, slices of at least ``SPLIT_MIN_WIDTH``.
+            More than 1 only on a GPU with ``M · P`` at most its SM count; under Triton's
+            interpreter (programs run one after another, and a token's programs wait for each
+            other) it must be 1.
+        num_warps: warps per program (default :func:`_warps`, by the size of a program's slice).
 
     Returns:
         ``(packed, scale)``: ``uint8 [M, ceil(K/2)]`` (or ``int8 [M, split8_width(K)]``) and
         ``float32 [M]``.
 
     Raises:
-        UserInputError: wrong dtype/rank/stride, clip ratio out of range, an unknown layout, or
-            a device the Triton path cannot run on.
+        UserInputError: wrong dtype/rank/stride, clip ratio out of range, an unknown layout, a
+            programs-per-token or warp count not allowed, or a device the Triton path cannot run on.
     """
     _check_inputs(x, clip_ratio)
-    check_triton_device(check_same_device(x=x))
+    device = check_same_device(x=x)
+    check_triton_device(device)
     if layout not in LAYOUTS:
         raise UserInputError(f"layout={layout!r} is not allowed: choose one of {', '.join(LAYOUTS)}")
+    check_num_warps(num_warps)
     m, k = x.shape
     if gated:
         _check_gated(x)
         k //= 2
     kp = (k + 1) // 2
+    p = resolve_programs_per_token(programs_per_token, m, device, k, SPLIT_MIN_WIDTH, min_row=SPLIT_MIN_ROW)
     if layout == "split8":
         if out is not None:
             raise UserInputError("out= takes the packed layout only")
-        q = torch.empty(m, split8_width(k), dtype=torch.int8, device=x.device)
-        scale = torch.empty(m, dtype=torch.float32, device=x.device)
-        if m:
-            block_kp = max(64, min(MAX_BLOCK_KP, triton.next_power_of_2(kp)))
-            _act_quant_kernel[(m,)](
-                x, q, scale, k, kp, x.stride(0), q.stride(0), float(clip_ratio),
-                BLOCK_KP=block_kp, ONE_PASS=kp <= block_kp, PDL=pdl_supported(x.device), SPLIT8=True,
-                GATED=gated, num_warps=4 if block_kp <= 1024 else (8 if block_kp <= 4096 else 16),
-            )
-        return q, scale
-    if out is not None:
-        packed, scale = out
-        check_tensor("out[0]", packed, dtypes=(torch.uint8,), shape=(m, kp))
+        q = torch.empty(m, split8_width(k), dtype=torch.int8, device=device)
+        scale = torch.empty(m, dtype=torch.float32, device=device)
+    elif out is not None:
+        q, scale = out
+        check_tensor("out[0]", q, dtypes=(torch.uint8,), shape=(m, kp))
         check_tensor("out[1]", scale, dtypes=(torch.float32,), shape=(m,))
-        if not packed.is_contiguous() or packed.device != x.device or scale.device != x.device:
+        if not q.is_contiguous() or q.device != device or scale.device != device:
             raise UserInputError("out tensors must be contiguous and on x's device")
     else:
-        packed = torch.empty(m, kp, dtype=torch.uint8, device=x.device)
-        scale = torch.empty(m, dtype=torch.float32, device=x.device)
-    if m == 0:
-        return packed, scale
-    block_kp = min(MAX_BLOCK_KP, triton.next_power_of_2(kp))
-    num_warps = 4 if block_kp <= 1024 else (8 if block_kp <= 4096 else 16)
-    _act_quant_kernel[(m,)](
-        x, packed.view(torch.int8), scale, k, kp, x.stride(0), packed.stride(0), float(clip_ratio),
-        BLOCK_KP=block_kp, ONE_PASS=kp <= block_kp, PDL=pdl_supported(x.device), GATED=gated,
-        num_warps=num_warps,
+        q = torch.empty(m, kp, dtype=torch.uint8, device=device)
+        scale = torch.empty(m, dtype=torch.float32, device=device)
+    if m:
+        _launch(x, q.view(torch.int8), scale, k, clip_ratio, layout == "split8", gated, p, num_warps)
+    return q, scale
+
+
+def _warps(block_kp: int, p: int) -> int:
+    """Warps per program for tiles of ``block_kp`` pairs, ``p`` programs per token.
+
+    Each element takes an IEEE division, so long rows want many warps. Split programs take at
+    least 8: on the H200 a 14336-wide row split 8 ways (896 pairs a program) took 3.5-4.2 µs with
+    8 warps against 4.7-5.4 with 4 (``benchmarks/quant_split.py``).
+    """
+    if p > 1 and block_kp <= 4096:
+        return 8
+    return 4 if block_kp <= 1024 else (8 if block_kp <= 4096 else 16)
+
+
+def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, k: int, clip_ratio: float, split8: bool,
+            gated: bool, p: int, num_warps: int | None, given_absmax: torch.Tensor | None = None) -> None:
+    """Run the kernel on checked arguments: ``M · p`` programs, ``p`` per token (token-major).
+
+    ``q`` is the output's ``int8`` view and ``k`` the activations per token. ``given_absmax`` (tests on
+    the interpreter, ``p > 1``): each row's absmax, given, so that a token's programs need not wait
+    for each other (the kernel's ``SYNC=False``); ``None`` uses the barrier.
+    """
+    m, kp = x.shape[0], (k + 1) // 2
+    if p == 1:
+        slice_kp = kp
+        block_kp = min(MAX_BLOCK_KP, triton.next_power_of_2(kp))
+        if split8:
+            block_kp = max(64, block_kp)
+        sync, wait = scale, True  # the kernel does not read it
+    else:
+        # slices of whole 64-pair blocks: the split8 padding then lies in the last non-empty slice
+        slice_kp = -(-kp // (64 * p)) * 64
+        block_kp = min(MAX_BLOCK_KP, triton.next_power_of_2(slice_kp))
+        if given_absmax is None:
+            sync, wait = barrier_buffer(x.device), True
+        else:
+            sync, wait = given_absmax.to(device=x.device, dtype=torch.float32).contiguous(), False
+    if num_warps is None:
+        num_warps = _warps(block_kp, p)
+    _act_quant_kernel[(m * p,)](
+        x, q, scale, sync, k, kp, slice_kp, x.stride(0), q.stride(0), float(clip_ratio),
+        BLOCK_KP=block_kp, ONE_PASS=slice_kp <= block_kp, PDL=pdl_supported(x.device), SPLIT8=split8,
+        GATED=gated, P=p, SYNC=wait, num_warps=num_warps,
     )
-    return packed, scale
 
 
 def quantize_activations_reference(x: torch.Tensor, clip_ratio: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,9 @@ inputs of ``o_proj`` / ``down_proj`` at run time, ``x ← x H_n D / √n``
 (:class:`mosaicquant.methods.hadamard.OnlineHadamard`), and then quantize them per token to
 4 bits. Run as separate PyTorch ops, the transform costs a cast, a dense product, a chain of
 butterflies and a Paley product — more than the 4-bit GEMM itself at decode sizes. This
-kernel does both in one pass, one program per token, the row held on chip:
+kernel does both in one pass, one program per token, the row held on chip (or, at decode
+sizes on a GPU, ``P`` programs per token, each taking ``D / P`` columns of the view below;
+see the end):
 
 1. ``n = R · D`` with ``D = min(2^k, 128)`` (``n = m · 2^k``, ``m`` the Paley factor). The
    row, viewed as ``X [R, D]`` (element ``i = r·D + d``), is transformed as
@@ -24,6 +26,15 @@ kernel does both in one pass, one program per token, the row held on chip:
 The result equals ``quantize_activations(OnlineHadamard(x))`` up to float summation order:
 a transformed value can land one 16-bit ulp away from the PyTorch path's, which moves its
 4-bit integer only when it sits on a rounding boundary (rare; the tests bound how often).
+
+Several programs per token (``programs_per_token``): the ``[R, D]`` view's columns are
+independent through the transform, ``Z[:, c] = Aᵀ (X S_D[:, c])``, so program ``s`` of a token
+loads the whole ``X`` (cheap), multiplies by its ``D / P`` columns of ``S_D`` and then by ``Aᵀ``
+(both products ``P`` times smaller), rounds, and quantizes its columns after the token's
+programs have met for the row's absmax (:mod:`mosaicquant.kernels._token_split`). Every value
+goes through the same products, in the same order, as with one program, so the integers and
+scales are the same (the tests check them bit for bit on the GPU). Views of 64 rows or more
+take slices of at least 64 columns (:func:`_split_limit`: narrower ones hit a Triton bug).
 
 Taken: 16-bit inputs (BF16 / FP16), ``D ≥ 16`` (``2^k ≥ 16``) and ``R ≤ 256``
 (``n ≤ 32768`` for ``2^k ≥ 128``): every hidden and intermediate size of the SPEC models.
@@ -51,6 +62,13 @@ from mosaicquant.kernels._common import (
 )
 from mosaicquant.kernels._tl import release_dependents, round_half_even, silu_mul_rounded
 from mosaicquant.kernels._tl import round_to_bf16 as _round_to_bf16
+from mosaicquant.kernels._token_split import (
+    barrier_buffer,
+    check_num_warps,
+    resolve_programs_per_token,
+    token_scale,
+    token_slice,
+)
 from mosaicquant.kernels.act_quant import LAYOUTS, quantize_activations_reference, split8_width
 from mosaicquant.methods.hadamard import OnlineHadamard, _sylvester, hadamard_factor
 
@@ -66,21 +84,35 @@ __all__ = [
 MAX_ROWS = 256
 _DENSE = 128  # the inner Sylvester block D (at most)
 _DTYPES = (torch.bfloat16, torch.float16)
+# The default rule's least slice (values per program) when tokens are split over several programs.
+# On the H200 (benchmarks/quant_split.py, M = 1 ... 32) a 4096-wide row ([32, 128] view) took
+# 4.4-4.9 µs with one program and 3.6-4.3 split 8 ways (512 values a program, 4 warps); a
+# 14336-wide one ([112, 128], at most 2 programs: _split_limit) 16.6-17.1 µs with one and
+# 10.5-11.2 with 2 (8 warps).
+SPLIT_MIN_WIDTH = 512
+# Columns a program takes at least when the view has 64 rows or more (see _split_limit).
+WGMMA_MIN_COLUMNS = 64
 
 
 @triton.jit
 def _hadamard_quant_kernel(
-    x_ptr, left_ptr, syl_ptr, signs_ptr, q_ptr, scale_ptr,
+    x_ptr, left_ptr, syl_ptr, signs_ptr, q_ptr, scale_ptr, sync_ptr,
     R, stride_xm, stride_qm, inv_sqrt_n, clip_ratio,
     D: tl.constexpr, R_PAD: tl.constexpr,
     HAS_SIGNS: tl.constexpr, SIGNS_FIRST: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
     SPLIT8: tl.constexpr = False, GATED: tl.constexpr = False, up_offset=0,
+    P: tl.constexpr = 1, SYNC: tl.constexpr = True,
 ):
     release_dependents(PDL)  # the GEMM that reads our output may start (it waits for us before reading)
-    row = tl.program_id(0).to(tl.int64)
+    DS: tl.constexpr = D // P  # columns of the [R, D] view this program transforms and quantizes
+    # program token · P + s: columns [s · DS, (s + 1) · DS), Z[:, cols] = Aᵀ (X S_D[:, cols])
+    row, slice_id, tag = token_slice(sync_ptr, P, SYNC)
+    c0 = slice_id * DS
     rows = tl.arange(0, R_PAD)
     cols = tl.arange(0, D)
+    part = c0 + tl.arange(0, DS)
     idx = rows[:, None] * D + cols[None, :]
+    out_idx = rows[:, None] * D + part[None, :]
     valid = rows[:, None] < R
     x = tl.load(x_ptr + row * stride_xm + idx, mask=valid, other=0.0)
     if GATED:  # x holds [gate | up]: the transform's input is silu(gate) · up, rounded as silu_mul rounds it
@@ -90,7 +122,7 @@ def _hadamard_quant_kernel(
         if SIGNS_FIRST:
             s = tl.load(signs_ptr + idx, mask=valid, other=1.0)
             x = (x.to(tl.float32) * s).to(x_ptr.dtype.element_ty)  # ±1: exact
-    syl = tl.load(syl_ptr + cols[:, None] * D + cols[None, :])
+    syl = tl.load(syl_ptr + cols[:, None] * D + part[None, :])
     left = tl.load(left_ptr + rows[:, None] * R_PAD + rows[None, :])
     if DOT_F32:
         # Triton's interpreter computes 16-bit dots wrongly (bfloat16); the same products in fp32
@@ -108,7 +140,7 @@ def _hadamard_quant_kernel(
     z = z * inv_sqrt_n
     if HAS_SIGNS:
         if not SIGNS_FIRST:
-            s = tl.load(signs_ptr + idx, mask=valid, other=1.0)
+            s = tl.load(signs_ptr + out_idx, mask=valid, other=1.0)
             z = z * s
     # the transform's output in the activation dtype, as the unfused path rounds it
     if x_ptr.dtype.element_ty == tl.bfloat16:
@@ -117,38 +149,40 @@ def _hadamard_quant_kernel(
         z = z.to(tl.float16).to(tl.float32)
 
     absmax = tl.max(tl.max(tl.abs(z), axis=1), axis=0)
-    scale = tl.math.div_rn(absmax * clip_ratio, 7.0)
-    scale = tl.where(scale > 0.0, scale, 1.0)
-    tl.store(scale_ptr + row, scale)
+    scale = token_scale(absmax, clip_ratio, sync_ptr, row, slice_id, tag, P, SYNC)
+    if c0 == 0:
+        tl.store(scale_ptr + row, scale)
     v = tl.minimum(tl.maximum(tl.math.div_rn(z, scale), -9.0), 9.0)
     q = tl.minimum(tl.maximum(round_half_even(v), -8.0), 7.0).to(tl.int8)
+    half = c0 // 2 + tl.arange(0, DS // 2)  # the slice's pairs within a row of the view
     if SPLIT8:
         if D == 128:
             # each row of the [R, 128] view is one split8 block: its even, then its odd values,
-            # as two contiguous 64-byte stores
-            q_even, q_odd = tl.split(tl.reshape(q, [R_PAD, 64, 2]))
-            half = tl.arange(0, 64)
+            # as two contiguous stores
+            q_even, q_odd = tl.split(tl.reshape(q, [R_PAD, DS // 2, 2]))
             at = q_ptr + row * stride_qm + rows[:, None] * 128 + half[None, :]
             tl.store(at, q_even, mask=rows[:, None] < R)
             tl.store(at + 64, q_odd, mask=rows[:, None] < R)
         else:
             # element i → byte (i // 128) * 128 + (i % 2) * 64 + (i % 128) // 2 (act_quant's "split8")
-            at = (idx // 128) * 128 + (idx % 2) * 64 + (idx % 128) // 2
+            at = (out_idx // 128) * 128 + (out_idx % 2) * 64 + (out_idx % 128) // 2
             tl.store(q_ptr + row * stride_qm + at, q, mask=valid)
     else:
-        q_even, q_odd = tl.split(tl.reshape(q, [R_PAD, D // 2, 2]))
+        q_even, q_odd = tl.split(tl.reshape(q, [R_PAD, DS // 2, 2]))
         packed = (q_even & 0xF) | (q_odd << 4)
-        half = tl.arange(0, D // 2)
         tl.store(q_ptr + row * stride_qm + rows[:, None] * (D // 2) + half[None, :], packed, mask=rows[:, None] < R)
 
 
 def _warps(m: int, padded: int) -> int:
-    """Warps per program for ``m`` tokens of ``padded`` values (the padded ``[R, D]`` view).
+    """Warps per program for ``m`` tokens of ``padded`` values a program (its slice of the padded ``[R, D]`` view).
 
     At decode sizes (``m <= 32``) one program per token is all the kernel has, and more warps
     shorten it: on the H200, 4096 values took 4.5 µs with 8 warps against 4.8 with 4, and
     14336 (16384 padded) 17.2 µs with 16 against 18.3 with 8 (``benchmarks/hadamard_warps.py``).
-    Larger calls keep 4 warps up to 4096 values and 8 above (not re-measured).
+    Larger calls keep 4 warps up to 4096 values and 8 above (not re-measured). Split programs
+    follow the same rule by their slice: 4096 values split 8 ways (512 a program) took 3.6-4.3 µs
+    with 4 warps against 4.4-4.6 with 8, and 14336 split 2 ways (8192 padded) 10.5-11.2 with 8
+    against 12.1-12.6 with 4 (``benchmarks/quant_split.py``).
     """
     if m <= 32 and padded >= 4096:
         return 8 if padded <= 8192 else 16
@@ -161,6 +195,20 @@ def _view_of(transform: OnlineHadamard) -> tuple[int, int, int]:
     d = min(p, _DENSE)
     r = transform.size // d
     return r, d, max(16, triton.next_power_of_2(r))
+
+
+def _split_limit(transform: OnlineHadamard) -> tuple[int, str]:
+    """The most programs per token the kernel takes for ``transform``, and why.
+
+    ``tl.dot`` needs slices of at least 16 columns. Views of 64 rows or more (``R_PAD >= 64``)
+    run their products on Hopper's ``wgmma``, where Triton 3.6 computed wrong values or made
+    illegal memory accesses with slices of 16 or 32 columns on the H200 (at 4, 8 and 16 warps,
+    without the barrier too); slices of 64 columns were right at every warp count tried. Those
+    views therefore take slices of at least ``WGMMA_MIN_COLUMNS``.
+    """
+    r, d, r_pad = _view_of(transform)
+    least = WGMMA_MIN_COLUMNS if r_pad >= 64 else 16
+    return max(1, d // least), f"slices of at least {least} of the {d} columns of the [{r}, {d}] view"
 
 
 def fused_hadamard_reason(transform: object, dtype: torch.dtype) -> str | None:
@@ -208,7 +256,7 @@ def _check(x: torch.Tensor, transform: object, clip_ratio: float, gated: bool = 
 def hadamard_quantize_triton(
     x: torch.Tensor, transform: OnlineHadamard, clip_ratio: float = 1.0,
     out: tuple[torch.Tensor, torch.Tensor] | None = None, layout: str = "packed", gated: bool = False,
-    num_warps: int | None = None,
+    num_warps: int | None = None, programs_per_token: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kernel.
 
@@ -223,14 +271,22 @@ def hadamard_quantize_triton(
         gated: ``x`` is ``[M, 2n]`` ``[gate | up]``; the transform's input is ``silu(gate) · up``
             with :func:`mosaicquant.kernels.decoder.silu_mul`'s roundings (a gated MLP's
             down-projection input, without its own kernel).
-        num_warps: warps per program (default :func:`_warps`).
+        num_warps: warps per program (default :func:`_warps` of a program's slice).
+        programs_per_token: programs that share each token (a power of two; each takes ``D / P``
+            columns of the ``[R, D]`` view, at least 16, or 64 for views of 64 rows or more:
+            :func:`_split_limit`; the same results for any).
+            ``None``: :func:`mosaicquant.kernels._token_split.default_programs_per_token` with
+            slices of at least ``SPLIT_MIN_WIDTH`` values. More than 1 only on a GPU with
+            ``M · P`` at most its SM count; under Triton's interpreter (programs run one after
+            another, and a token's programs wait for each other) it must be 1.
 
     Returns:
         ``(packed, scale)``.
 
     Raises:
         UserInputError: bad arguments, a transform or dtype the kernel does not take (the
-            message says why), or a device the Triton path cannot run on.
+            message says why), a programs-per-token or warp count not allowed, or a device the
+            Triton path cannot run on.
     """
     _check(x, transform, clip_ratio, gated)
     reason = fused_hadamard_reason(transform, x.dtype)
@@ -241,6 +297,8 @@ def hadamard_quantize_triton(
     m, n = x.shape[0], transform.size
     if layout not in LAYOUTS:
         raise UserInputError(f"layout={layout!r} is not allowed: choose one of {', '.join(LAYOUTS)}")
+    check_num_warps(num_warps)
+    p = resolve_programs_per_token(programs_per_token, m, device, n, SPLIT_MIN_WIDTH, *_split_limit(transform))
     if layout == "split8":
         if out is not None:
             raise UserInputError("out= takes the packed layout only")
@@ -257,24 +315,41 @@ def hadamard_quantize_triton(
     else:
         packed = torch.empty(m, n // 2, dtype=torch.uint8, device=device)
         scale = torch.empty(m, dtype=torch.float32, device=device)
-    if m == 0:
-        return packed, scale
-    r, d, r_pad = _view_of(transform)
-    left, syl = _operands(transform.factor_order, transform.log2_sylvester, transform.transpose, device, x.dtype)
     signs = transform.signs
-    has_signs = signs is not None
-    if has_signs and (signs.device != device or signs.dtype != torch.float32):
+    if signs is not None and (signs.device != device or signs.dtype != torch.float32):
         raise UserInputError(f"the transform's signs are {signs.dtype} on {signs.device}; move the transform "
                              f"to {device} (float32 signs)")
-    _hadamard_quant_kernel[(m,)](
-        x, left, syl, signs if has_signs else scale, packed.view(torch.int8), scale,
-        r, x.stride(0), packed.stride(0), 1.0 / math.sqrt(n), float(clip_ratio),
-        D=d, R_PAD=r_pad, HAS_SIGNS=has_signs, SIGNS_FIRST=transform.transpose,
-        DOT_F32=triton_interpreting(), PDL=pdl_supported(device), SPLIT8=layout == "split8",
-        GATED=gated, up_offset=n if gated else 0,
-        num_warps=num_warps if num_warps is not None else _warps(m, r_pad * d),
-    )
+    if m:
+        _launch(x, transform, packed.view(torch.int8), scale, clip_ratio, layout == "split8", gated, p, num_warps)
     return packed, scale
+
+
+def _launch(x: torch.Tensor, transform: OnlineHadamard, q: torch.Tensor, scale: torch.Tensor, clip_ratio: float,
+            split8: bool, gated: bool, p: int, num_warps: int | None, given_absmax: torch.Tensor | None = None) -> None:
+    """Run the kernel on checked arguments: ``M · p`` programs, ``p`` per token (token-major).
+
+    ``q`` is the output's ``int8`` view. ``given_absmax`` (tests on the interpreter, ``p > 1``): each
+    transformed row's absmax, given, so that a token's programs need not wait for each other (the
+    kernel's ``SYNC=False``); ``None`` uses the barrier.
+    """
+    m, n = x.shape[0], transform.size
+    r, d, r_pad = _view_of(transform)
+    left, syl = _operands(transform.factor_order, transform.log2_sylvester, transform.transpose, x.device, x.dtype)
+    signs = transform.signs
+    if p == 1:
+        sync, wait = scale, True  # the kernel does not read it
+    elif given_absmax is None:
+        sync, wait = barrier_buffer(x.device), True
+    else:
+        sync, wait = given_absmax.to(device=x.device, dtype=torch.float32).contiguous(), False
+    _hadamard_quant_kernel[(m * p,)](
+        x, left, syl, signs if signs is not None else scale, q, scale, sync,
+        r, x.stride(0), q.stride(0), 1.0 / math.sqrt(n), float(clip_ratio),
+        D=d, R_PAD=r_pad, HAS_SIGNS=signs is not None, SIGNS_FIRST=transform.transpose,
+        DOT_F32=triton_interpreting(), PDL=pdl_supported(x.device), SPLIT8=split8,
+        GATED=gated, up_offset=n if gated else 0, P=p, SYNC=wait,
+        num_warps=num_warps if num_warps is not None else _warps(m, r_pad * d // p),
+    )
 
 
 def hadamard_quantize_reference(

@@ -2,10 +2,12 @@ import pytest
 import torch
 
 from mosaicquant.harness.errors import UserInputError
+from mosaicquant.kernels import act_quant
 from mosaicquant.kernels.act_quant import (
     quantize_activations,
     quantize_activations_reference,
     quantize_activations_triton,
+    split8_width,
 )
 from mosaicquant.methods.format import pack_int4
 from mosaicquant.methods.quant import quantize
@@ -59,3 +61,105 @@ def test_reference_packs_like_format():
 def test_bad_input_raises_clear_error(bad, match):
     with pytest.raises(UserInputError, match=match):
         bad()
+
+
+# --- several programs per token -------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="a token's programs wait for each other: GPU only")
+
+
+def _row_absmax(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Each row's absmax from its clip-1 scale: the absmax is a value of ``x``'s 16-bit dtype and the
+    scale that value / 7 rounded, so 7 · scale rounds back to it (all-zero rows: 0)."""
+    return torch.where(x.abs().amax(1) > 0, (scale * 7).to(x.dtype).float(), 0.0)
+
+
+def _split_run(x, layout, gated, p, given_absmax=None):
+    """The kernel at ``p`` programs per token into poisoned outputs (the barrier unless ``given_absmax``)."""
+    m, k = x.shape[0], x.shape[1] // (2 if gated else 1)
+    if layout == "split8":
+        q = torch.full((m, split8_width(k)), NAN_U8 - 256, dtype=torch.int8, device=x.device)
+    else:
+        q = torch.full((m, (k + 1) // 2), NAN_U8, dtype=torch.uint8, device=x.device)
+    scale = torch.full((m,), float("nan"), device=x.device)
+    act_quant._launch(x, q.view(torch.int8), scale, k, 1.0, layout == "split8", gated, p, None, given_absmax)
+    return q, scale
+
+
+@needs_triton()
+@pytest.mark.parametrize("k,gated,layout,dtype", [
+    (1001, False, "packed", torch.bfloat16),   # odd K: the last slice ends on a half pair
+    (1001, False, "split8", torch.float16),
+    (300, True, "packed", torch.float16),      # 150 pairs: some of the 8 slices are empty
+    (4096, True, "split8", torch.bfloat16),
+    (40000, False, "packed", torch.bfloat16),  # P = 2: slices of 10048 pairs take two passes
+])
+def test_each_slice_quantizes_like_one_program(k, gated, layout, dtype):
+    # the slicing without the barrier (the interpreter cannot wait): the rows' absmax is given
+    gen = torch.Generator().manual_seed(k)
+    x = random_activations(3, 2 * k if gated else k, gen).to(dtype).to(DEVICE)
+    x[1] = 0
+    ref_q, ref_s = quantize_activations_triton(x, layout=layout, gated=gated)
+    for p in (2, 4, 8):
+        q, scale = _split_run(x, layout, gated, p, _row_absmax(ref_s, x))
+        assert torch.equal(q, ref_q) and torch.equal(scale, ref_s), p
+
+
+@needs_triton()
+def test_programs_per_token_and_warps_are_checked():
+    x = random_activations(2, 64, torch.Generator().manual_seed(5)).to(DEVICE)
+    for bad in (0, 3, 2.5):
+        with pytest.raises(UserInputError, match=f"programs_per_token={bad!r} is not allowed"):
+            quantize_activations_triton(x, programs_per_token=bad)
+    with pytest.raises(UserInputError, match="num_warps=6 is not allowed"):
+        quantize_activations_triton(x, num_warps=6)
+    if not torch.cuda.is_available():
+        with pytest.raises(UserInputError, match="programs_per_token=2 needs a CUDA device"):
+            quantize_activations_triton(x, programs_per_token=2)
+    else:
+        sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+        x = random_activations(sms // 16 + 1, 64, torch.Generator().manual_seed(5)).to(DEVICE)
+        with pytest.raises(UserInputError, match=f"more than the GPU's {sms} SMs"):
+            quantize_activations_triton(x, programs_per_token=16)
+
+
+@needs_gpu
+@pytest.mark.parametrize("k", [4096, 14336, 576, 1536])
+@pytest.mark.parametrize("layout", ["packed", "split8"])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_tokens_give_the_same_integers_and_scales(k, layout, gated, dtype):
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    for m in (1, 4, 13, 32):
+        x = random_activations(m, 2 * k if gated else k, torch.Generator().manual_seed(k + m)).to(dtype).to(DEVICE)
+        if m > 1:
+            x[1] = 0
+        ref_q, ref_s = quantize_activations_triton(x, layout=layout, gated=gated, programs_per_token=1)
+        for p in (2, 4, 8):
+            if m * p > sms:
+                continue
+            runs = [_split_run(x, layout, gated, p) for _ in range(2)]  # back to back: the barrier resets
+            for q, scale in runs:
+                assert torch.equal(q, ref_q) and torch.equal(scale, ref_s), (m, p)
+            if m > 1:
+                assert runs[0][1][1].item() == 1.0
+        q, scale = quantize_activations_triton(x, layout=layout, gated=gated)  # the default rule
+        assert torch.equal(q, ref_q) and torch.equal(scale, ref_s), m
+
+
+@needs_gpu
+def test_split_tokens_replay_in_a_cuda_graph():
+    x = random_activations(4, 14336, torch.Generator().manual_seed(6)).to(DEVICE)
+    ref_q, ref_s = quantize_activations_triton(x, programs_per_token=1)
+    q = torch.empty_like(ref_q)
+    scale = torch.empty_like(ref_s)
+    quantize_activations_triton(x, out=(q, scale), programs_per_token=8)  # compiled, barrier allocated
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            quantize_activations_triton(x, out=(q, scale), programs_per_token=8)
+    for _ in range(5):
+        q.fill_(NAN_U8)
+        scale.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(q, ref_q) and torch.equal(scale, ref_s)

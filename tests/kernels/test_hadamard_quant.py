@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from mosaicquant.harness.errors import UserInputError
+from mosaicquant.kernels import hadamard_quant
+from mosaicquant.kernels.act_quant import split8_width
 from mosaicquant.kernels.hadamard_quant import (
     fused_hadamard_reason,
     hadamard_quantize,
@@ -103,3 +105,93 @@ def test_triton_launcher_refuses_a_transform_it_cannot_fuse():
         hadamard_quantize_triton(x, OnlineHadamard(20).to(DEVICE))
     with pytest.raises(UserInputError, match="bfloat16 or float16"):
         hadamard_quantize_triton(torch.randn(2, 64, device=DEVICE), OnlineHadamard(64).to(DEVICE))
+
+
+# --- several programs per token -------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="a token's programs wait for each other: GPU only")
+
+
+def _split_run(x, had, layout, gated, p, given_absmax=None):
+    """The kernel at ``p`` programs per token into poisoned outputs (the barrier unless ``given_absmax``)."""
+    m, n = x.shape[0], had.size
+    if layout == "split8":
+        q = torch.zeros(m, split8_width(n), dtype=torch.int8, device=x.device)  # the padding stays zero
+        q[:, :n] = NAN_U8 - 256
+    else:
+        q = torch.full((m, n // 2), NAN_U8, dtype=torch.uint8, device=x.device)
+    scale = torch.full((m,), float("nan"), device=x.device)
+    hadamard_quant._launch(x, had, q.view(torch.int8), scale, 1.0, layout == "split8", gated, p, None, given_absmax)
+    return q, scale
+
+
+def _case(n, m, signs, transpose, gated, dtype, device):
+    had = OnlineHadamard(n, signs=random_signs(n, seed=n) if signs else None, transpose=transpose).to(device)
+    x = random_activations(m, 2 * n if gated else n, torch.Generator().manual_seed(n + m)).to(dtype).to(device)
+    if m > 1:
+        x[1] = 0
+    return had, x
+
+
+@needs_triton()
+@pytest.mark.parametrize("n,signs,transpose,gated,layout,dtype", [
+    (4096, False, False, False, "packed", torch.bfloat16),
+    (1536, True, False, True, "split8", torch.float16),      # [12, 128] padded to 16 rows, signs after
+    (14336, True, True, False, "split8", torch.bfloat16),    # [112, 128] padded to 128, signs first
+    (1024, False, False, True, "packed", torch.float16),
+])
+def test_each_column_slice_transforms_and_quantizes_like_one_program(n, signs, transpose, gated, layout, dtype):
+    # the column slices without the barrier (the interpreter cannot wait): the rows' absmax is given,
+    # recovered from the clip-1 scales (the transformed values are 16-bit, so 7 · scale rounds back to them)
+    had, x = _case(n, 3, signs, transpose, gated, dtype, DEVICE)
+    ref_q, ref_s = hadamard_quantize_triton(x, had, layout=layout, gated=gated)
+    absmax = torch.where(torch.arange(3, device=DEVICE) != 1, (ref_s * 7).to(dtype).float(), 0.0)
+    # on a GPU only the slices the launcher allows (narrower ones hit a Triton wgmma bug, see _split_limit)
+    most = hadamard_quant._split_limit(had)[0] if torch.cuda.is_available() else 8
+    for p in (p for p in (2, 4, 8) if p <= most):
+        q, scale = _split_run(x, had, layout, gated, p, absmax)
+        assert torch.equal(q, ref_q) and torch.equal(scale, ref_s), p
+
+
+@needs_triton()
+def test_programs_per_token_is_checked():
+    x = random_activations(2, 576, torch.Generator().manual_seed(7)).to(DEVICE)
+    with pytest.raises(UserInputError, match=r"programs_per_token=2 is too large.*at most 1.*16 columns"):
+        hadamard_quantize_triton(x, OnlineHadamard(576).to(DEVICE), programs_per_token=2)  # [36, 16]
+    x = random_activations(2, 4096, torch.Generator().manual_seed(7)).to(DEVICE)
+    with pytest.raises(UserInputError, match=r"programs_per_token=16 is too large.*at most 8"):
+        hadamard_quantize_triton(x, OnlineHadamard(4096).to(DEVICE), programs_per_token=16)
+    with pytest.raises(UserInputError, match=r"programs_per_token=4 is too large.*at most 2.*at least 64 of the 128"):
+        hadamard_quantize_triton(random_activations(2, 14336, torch.Generator().manual_seed(7)).to(DEVICE),
+                                 OnlineHadamard(14336).to(DEVICE), programs_per_token=4)  # [112, 128] padded to 128
+    with pytest.raises(UserInputError, match=r"programs_per_token=6 is not allowed"):
+        hadamard_quantize_triton(x, OnlineHadamard(4096).to(DEVICE), programs_per_token=6)
+    with pytest.raises(UserInputError, match="num_warps=5 is not allowed"):
+        hadamard_quantize_triton(x, OnlineHadamard(4096).to(DEVICE), num_warps=5)
+    if not torch.cuda.is_available():
+        with pytest.raises(UserInputError, match="programs_per_token=2 needs a CUDA device"):
+            hadamard_quantize_triton(x, OnlineHadamard(4096).to(DEVICE), programs_per_token=2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("n,signs,transpose", [(4096, False, False), (14336, True, True), (576, False, False),
+                                               (1536, True, False)])
+@pytest.mark.parametrize("layout", ["packed", "split8"])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_tokens_give_the_same_integers_and_scales(n, signs, transpose, layout, gated, dtype):
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    most = hadamard_quant._split_limit(OnlineHadamard(n))[0]  # 576 = 36 · 16: one program only
+    for m in (1, 4, 13, 32):
+        had, x = _case(n, m, signs, transpose, gated, dtype, DEVICE)
+        ref_q, ref_s = hadamard_quantize_triton(x, had, layout=layout, gated=gated, programs_per_token=1)
+        for p in (2, 4, 8):
+            if m * p > sms or p > most:
+                continue
+            runs = [_split_run(x, had, layout, gated, p) for _ in range(2)]  # back to back: the barrier resets
+            for q, scale in runs:
+                assert torch.equal(q, ref_q) and torch.equal(scale, ref_s), (m, p)
+            if m > 1:
+                assert runs[0][1][1].item() == 1.0
+        q, scale = hadamard_quantize_triton(x, had, layout=layout, gated=gated)  # the default rule
+        assert torch.equal(q, ref_q) and torch.equal(scale, ref_s), m
