@@ -10,7 +10,8 @@ activation quantizer included (as ``benchmarks/zipper.py`` times them):
 - ``gemv`` / ``gemv_zip10``: the decode GEMV at its default tiles, dense and with the 10 %
   residual (programmatic dependent launch on, the default); ``gemv_nopdl``: without it;
 - ``--explore``: a grid of GEMV tiles (channels per program, words per step, warps, split,
-  stages) at M = 4 on three shapes, reported best first.
+  stages) at M = 4 on three shapes, reported best first;
+- ``--explore-tc``: a grid of the tensor-core GEMM's tiles at M = 4 and 8 on three shapes.
 
 Each variant is checked against its PyTorch reference before it is timed (CUDA graphs, weights
 rotating through copies larger than 3× L2, medians). A short table is printed last; rows go
@@ -43,6 +44,7 @@ from zipper import (  # noqa: E402
     versions,
 )
 
+from mosaicquant.kernels._tiles import TileConfig, pick_config  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
 from mosaicquant.kernels.gemv import gemv_config, gemv_triton  # noqa: E402
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_triton  # noqa: E402
@@ -56,9 +58,12 @@ EXPLORE_SHAPES = ("o", "gate_up", "down")
 GRID = [(bn, bkw, w, f, s) for bn, bkw, w in [(16, 64, 4), (32, 32, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4),
                                                (64, 64, 8), (64, 128, 8), (128, 32, 4), (16, 128, 4)]
         for f in (0.5, 1, 2) for s in (1,)] + [(32, 64, 4, 1, 3), (64, 64, 8, 1, 3)]
+# tensor-core GEMM tiles at M = 4, 8: (block_n, block_kp, split factor over the default, num_warps, num_stages)
+TC_GRID = [(64, 64, 1, 4, 4), (128, 64, 1, 4, 4), (64, 128, 1, 4, 3), (128, 128, 1, 8, 3), (32, 64, 1, 4, 6),
+           (64, 64, 1, 4, 6), (64, 64, 2, 4, 4), (64, 64, 0.5, 4, 4), (128, 64, 1, 8, 4), (256, 64, 1, 8, 3)]
 
 
-def bench(name, n, k, ms, device, rows, explore):
+def bench(name, n, k, ms, device, rows, explore, explore_tc=False):
     kp = k // 2
     w_bf16 = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)
     w_bf16s = [w_bf16] + [w_bf16.clone() for _ in range(max(2, math.ceil(ROTATE_BYTES / w_bf16.numel() / 2)) - 1)]
@@ -108,6 +113,22 @@ def bench(name, n, k, ms, device, rows, explore):
             add(variant, [lambda i=i, g=g: g(i) for i in range(n_w4)], g(0), ref_dense)
         gz = quant_then(lambda a, s, i: gemv_triton(a, s, qws[i], wss[i], k, residual=ress[i]))
         add("gemv_zip10", [lambda i=i: gz(i) for i in range(n_w4)], gz(0), ref_zip)
+        if explore_tc and name in EXPLORE_SHAPES and m in (4, 8):
+            base = pick_config(m, n, kp, device)
+            zbase = pick_config(m, n, kp, device, res.block_shape)
+            for bn, bkp, warps, stages in ((64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 4, 4)):
+                cfg = TileConfig(16, bn, bkp, split_k=zbase.split_k if warps == 4 else 1, num_warps=warps,
+                                 num_stages=stages)
+                z = quant_then(lambda a, s, i, c=cfg: zipper_gemm_triton(a, s, qws[i], wss[i], k, ress[i],
+                                                                         block_map=maps[i], config=c))
+                add(f"zip10_bn{bn}_kp{bkp}_s{cfg.split_k}_w{warps}_st{stages}",
+                    [lambda i=i, z=z: z(i) for i in range(n_w4)], z(0), ref_zip, {"explore_zip": vars(cfg)})
+            for bn, bkp, f, warps, stages in TC_GRID:
+                cfg = TileConfig(16, bn, bkp, split_k=max(1, int(base.split_k * f)), num_warps=warps,
+                                 num_stages=stages)
+                g = quant_then(lambda a, s, i, c=cfg: w4a4_gemm_triton(a, s, qws[i], wss[i], k, config=c))
+                add(f"tc_bn{bn}_kp{bkp}_s{cfg.split_k}_w{warps}_st{stages}", [lambda i=i, g=g: g(i) for i in range(n_w4)],
+                    g(0), ref_dense, {"explore_tc": vars(cfg)})
         if explore and name in EXPLORE_SHAPES and m == 4:
             default_split = gemv_config(m, n, k, device)["split_k"]
             for bn, bkw, warps, f, stages in GRID:
@@ -122,6 +143,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--explore", action="store_true")
+    ap.add_argument("--explore-tc", action="store_true")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args(argv)
     device = torch.device("cuda")
@@ -129,7 +151,7 @@ def main(argv=None) -> int:
     info = {"versions": versions(device), "ceilings": measure_ceilings(device)}
     print(info, flush=True)
     for name in args.shapes.split(","):
-        bench(name, *SHAPES[name], MS, device, rows, args.explore)
+        bench(name, *SHAPES[name], MS, device, rows, args.explore, args.explore_tc)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     bad = [r for r in rows if not r["ok"]]
@@ -143,6 +165,17 @@ def main(argv=None) -> int:
             for r in ex[:3]:
                 default_us = f"{dflt['us']:.2f}" if dflt else "-"
                 print(f"| {name} | {r['variant']} | {r['us']:.2f} | {r['x_bf16']:.2f} | {default_us} |")
+    if args.explore_tc:
+        print("\n| shape | M | best tensor-core tiles | µs | × BF16 | default µs |")
+        print("|---|---|---|---|---|---|")
+        for name in EXPLORE_SHAPES:
+            for m in (4, 8):
+                ex = sorted((r for r in rows if r["shape"] == name and r["m"] == m and "explore_tc" in r),
+                            key=lambda r: r["us"])
+                dflt = next((r for r in rows if r["shape"] == name and r["m"] == m and r["variant"] == "w4a4"), None)
+                for r in ex[:2]:
+                    print(f"| {name} | {m} | {r['variant']} | {r['us']:.2f} | {r['x_bf16']:.2f} | "
+                          f"{dflt['us'] if dflt else 0:.2f} |")
     print("\n| shape | M | bf16 µs | w4a4 | zip10 | zip10_dot | gemv | gemv_nopdl | gemv_zip10 | (× BF16) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.shapes.split(","):

@@ -101,3 +101,15 @@ def test_sixteen_q_unpacking_gives_the_plain_unpacking_result_exactly(config):
     x16 = w4a4_gemm_triton(*ops[:4], k, ops[4], config=CONFIGS[config], x16=True, out_fp32=True)
     assert torch.equal(plain, x16)
     assert_close_bf16(x16, w4a4_gemm_reference(*[t.cpu() for t in ops[:4]], k, ops[4].cpu(), out_fp32=True), "x16")
+
+
+def test_wide_dense_layers_take_unsplit_wide_tiles_at_decode_sizes(monkeypatch):
+    from mosaicquant.kernels import _tiles
+
+    monkeypatch.setattr(_tiles, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    wide = pick_config(4, 28672, 2048, cuda)
+    assert (wide.block_n, wide.block_kp, wide.split_k, wide.num_warps) == (128, 128, 1, 8)
+    assert pick_config(4, 4096, 2048, cuda).block_n == 64  # o_proj: split-K instead
+    assert pick_config(4, 28672, 2048, cuda, residual_block=(128, 128)).block_n == 64  # measured slower there
+    assert pick_config(32, 28672, 2048, cuda).block_kp == 64
