@@ -79,21 +79,18 @@ def barrier_buffer(device: torch.device) -> torch.Tensor:
 
 
 def default_programs_per_token(m: int, width: int, sms: int | None, min_width: int,
-                               most: int = MAX_PROGRAMS_PER_TOKEN, min_row: int = 0,
-                               max_programs: int | None = None) -> int:
+                               most: int = MAX_PROGRAMS_PER_TOKEN, min_row: int = 0) -> int:
     """Programs per token of a launch of ``m`` tokens of ``width`` values, by default.
 
-    The largest power of two ``P <= most`` with ``m · P <= sms`` (every program on its own SM; and
-    ``<= max_programs`` when given) and slices of at least ``min_width`` values (``width / P``); 1
-    for ``m > SPLIT_MAX_M``, for
+    The largest power of two ``P <= most`` with ``m · P <= sms`` (every program on its own SM)
+    and slices of at least ``min_width`` values (``width / P``); 1 for ``m > SPLIT_MAX_M``, for
     rows narrower than ``min_row`` (too short for the barrier to pay), and where ``sms`` is
     ``None`` (no GPU: the interpreter runs one program at a time).
     """
     if sms is None or m > SPLIT_MAX_M or width < min_row:
         return 1
-    limit = sms if max_programs is None else min(sms, max_programs)
     p = 1
-    while 2 * p <= most and m * 2 * p <= limit and width // (2 * p) >= min_width:
+    while 2 * p <= most and m * 2 * p <= sms and width // (2 * p) >= min_width:
         p *= 2
     return p
 
@@ -131,18 +128,17 @@ def check_programs_per_token(p: object, m: int, sms: int | None, most: int | Non
 
 
 def resolve_programs_per_token(p: int | None, m: int, device: torch.device, width: int, min_width: int,
-                               most: int | None = None, why: str = "", min_row: int = 0,
-                               max_programs: int | None = None) -> int:
+                               most: int | None = None, why: str = "", min_row: int = 0) -> int:
     """``p`` once checked (:func:`check_programs_per_token`), or the default rule's choice when it is ``None``.
 
     ``width``, ``min_width``, ``min_row``: values per token, the default rule's least slice and
     least row (:func:`default_programs_per_token`); ``most``: the kernel's own limit on ``P``
-    (``why``: the reason, for the error); ``max_programs``: the default rule's cap on ``M · P``.
+    (``why``: the reason, for the error).
     """
     sms = sm_count(device)
     if p is None:
         cap = MAX_PROGRAMS_PER_TOKEN if most is None else min(most, MAX_PROGRAMS_PER_TOKEN)
-        return default_programs_per_token(m, width, sms, min_width, cap, min_row, max_programs)
+        return default_programs_per_token(m, width, sms, min_width, cap, min_row)
     return check_programs_per_token(p, m, sms, most, why)
 
 

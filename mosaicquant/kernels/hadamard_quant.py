@@ -90,11 +90,6 @@ _DTYPES = (torch.bfloat16, torch.float16)
 # 14336-wide one ([112, 128], at most 2 programs: _split_limit) 16.6-17.1 µs with one and
 # 10.5-11.2 with 2 (8 warps).
 SPLIT_MIN_WIDTH = 512
-# The default rule's most programs in a launch (M · P). In a second run (benchmarks/results/quant_split_v13)
-# the 4096-wide split gained at M <= 8 (P = 8: 4.1-4.2 against 4.5-5.3 µs) and at M = 32 with P = 2 (4.8
-# against 5.1), but lost with 128 programs (M = 16, P = 8: 4.9 against 4.6; M = 32, P = 4: 5.3 against
-# 5.1); the 14336-wide one (P = 2, at most 64 programs) gained at every M.
-SPLIT_MAX_PROGRAMS = 64
 # Columns a program takes at least when the view has 64 rows or more (see _split_limit).
 WGMMA_MIN_COLUMNS = 64
 
@@ -281,8 +276,7 @@ def hadamard_quantize_triton(
             columns of the ``[R, D]`` view, at least 16, or 64 for views of 64 rows or more:
             :func:`_split_limit`; the same results for any).
             ``None``: :func:`mosaicquant.kernels._token_split.default_programs_per_token` with
-            slices of at least ``SPLIT_MIN_WIDTH`` values and at most ``SPLIT_MAX_PROGRAMS``
-            programs in all. More than 1 only on a GPU with
+            slices of at least ``SPLIT_MIN_WIDTH`` values. More than 1 only on a GPU with
             ``M · P`` at most its SM count; under Triton's interpreter (programs run one after
             another, and a token's programs wait for each other) it must be 1.
 
@@ -304,8 +298,7 @@ def hadamard_quantize_triton(
     if layout not in LAYOUTS:
         raise UserInputError(f"layout={layout!r} is not allowed: choose one of {', '.join(LAYOUTS)}")
     check_num_warps(num_warps)
-    p = resolve_programs_per_token(programs_per_token, m, device, n, SPLIT_MIN_WIDTH, *_split_limit(transform),
-                                   max_programs=SPLIT_MAX_PROGRAMS)
+    p = resolve_programs_per_token(programs_per_token, m, device, n, SPLIT_MIN_WIDTH, *_split_limit(transform))
     if layout == "split8":
         if out is not None:
             raise UserInputError("out= takes the packed layout only")

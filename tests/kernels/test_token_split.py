@@ -35,8 +35,6 @@ def test_default_rule_leaves_short_rows_whole():
     assert default_programs_per_token(4, 4096, H200_SMS, 1024, min_row=8192) == 1
     assert default_programs_per_token(4, 8192, H200_SMS, 1024, min_row=8192) == 8
     assert default_programs_per_token(4, 14336, H200_SMS, 1024, min_row=8192) == 8
-    assert default_programs_per_token(16, 4096, H200_SMS, 512, max_programs=64) == 4
-    assert default_programs_per_token(32, 4096, H200_SMS, 512, max_programs=64) == 2
 
 
 def test_default_rule_never_exceeds_its_limits():
