@@ -75,9 +75,9 @@ WIDE_DECODE_TILES_PER_SM = 2
 # (two instructions a word per token) made it slower on every shape but gate/up.
 GEMV_ROUTE_MAX_M = 1
 # ZipperEngine's tail walks its residual blocks on dp4a (mosaicquant.kernels.gemv.residual_dp4a) up to
-# this many tokens, on int8 tensor-core dots above. Measured against each other in one run (v13): the
-# dp4a walk was 1.05-1.20x faster at M = 1, level at M = 2, level to 1.08x faster at M = 4 (the gate/up
-# shapes), and 0.84-0.95x at M = 8.
+# this many tokens, on int8 tensor-core dots above. Measured against each other on every Llama-3 / Qwen3
+# linear in one run (v13): the dp4a walk was 1.01-1.14x faster at M = 1, 0.97-1.05x at M = 2, 0.99-1.08x
+# at M = 4 (the gain on the gate/up shapes), and 0.92-1.02x at M = 8.
 DP4A_WALK_MAX_M = 4
 
 
