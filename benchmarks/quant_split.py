@@ -8,11 +8,12 @@ P = 1 (one program per token, default warps) and every allowed P of 2, 4, 8, 16 
 warps. Every split result is first checked bit-equal to P = 1 (integers and scales). Prints
 a line per case, then a Markdown table; ``*`` marks the default rule's P.
 
-    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/quant_split.py
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/quant_split.py [--kernels hadamard] [--sizes 14336]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -64,13 +65,17 @@ def _case(name: str, n: int, m: int, run: Callable[..., tuple[torch.Tensor, torc
     return {"name": name, "n": n, "m": m, "times": times, "default": default_p}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernels", default="quant,quant gated,hadamard", help="comma-separated subset")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    args = ap.parse_args(argv)
     device = torch.device("cuda")
     sms = sm_count(device)
     start = time.perf_counter()
     rows = []
-    for name in ("quant", "quant gated", "hadamard"):
-        for n in SIZES:
+    for name in args.kernels.split(","):
+        for n in (int(v) for v in args.sizes.split(",")):
             had = OnlineHadamard(n, signs=random_signs(n, seed=1)).to(device)
             for m in TOKENS:
                 gen = torch.Generator(device=device).manual_seed(n + m)

@@ -33,8 +33,9 @@ loads the whole ``X`` (cheap), multiplies by its ``D / P`` columns of ``S_D`` an
 (both products ``P`` times smaller), rounds, and quantizes its columns after the token's
 programs have met for the row's absmax (:mod:`mosaicquant.kernels._token_split`). Every value
 goes through the same products, in the same order, as with one program, so the integers and
-scales are the same (the tests check them bit for bit on the GPU). Views of 64 rows or more
-take slices of at least 64 columns (:func:`_split_limit`: narrower ones hit a Triton bug).
+scales are the same (the tests check them bit for bit on the GPU). Narrow slices (16 or 32
+columns) of views of 64 rows or more are multiplied transposed (:func:`_transposed`: as they
+are, they hit a Triton bug).
 
 Taken: 16-bit inputs (BF16 / FP16), ``D ≥ 16`` (``2^k ≥ 16``) and ``R ≤ 256``
 (``n ≤ 32768`` for ``2^k ≥ 128``): every hidden and intermediate size of the SPEC models.
@@ -86,11 +87,11 @@ _DENSE = 128  # the inner Sylvester block D (at most)
 _DTYPES = (torch.bfloat16, torch.float16)
 # The default rule's least slice (values per program) when tokens are split over several programs.
 # On the H200 (benchmarks/quant_split.py, M = 1 ... 32) a 4096-wide row ([32, 128] view) took
-# 4.4-4.9 µs with one program and 3.6-4.3 split 8 ways (512 values a program, 4 warps); a
-# 14336-wide one ([112, 128], at most 2 programs: _split_limit) 16.6-17.1 µs with one and
-# 10.5-11.2 with 2 (8 warps).
+# 4.3-4.7 µs with one program and 3.8-4.1 split 8 ways (512 values a program, 4 warps) at M <= 16;
+# a 14336-wide one ([112, 128] padded to 128) 17.1-17.4 µs with one and 6.0-6.3 split 8 ways (the
+# transposed products, 4 warps) at M <= 16, 7.3 split 4 ways at M = 32 (benchmarks/NOTES.md, v13).
 SPLIT_MIN_WIDTH = 512
-# Columns a program takes at least when the view has 64 rows or more (see _split_limit).
+# Slices narrower than this of views of 64 rows or more run the transposed products (see _transposed).
 WGMMA_MIN_COLUMNS = 64
 
 
@@ -101,7 +102,7 @@ def _hadamard_quant_kernel(
     D: tl.constexpr, R_PAD: tl.constexpr,
     HAS_SIGNS: tl.constexpr, SIGNS_FIRST: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
     SPLIT8: tl.constexpr = False, GATED: tl.constexpr = False, up_offset=0,
-    P: tl.constexpr = 1, SYNC: tl.constexpr = True,
+    P: tl.constexpr = 1, SYNC: tl.constexpr = True, TRANS: tl.constexpr = False,
 ):
     release_dependents(PDL)  # the GEMM that reads our output may start (it waits for us before reading)
     DS: tl.constexpr = D // P  # columns of the [R, D] view this program transforms and quantizes
@@ -122,21 +123,34 @@ def _hadamard_quant_kernel(
         if SIGNS_FIRST:
             s = tl.load(signs_ptr + idx, mask=valid, other=1.0)
             x = (x.to(tl.float32) * s).to(x_ptr.dtype.element_ty)  # ±1: exact
-    syl = tl.load(syl_ptr + cols[:, None] * D + part[None, :])
-    left = tl.load(left_ptr + rows[:, None] * R_PAD + rows[None, :])
+    if TRANS:
+        # the transposed products, Zᵀ = ((S_D[:, cols])ᵀ Xᵀ) Aᵀᵀ: the slice's columns are the dots'
+        # M, which keeps a narrow slice of a tall view off wgmma (see _split_limit)
+        syl = tl.load(syl_ptr + part[:, None] * D + cols[None, :])  # S_D[cols, :] = S_D[:, cols]ᵀ
+        left = tl.load(left_ptr + rows[None, :] * R_PAD + rows[:, None])  # leftᵀ
+    else:
+        syl = tl.load(syl_ptr + cols[:, None] * D + part[None, :])
+        left = tl.load(left_ptr + rows[:, None] * R_PAD + rows[None, :])
     if DOT_F32:
         # Triton's interpreter computes 16-bit dots wrongly (bfloat16); the same products in fp32
         x = x.to(tl.float32)
         syl = syl.to(tl.float32)
         left = left.to(tl.float32)
-    y = tl.dot(x, syl, out_dtype=tl.float32)  # X S_D: ±1 weights, exact products
+    if TRANS:
+        y = tl.dot(syl, tl.trans(x), out_dtype=tl.float32)  # (X S_D[:, cols])ᵀ
+    else:
+        y = tl.dot(x, syl, out_dtype=tl.float32)  # X S_D: ±1 weights, exact products
     y_hi = y.to(x_ptr.dtype.element_ty)
     y_lo = (y - y_hi.to(tl.float32)).to(x_ptr.dtype.element_ty)
     if DOT_F32:
         y_hi = y_hi.to(tl.float32)
         y_lo = y_lo.to(tl.float32)
-    z = tl.dot(left, y_hi, out_dtype=tl.float32)
-    z = tl.dot(left, y_lo, z, out_dtype=tl.float32)
+    if TRANS:
+        z = tl.dot(y_hi, left, out_dtype=tl.float32)
+        z = tl.trans(tl.dot(y_lo, left, z, out_dtype=tl.float32))
+    else:
+        z = tl.dot(left, y_hi, out_dtype=tl.float32)
+        z = tl.dot(left, y_lo, z, out_dtype=tl.float32)
     z = z * inv_sqrt_n
     if HAS_SIGNS:
         if not SIGNS_FIRST:
@@ -198,17 +212,22 @@ def _view_of(transform: OnlineHadamard) -> tuple[int, int, int]:
 
 
 def _split_limit(transform: OnlineHadamard) -> tuple[int, str]:
-    """The most programs per token the kernel takes for ``transform``, and why.
-
-    ``tl.dot`` needs slices of at least 16 columns. Views of 64 rows or more (``R_PAD >= 64``)
-    run their products on Hopper's ``wgmma``, where Triton 3.6 computed wrong values or made
-    illegal memory accesses with slices of 16 or 32 columns on the H200 (at 4, 8 and 16 warps,
-    without the barrier too); slices of 64 columns were right at every warp count tried. Those
-    views therefore take slices of at least ``WGMMA_MIN_COLUMNS``.
-    """
+    """The most programs per token the kernel takes for ``transform``, and why: ``tl.dot`` needs slices
+    of at least 16 columns."""
     r, d, r_pad = _view_of(transform)
-    least = WGMMA_MIN_COLUMNS if r_pad >= 64 else 16
-    return max(1, d // least), f"slices of at least {least} of the {d} columns of the [{r}, {d}] view"
+    return max(1, d // 16), f"slices of at least 16 of the {d} columns of the [{r}, {d}] view"
+
+
+def _transposed(r_pad: int, d: int, p: int) -> bool:
+    """Whether a split launch runs the transposed products (``TRANS``).
+
+    Views of 64 rows or more (``R_PAD >= 64``) run their products on Hopper's ``wgmma``, where
+    Triton 3.6 computed wrong values or made illegal memory accesses with slices of 16 or 32
+    columns on the H200 (at 4, 8 and 16 warps, without the barrier too); slices of 64 columns
+    were right at every warp count tried. Such slices are multiplied transposed instead, the
+    slice's columns as the dots' M (16 or 32 rows: ``mma``).
+    """
+    return p > 1 and r_pad >= 64 and d // p < WGMMA_MIN_COLUMNS
 
 
 def fused_hadamard_reason(transform: object, dtype: torch.dtype) -> str | None:
@@ -273,8 +292,7 @@ def hadamard_quantize_triton(
             down-projection input, without its own kernel).
         num_warps: warps per program (default :func:`_warps` of a program's slice).
         programs_per_token: programs that share each token (a power of two; each takes ``D / P``
-            columns of the ``[R, D]`` view, at least 16, or 64 for views of 64 rows or more:
-            :func:`_split_limit`; the same results for any).
+            columns of the ``[R, D]`` view, at least 16: :func:`_split_limit`; the same results for any).
             ``None``: :func:`mosaicquant.kernels._token_split.default_programs_per_token` with
             slices of at least ``SPLIT_MIN_WIDTH`` values. More than 1 only on a GPU with
             ``M · P`` at most its SM count; under Triton's interpreter (programs run one after
@@ -347,7 +365,7 @@ def _launch(x: torch.Tensor, transform: OnlineHadamard, q: torch.Tensor, scale: 
         r, x.stride(0), q.stride(0), 1.0 / math.sqrt(n), float(clip_ratio),
         D=d, R_PAD=r_pad, HAS_SIGNS=signs is not None, SIGNS_FIRST=transform.transpose,
         DOT_F32=triton_interpreting(), PDL=pdl_supported(x.device), SPLIT8=split8,
-        GATED=gated, up_offset=n if gated else 0, P=p, SYNC=wait,
+        GATED=gated, up_offset=n if gated else 0, P=p, SYNC=wait, TRANS=_transposed(r_pad, d, p),
         num_warps=num_warps if num_warps is not None else _warps(m, r_pad * d // p),
     )
 
