@@ -104,6 +104,10 @@ def executable(model: nn.Module, info: dict) -> str:
             lo, hi = decode[0]
             part += (f"; {'layers without residual' if fused else 'calls'} of {lo}-{hi} tokens: the swapped GEMM "
                      f"at decode tiles")
+        gemv = sum(1 for m in w4 if m.quant.uses_gemv(1))
+        if gemv:
+            part += ("; calls of 1 token: the dp4a decode GEMV" + (" (residual included)" if fused else "")
+                     + (f" on {gemv} of {len(w4)} linears" if gemv < len(w4) else ""))
         parts.append(part)
     if mixed:
         def describe(fmt):
