@@ -13,8 +13,11 @@ M = 1 … 8192. Variants per (shape, M):
 - ``w4a4_swapdec`` (M = 16 … 32): split8 activation quantization + the swapped GEMM at decode
   tiles (what ``QuantLinear`` runs for a layer without residual at these M);
 - ``zip{p}``: activation quantization + ZipperEngine with a ``p`` % residual budget (random
-  block selection, 128×128 blocks), fusion mode ``auto``; ``zip10_inline`` / ``zip10_tail``
-  force a mode;
+  block selection, 128×128 blocks), fusion mode ``auto`` (its residual walk on dp4a up to
+  ``DP4A_WALK_MAX_M`` tokens); ``zip10_inline`` / ``zip10_tail`` force a mode; ``zip10_dot``
+  (M ≤ ``DP4A_WALK_MAX_M``): the tensor-core residual walk;
+- ``gemv`` / ``gemv_zip10`` (M ≤ 8): activation quantization + the dp4a decode GEMV, dense and
+  with the 10 % residual (what ``QuantLinear`` runs for single tokens);
 - ``unfused10``: activation quantization + dense GEMM (fp32 out) + residual kernel (+ add);
 - ``w4a4_nopdl``, ``w4a4_pdl_nopf``, ``w4a4_pdl_pf``: ``w4a4`` without programmatic dependent
   launch, with it but no L2 weight prefetch, with it and each program's whole weight slice
@@ -60,6 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mosaicquant.harness.timing import time_calls as _time_calls  # noqa: E402
 from mosaicquant.kernels._tiles import (  # noqa: E402
+    DP4A_WALK_MAX_M,
+    GEMV_ROUTE_MAX_M,
     SWAP_DECODE_M,
     TileConfig,
     pick_config,
@@ -67,6 +72,7 @@ from mosaicquant.kernels._tiles import (  # noqa: E402
     swapped_prefill,
 )
 from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton  # noqa: E402
+from mosaicquant.kernels.gemv import gemv_reason, gemv_triton  # noqa: E402
 from mosaicquant.kernels.residual_gemm import residual_add_triton  # noqa: E402
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_swapped_triton, w4a4_gemm_triton  # noqa: E402
 from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm_reference, zipper_gemm_triton  # noqa: E402
@@ -309,6 +315,32 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
                         return residual_add_triton(p, s, d, rs[i], k)
                     return call
                 add("unfused10", [u_call(i) for i in range(n_w4)], uok and act_ok, urel, w4_bytes + res_bytes)
+            if b == 10 and mode == "auto" and m <= DP4A_WALK_MAX_M:
+                # the tensor-core residual walk where zip10 (auto) walks on dp4a
+                dout = zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], block_map=maps[0], residual_walk="dot")
+                dok, drel = check(dout, zref)
+
+                def zd_call(i):
+                    rs_, maps_ = residuals[10]
+                    def call():
+                        p, s = quantize_activations_triton(x)
+                        return zipper_gemm_triton(p, s, qweights[i], w_scales[i], k, rs_[i], block_map=maps_[i],
+                                                  residual_walk="dot")
+                    return call
+                add("zip10_dot", [zd_call(i) for i in range(n_w4)], dok and act_ok, drel, w4_bytes + res_bytes,
+                    {"blocks": rs[0].num_blocks})
+            if b == 10 and mode == "auto" and gemv_reason(m, k, rs[0]) is None:
+                # the decode GEMV (dp4a), dense and with the residual
+                for gname, gres, gref in (("gemv", None, ref), ("gemv_zip10", rs, zref)):
+                    gok, grel = check(gemv_triton(ap, a_s, qweight, w_scale, k, residual=gres and gres[0]), gref)
+
+                    def g_call(i, gres=gres):
+                        def call():
+                            p, s = quantize_activations_triton(x)
+                            return gemv_triton(p, s, qweights[i], w_scales[i], k, residual=gres and gres[i])
+                        return call
+                    add(gname, [g_call(i) for i in range(n_w4)], gok and act_ok, grel,
+                        w4_bytes + (res_bytes if gres else 0))
         shown = [r for r in rows if r.get("n") == n and r.get("k") == k and r.get("m") == m and "us" in r]
         base = next((r["us"] for r in shown if r["variant"] == "bf16"), float("nan"))
         for r in shown:
@@ -323,11 +355,13 @@ def add_quantlinear_rows(rows, n, k, device) -> None:
     blocks) and ``ql_zip10`` (with the 10% residual). Copies of those rows (``same_as`` names them)."""
     for m in sorted({r["m"] for r in rows if r.get("n") == n and r.get("k") == k}):
         sel = {r["variant"]: r for r in rows if r.get("n") == n and r.get("k") == k and r.get("m") == m and "us" in r}
-        if SWAP_DECODE_M[0] <= m <= SWAP_DECODE_M[1]:
-            dense = "w4a4_swapdec"
+        if m <= GEMV_ROUTE_MAX_M:
+            dense, zipped = "gemv", "gemv_zip10"
+        elif SWAP_DECODE_M[0] <= m <= SWAP_DECODE_M[1]:
+            dense, zipped = "w4a4_swapdec", "zip10"
         else:
             dense = "w4a4_swap" if swapped_prefill(m, n, device, residual=False) else "w4a4"
-        zipped = "zip10_swap" if swapped_prefill(m, n, device, residual=True) else "zip10"
+            zipped = "zip10_swap" if swapped_prefill(m, n, device, residual=True) else "zip10"
         for label, src in (("ql_dense", dense), ("ql_zip10", zipped)):
             if src in sel:
                 rows.append(dict(sel[src], variant=label, same_as=src))
@@ -411,8 +445,8 @@ def main(argv=None) -> int:
     measured = [r for r in rows if "same_as" not in r]
     failed = [r for r in measured if r.get("check_ok") is False]
     print(f"\nchecks: {len(measured) - len(failed)} ok, {len(failed)} FAILED; {time.time() - t0:.0f}s")
-    cols = ["ql_dense", "w4a4", "w4a4_x1", "w4a4_swapdec", "w4a4_swap", "w4a4_swap_x1", "zip0", "ql_zip10", "zip10",
-            "zip10_x1", "zip10_swap", "zip10_swap_cc", "unfused10"]
+    cols = ["ql_dense", "gemv", "w4a4", "w4a4_x1", "w4a4_swapdec", "w4a4_swap", "w4a4_swap_x1", "zip0", "ql_zip10",
+            "gemv_zip10", "zip10", "zip10_dot", "zip10_x1", "zip10_swap", "zip10_swap_cc", "unfused10"]
     print("speedup vs bf16 (same run, median); bf16 us in first column")
     print(f"{'shape':>12} {'M':>5} {'bf16us':>8} " + " ".join(f"{c:>12}" for c in cols))
     for (n, k) in shapes:
