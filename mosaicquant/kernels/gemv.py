@@ -1,10 +1,13 @@
 """Decode GEMV: W4A4 (and ZipperEngine) for a handful of tokens on CUDA-core ``dp4a``.
 
-At decode sizes (M ≤ 8 tokens) the 4-bit GEMM is a matrix-vector product: every weight byte is
-used M times, the tensor-core tiles of :mod:`mosaicquant.kernels.w4a4_gemm` are mostly padding
-(16 rows for 1–8 tokens), and their operand conversions cost more than the loads they wait on.
-This kernel keeps the weights in 32-bit words as loaded and multiplies them with ``dp4a``
-(``Σ`` of four int8 products into an int32, one instruction):
+For a handful of tokens (M ≤ 8) the 4-bit GEMM is a matrix-vector product: the tensor-core
+tiles of :mod:`mosaicquant.kernels.w4a4_gemm` are mostly padding (16 rows for 1–8 tokens) and
+their weight operands must be unpacked into dot layouts. This kernel keeps the weights in 32-bit
+words as loaded and multiplies them with ``dp4a`` (``Σ`` of four int8 products into an int32,
+one instruction). Its instruction work grows with M while its bytes do not: on the H200 it beat
+the tensor-core kernel at M = 1 on every Llama-3 / Qwen3 linear (1.85–3.03× BF16 against
+1.61–2.30×) and lost at M ≥ 4 on most (``benchmarks/NOTES.md``, v13), so ``QuantLinear`` routes
+single tokens here:
 
 - a packed word holds eight 4-bit values, bytes ``4j … 4j+3`` of the row, the low nibble of
   each byte the even K and the high nibble the odd K (:mod:`mosaicquant.methods.format`);
