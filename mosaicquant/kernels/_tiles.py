@@ -269,16 +269,22 @@ def triton_next_pow2(x: int) -> int:
     return 1 << (max(1, x) - 1).bit_length()
 
 
-_LOCKS: dict[str, torch.Tensor] = {}
+_PERSISTENT: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def persistent_zeros(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The device's buffer ``name``: zeroed when first asked for, then never reallocated.
+
+    Kernels keep state in it across launches (counters, barriers), and captured CUDA graphs keep
+    pointing at it. Launches that share one must run on one stream.
+    """
+    key = (name, str(device))
+    if key not in _PERSISTENT:
+        _PERSISTENT[key] = torch.zeros(numel, dtype=dtype, device=device)
+    return _PERSISTENT[key]
 
 
 def lock_buffer(device: torch.device) -> torch.Tensor:
-    """The per-device split-K counters (zero between launches: the last split resets its slot).
-
-    Allocated once per device and never reallocated, so captured CUDA graphs stay valid.
-    Launches that share it must run on one stream.
-    """
-    key = str(device)
-    if key not in _LOCKS:
-        _LOCKS[key] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
-    return _LOCKS[key]
+    """The per-device split-K counters (zero between launches: the last split resets its slot;
+    :func:`persistent_zeros`)."""
+    return persistent_zeros("split-k locks", LOCK_SLOTS, torch.int32, device)

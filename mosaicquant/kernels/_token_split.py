@@ -29,14 +29,13 @@ program would wait for ever: there ``P`` is 1. With ``P = 1`` the kernels never 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels._common import triton_interpreting
+from mosaicquant.kernels._tiles import _sm_count, persistent_zeros
 
 __all__ = ["SPLIT_MAX_M", "MAX_PROGRAMS_PER_TOKEN", "TOKEN_WORDS", "sm_count", "barrier_buffer",
            "default_programs_per_token", "check_programs_per_token", "resolve_programs_per_token", "check_num_warps",
@@ -51,31 +50,20 @@ TOKEN_WORDS = 1 + MAX_PROGRAMS_PER_TOKEN
 WARPS = (1, 2, 4, 8, 16, 32)
 _TOKEN_WORDS = tl.constexpr(TOKEN_WORDS)
 
-_BARRIERS: dict[str, torch.Tensor] = {}
-
-
-@functools.cache
-def _sm_count(key: str) -> int:
-    return torch.cuda.get_device_properties(torch.device(key)).multi_processor_count
-
-
 def sm_count(device: torch.device) -> int | None:
     """SMs of a CUDA ``device``; ``None`` where programs do not run side by side (CPU, the interpreter)."""
     if device.type != "cuda" or triton_interpreting():
         return None
-    return _sm_count(str(device))
+    return _sm_count(device)
 
 
 def barrier_buffer(device: torch.device) -> torch.Tensor:
     """The per-device barrier words: ``int64 [SMs · TOKEN_WORDS]`` (a split launch has fewer tokens than SMs).
 
-    Zeroed once; the barrier needs no reset between launches. Allocated once per device and never
-    reallocated, so captured CUDA graphs stay valid; launches that share it must run on one stream.
+    Zeroed once (:func:`mosaicquant.kernels._tiles.persistent_zeros`); the barrier needs no reset
+    between launches.
     """
-    key = str(device)
-    if key not in _BARRIERS:
-        _BARRIERS[key] = torch.zeros(_sm_count(key) * TOKEN_WORDS, dtype=torch.int64, device=device)
-    return _BARRIERS[key]
+    return persistent_zeros("token barriers", _sm_count(device) * TOKEN_WORDS, torch.int64, device)
 
 
 def default_programs_per_token(m: int, width: int, sms: int | None, min_width: int,

@@ -101,6 +101,14 @@ def _rnd(x, DT: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _add_residual(x, r_ptrs, mask, DT: tl.constexpr, BITS: tl.constexpr):
+    """``x + residual`` rounded to ``DT`` (as the eager add rounds it), stored back as the new residual."""
+    x = _rnd(x + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32), DT, BITS)
+    tl.store(r_ptrs, x.to(DT), mask=mask)
+    return x
+
+
+@triton.jit
 def _rmsnorm_kernel(X, R, W, OUT, n, eps, stride_x, stride_r, stride_o,
                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -108,9 +116,7 @@ def _rmsnorm_kernel(X, R, W, OUT, n, eps, stride_x, stride_r, stride_o,
     mask = offs < n
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-        x = _rnd(x + r, DT, BITS)
-        tl.store(R + row * stride_r + offs, x.to(DT), mask=mask)
+        x = _add_residual(x, R + row * stride_r + offs, mask, DT, BITS)
     var = tl.sum(x * x, axis=0) / n
     y = _rnd(x * (1.0 / tl.sqrt(var + eps)), DT, BITS)
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
@@ -549,9 +555,7 @@ def _rmsnorm_quant_kernel(X, R, W, Q, SCALE, n, kp, eps, clip_ratio, stride_x, s
     mask = k < n
     x = tl.load(X + row * stride_x + k, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        r = tl.load(R + row * stride_r + k, mask=mask, other=0.0).to(tl.float32)
-        x = _rnd(x + r, DT, BITS)
-        tl.store(R + row * stride_r + k, x.to(DT), mask=mask)
+        x = _add_residual(x, R + row * stride_r + k, mask, DT, BITS)
     var = tl.sum(tl.sum(x * x, axis=1), axis=0) / n
     y = _rnd(x * (1.0 / tl.sqrt(var + eps)), DT, BITS)
     w = tl.load(W + k, mask=mask, other=0.0).to(tl.float32)

@@ -54,7 +54,7 @@ __all__ = ["gemv_triton", "gemv_reason", "gemv_config", "GEMV_MAX_M"]
 #: most tokens a call may have (one accumulator tile per token lives in registers)
 GEMV_MAX_M = 8
 # 0xF0F0F0F0 as an int32: the high half of every byte
-_HIGH_HALVES = -0x0F0F0F10
+_HIGH_HALVES = tl.constexpr(-0x0F0F0F10)
 
 _ASM_DP4A = tl.constexpr("dp4a.s32.s32 $0, $1, $2, $3;")
 
@@ -71,14 +71,21 @@ def _dp4a(a, b, c, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _halves(w):
+    """The even and odd values of packed int32 words, as ``16 q`` in the high half of each byte."""
+    return (w << 4) & _HIGH_HALVES, w & _HIGH_HALVES
+
+
+@triton.jit
 def _token_mac(acc, w_lo, w_hi, a_row, kw, mask, USE_ASM: tl.constexpr, MASKED: tl.constexpr):
     """``acc += 256 ·`` (even + odd K products) of one token's activation words ``kw`` with the weight words."""
     if MASKED:
         a = tl.load(a_row + kw, mask=mask, other=0)
     else:
         a = tl.load(a_row + kw)
-    acc = _dp4a(w_lo, ((a << 4) & -0x0F0F0F10)[None, :], acc, USE_ASM)
-    return _dp4a(w_hi, (a & -0x0F0F0F10)[None, :], acc, USE_ASM)
+    a_lo, a_hi = _halves(a)
+    acc = _dp4a(w_lo, a_lo[None, :], acc, USE_ASM)
+    return _dp4a(w_hi, a_hi[None, :], acc, USE_ASM)
 
 
 @triton.jit
@@ -88,6 +95,20 @@ def _token_rows(a_ptr, stride_am, M):
             a_ptr + tl.minimum(3, M - 1) * stride_am, a_ptr + tl.minimum(4, M - 1) * stride_am,
             a_ptr + tl.minimum(5, M - 1) * stride_am, a_ptr + tl.minimum(6, M - 1) * stride_am,
             a_ptr + tl.minimum(7, M - 1) * stride_am)
+
+
+@triton.jit
+def _token_tile(v0, v1, v2, v3, v4, v5, v6, v7, BM: tl.constexpr):
+    """Per-token ``[BN]`` vectors as the rows of a ``[BM, BN]`` tile (rows past 8 are zero)."""
+    rows = tl.arange(0, BM)[:, None]
+    y = tl.where(rows == 0, v0[None, :], 0.0)
+    y = tl.where(rows == 1, v1[None, :], y)
+    y = tl.where(rows == 2, v2[None, :], y)
+    y = tl.where(rows == 3, v3[None, :], y)
+    y = tl.where(rows == 4, v4[None, :], y)
+    y = tl.where(rows == 5, v5[None, :], y)
+    y = tl.where(rows == 6, v6[None, :], y)
+    return tl.where(rows == 7, v7[None, :], y)
 
 
 @triton.jit
@@ -150,8 +171,7 @@ def residual_dp4a(a_ptr, stride_am, M, KW, coords_ptr, res_val_ptr, res_scale_pt
         col_next, r_next, s_next = _residual_block(p + SPLIT_K, last, coords_ptr, res_val_ptr, res_scale_ptr,
                                                    res_rows, BN_RES, BKW_RES)
         scale = s[:, None]
-        r_lo = (r << 4) & -0x0F0F0F10
-        r_hi = r & -0x0F0F0F10
+        r_lo, r_hi = _halves(r)
         k = col * BKW_RES + rw
         inside = k < KW  # a ragged last block column ends early
         zero = tl.zeros([BN, BKW_RES], dtype=tl.int32)
@@ -169,16 +189,9 @@ def residual_dp4a(a_ptr, stride_am, M, KW, coords_ptr, res_val_ptr, res_scale_pt
         col = col_next
         r = r_next
         s = s_next
-    rows = tl.arange(0, BM)[:, None]
-    y = tl.where(rows == 0, tl.sum(r0, axis=1)[None, :], 0.0)
-    y = tl.where(rows == 1, tl.sum(r1, axis=1)[None, :], y)
-    y = tl.where(rows == 2, tl.sum(r2, axis=1)[None, :], y)
-    y = tl.where(rows == 3, tl.sum(r3, axis=1)[None, :], y)
-    y = tl.where(rows == 4, tl.sum(r4, axis=1)[None, :], y)
-    y = tl.where(rows == 5, tl.sum(r5, axis=1)[None, :], y)
-    y = tl.where(rows == 6, tl.sum(r6, axis=1)[None, :], y)
-    y = tl.where(rows == 7, tl.sum(r7, axis=1)[None, :], y)
-    return tl.where(rows < M, y, 0.0)
+    y = _token_tile(tl.sum(r0, axis=1), tl.sum(r1, axis=1), tl.sum(r2, axis=1), tl.sum(r3, axis=1),
+                    tl.sum(r4, axis=1), tl.sum(r5, axis=1), tl.sum(r6, axis=1), tl.sum(r7, axis=1), BM)
+    return tl.where(tl.arange(0, BM)[:, None] < M, y, 0.0)
 
 
 @triton.jit
@@ -220,8 +233,7 @@ def _gemv_kernel(
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=inside[None, :], other=0)
-        w_lo = (w << 4) & -0x0F0F0F10
-        w_hi = w & -0x0F0F0F10
+        w_lo, w_hi = _halves(w)
         acc0 = _token_mac(acc0, w_lo, w_hi, a0, k, inside, USE_ASM, not EVEN_K)
         if BM > 1:
             acc1 = _token_mac(acc1, w_lo, w_hi, a1, k, inside, USE_ASM, not EVEN_K)
@@ -246,15 +258,7 @@ def _gemv_kernel(
     y6 = tl.sum(acc6, axis=1).to(tl.float32) * w_scale
     y7 = tl.sum(acc7, axis=1).to(tl.float32) * w_scale
     offs_m = tl.arange(0, BM)
-    rows = offs_m[:, None]
-    y = tl.where(rows == 0, y0[None, :], 0.0)
-    y = tl.where(rows == 1, y1[None, :], y)
-    y = tl.where(rows == 2, y2[None, :], y)
-    y = tl.where(rows == 3, y3[None, :], y)
-    y = tl.where(rows == 4, y4[None, :], y)
-    y = tl.where(rows == 5, y5[None, :], y)
-    y = tl.where(rows == 6, y6[None, :], y)
-    y = tl.where(rows == 7, y7[None, :], y)
+    y = _token_tile(y0, y1, y2, y3, y4, y5, y6, y7, BM)
     if HAS_RES:
         y += residual_dp4a(a_ptr, stride_am, M, KW, coords_ptr, res_val_ptr, res_scale_ptr, pid_n, offs_n,
                            res_first, res_last, res_col, res_r, res_s, BM, BM, BN, BN_RES, BKW_RES, SPLIT_K, USE_ASM)

@@ -157,6 +157,8 @@ class QuantLinear(nn.Module):
             self.register_buffer("res_scales", residual.scales.contiguous())
             self.register_buffer("res_block_map", residual_block_map(residual))
         self.swap_ok = residual is None or (self.fused and swapped_residual_reason(self.block_shape) is None)
+        # the layer's side of gemv_reason (K, block shape) is fixed: decided once; the route then checks M only
+        self.gemv_ok = (residual is None or self.fused) and gemv_reason(1, k, residual) is None
 
     @property
     def residual(self) -> ResidualBlocks | None:
@@ -210,8 +212,7 @@ class QuantLinear(nn.Module):
 
     def uses_gemv(self, m: int) -> bool:
         """Whether a Triton call of ``m`` packed tokens runs the decode GEMV."""
-        return (1 <= m <= self.gemv_max_m and (self.block_shape is None or self.fused)
-                and gemv_reason(m, self.in_features, self.residual) is None)
+        return self.gemv_ok and 1 <= m <= self.gemv_max_m
 
     def uses_swapped(self, m: int, backend: str) -> bool:
         """Whether a call of ``m`` tokens on ``backend`` runs the operand-swapped GEMM (prefill, or decode tiles)."""
