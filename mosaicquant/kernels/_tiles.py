@@ -62,12 +62,14 @@ SWAP_MIN_TILES_PER_SM = {"dense": 0.7, "residual": 1.2}
 # down_proj, 0.99-1.03x on q/k/v and o_proj at M = 16 and 32; at M <= 8 no tile of it was faster
 # on every shape.
 SWAP_DECODE_M = (16, 32)
-# A dense layer of at least this many 64-channel tiles per SM runs its calls of 2-16 tokens (one 16-row
+# A layer of at least this many 64-channel tiles per SM runs its calls of 2-16 tokens (one 16-row
 # tile) on 128 x 128-byte tiles, 8 warps, 3 stages, unsplit. Measured against the default tiles (64 x 64
 # bytes, 4 warps, 4 stages, split-K to two programs per SM) on o, gate/up and down at M = 4 and 8 in one
 # run (v13): 1.15x faster on gate/up (28672 x 4096, 448 tiles); no faster on o or down, where split-K is
-# what fills the GPU. ZipperEngine's gate/up was 1.10-1.20x slower on them (128 x 64-byte tiles inside
-# its 128 x 128 blocks, 8 or 4 warps), so layers with residual blocks keep the default.
+# what fills the GPU. ZipperEngine takes them too since its tail walk steps through the blocks on its
+# own (128-byte dense steps over 64-byte block columns): 1.08-1.14x faster on gate/up with 10 % of
+# 128 x 128 blocks at M = 2-16 (v14); cut to 64-byte steps to nest in the blocks they had been
+# 1.10-1.20x slower (v13).
 WIDE_DECODE_TILES_PER_SM = 2
 # Calls of up to this many tokens run the decode GEMV (CUDA-core dp4a, mosaicquant.kernels.gemv)
 # instead of the tensor-core GEMMs. Measured on every Llama-3 / Qwen3 linear in one run (v13): at
@@ -196,7 +198,8 @@ def pick_config(
         m, n, kp: GEMM sizes (``kp`` in packed bytes).
         device: where it runs (CPU means Triton's interpreter: few, large programs).
         residual_block: ``(Bn, Bk)`` of fused residual blocks; tiles must then nest in
-            blocks (``block_n`` divides ``Bn``, ``2 * block_kp`` divides ``Bk``).
+            block rows (``block_n`` divides ``Bn``; ZipperEngine's inline mode also shrinks
+            ``block_kp`` to nest in block columns).
 
     Returns:
         A :class:`TileConfig`.
@@ -205,8 +208,7 @@ def pick_config(
         UserInputError: a residual block shape the kernels cannot tile (``Bn`` not a
             multiple of 16 or ``Bk`` not a multiple of 32).
     """
-    wide = (device.type == "cuda" and m <= 16 and residual_block is None
-            and -(-n // 64) >= WIDE_DECODE_TILES_PER_SM * _sm_count(device))
+    wide = (device.type == "cuda" and m <= 16 and -(-n // 64) >= WIDE_DECODE_TILES_PER_SM * _sm_count(device))
     if device.type != "cuda":
         cfg = TileConfig(block_m=64 if m > 16 else 16, block_n=64, block_kp=64, num_warps=4, num_stages=1)
     elif m <= FMA_MAX_M:
@@ -226,7 +228,7 @@ def pick_config(
     else:
         cfg = TileConfig(block_m=256, block_n=128, block_kp=64, num_warps=8, num_stages=3)
     if residual_block is not None:
-        cfg = fit_to_blocks(cfg, residual_block)
+        cfg = fit_to_blocks(cfg, residual_block, nest_k=False)
     if device.type == "cuda" and m <= 256 and not wide:
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         k_steps = -(-kp // cfg.block_kp)
@@ -239,8 +241,11 @@ def pick_config(
     return cfg
 
 
-def fit_to_blocks(cfg: TileConfig, residual_block: tuple[int, int]) -> TileConfig:
+def fit_to_blocks(cfg: TileConfig, residual_block: tuple[int, int], nest_k: bool = True) -> TileConfig:
     """Shrink ``block_n``/``block_kp`` so that program tiles nest inside residual blocks.
+
+    ``nest_k=False`` leaves ``block_kp`` as it is (ZipperEngine's tail walk steps through a block
+    on its own; only the tile's channels must lie in one block row).
 
     Raises:
         UserInputError: ``Bn`` not a multiple of 16 or ``Bk`` not a multiple of 64.
@@ -257,7 +262,7 @@ def fit_to_blocks(cfg: TileConfig, residual_block: tuple[int, int]) -> TileConfi
     while bn_res % block_n:
         block_n //= 2
     block_kp = cfg.block_kp
-    while (bk_res // 2) % block_kp:
+    while nest_k and (bk_res // 2) % block_kp:
         block_kp //= 2
     if block_n < 16 or block_kp < 32:
         raise UserInputError(f"residual block {bn_res}x{bk_res} has no tile of 16-multiples that divides it")

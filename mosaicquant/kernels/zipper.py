@@ -13,8 +13,11 @@ Layouts. Activations and the dense base as in :mod:`mosaicquant.kernels.w4a4_gem
 (packed bytes, low nibble = even K, two int8 dots per packed K step). Residual blocks are
 read in the shared format (``values uint8 [nb, Bn, Bk/2]`` packed like the base,
 ``scales float16 [nb, Bn]``, CSR ``row_ptr``/``coords``). A program's ``[BM, BN]`` tile
-must nest in one block row (``BN`` divides ``Bn``) and each packed K step in one block
-column (``2·BKP`` divides ``Bk``); the launcher shrinks tiles to fit.
+must nest in one block row (``BN`` divides ``Bn``) and, in the inline mode, each packed K step
+in one block column (``2·BKP`` divides ``Bk``); the launcher shrinks tiles to fit. The tail
+walk steps through a block by the largest power of two up to ``BKP`` that divides ``Bk/2``
+bytes, so the dense loop keeps its
+steps (the wide 128-byte steps of wide layers, :data:`mosaicquant.kernels._tiles.WIDE_DECODE_TILES_PER_SM`).
 
 Two ways to fuse, chosen by ``mode``:
 
@@ -82,7 +85,7 @@ def _zipper_kernel(
     block_map_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, a_words_ptr, res_words_ptr,
     M, N, KP, stride_am, stride_wn, stride_om, PF_ROW_BYTES, n_block_cols,
     HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
-    BN_RES: tl.constexpr, BKP_RES: tl.constexpr,
+    BN_RES: tl.constexpr, BKP_RES: tl.constexpr, RKP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     X16: tl.constexpr = False, DP4A_TOKENS: tl.constexpr = 0,
@@ -165,11 +168,11 @@ def _zipper_kernel(
         for p in range(first + pid_k, last, SPLIT_K):
             block_col = tl.load(coords_ptr + 2 * p + 1)
             r_acc = tl.zeros([BM, BN], dtype=tl.int32)
-            for chunk in tl.static_range(0, BKP_RES, BKP):
-                kp = block_col * BKP_RES + chunk + tl.arange(0, BKP)
+            for chunk in tl.static_range(0, BKP_RES, RKP):
+                kp = block_col * BKP_RES + chunk + tl.arange(0, RKP)
                 a = tl.load(a_ptr + safe_m[:, None] * stride_am + kp[None, :], mask=kp[None, :] < KP, other=0)
                 r = tl.load(res_val_ptr + p * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES
-                            + (chunk + tl.arange(0, BKP))[:, None])
+                            + (chunk + tl.arange(0, RKP))[:, None])
                 r_acc = mac_int4(r_acc, a, r, USE_DOT, USE_ASM, X16)
             r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows).to(tl.float32)
             y += r_acc.to(tl.float32) * r_scale[None, :]
@@ -299,7 +302,11 @@ def zipper_gemm_triton(
     if m == 0 or n == 0:
         return out
     bn_res, bk_res = residual.block_shape
-    cfg = fit_to_blocks(config or pick_config(m, n, kp, a_packed.device, residual.block_shape), residual.block_shape)
+    cfg = fit_to_blocks(config or pick_config(m, n, kp, a_packed.device, residual.block_shape), residual.block_shape,
+                        nest_k=fuse == "inline")
+    rkp = cfg.block_kp  # the tail walk's step through a block: a power of two dividing its packed columns
+    while (bk_res // 2) % rkp:
+        rkp //= 2
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = cfg.split_k if tiles <= LOCK_SLOTS and cfg.split_k * m * n < 2**31 else 1
     part = torch.empty(split, m, n, dtype=torch.float32, device=out.device) if split > 1 else out
@@ -314,7 +321,7 @@ def zipper_gemm_triton(
         *((a_packed.view(torch.int32), residual.values.view(torch.int32)) if dp4a_tokens else (a_scale, a_scale)),
         m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), pf_row, residual.grid[1],
         HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0, MODE=_MODE_ID[fuse],
-        BN_RES=bn_res, BKP_RES=bk_res // 2,
+        BN_RES=bn_res, BKP_RES=bk_res // 2, RKP=rkp,
         BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot,
         USE_ASM=not triton_interpreting(), PDL=pdl, PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
         X16=bool(x16) and cfg.use_dot and k < X16_MAX_K, DP4A_TOKENS=dp4a_tokens,

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.kernels._tiles import TileConfig, pick_config
+from mosaicquant.kernels._tiles import TileConfig, fit_to_blocks, pick_config
 from mosaicquant.kernels.act_quant import quantize_activations_reference
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm, w4a4_gemm_reference, w4a4_gemm_triton
 
@@ -68,7 +68,8 @@ def test_reference_equals_dequantized_matmul():
 
 def test_tile_config_fits_residual_blocks():
     cfg = pick_config(8, 4096, 2048, torch.device("cpu"), residual_block=(48, 64))
-    assert 48 % cfg.block_n == 0 and 32 % cfg.block_kp == 0
+    assert 48 % cfg.block_n == 0 and cfg.block_kp == 64  # rows nest; K steps may span block columns
+    assert 32 % fit_to_blocks(cfg, (48, 64)).block_kp == 0  # the inline mode's K steps nest too
     with pytest.raises(UserInputError, match="cannot be tiled"):
         pick_config(8, 4096, 2048, torch.device("cpu"), residual_block=(40, 64))
     # 32 columns are 16 packed bytes: narrower than the compiled int8 dots' K of 32
@@ -111,5 +112,7 @@ def test_wide_dense_layers_take_unsplit_wide_tiles_at_decode_sizes(monkeypatch):
     wide = pick_config(4, 28672, 2048, cuda)
     assert (wide.block_n, wide.block_kp, wide.split_k, wide.num_warps) == (128, 128, 1, 8)
     assert pick_config(4, 4096, 2048, cuda).block_n == 64  # o_proj: split-K instead
-    assert pick_config(4, 28672, 2048, cuda, residual_block=(128, 128)).block_n == 64  # measured slower there
+    zip_wide = pick_config(4, 28672, 2048, cuda, residual_block=(128, 128))  # ZipperEngine's tail walk: also wide
+    assert (zip_wide.block_n, zip_wide.block_kp) == (128, 128)
+    assert pick_config(4, 28672, 2048, cuda, residual_block=(64, 128)).block_n == 64  # rows nest in the blocks
     assert pick_config(32, 28672, 2048, cuda).block_kp == 64

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.kernels._tiles import TileConfig
+from mosaicquant.kernels._tiles import TileConfig, fit_to_blocks
 from mosaicquant.kernels.act_quant import quantize_activations_reference
 from mosaicquant.kernels.residual_gemm import residual_add_reference, residual_add_triton
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference
@@ -12,6 +12,8 @@ from mosaicquant.methods.format import PackedW4, ResidualBlocks, unpack_int4
 from ._helpers import DEVICE, assert_close_bf16, needs_triton, random_activations, random_layer, random_residual
 
 SPLIT = TileConfig(block_m=16, block_n=32, block_kp=32, split_k=2, num_stages=2)
+# K steps wider than a residual block column: the tail walk steps through each block on its own
+WIDE_STEP = TileConfig(block_m=16, block_n=64, block_kp=64, num_stages=2)
 
 
 def _case(m, n, k, block, fraction, seed):
@@ -117,6 +119,7 @@ def test_sixteen_q_unpacking_is_bit_equal_to_the_plain_unpacking(mode):
     (1, 200, 304, (64, 64), None),     # ragged last block row and column
     (6, 96, 520, (32, 64), SPLIT),     # blocks dealt over two K splits
     (8, 130, 1024, (64, 128), None),
+    (4, 128, 520, (64, 64), WIDE_STEP),  # dense steps of 128 K over blocks of 64 columns
 ])
 def test_dp4a_residual_walk_matches_reference(m, n, k, block, config):
     a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, 0.3, seed=m + k)
@@ -128,6 +131,26 @@ def test_dp4a_residual_walk_matches_reference(m, n, k, block, config):
         assert_close_bf16(out, ref, f"zipper {walk} walk {m}x{n}x{k}")
     dense = w4a4_gemm_reference(a_packed, a_scale, qweight, w_scale, k, bias, out_fp32=True)
     assert (dense - ref).abs().max() > 10 * 2.0**-7 * ref.abs().max()
+
+
+@needs_triton()
+def test_tail_walk_steps_through_blocks_of_uneven_width():
+    # 192-column blocks are 96 packed bytes: the walk steps 32 bytes at a time under 64-byte dense steps
+    m, n, k = 5, 64, 400
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, (32, 192), 0.5, seed=21)
+    ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
+                       _dev(residual), bias.to(DEVICE), mode="tail", out=out, residual_walk="dot",
+                       config=TileConfig(block_m=16, block_n=32, block_kp=64, num_stages=2))
+    assert_close_bf16(out, ref, "zipper tail walk, 192-column blocks")
+
+
+def test_tail_mode_keeps_k_steps_wider_than_a_block():
+    # the inline mode needs each K step inside one block column; the tail walk does not
+    assert fit_to_blocks(WIDE_STEP, (64, 64)).block_kp == 32
+    assert fit_to_blocks(WIDE_STEP, (64, 64), nest_k=False) == WIDE_STEP
+    assert fit_to_blocks(WIDE_STEP, (32, 64), nest_k=False).block_n == 32
 
 
 @needs_triton()

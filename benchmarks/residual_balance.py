@@ -1,0 +1,152 @@
+"""How much of the residual's decode cost is load imbalance: random kept blocks against evenly spread ones.
+
+The kernels deal a block row's kept blocks to the programs of that row (round-robin over the
+split-K programs), so the slowest program carries the row with the most blocks. This script
+times, on the Llama-3-8B linears at decode sizes, the GEMM alone (activations quantized once,
+outside the timing):
+
+- ``w4a4``: the dense tensor-core GEMM (budget 0);
+- ``zip10``: ZipperEngine with 10 % of the blocks kept at random (what the speed forms build);
+- ``zip10_even``: the same number of blocks, but every block row keeps ⌊nb/rows⌋ or one more, and
+  each row's blocks sit in evenly spaced block columns (so each split-K program of a row gets at
+  most ⌈blocks/split⌉ of them, and the rows differ by at most one);
+- ``gemv`` / ``gemv_zip10`` / ``gemv_zip10_even``: the same on the decode GEMV (M = 1);
+- ``zip10_dot``: ZipperEngine with the tensor-core residual walk; on layers the dense GEMM runs on
+  wide tiles (:data:`mosaicquant.kernels._tiles.WIDE_DECODE_TILES_PER_SM`), ``zip10_wide`` and
+  ``zip10_wide_dot``: ZipperEngine on those tiles with either walk.
+
+Each variant is checked against its reference before it is timed (CUDA graphs, weights rotating
+through copies larger than 3× L2, medians). Prints the largest blocks-per-row of each layout and
+a table of µs and of the residual's cost over ``w4a4`` last.
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/residual_balance.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from zipper import BLOCK, ROTATE_BYTES, check, clone_residual, random_residual, time_calls, versions  # noqa: E402
+
+from mosaicquant.kernels._tiles import pick_config  # noqa: E402
+from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
+from mosaicquant.kernels.gemv import gemv_triton  # noqa: E402
+from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_triton  # noqa: E402
+from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm_reference, zipper_gemm_triton  # noqa: E402
+from mosaicquant.methods.format import ResidualBlocks  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+MS = (1, 2, 4, 8, 16, 32)
+
+
+def even_residual(n: int, k: int, budget: float, device) -> ResidualBlocks:
+    """As many blocks as :func:`random_residual`, spread evenly over rows and, within a row, over columns."""
+    bn, bk = BLOCK
+    nbr, nbc = -(-n // bn), -(-k // bk)
+    nb = int(round(budget * nbr * nbc))
+    coords = []
+    for i in range(nbr):
+        r = nb // nbr + (1 if i < nb % nbr else 0)
+        cols = sorted({(i + (j * nbc) // r) % nbc for j in range(r)}) if r else []
+        coords += [(i, c) for c in cols]
+    coords = torch.tensor(coords, dtype=torch.int32, device=device).reshape(-1, 2)
+    counts = torch.bincount(coords[:, 0].long(), minlength=nbr)
+    row_ptr = torch.zeros(nbr + 1, dtype=torch.int32, device=device)
+    row_ptr[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    values = torch.randint(0, 256, (coords.shape[0], bn, bk // 2), dtype=torch.uint8, device=device)
+    scales = (torch.rand(coords.shape[0], bn, device=device) * 0.02 + 0.001).to(torch.float16)
+    return ResidualBlocks((n, k), BLOCK, coords, row_ptr, values, scales)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--ms", default=",".join(map(str, MS)))
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    ms = [int(v) for v in args.ms.split(",")]
+    shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
+    rows = []
+    for name, (n, k) in shapes.items():
+        kp = k // 2
+        qweight = torch.randint(0, 256, (n, kp), dtype=torch.uint8, device=device)
+        w_scale = (torch.rand(n, device=device) * 0.01 + 0.001).to(torch.float16)
+        copies = max(2, math.ceil(ROTATE_BYTES / (qweight.numel() + 2 * n)))
+        qws = [qweight] + [qweight.clone() for _ in range(copies - 1)]
+        wss = [w_scale] + [w_scale.clone() for _ in range(copies - 1)]
+        layouts = {"": random_residual(n, k, 0.10, device, gen), "_even": even_residual(n, k, 0.10, device)}
+        res = {}
+        for tag, r in layouts.items():
+            per_row = torch.diff(r.row_ptr.long())
+            print(f"{name}: {tag or '_random'} {r.num_blocks} blocks, per block row max {int(per_row.max())} "
+                  f"mean {per_row.float().mean():.2f}", flush=True)
+            rs = [r] + [clone_residual(r) for _ in range(copies - 1)]
+            res[tag] = (rs, [residual_block_map(x) for x in rs])
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            ap, a_s = quantize_activations_triton(x)
+            ref0 = w4a4_gemm_reference(ap, a_s, qweight, w_scale, k, out_fp32=True)
+            variants = {}
+            ok, rel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k), ref0)
+            variants["w4a4"] = ([(lambda i=i: w4a4_gemm_triton(ap, a_s, qws[i], wss[i], k)) for i in range(copies)], ok)
+            if m == 1:
+                ok, rel = check(gemv_triton(ap, a_s, qweight, w_scale, k), ref0)
+                variants["gemv"] = ([(lambda i=i: gemv_triton(ap, a_s, qws[i], wss[i], k)) for i in range(copies)], ok)
+            for tag, (rs, maps) in res.items():
+                zref = zipper_gemm_reference(ap, a_s, qweight, w_scale, k, rs[0], out_fp32=True)
+                ok, rel = check(zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], block_map=maps[0]), zref)
+                variants[f"zip10{tag}"] = ([(lambda i=i, rs=rs, maps=maps: zipper_gemm_triton(
+                    ap, a_s, qws[i], wss[i], k, rs[i], block_map=maps[i])) for i in range(copies)], ok)
+                if m == 1:
+                    ok, rel = check(gemv_triton(ap, a_s, qweight, w_scale, k, residual=rs[0]), zref)
+                    variants[f"gemv_zip10{tag}"] = ([(lambda i=i, rs=rs: gemv_triton(
+                        ap, a_s, qws[i], wss[i], k, residual=rs[i])) for i in range(copies)], ok)
+            rs, maps = res[""]
+            zref = zipper_gemm_reference(ap, a_s, qweight, w_scale, k, rs[0], out_fp32=True)
+            wide = pick_config(m, n, kp, device)
+            opts = {"zip10_dot": {"residual_walk": "dot"}}
+            if wide.block_n == 128:
+                opts.update({"zip10_wide": {"config": wide}, "zip10_wide_dot": {"config": wide, "residual_walk": "dot"}})
+            for variant, kw in opts.items():
+                ok, rel = check(zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], block_map=maps[0], **kw), zref)
+                variants[variant] = ([(lambda i=i, kw=kw: zipper_gemm_triton(
+                    ap, a_s, qws[i], wss[i], k, rs[i], block_map=maps[i], **kw)) for i in range(copies)], ok)
+            for variant, (calls, ok) in variants.items():
+                us, spread, how = time_calls(calls)
+                rows.append({"shape": name, "n": n, "k": k, "m": m, "variant": variant, "us": us,
+                             "spread_iqr_over_median": spread, "check_ok": ok})
+                print(f"{name:8s} M={m:<3d} {variant:16s} {us:8.2f} µs  ok={ok}", flush=True)
+    print()
+    names = ["w4a4", "zip10", "zip10_even", "zip10_dot", "zip10_wide", "zip10_wide_dot", "gemv", "gemv_zip10",
+             "gemv_zip10_even"]
+    print("| shape | M | " + " | ".join(f"{v} µs" for v in names) + " | zip10 / w4a4 | even / w4a4 |")
+    print("|---|---|" + "---|" * (len(names) + 2))
+    for name in shapes:
+        for m in ms:
+            t = {r["variant"]: r["us"] for r in rows if r["shape"] == name and r["m"] == m}
+            cells = [f"{t[v]:.2f}" if v in t else "" for v in names]
+            base = t.get("gemv") if m == 1 else t.get("w4a4")
+            z = t.get("gemv_zip10") if m == 1 else t.get("zip10")
+            ze = t.get("gemv_zip10_even") if m == 1 else t.get("zip10_even")
+            print(f"| {name} | {m} | " + " | ".join(cells) + f" | {z / base:.3f} | {ze / base:.3f} |")
+    print(f"checks: {sum(r['check_ok'] for r in rows)} passed, {sum(not r['check_ok'] for r in rows)} failed")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps({"versions": versions(device), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
