@@ -11,9 +11,9 @@ outside the timing):
   each row's blocks sit in evenly spaced block columns (so each split-K program of a row gets at
   most ⌈blocks/split⌉ of them, and the rows differ by at most one);
 - ``gemv`` / ``gemv_zip10`` / ``gemv_zip10_even``: the same on the decode GEMV (M = 1);
-- ``zip10_dot``: ZipperEngine with the tensor-core residual walk; on layers the dense GEMM runs on
-  wide tiles (:data:`mosaicquant.kernels._tiles.WIDE_DECODE_TILES_PER_SM`), ``zip10_wide`` and
-  ``zip10_wide_dot``: ZipperEngine on those tiles with either walk.
+- ``zip10_dot``: ZipperEngine with the tensor-core residual walk; on wide layers (where the dense
+  GEMM takes 128 x 128-byte tiles) ``zip10_n64w{warps}s{stages}``: 64-channel tiles with the
+  same 128-byte K steps (each kept block then split over two programs).
 
 Each variant is checked against its reference before it is timed (CUDA graphs, weights rotating
 through copies larger than 3× L2, medians). Prints the largest blocks-per-row of each layout and
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from zipper import BLOCK, ROTATE_BYTES, check, clone_residual, random_residual, time_calls, versions  # noqa: E402
 
-from mosaicquant.kernels._tiles import pick_config  # noqa: E402
+from mosaicquant.kernels._tiles import TileConfig, pick_config  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
 from mosaicquant.kernels.gemv import gemv_triton  # noqa: E402
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_triton  # noqa: E402
@@ -115,10 +115,11 @@ def main(argv=None) -> int:
                         ap, a_s, qws[i], wss[i], k, residual=rs[i])) for i in range(copies)], ok)
             rs, maps = res[""]
             zref = zipper_gemm_reference(ap, a_s, qweight, w_scale, k, rs[0], out_fp32=True)
-            wide = pick_config(m, n, kp, device)
             opts = {"zip10_dot": {"residual_walk": "dot"}}
-            if wide.block_n == 128:
-                opts.update({"zip10_wide": {"config": wide}, "zip10_wide_dot": {"config": wide, "residual_walk": "dot"}})
+            if pick_config(m, n, kp, device).block_n == 128:  # a wide layer: narrower tiles with the same K steps
+                for warps, stages in ((4, 4), (4, 3), (8, 3)):
+                    opts[f"zip10_n64w{warps}s{stages}"] = {"config": TileConfig(
+                        block_m=16, block_n=64, block_kp=128, num_warps=warps, num_stages=stages)}
             for variant, kw in opts.items():
                 ok, rel = check(zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], block_map=maps[0], **kw), zref)
                 variants[variant] = ([(lambda i=i, kw=kw: zipper_gemm_triton(
@@ -129,8 +130,8 @@ def main(argv=None) -> int:
                              "spread_iqr_over_median": spread, "check_ok": ok})
                 print(f"{name:8s} M={m:<3d} {variant:16s} {us:8.2f} µs  ok={ok}", flush=True)
     print()
-    names = ["w4a4", "zip10", "zip10_even", "zip10_dot", "zip10_wide", "zip10_wide_dot", "gemv", "gemv_zip10",
-             "gemv_zip10_even"]
+    names = ["w4a4", "zip10", "zip10_even", "zip10_dot", "zip10_n64w4s4", "zip10_n64w4s3", "zip10_n64w8s3", "gemv",
+             "gemv_zip10", "gemv_zip10_even"]
     print("| shape | M | " + " | ".join(f"{v} µs" for v in names) + " | zip10 / w4a4 | even / w4a4 |")
     print("|---|---|" + "---|" * (len(names) + 2))
     for name in shapes:
