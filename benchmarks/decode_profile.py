@@ -7,6 +7,10 @@ its GPU kernels summed by category (µs per step): the 4-bit GEMMs, activation q
 BF16 linears, the output head), attention, norms, RoPE + KV write, SiLU·mul, and everything
 else. ``graph - kernels`` is what the graph still spends between kernels.
 
+Runtimes (``--runtimes``): ``fused`` (the default fused decoder), ``fused_nq`` (its quantizers
+as kernels of their own), ``fused_sh`` / ``fused_nsh`` (SiLU·mul inside ``down_proj``'s fused
+online Hadamard + quantizer, or in a kernel of its own), ``transformers`` (eager).
+
     PYTHONUNBUFFERED=1 python3 benchmarks/decode_profile.py --out OUT \\
         --model llama-3-8b-shapes --methods fp16,rtn,quarot,mosaicquant --batches 4,32
 
@@ -93,9 +97,11 @@ def main() -> None:
         config = get_method(method).config() if method != "fp16" else None
         speed_form(method, model, config, ctx)
         executable(model, ctx.info)
-        decoders = {"fused": FusedDecoder(model), "fused_nq": FusedDecoder(model, fuse_quant=False)}
+        decoders = {"fused": FusedDecoder(model), "fused_nq": FusedDecoder(model, fuse_quant=False),
+                    "fused_sh": FusedDecoder(model, silu_in_hadamard=True),
+                    "fused_nsh": FusedDecoder(model, silu_in_hadamard=False)}
         for runtime in args.runtimes.split(","):
-            if runtime == "fused_nq" and method == "fp16":
+            if runtime in ("fused_nq", "fused_sh", "fused_nsh") and method == "fp16":
                 continue  # nothing to quantize
             for b in (int(x) for x in args.batches.split(",")):
                 with torch.no_grad():

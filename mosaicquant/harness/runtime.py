@@ -52,6 +52,10 @@ FUSED_DESCRIPTION = ("fused decoder (Triton add+RMSNorm, fused with the 4-bit ac
                      "SDPA flash attention for prefill; q/k/v and gate/up as one GEMM each; 16-bit KV)")
 TRANSFORMERS_DESCRIPTION = "transformers eager decoder (static KV cache, 16-bit unless the method quantizes it)"
 
+# SiLU·mul inside down_proj's fused online Hadamard + quantizer (methods with that Hadamard: QuaRot,
+# SpinQuant, MosaicQuant) instead of a kernel of its own.
+SILU_IN_HADAMARD = False
+
 _STANDARD_ATTENTION = (None, "sdpa", "eager", "flash_attention_2", "flash_attention_3")
 _KV_SPEC_ATTR = "kv_quant_spec"  # mosaicquant.methods.kvcache's per-attention-module spec
 
@@ -213,6 +217,7 @@ class _Layer:
     qkv_quant: object = None
     gate_up_quant: object = None
     down_quant: object = None
+    down_transform: object = None  # down_proj's online Hadamard, run with SiLU·mul inside its quantizer
 
 
 @dataclass
@@ -248,8 +253,10 @@ class FusedDecoder:
         fuse_quant: run the W4A4 activation quantizers inside the kernel before them (same
             integers and scales): the norm and the quantizer of a projection group that reads
             the norm directly (:func:`~mosaicquant.kernels.decoder.rmsnorm_quant`), and
-            SiLU·mul inside ``down_proj``'s quantizer when it has no online transform
-            (``gated=True`` of the act_quant launcher).
+            SiLU·mul inside ``down_proj``'s quantizer (``gated=True`` of the act_quant launcher, or
+            of the fused online Hadamard's where ``silu_in_hadamard``).
+        silu_in_hadamard: where ``down_proj`` has an online Hadamard the fused kernel runs, compute
+            SiLU·mul inside it too instead of in a kernel of its own.
 
     Raises:
         UserInputError: the model cannot run here (:func:`fused_reason`).
@@ -261,13 +268,15 @@ class FusedDecoder:
         >>> logits = dec.decode(next_ids, positions, cache)                 # doctest: +SKIP
     """
 
-    def __init__(self, model: nn.Module, kernel: str | None = None, fuse_quant: bool = True):
+    def __init__(self, model: nn.Module, kernel: str | None = None, fuse_quant: bool = True,
+                 silu_in_hadamard: bool = SILU_IN_HADAMARD):
         reason = fused_reason(model)
         if reason is not None:
             raise UserInputError(f"the fused decoder cannot run this model: {reason}")
         self.model = model
         self.kernel = kernel
         self.fuse_quant = bool(fuse_quant)
+        self.silu_in_hadamard = bool(silu_in_hadamard)
         inner = model.model
         cfg = model.config
         self.heads = int(cfg.num_attention_heads)
@@ -295,7 +304,7 @@ class FusedDecoder:
             lay = self.layers[-1]
             lay.qkv_quant = self._fusable(lay.qkv.quant, device)
             lay.gate_up_quant = self._fusable(lay.gate_up.quant, device)
-            lay.down_quant = self._fusable(self._plain_w4a4(mlp.down_proj), device)
+            lay.down_quant, lay.down_transform = self._gated_input(mlp.down_proj, device)
         width = (self.heads + 2 * self.kv_heads) * self.head_dim
         if self.layers[0].qkv.width != width:
             raise UserInputError(f"q/k/v projections give {self.layers[0].qkv.width} columns; the config's heads "
@@ -311,22 +320,25 @@ class FusedDecoder:
             return None
         return quant
 
-    @staticmethod
-    def _plain_w4a4(down: nn.Module):
-        """The :class:`QuantLinear` of a kernel layer with no online transform and no hooks, else None.
+    def _gated_input(self, down: nn.Module, device: torch.device) -> tuple[object, object]:
+        """``(quant, transform)`` when ``down``'s quantizer can take SiLU·mul inside it, else ``(None, None)``.
 
-        Only those take SiLU·mul inside their quantizer: the fused Hadamard kernel runs one program
-        per token, and SiLU·mul inside it cost more at decode sizes than its own kernel saved
-        (+124 µs against -109 µs a Llama-3-8B step at batch 4; benchmarks/NOTES.md, v12).
+        A kernel layer with no hooks takes it: with no online transform inside the plain quantizer,
+        with an online Hadamard that the fused kernel runs inside that kernel (``silu_in_hadamard``).
         """
         from mosaicquant.kernels.convert import KernelLinear
+        from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason
         from mosaicquant.kernels.quant_linear import QuantLinear
 
-        quant = getattr(down, "quant", None)
-        if type(down) is KernelLinear and isinstance(quant, QuantLinear) and not _hooked(down) \
-                and down.input_transform is None:
-            return quant
-        return None
+        quant = self._fusable(getattr(down, "quant", None), device)
+        if type(down) is not KernelLinear or not isinstance(quant, QuantLinear) or _hooked(down):
+            return None, None
+        transform = down.input_transform
+        if transform is None:
+            return quant, None
+        if self.silu_in_hadamard and down.fuse_transform and fused_hadamard_reason(transform, self.dtype) is None:
+            return quant, transform
+        return None, None
 
     def _active_spec(self, attn: nn.Module):
         spec = getattr(attn, _KV_SPEC_ATTR, None)
@@ -390,19 +402,24 @@ class FusedDecoder:
                 q = _quantize_new_kv(q, keys[i], values[i], seq, positions, lay.kv_spec)
             a = attend(q, keys[i], values[i], lay.scaling)
             gate_up = self._norm_then(lay.o_proj(a), lay.post_norm, residual, lay.gate_up, lay.gate_up_quant)
-            h = self._silu_down(gate_up, lay.down_proj, lay.down_quant)
+            h = self._silu_down(gate_up, lay.down_proj, lay.down_quant, lay.down_transform)
         return h, residual
 
-    def _silu_down(self, gate_up: torch.Tensor, down: nn.Module, quant) -> torch.Tensor:
-        """``down(silu_mul(gate_up))``; with ``quant`` (see :meth:`_plain_w4a4`) SiLU·mul runs inside its quantizer."""
+    def _silu_down(self, gate_up: torch.Tensor, down: nn.Module, quant, transform=None) -> torch.Tensor:
+        """``down(silu_mul(gate_up))``; with ``quant`` (see :meth:`_gated_input`) SiLU·mul runs inside its
+        quantizer, or inside the fused online Hadamard + quantizer with ``transform``."""
         from mosaicquant.kernels.act_quant import quantize_activations_triton
         from mosaicquant.kernels.decoder import silu_mul
+        from mosaicquant.kernels.hadamard_quant import hadamard_quantize_triton
 
         if quant is None:
             return down(silu_mul(gate_up, kernel=self.kernel))
         swapped = quant.uses_swapped(gate_up.shape[0], "triton")
-        a, scale = quantize_activations_triton(gate_up, quant.act_clip_ratio, layout="split8" if swapped else "packed",
-                                               gated=True)
+        layout = "split8" if swapped else "packed"
+        if transform is not None:
+            a, scale = hadamard_quantize_triton(gate_up, transform, quant.act_clip_ratio, layout=layout, gated=True)
+        else:
+            a, scale = quantize_activations_triton(gate_up, quant.act_clip_ratio, layout=layout, gated=True)
         y = quant.forward_split8(a, scale) if swapped else quant.forward_quantized(a, scale, "triton")
         return y.to(gate_up.dtype)
 

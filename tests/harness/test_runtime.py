@@ -117,6 +117,13 @@ def test_quantized_models_run_their_kernel_layers_in_the_fused_decoder(tiny, met
         # the quantizers inside the norm and the SiLU·mul give the same integers as separate kernels
         unfused = FusedDecoder(model, fuse_quant=False)
         assert torch.equal(unfused.prefill(prompt[:, :4]), dec.prefill(prompt[:, :4]))
+    if method == "quarot":
+        # SiLU·mul inside down_proj's fused Hadamard + quantizer: the same integers as its own kernel
+        inside = FusedDecoder(model, silu_in_hadamard=True)
+        apart = FusedDecoder(model, silu_in_hadamard=False)
+        assert inside.layers[0].down_transform is not None and apart.layers[0].down_transform is None
+        assert apart.layers[0].down_quant is None  # no plain quantizer to take it either
+        assert torch.equal(inside.prefill(prompt[:, :4]), apart.prefill(prompt[:, :4]))
 
 
 def test_the_timed_step_repeats_one_position_and_matches_a_full_forward(tiny):
@@ -176,10 +183,13 @@ def test_the_methods_kv_quantizer_runs_in_the_fused_decoder(tiny, spec):
     cache = dec.new_cache(2, 12)
     got = [dec.prefill(prompt, cache)] + [dec.decode(ids, torch.full((2,), 9 + i, device=DEVICE), cache)
                                           for i, ids in enumerate(steps)]
+    moved = []
     for i, (out, r, p) in enumerate(zip(got, ref, plain)):
         _close(out, r, f"step {i} with the KV quantizer")
-        # the check can fail: the quantizer moves the logits well beyond the tolerance
-        assert (r.float() - p.float()).abs().max() > 2 * LOGIT_TOL * p.float().abs().max(), "KV quantizer inert?"
+        moved.append(((r.float() - p.float()).abs().max() / p.float().abs().max()).item())
+    # the check can fail: the quantizer moves the logits well beyond the tolerance (on the GPU's
+    # roundings one step of the first spec moved them 5.7 %, under twice the tolerance)
+    assert max(moved) > 2 * LOGIT_TOL, f"KV quantizer inert? logits moved {moved}"
     disable_kv_quant(model)
     assert "; KV: " not in resolve_runtime("auto", model)[1]
     _close(FusedDecoder(model).prefill(prompt), plain[0], "after the quantizer is removed")
