@@ -13,7 +13,7 @@ default split-K (marked ``*``) and at half, twice and four times it, as is the d
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import math
 import sys
 from dataclasses import replace
@@ -24,9 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from zipper import ROTATE_BYTES, check, clone_residual, random_residual, time_calls, versions  # noqa: E402
-
-import importlib  # noqa: E402
+from zipper import ROTATE_BYTES, check, clone_residual, random_residual, report_checks_and_write, time_calls  # noqa: E402
 
 gemv_mod = importlib.import_module("mosaicquant.kernels.gemv")
 w4a4_mod = importlib.import_module("mosaicquant.kernels.w4a4_gemm")
@@ -132,10 +130,7 @@ def main(argv=None) -> int:
     for r_ in rows:
         print(f"| {r_['shape']} | {r_['m']} | {r_['variant']} | {r_['us']:.2f} | {r_['regs']} | {r_['shared']} | "
               f"{r_['per_sm']} | {r_['programs']} | {r_['waves']:.2f} |")
-    print(f"checks: {sum(r_['check_ok'] for r_ in rows)} passed, {sum(not r_['check_ok'] for r_ in rows)} failed")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps({"versions": versions(device), "rows": rows}, indent=1))
+    report_checks_and_write(rows, args.out, device)
     return 0
 
 

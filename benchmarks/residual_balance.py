@@ -25,7 +25,6 @@ a table of µs and of the residual's cost over ``w4a4`` last.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -35,7 +34,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from zipper import BLOCK, ROTATE_BYTES, check, clone_residual, random_residual, time_calls, versions  # noqa: E402
+from zipper import (  # noqa: E402
+    BLOCK,
+    ROTATE_BYTES,
+    check,
+    clone_residual,
+    random_residual,
+    report_checks_and_write,
+    time_calls,
+)
 
 from mosaicquant.kernels._tiles import TileConfig, pick_config  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
@@ -142,10 +149,7 @@ def main(argv=None) -> int:
             z = t.get("gemv_zip10") if m == 1 else t.get("zip10")
             ze = t.get("gemv_zip10_even") if m == 1 else t.get("zip10_even")
             print(f"| {name} | {m} | " + " | ".join(cells) + f" | {z / base:.3f} | {ze / base:.3f} |")
-    print(f"checks: {sum(r['check_ok'] for r in rows)} passed, {sum(not r['check_ok'] for r in rows)} failed")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps({"versions": versions(device), "rows": rows}, indent=1))
+    report_checks_and_write(rows, args.out, device)
     return 0
 
 

@@ -367,6 +367,15 @@ def add_quantlinear_rows(rows, n, k, device) -> None:
                 rows.append(dict(sel[src], variant=label, same_as=src))
 
 
+def report_checks_and_write(rows: list[dict], out, device) -> None:
+    """Print how many rows' ``check_ok`` held, and write ``{"versions", "rows"}`` to ``out/results.json`` (if ``out``)."""
+    print(f"checks: {sum(r['check_ok'] for r in rows)} passed, {sum(not r['check_ok'] for r in rows)} failed")
+    if out:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"versions": versions(device), "rows": rows}, indent=1))
+
+
 def versions(device) -> dict:
     import triton
     info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
