@@ -13,7 +13,9 @@ outside the timing):
 - ``gemv`` / ``gemv_zip10`` / ``gemv_zip10_even``: the same on the decode GEMV (M = 1);
 - ``zip10_dot``: ZipperEngine with the tensor-core residual walk; on wide layers (where the dense
   GEMM takes 128 x 128-byte tiles) ``zip10_n64w{warps}s{stages}``: 64-channel tiles with the
-  same 128-byte K steps (each kept block then split over two programs).
+  same 128-byte K steps (each kept block then split over two programs);
+- ``zip10_par`` / ``zip10_even_par`` (M ≤ 16): ZipperEngine's parallel mode, each kept block in
+  programs of its own, summed into the dense tiles' fix-up.
 
 Each variant is checked against its reference before it is timed (CUDA graphs, weights rotating
 through copies larger than 3× L2, medians). Prints the largest blocks-per-row of each layout and
@@ -127,20 +129,28 @@ def main(argv=None) -> int:
                 for warps, stages in ((4, 4), (4, 3), (8, 3)):
                     opts[f"zip10_n64w{warps}s{stages}"] = {"config": TileConfig(
                         block_m=16, block_n=64, block_kp=128, num_warps=warps, num_stages=stages)}
+            if m <= 16:
+                opts["zip10_par"] = {"mode": "parallel"}
             for variant, kw in opts.items():
                 ok, rel = check(zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], block_map=maps[0], **kw), zref)
                 variants[variant] = ([(lambda i=i, kw=kw: zipper_gemm_triton(
                     ap, a_s, qws[i], wss[i], k, rs[i], block_map=maps[i], **kw)) for i in range(copies)], ok)
+            if m <= 16:
+                ers, emaps = res["_even"]
+                eref = zipper_gemm_reference(ap, a_s, qweight, w_scale, k, ers[0], out_fp32=True)
+                ok, rel = check(zipper_gemm_triton(ap, a_s, qweight, w_scale, k, ers[0], mode="parallel"), eref)
+                variants["zip10_even_par"] = ([(lambda i=i: zipper_gemm_triton(
+                    ap, a_s, qws[i], wss[i], k, ers[i], block_map=emaps[i], mode="parallel")) for i in range(copies)], ok)
             for variant, (calls, ok) in variants.items():
                 us, spread, how = time_calls(calls)
                 rows.append({"shape": name, "n": n, "k": k, "m": m, "variant": variant, "us": us,
                              "spread_iqr_over_median": spread, "check_ok": ok})
                 print(f"{name:8s} M={m:<3d} {variant:16s} {us:8.2f} µs  ok={ok}", flush=True)
     print()
-    names = ["w4a4", "zip10", "zip10_even", "zip10_dot", "zip10_n64w4s4", "zip10_n64w4s3", "zip10_n64w8s3", "gemv",
-             "gemv_zip10", "gemv_zip10_even"]
-    print("| shape | M | " + " | ".join(f"{v} µs" for v in names) + " | zip10 / w4a4 | even / w4a4 |")
-    print("|---|---|" + "---|" * (len(names) + 2))
+    names = ["w4a4", "zip10", "zip10_even", "zip10_dot", "zip10_par", "zip10_even_par", "zip10_n64w4s4",
+             "zip10_n64w4s3", "zip10_n64w8s3", "gemv", "gemv_zip10", "gemv_zip10_even"]
+    print("| shape | M | " + " | ".join(f"{v} µs" for v in names) + " | zip10 / w4a4 | even / w4a4 | par / w4a4 |")
+    print("|---|---|" + "---|" * (len(names) + 3))
     for name in shapes:
         for m in ms:
             t = {r["variant"]: r["us"] for r in rows if r["shape"] == name and r["m"] == m}
@@ -148,7 +158,8 @@ def main(argv=None) -> int:
             base = t.get("gemv") if m == 1 else t.get("w4a4")
             z = t.get("gemv_zip10") if m == 1 else t.get("zip10")
             ze = t.get("gemv_zip10_even") if m == 1 else t.get("zip10_even")
-            print(f"| {name} | {m} | " + " | ".join(cells) + f" | {z / base:.3f} | {ze / base:.3f} |")
+            print(f"| {name} | {m} | " + " | ".join(cells) + f" | {z / base:.3f} | {ze / base:.3f} |"
+                  + (f" {t['zip10_par'] / base:.3f} |" if "zip10_par" in t else " |"))
     report_checks_and_write(rows, args.out, device)
     return 0
 

@@ -15,7 +15,9 @@ import torch
 from mosaicquant.harness.errors import UserInputError
 
 __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MIN_M", "SWAP_MIN_TILES_PER_SM",
-           "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "DP4A_WALK_MAX_M", "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
+           "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "DP4A_WALK_MAX_M", "PARALLEL_MIN_M", "PARALLEL_MAX_M",
+           "PARALLEL_MAX_SPLIT",
+           "parallel_residual", "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
            "swapped_prefill"]
 
 # Up to this many rows the GEMMs use CUDA-core multiply-adds instead of tensor-core dots
@@ -81,6 +83,23 @@ GEMV_ROUTE_MAX_M = 1
 # linear in one run (v13): the dp4a walk was 1.01-1.14x faster at M = 1, 0.97-1.05x at M = 2, 0.99-1.08x
 # at M = 4 (the gain on the gate/up shapes), and 0.92-1.02x at M = 8.
 DP4A_WALK_MAX_M = 4
+
+
+# ZipperEngine's "auto" mode runs the kept blocks in programs of their own ("parallel": one per block
+# and 64- or 128-row slice, summed into the dense tiles' counted fix-up) for calls of PARALLEL_MIN_M to
+# PARALLEL_MAX_M tokens in one tile of tokens, on layers whose tiles split K at most PARALLEL_MAX_SPLIT
+# ways. Measured against the tail walk on the Llama-3-8B linears at M = 1-16 in one run (v14): q/k/v
+# (split 4) 1.03-1.08x faster at M = 4-16, gate/up (unsplit, wide tiles) 1.03-1.06x; o_proj 1.08-1.14x
+# and down_proj 1.24-1.30x slower (split 8: 8 dense partials and ~3 / ~11 block partials a tile to
+# sum); at M = 2 the dp4a tail walk was 1.10x faster on gate/up.
+PARALLEL_MIN_M = 4
+PARALLEL_MAX_M = 16
+PARALLEL_MAX_SPLIT = 4
+
+
+def parallel_residual(m: int, cfg: "TileConfig") -> bool:
+    """Whether ZipperEngine's ``"auto"`` mode runs a call of ``m`` tokens on ``cfg``'s tiles in the parallel mode."""
+    return PARALLEL_MIN_M <= m <= min(cfg.block_m, PARALLEL_MAX_M) and cfg.use_dot and cfg.split_k <= PARALLEL_MAX_SPLIT
 
 
 def swapped_prefill(m: int, n: int, device: torch.device, residual: bool, min_m: int = SWAP_MIN_M,

@@ -279,6 +279,80 @@ def store_output(
 
 
 @triton.jit
+def dense_split_k(a_ptr, w_ptr, safe_m, safe_n, stride_am, stride_wn, KP, PF_ROW_BYTES, pid_k,
+                  BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr,
+                  EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr,
+                  PREFETCH: tl.constexpr, X16: tl.constexpr):
+    """The int32 ``[BM, BN]`` product of split ``pid_k`` of the packed K steps (:func:`mac_int4` a step).
+
+    Rows ``safe_m`` of the packed activations, rows ``safe_n`` of the packed weights; with
+    ``PREFETCH`` the split's first ``PF_ROW_BYTES`` of each weight row are asked of L2 before
+    waiting for the kernel before (``PDL``), since the weights do not depend on it.
+    """
+    k_steps = tl.cdiv(KP, BKP)
+    per_split = tl.cdiv(k_steps, SPLIT_K)
+    step_begin = pid_k * per_split
+    step_end = tl.minimum(step_begin + per_split, k_steps)
+    if PREFETCH:
+        pf_end = tl.minimum(tl.minimum(step_end * BKP, KP), step_begin * BKP + PF_ROW_BYTES)
+        prefetch_rows_l2(w_ptr, safe_n, stride_wn, step_begin * BKP, pf_end, LINES=4)
+    wait_for_inputs(PDL)
+    offs_kp = step_begin * BKP + tl.arange(0, BKP)
+    a_ptrs = a_ptr + safe_m[:, None] * stride_am + offs_kp[None, :]
+    w_ptrs = w_ptr + safe_n[None, :] * stride_wn + offs_kp[:, None]
+    acc = tl.zeros([BM, BN], dtype=tl.int32)
+    for step in range(step_begin, step_end):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            kp = step * BKP + tl.arange(0, BKP)
+            a = tl.load(a_ptrs, mask=kp[None, :] < KP, other=0)
+            w = tl.load(w_ptrs, mask=kp[:, None] < KP, other=0)
+        acc = mac_int4(acc, a, w, USE_DOT, USE_ASM, X16)
+        a_ptrs += BKP
+        w_ptrs += BKP
+    return acc
+
+
+@triton.jit
+def store_counted(
+    out_ptr, part_ptr, lock_ptr, tile_id, slot_base, slot, expected, acc, bias_ptr,
+    offs_m, offs_n, M, N, stride_om, HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr,
+):
+    """Like :func:`store_output` with a tile summed from ``expected`` contributions (a run-time count).
+
+    Each contributor writes its fp32 ``[BM, BN]`` tile to partial slot ``slot_base + slot`` (slots
+    ``slot_base … slot_base + expected - 1`` belong to this tile, ``BM · BN`` floats each) and bumps
+    the tile's counter; the one that arrives last adds the slots in order (the result does not
+    depend on arrival order), adds the bias, writes the output and resets the counter. With
+    ``expected == 1`` the tile is stored directly.
+    """
+    BM: tl.constexpr = acc.shape[0]
+    BN: tl.constexpr = acc.shape[1]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tile = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+    finish = expected == 1
+    if not finish:
+        tl.store(part_ptr + (slot_base + slot).to(tl.int64) * (BM * BN) + tile, acc, cache_modifier=".cg")
+        arrived = tl.atomic_add(lock_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+        finish = arrived == expected - 1
+        if finish:
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for s in range(0, expected):
+                acc += tl.load(part_ptr + (slot_base + s).to(tl.int64) * (BM * BN) + tile, cache_modifier=".cg")
+            tl.atomic_xchg(lock_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+    if finish:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        if OUT_FP32:
+            tl.store(out_ptr + out_offs, acc, mask=mask)
+        else:
+            tl.store(out_ptr + out_offs, acc.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
 def tile_indices(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     """Program ``pid``'s tile: ``(pid_m, pid_n, offs_m, offs_n, safe_m, safe_n)``.
 

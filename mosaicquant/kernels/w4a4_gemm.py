@@ -53,8 +53,7 @@ from mosaicquant.kernels._common import (
 )
 from mosaicquant.kernels._tiles import LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, lock_buffer, pdl_default, pdl_launch, pick_config, prefetch_row_bytes
 from mosaicquant.kernels._tl import (
-    mac_int4,
-    prefetch_rows_l2,
+    dense_split_k,
     store_output,
     tile_indices,
     to_e4m3,
@@ -90,32 +89,8 @@ def _w4a4_gemm_kernel(
     pid_k = tl.program_id(1)
     # out-of-range rows/channels read index 0 instead (safe_*; their results are never stored)
     pid_m, pid_n, offs_m, offs_n, safe_m, safe_n = tile_indices(pid, M, N, BM, BN, GROUP_M)
-
-    k_steps = tl.cdiv(KP, BKP)
-    per_split = tl.cdiv(k_steps, SPLIT_K)
-    step_begin = pid_k * per_split
-    step_end = tl.minimum(step_begin + per_split, k_steps)
-    if PREFETCH:  # our weights do not depend on the kernel before us: start streaming them
-        pf_end = tl.minimum(tl.minimum(step_end * BKP, KP), step_begin * BKP + PF_ROW_BYTES)
-        prefetch_rows_l2(w_ptr, safe_n, stride_wn, step_begin * BKP, pf_end, LINES=4)
-    wait_for_inputs(PDL)
-    offs_kp = step_begin * BKP + tl.arange(0, BKP)
-    a_ptrs = a_ptr + safe_m[:, None] * stride_am + offs_kp[None, :]
-    w_ptrs = w_ptr + safe_n[None, :] * stride_wn + offs_kp[:, None]
-
-    acc = tl.zeros([BM, BN], dtype=tl.int32)
-    for step in range(step_begin, step_end):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            kp = step * BKP + tl.arange(0, BKP)
-            a = tl.load(a_ptrs, mask=kp[None, :] < KP, other=0)
-            w = tl.load(w_ptrs, mask=kp[:, None] < KP, other=0)
-        acc = mac_int4(acc, a, w, USE_DOT, USE_ASM, X16)
-        a_ptrs += BKP
-        w_ptrs += BKP
-
+    acc = dense_split_k(a_ptr, w_ptr, safe_m, safe_n, stride_am, stride_wn, KP, PF_ROW_BYTES, pid_k,
+                        BM, BN, BKP, SPLIT_K, EVEN_K, USE_DOT, USE_ASM, PDL, PREFETCH, X16)
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     y = acc.to(tl.float32) * a_scale[:, None] * w_scale[None, :]

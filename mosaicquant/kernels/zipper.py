@@ -16,10 +16,10 @@ read in the shared format (``values uint8 [nb, Bn, Bk/2]`` packed like the base,
 must nest in one block row (``BN`` divides ``Bn``) and, in the inline mode, each packed K step
 in one block column (``2·BKP`` divides ``Bk``); the launcher shrinks tiles to fit. The tail
 walk steps through a block by the largest power of two up to ``BKP`` that divides ``Bk/2``
-bytes, so the dense loop keeps its
-steps (the wide 128-byte steps of wide layers, :data:`mosaicquant.kernels._tiles.WIDE_DECODE_TILES_PER_SM`).
+bytes, so the dense loop keeps its steps (the wide 128-byte steps of wide layers,
+:data:`mosaicquant.kernels._tiles.WIDE_DECODE_TILES_PER_SM`).
 
-Two ways to fuse, chosen by ``mode``:
+Three ways to fuse, chosen by ``mode``:
 
 ``"inline"`` (the zipper proper). Kernel-side index, built once per layer by
 :func:`residual_block_map`: ``block_map int32 [n_block_rows, n_block_cols]``, the index of
@@ -33,10 +33,18 @@ issuing the residual dot at every step (meant for memory-bound small M; but see 
 (CSR ``row_ptr``/``coords``), re-reading their activation tiles (from L2): tensor-core
 work grows exactly by the residual's share, which suits large (compute-bound) M.
 
-``"auto"`` picks tail: on the H200 inline measured slower than tail at every M
-(``benchmarks/NOTES.md``, v1), because the per-step residual dot doubles the operand
-conversion work, which dominates at small M too. Split-K (small M) splits the dense steps and,
-in tail mode, deals the blocks of a row round-robin over the splits.
+``"parallel"`` (one tile of tokens: decode sizes). The dense programs do only the dense
+GEMM; each kept block (each ``BN``-row slice of it) gets a program of its own, and every
+program adds its scaled partial to its output tile's fix-up, which counts ``SPLIT_K`` dense
+partials plus one per kept block of the tile's block row and sums them in slot order
+(:func:`mosaicquant.kernels._tl.store_counted`). No program carries a heavy block row's walk
+after its dense loop, at the price of a partial per block.
+
+``"auto"`` picks tail, or parallel where :func:`mosaicquant.kernels._tiles.parallel_residual`
+says so (measured faster there, ``benchmarks/NOTES.md`` v14): inline measured slower than
+tail at every M (v1), because the per-step residual dot doubles the operand conversion work,
+which dominates at small M too. Split-K (small M) splits the dense steps and, in tail mode,
+deals the blocks of a row round-robin over the splits.
 
 The tail walk multiplies the blocks on int8 tensor-core dots, or, for a handful of tokens
 (``residual_walk``), on CUDA-core ``dp4a`` over the blocks' 32-bit words
@@ -59,8 +67,28 @@ from mosaicquant.kernels._common import (
     triton_interpreting,
     use_pdl,
 )
-from mosaicquant.kernels._tiles import DP4A_WALK_MAX_M, LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, fit_to_blocks, lock_buffer, pdl_default, pdl_launch, pick_config, prefetch_row_bytes
-from mosaicquant.kernels._tl import mac_int4, prefetch_rows_l2, store_output, tile_indices, wait_for_inputs
+from mosaicquant.kernels._tiles import (
+    DP4A_WALK_MAX_M,
+    LOCK_SLOTS,
+    PREFETCH_MAX_M,
+    TileConfig,
+    fit_to_blocks,
+    lock_buffer,
+    parallel_residual,
+    pdl_default,
+    pdl_launch,
+    pick_config,
+    prefetch_row_bytes,
+)
+from mosaicquant.kernels._tl import (
+    dense_split_k,
+    mac_int4,
+    prefetch_rows_l2,
+    store_counted,
+    store_output,
+    tile_indices,
+    wait_for_inputs,
+)
 from mosaicquant.kernels.gemv import gemv_reason, residual_dp4a, residual_dp4a_begin
 from mosaicquant.kernels.w4a4_gemm import X16_MAX_K, check_gemm_args, int_matmul
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
@@ -74,7 +102,7 @@ __all__ = [
     "FUSE_MODES",
 ]
 
-FUSE_MODES = ("auto", "inline", "tail")
+FUSE_MODES = ("auto", "inline", "tail", "parallel")
 RESIDUAL_WALKS = ("auto", "dot", "dp4a")  # how the tail mode multiplies the kept blocks
 _MODE_ID = {"inline": 1, "tail": 2}
 
@@ -187,6 +215,69 @@ def _zipper_kernel(
     )
 
 
+@triton.jit
+def _zipper_parallel_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
+    M, N, KP, stride_am, stride_wn, stride_om, PF_ROW_BYTES, N_DENSE,
+    HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
+    BN_RES: tl.constexpr, BKP_RES: tl.constexpr, RKP: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr,
+    USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, X16: tl.constexpr,
+):
+    # Programs [0, N_DENSE): the dense GEMM, SPLIT_K per output tile (one tile of M rows). Programs
+    # from N_DENSE: one per (kept block, BN-row slice of it). Every program adds its scaled partial
+    # to its tile's counted fix-up (store_counted): a tile sums SPLIT_K dense partials and one per
+    # kept block of its block row, in slot order.
+    SUB: tl.constexpr = BN_RES // BN  # tiles of one block row
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BM)
+    safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    if pid < N_DENSE:
+        t = pid // SPLIT_K
+        slot = pid % SPLIT_K
+        offs_n = t * BN + tl.arange(0, BN)
+        safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+        acc = dense_split_k(a_ptr, w_ptr, safe_m, safe_n, stride_am, stride_wn, KP, PF_ROW_BYTES, slot,
+                            BM, BN, BKP, SPLIT_K, EVEN_K, True, USE_ASM, PDL, PREFETCH, X16)
+        w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        y = acc.to(tl.float32) * w_scale[None, :]
+    else:
+        p = ((pid - N_DENSE) // SUB).to(tl.int64)  # the kept block
+        sub = (pid - N_DENSE) % SUB  # which BN rows of it
+        block_row = tl.load(coords_ptr + 2 * p)
+        block_col = tl.load(coords_ptr + 2 * p + 1)
+        t = block_row * SUB + sub
+        offs_n = t * BN + tl.arange(0, BN)
+        res_rows = (sub * BN + tl.arange(0, BN)).to(tl.int64)  # storage is padded to full blocks
+        slot = SPLIT_K + (p - tl.load(row_ptr_ptr + block_row)).to(tl.int32)
+        r = tl.load(res_val_ptr + p * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES
+                    + tl.arange(0, RKP)[:, None])  # the weights do not depend on the kernel before us
+        wait_for_inputs(PDL)
+        r_acc = tl.zeros([BM, BN], dtype=tl.int32)
+        for chunk in tl.static_range(0, BKP_RES, RKP):
+            if chunk > 0:
+                r = tl.load(res_val_ptr + p * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES
+                            + (chunk + tl.arange(0, RKP))[:, None])
+            kp = block_col * BKP_RES + chunk + tl.arange(0, RKP)
+            a = tl.load(a_ptr + safe_m[:, None] * stride_am + kp[None, :], mask=kp[None, :] < KP, other=0)
+            r_acc = mac_int4(r_acc, a, r, True, USE_ASM, X16)
+        r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows).to(tl.float32)
+        y = r_acc.to(tl.float32) * r_scale[None, :]
+    a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+    y = y * a_scale[:, None]
+    if X16:  # every product was 256x: exact power-of-two rescale (the same rounding as without)
+        y = y * 0.00390625
+    block_row_t = (t * BN) // BN_RES
+    r_first = tl.load(row_ptr_ptr + block_row_t)
+    r_count = tl.load(row_ptr_ptr + block_row_t + 1) - r_first
+    # slots before tile t: SPLIT_K per tile, and one per kept block of each earlier tile's block row
+    slot_base = t * SPLIT_K + SUB * r_first + (t % SUB) * r_count
+    if t * BN < N:  # a ragged last block row may reach past the last tile
+        store_counted(out_ptr, part_ptr, lock_ptr, t, slot_base, slot, SPLIT_K + r_count, y, bias_ptr,
+                      offs_m, offs_n, M, N, stride_om, HAS_BIAS=HAS_BIAS, OUT_FP32=OUT_FP32)
+
+
 def check_residual(residual: ResidualBlocks, n: int, k: int) -> None:
     """Check that a :class:`ResidualBlocks` matches an ``[n, k]`` layer and the kernels' needs.
 
@@ -257,7 +348,8 @@ def zipper_gemm_triton(
         a_packed, a_scale, qweight, w_scale, k, bias: as :func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_triton`.
         residual: the layer's :class:`ResidualBlocks` (on the same device).
         block_map: :func:`residual_block_map` of ``residual`` (built here when ``None``).
-        mode: ``"auto"``, ``"inline"`` or ``"tail"`` (see module docstring).
+        mode: ``"auto"``, ``"inline"``, ``"tail"`` or ``"parallel"`` (see module docstring; parallel
+            takes one tile of tokens, at most ``config.block_m``).
         out_fp32: write fp32 instead of BF16.
         config: tiles; shrunk to nest in the residual blocks.
         out: optional preallocated contiguous ``[M, N]`` output of the output dtype.
@@ -307,6 +399,8 @@ def zipper_gemm_triton(
     rkp = cfg.block_kp  # the tail walk's step through a block: a power of two dividing its packed columns
     while (bk_res // 2) % rkp:
         rkp //= 2
+    if mode == "auto" and parallel_residual(m, cfg):
+        fuse = "parallel"
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = cfg.split_k if tiles <= LOCK_SLOTS and cfg.split_k * m * n < 2**31 else 1
     part = torch.empty(split, m, n, dtype=torch.float32, device=out.device) if split > 1 else out
@@ -314,6 +408,29 @@ def zipper_gemm_triton(
         pdl = False
     pdl = use_pdl(a_packed.device, pdl)
     pf_row = prefetch_row_bytes(n, kp, split, prefetch_mib)
+    if fuse == "parallel":
+        if m > cfg.block_m or not cfg.use_dot:
+            raise UserInputError(f"mode='parallel' runs one tensor-core tile of {cfg.block_m} tokens; this call has "
+                                 f"M={m}" + ("" if cfg.use_dot else " and tiles without tensor-core dots"))
+        if tiles > LOCK_SLOTS:
+            raise UserInputError(f"mode='parallel' needs a counter per output tile: N={n} makes {tiles} tiles, "
+                                 f"more than {LOCK_SLOTS}")
+        sub = bn_res // cfg.block_n
+        n_dense = tiles * cfg.split_k
+        n_res = sub * residual.num_blocks
+        part = torch.empty((n_dense + n_res) * cfg.block_m * cfg.block_n, dtype=torch.float32, device=out.device)
+        _zipper_parallel_kernel[(n_dense + n_res,)](
+            a_packed.view(torch.int8), a_scale, qweight.view(torch.int8), w_scale.reshape(-1),
+            bias if bias is not None else a_scale, out, part, lock_buffer(out.device),
+            residual.row_ptr, residual.coords, residual.values.view(torch.int8), residual.scales,
+            m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), pf_row, n_dense,
+            HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0,
+            BN_RES=bn_res, BKP_RES=bk_res // 2, RKP=rkp, BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp,
+            SPLIT_K=cfg.split_k, USE_ASM=not triton_interpreting(), PDL=pdl,
+            PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0, X16=bool(x16) and k < X16_MAX_K,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+        )
+        return out
     _zipper_kernel[(tiles, split)](
         a_packed.view(torch.int8), a_scale, qweight.view(torch.int8), w_scale.reshape(-1),
         bias if bias is not None else a_scale, out, part, lock_buffer(out.device),

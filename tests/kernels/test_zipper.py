@@ -146,6 +146,49 @@ def test_tail_walk_steps_through_blocks_of_uneven_width():
     assert_close_bf16(out, ref, "zipper tail walk, 192-column blocks")
 
 
+@needs_triton()
+@pytest.mark.parametrize("m,n,k,block,config", [
+    # tiles of half a block row; the last block row (rows 192-255) reaches past the last tile (160-199)
+    (1, 200, 300, (64, 64), TileConfig(block_m=16, block_n=32, block_kp=32, split_k=2, num_stages=2)),
+    (5, 96, 520, (32, 64), SPLIT),   # a ragged last block column; two dense splits
+    (13, 130, 1000, (64, 128), WIDE_STEP),  # K steps wider than a block column
+])
+def test_parallel_residual_programs_match_reference(m, n, k, block, config):
+    # the kept blocks run in programs of their own, summed into the dense tiles' counted fix-up
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, 0.4, seed=m + n + 1)
+    assert int(residual.row_ptr[-1] - residual.row_ptr[-2]) > 0  # the last block row keeps blocks
+    ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
+    for rep in range(2):  # the tile counters are back at zero after a launch
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
+                           _dev(residual), bias.to(DEVICE), mode="parallel", out=out, config=config)
+        assert_close_bf16(out, ref, f"zipper parallel {m}x{n}x{k} run {rep}")
+    dense = w4a4_gemm_reference(a_packed, a_scale, qweight, w_scale, k, bias, out_fp32=True)
+    assert (dense - ref).abs().max() > 10 * 2.0**-7 * ref.abs().max()
+    empty = ResidualBlocks.empty((n, k), block, device=DEVICE)  # no kept block: the dense GEMM alone
+    got = zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
+                             empty, bias.to(DEVICE), mode="parallel", config=config)
+    assert_close_bf16(got, dense, "zipper parallel, no kept block")
+
+
+def test_parallel_mode_refuses_more_tokens_than_one_tile():
+    a_packed, a_scale, qweight, w_scale, residual, _ = _case(17, 64, 128, (64, 64), 0.3, seed=3)
+    dev = [t.to(DEVICE) for t in (a_packed, a_scale, qweight, w_scale)]
+    with pytest.raises(UserInputError, match="mode='parallel' runs one tensor-core tile of 16 tokens"):
+        zipper_gemm_triton(*dev, 128, _dev(residual), mode="parallel",
+                           config=TileConfig(block_m=16, block_n=32, block_kp=32))
+
+
+def test_auto_mode_runs_the_parallel_residual_where_measured_faster():
+    from mosaicquant.kernels._tiles import parallel_residual
+
+    assert parallel_residual(4, TileConfig(block_m=16, block_n=64, block_kp=64, split_k=4))  # q/k/v
+    assert parallel_residual(16, TileConfig(block_m=16, block_n=128, block_kp=128, split_k=1))  # gate/up
+    assert not parallel_residual(2, TileConfig(block_m=16, block_n=128, block_kp=128, split_k=1))
+    assert not parallel_residual(8, TileConfig(block_m=16, block_n=64, block_kp=64, split_k=8))  # o, down
+    assert not parallel_residual(32, TileConfig(block_m=32, block_n=64, block_kp=64, split_k=2))
+
+
 def test_tail_mode_keeps_k_steps_wider_than_a_block():
     # the inline mode needs each K step inside one block column; the tail walk does not
     assert fit_to_blocks(WIDE_STEP, (64, 64)).block_kp == 32
