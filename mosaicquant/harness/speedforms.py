@@ -104,6 +104,11 @@ def executable(model: nn.Module, info: dict) -> str:
             lo, hi = decode[0]
             part += (f"; {'layers without residual' if fused else 'calls'} of {lo}-{hi} tokens: the swapped GEMM "
                      f"at decode tiles")
+        parallel = sorted(m_ for m_ in range(2, 33) if any(m.quant.uses_parallel_residual(m_) for m in w4))
+        if parallel:
+            part += (f"; calls of {parallel[0]}-{parallel[-1]} tokens on "
+                     f"{sum(1 for m in w4 if m.quant.uses_parallel_residual(parallel[0]))} of {len(w4)} linears: "
+                     f"the residual blocks in programs of their own")
         gemv = sum(1 for m in w4 if m.quant.uses_gemv(1))
         if gemv:
             part += ("; calls of 1 token: the dp4a decode GEMV" + (" (residual included)" if fused else "")

@@ -33,6 +33,8 @@ from mosaicquant.kernels._tiles import (
     GEMV_ROUTE_MAX_M,
     SWAP_DECODE_M,
     SWAP_MIN_M,
+    parallel_residual,
+    pick_config,
     swapped_decode_config,
     swapped_prefill,
 )
@@ -213,6 +215,18 @@ class QuantLinear(nn.Module):
     def uses_gemv(self, m: int) -> bool:
         """Whether a Triton call of ``m`` packed tokens runs the decode GEMV."""
         return self.gemv_ok and 1 <= m <= self.gemv_max_m
+
+    def uses_parallel_residual(self, m: int) -> bool:
+        """Whether a Triton call of ``m`` packed tokens runs ZipperEngine's parallel mode (kept blocks in
+        programs of their own; :func:`mosaicquant.kernels._tiles.parallel_residual`)."""
+        if not self.fused or self.residual is None or self.uses_gemv(m) or self._swap_route(m) is not None:
+            return False
+        if self.mode == "parallel":
+            return True
+        if self.mode != "auto":
+            return False
+        cfg = pick_config(m, self.out_features, self.qweight.shape[1], self.qweight.device, self.block_shape)
+        return parallel_residual(m, cfg)
 
     def uses_swapped(self, m: int, backend: str) -> bool:
         """Whether a call of ``m`` tokens on ``backend`` runs the operand-swapped GEMM (prefill, or decode tiles)."""
