@@ -347,7 +347,8 @@ def zipper_gemm_triton(
     Args:
         a_packed, a_scale, qweight, w_scale, k, bias: as :func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_triton`.
         residual: the layer's :class:`ResidualBlocks` (on the same device).
-        block_map: :func:`residual_block_map` of ``residual`` (built here when ``None``).
+        block_map: :func:`residual_block_map` of ``residual`` (built here when ``None`` and the
+            inline mode needs it; the other modes do not read it).
         mode: ``"auto"``, ``"inline"``, ``"tail"`` or ``"parallel"`` (see module docstring; parallel
             takes one tile of tokens, at most ``config.block_m``).
         out_fp32: write fp32 instead of BF16.
@@ -387,9 +388,10 @@ def zipper_gemm_triton(
         raise UserInputError(f"residual_walk='dp4a' cannot run this call: {dp4a_reason}")
     use_dp4a = residual_walk == "dp4a" or (residual_walk == "auto" and m <= DP4A_WALK_MAX_M)
     dp4a_tokens = triton.next_power_of_2(max(m, 1)) if use_dp4a and dp4a_reason is None else 0
-    if block_map is None:
+    if block_map is not None:
+        check_tensor("block_map", block_map, dtypes=(torch.int32,), shape=residual.grid)
+    elif fuse == "inline":  # only the inline mode reads it
         block_map = residual_block_map(residual)
-    check_tensor("block_map", block_map, dtypes=(torch.int32,), shape=residual.grid)
     out = output_buffer(out, (m, n), torch.float32 if out_fp32 else torch.bfloat16, a_packed.device)
     if m == 0 or n == 0:
         return out
@@ -434,7 +436,8 @@ def zipper_gemm_triton(
     _zipper_kernel[(tiles, split)](
         a_packed.view(torch.int8), a_scale, qweight.view(torch.int8), w_scale.reshape(-1),
         bias if bias is not None else a_scale, out, part, lock_buffer(out.device),
-        block_map, residual.row_ptr, residual.coords, residual.values.view(torch.int8), residual.scales,
+        block_map if block_map is not None else residual.row_ptr, residual.row_ptr, residual.coords,
+        residual.values.view(torch.int8), residual.scales,
         *((a_packed.view(torch.int32), residual.values.view(torch.int32)) if dp4a_tokens else (a_scale, a_scale)),
         m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), pf_row, residual.grid[1],
         HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0, MODE=_MODE_ID[fuse],
