@@ -86,12 +86,9 @@ def main(argv=None) -> int:
         w_bf16 = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)
         n_bf = max(2, math.ceil(zb.ROTATE_BYTES / w_bf16.numel() / 2))
         w_bf16s = [w_bf16] + [w_bf16.clone() for _ in range(n_bf - 1)]
-        qweight = torch.randint(0, 256, (n, kp), dtype=torch.uint8, device=device)
-        w_scale = (torch.rand(n, device=device) * 0.01 + 0.001).to(torch.float16)
+        qws, wss = zb.random_w4_copies(n, kp, device)
+        qweight, w_scale, n_w4 = qws[0], wss[0], len(qws)
         w4_bytes = qweight.numel() + 2 * n
-        n_w4 = max(2, math.ceil(zb.ROTATE_BYTES / w4_bytes))
-        qws = [qweight] + [qweight.clone() for _ in range(n_w4 - 1)]
-        wss = [w_scale] + [w_scale.clone() for _ in range(n_w4 - 1)]
         res = zb.random_residual(n, k, 0.10, device, gen)
         ress = [res] + [zb.clone_residual(res) for _ in range(n_w4 - 1)]
         maps = [residual_block_map(r) for r in ress]

@@ -40,6 +40,7 @@ from zipper import (  # noqa: E402
     clone_residual,
     measure_ceilings,
     random_residual,
+    random_w4_copies,
     time_calls,
     versions,
 )
@@ -67,11 +68,8 @@ def bench(name, n, k, ms, device, rows, explore, explore_tc=False):
     kp = k // 2
     w_bf16 = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)
     w_bf16s = [w_bf16] + [w_bf16.clone() for _ in range(max(2, math.ceil(ROTATE_BYTES / w_bf16.numel() / 2)) - 1)]
-    qweight = torch.randint(0, 256, (n, kp), dtype=torch.uint8, device=device)
-    w_scale = (torch.rand(n, device=device) * 0.01 + 0.001).to(torch.float16)
-    n_w4 = max(2, math.ceil(ROTATE_BYTES / (qweight.numel() + 2 * n)))
-    qws = [qweight] + [qweight.clone() for _ in range(n_w4 - 1)]
-    wss = [w_scale] + [w_scale.clone() for _ in range(n_w4 - 1)]
+    qws, wss = random_w4_copies(n, kp, device)
+    qweight, w_scale, n_w4 = qws[0], wss[0], len(qws)
     res = random_residual(n, k, 0.10, device, torch.Generator().manual_seed(n + k))
     ress = [res] + [clone_residual(res) for _ in range(n_w4 - 1)]
     maps = [residual_block_map(r) for r in ress]

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from zipper import ROTATE_BYTES, check, clone_residual, random_residual, report_checks_and_write, time_calls  # noqa: E402
+from zipper import check, clone_residual, random_residual, random_w4_copies, report_checks_and_write, time_calls  # noqa: E402
 
 gemv_mod = importlib.import_module("mosaicquant.kernels.gemv")
 w4a4_mod = importlib.import_module("mosaicquant.kernels.w4a4_gemm")
@@ -86,11 +86,8 @@ def main(argv=None) -> int:
     rows = []
     for name, (n, k) in SHAPES.items():
         kp = k // 2
-        qweight = torch.randint(0, 256, (n, kp), dtype=torch.uint8, device=device)
-        w_scale = (torch.rand(n, device=device) * 0.01 + 0.001).to(torch.float16)
-        copies = max(2, math.ceil(ROTATE_BYTES / (qweight.numel() + 2 * n)))
-        qws = [qweight] + [qweight.clone() for _ in range(copies - 1)]
-        wss = [w_scale] + [w_scale.clone() for _ in range(copies - 1)]
+        qws, wss = random_w4_copies(n, kp, device)
+        qweight, w_scale, copies = qws[0], wss[0], len(qws)
         r = random_residual(n, k, 0.10, device, gen)
         rs = [r] + [clone_residual(r) for _ in range(copies - 1)]
         maps = [residual_block_map(x) for x in rs]

@@ -27,7 +27,6 @@ a table of µs and of the residual's cost over ``w4a4`` last.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -38,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from zipper import (  # noqa: E402
     BLOCK,
-    ROTATE_BYTES,
     check,
     clone_residual,
     random_residual,
+    random_w4_copies,
     report_checks_and_write,
     time_calls,
 )
@@ -90,11 +89,8 @@ def main(argv=None) -> int:
     rows = []
     for name, (n, k) in shapes.items():
         kp = k // 2
-        qweight = torch.randint(0, 256, (n, kp), dtype=torch.uint8, device=device)
-        w_scale = (torch.rand(n, device=device) * 0.01 + 0.001).to(torch.float16)
-        copies = max(2, math.ceil(ROTATE_BYTES / (qweight.numel() + 2 * n)))
-        qws = [qweight] + [qweight.clone() for _ in range(copies - 1)]
-        wss = [w_scale] + [w_scale.clone() for _ in range(copies - 1)]
+        qws, wss = random_w4_copies(n, kp, device)
+        qweight, w_scale, copies = qws[0], wss[0], len(qws)
         layouts = {"": random_residual(n, k, 0.10, device, gen), "_even": even_residual(n, k, 0.10, device)}
         res = {}
         for tag, r in layouts.items():

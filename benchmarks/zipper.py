@@ -110,6 +110,16 @@ def random_residual(n: int, k: int, budget: float, device, gen: torch.Generator)
     return ResidualBlocks((n, k), BLOCK, coords, row_ptr, values, scales)
 
 
+def random_w4_copies(n: int, kp: int, device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Random packed weights ``[n, kp]`` and fp16 channel scales, and copies of both to rotate through
+    more than :data:`ROTATE_BYTES` (at least two): ``(qweights, w_scales)``, the originals first."""
+    qweight = torch.randint(0, 256, (n, kp), dtype=torch.uint8, device=device)
+    w_scale = (torch.rand(n, device=device) * 0.01 + 0.001).to(torch.float16)
+    copies = max(2, math.ceil(ROTATE_BYTES / (qweight.numel() + 2 * n)))
+    return ([qweight] + [qweight.clone() for _ in range(copies - 1)],
+            [w_scale] + [w_scale.clone() for _ in range(copies - 1)])
+
+
 def clone_residual(r: ResidualBlocks) -> ResidualBlocks:
     return ResidualBlocks(r.shape, r.block_shape, r.coords.clone(), r.row_ptr.clone(), r.values.clone(), r.scales.clone())
 
@@ -155,12 +165,9 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
     w_bf16 = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)
     n_bf = max(2, math.ceil(ROTATE_BYTES / w_bf16.numel() / 2))
     w_bf16s = [w_bf16] + [w_bf16.clone() for _ in range(n_bf - 1)]
-    qweight = torch.randint(0, 256, (n, kp), dtype=torch.uint8, device=device)
-    w_scale = (torch.rand(n, device=device) * 0.01 + 0.001).to(torch.float16)
+    qweights, w_scales = random_w4_copies(n, kp, device)
+    qweight, w_scale, n_w4 = qweights[0], w_scales[0], len(qweights)
     w4_bytes = qweight.numel() + 2 * n
-    n_w4 = max(2, math.ceil(ROTATE_BYTES / w4_bytes))
-    qweights = [qweight] + [qweight.clone() for _ in range(n_w4 - 1)]
-    w_scales = [w_scale] + [w_scale.clone() for _ in range(n_w4 - 1)]
     residuals = {}
     for b in sorted(set(budgets) | {10}):
         r = random_residual(n, k, b / 100, device, gen)

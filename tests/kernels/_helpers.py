@@ -16,6 +16,14 @@ ATOL_FRAC = 1e-3
 NAN_U8 = 0xAB  # poison byte for uint8 outputs
 
 
+def assert_residual_matters(a_packed, a_scale, qweight, w_scale, k, bias, ref: torch.Tensor) -> None:
+    """The dense-only product is far from ``ref`` (fp32, with the residual): a case where the blocks count."""
+    from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference
+
+    dense = w4a4_gemm_reference(a_packed, a_scale, qweight, w_scale, k, bias, out_fp32=True)
+    assert (dense - ref).abs().max() > 10 * BF16_RTOL * ref.abs().max()
+
+
 def needs_triton():
     """Skip marker for the Triton path where neither CUDA nor the interpreter runs it."""
     return pytest.mark.skipif(

@@ -9,7 +9,15 @@ from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference
 from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm, zipper_gemm_reference, zipper_gemm_triton
 from mosaicquant.methods.format import PackedW4, ResidualBlocks, unpack_int4
 
-from ._helpers import DEVICE, assert_close_bf16, needs_triton, random_activations, random_layer, random_residual
+from ._helpers import (
+    DEVICE,
+    assert_close_bf16,
+    assert_residual_matters,
+    needs_triton,
+    random_activations,
+    random_layer,
+    random_residual,
+)
 
 SPLIT = TileConfig(block_m=16, block_n=32, block_kp=32, split_k=2, num_stages=2)
 # K steps wider than a residual block column: the tail walk steps through each block on its own
@@ -42,9 +50,7 @@ def test_fused_matches_reference(m, n, k, block, mode):
         bias.to(DEVICE), mode=mode, out=out,
     )
     assert_close_bf16(out, ref, f"zipper {mode} {m}x{n}x{k}")
-    # the residual matters here: the dense-only product is far from the result
-    dense = w4a4_gemm_reference(a_packed, a_scale, qweight, w_scale, k, bias, out_fp32=True)
-    assert (dense - ref).abs().max() > 10 * 2.0**-7 * ref.abs().max()
+    assert_residual_matters(a_packed, a_scale, qweight, w_scale, k, bias, ref)
 
 
 @needs_triton()
@@ -129,8 +135,7 @@ def test_dp4a_residual_walk_matches_reference(m, n, k, block, config):
         zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
                            _dev(residual), bias.to(DEVICE), mode="tail", out=out, config=config, residual_walk=walk)
         assert_close_bf16(out, ref, f"zipper {walk} walk {m}x{n}x{k}")
-    dense = w4a4_gemm_reference(a_packed, a_scale, qweight, w_scale, k, bias, out_fp32=True)
-    assert (dense - ref).abs().max() > 10 * 2.0**-7 * ref.abs().max()
+    assert_residual_matters(a_packed, a_scale, qweight, w_scale, k, bias, ref)
 
 
 @needs_triton()
@@ -163,11 +168,11 @@ def test_parallel_residual_programs_match_reference(m, n, k, block, config):
         zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
                            _dev(residual), bias.to(DEVICE), mode="parallel", out=out, config=config)
         assert_close_bf16(out, ref, f"zipper parallel {m}x{n}x{k} run {rep}")
-    dense = w4a4_gemm_reference(a_packed, a_scale, qweight, w_scale, k, bias, out_fp32=True)
-    assert (dense - ref).abs().max() > 10 * 2.0**-7 * ref.abs().max()
+    assert_residual_matters(a_packed, a_scale, qweight, w_scale, k, bias, ref)
     empty = ResidualBlocks.empty((n, k), block, device=DEVICE)  # no kept block: the dense GEMM alone
     got = zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
                              empty, bias.to(DEVICE), mode="parallel", config=config)
+    dense = w4a4_gemm_reference(a_packed, a_scale, qweight, w_scale, k, bias, out_fp32=True)
     assert_close_bf16(got, dense, "zipper parallel, no kept block")
 
 
