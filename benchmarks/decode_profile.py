@@ -11,8 +11,18 @@ Runtimes (``--runtimes``): ``fused`` (the default fused decoder), ``fused_nq`` (
 as kernels of their own), ``fused_sh`` / ``fused_nsh`` (SiLU·mul inside ``down_proj``'s fused
 online Hadamard + quantizer, or in a kernel of its own), ``transformers`` (eager).
 
+Variants (``--variant LABEL:VAR=VALUE[,VAR=VALUE]``, repeatable): environment settings the
+kernels read at launch (e.g. ``MOSAICQUANT_PDL_CHAIN``, ``MOSAICQUANT_PREFETCH_MIB``) or numeric
+constants named by module (``mosaicquant.kernels._tiles.DECODE_SPLIT_PROGRAMS_PER_SM=2``), each
+timed on the same model right after the others (``--rounds`` times, interleaved); the row's
+runtime reads ``fused[LABEL]``. With programmatic dependent launch a kernel's programs may start
+before its predecessor ends and wait, so the profiler's per-kernel times then include waiting:
+compare graph steps across variants, categories within one.
+
     PYTHONUNBUFFERED=1 python3 benchmarks/decode_profile.py --out OUT \\
         --model llama-3-8b-shapes --methods fp16,rtn,quarot,mosaicquant --batches 4,32
+    PYTHONUNBUFFERED=1 python3 benchmarks/decode_profile.py --out OUT --runtimes fused \\
+        --variant off:MOSAICQUANT_PDL_CHAIN=off --variant on:MOSAICQUANT_PDL_CHAIN=on --rounds 2
 
 Writes ``OUT/decode_profile.json`` (every kernel name with its category and µs per step)
 and prints a short table last.
@@ -40,7 +50,7 @@ from mosaicquant.harness.suites.speed import decode_step, fused_decode_step  # n
 from mosaicquant.harness.timing import time_calls  # noqa: E402
 
 CATEGORIES = (
-    ("w4a4 gemm", r"_w4a4_gemm_kernel|_w4a4_swapped_kernel|_zipper_kernel|_residual_add_kernel|_mixed_gemm"),
+    ("w4a4 gemm", r"_w4a4_gemm_kernel|_w4a4_swapped_kernel|_zipper_kernel|_zipper_parallel_kernel|_gemv_kernel|_residual_add_kernel|_mixed_gemm"),
     ("act-quant", r"_act_quant_kernel|_hadamard_quant_kernel|_mixed_act_quant"),
     ("attention", r"_attn_|flash|fmha|attention|softmax"),
     ("norm+quant", r"_rmsnorm_quant_kernel"),
@@ -76,6 +86,55 @@ def profile_step(step, steps: int = 5) -> dict[str, float]:
     return dict(per_kernel)
 
 
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """``LABEL:VAR=VALUE[,VAR=VALUE]`` → ``(label, {VAR: VALUE})``."""
+    label, sep, rest = text.partition(":")
+    env = {}
+    for item in filter(None, rest.split(",")):
+        var, eq, value = item.partition("=")
+        if not eq or not var.strip():
+            raise SystemExit(f"--variant {text!r}: expected LABEL:VAR=VALUE[,VAR=VALUE]")
+        env[var.strip()] = value.strip()
+    if not label.strip() or (sep and not env):
+        raise SystemExit(f"--variant {text!r}: expected LABEL:VAR=VALUE[,VAR=VALUE]")
+    return label.strip(), env
+
+
+class _Env:
+    """Environment variables (and ``mosaicquant.<module>.<NAME>`` constants, numbers) set for a ``with`` block,
+    restored after."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env, self.saved, self.saved_attrs = env, {}, {}
+
+    @staticmethod
+    def _target(name: str):
+        import importlib
+
+        module, _, attr = name.rpartition(".")
+        return importlib.import_module(module), attr
+
+    def __enter__(self):
+        for k, v in self.env.items():
+            if k.startswith("mosaicquant."):
+                mod, attr = self._target(k)
+                self.saved_attrs[k] = getattr(mod, attr)
+                setattr(mod, attr, type(getattr(mod, attr))(float(v)))
+            else:
+                self.saved[k] = os.environ.get(k)
+                os.environ[k] = v
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for k, v in self.saved_attrs.items():
+            mod, attr = self._target(k)
+            setattr(mod, attr, v)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -86,7 +145,12 @@ def main() -> None:
     ap.add_argument("--runtimes", default="fused,fused_nq,transformers",
                     help="fused, fused_nq (the activation quantizers as kernels of their own, not inside the "
                          "norm and the SiLU*mul), transformers")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="LABEL:VAR=VALUE[,VAR=VALUE]: environment for the kernels' launches (repeatable)")
+    ap.add_argument("--rounds", type=int, default=1, help="times each variant is timed, interleaved")
+    ap.add_argument("--no-profile", action="store_true", help="graph steps only (no profiler pass)")
     args = ap.parse_args()
+    variants = [parse_variant(v) for v in args.variant] or [("", {})]
     device = torch.device("cuda")
     os.makedirs(args.out, exist_ok=True)
     rows, records = [], []
@@ -104,22 +168,33 @@ def main() -> None:
             if runtime in ("fused_nq", "fused_sh", "fused_nsh") and method == "fp16":
                 continue  # nothing to quantize
             for b in (int(x) for x in args.batches.split(",")):
-                with torch.no_grad():
-                    step = (fused_decode_step(decoders[runtime], b, args.context) if runtime in decoders
-                            else decode_step(model, b, args.context, device))
-                    graph_us = time_calls([step], min_us=50_000.0, replays=11).median_us
-                    kernels = profile_step(step)
-                by_cat: dict[str, float] = defaultdict(float)
-                for name, us in kernels.items():
-                    by_cat[category(name)] += us
-                total = sum(kernels.values())
-                rows.append((method, runtime, b, graph_us, total, len(kernels), dict(by_cat)))
-                records.append({"method": method, "runtime": runtime, "batch": b, "context": args.context,
-                                "graph_step_us": graph_us, "kernel_sum_us": total,
-                                "categories_us": dict(by_cat),
-                                "kernels": [{"name": n, "category": category(n), "us_per_step": us}
-                                            for n, us in sorted(kernels.items(), key=lambda kv: -kv[1])]})
-                print(f"{method} {runtime} b{b}: graph {graph_us:.0f} us, kernels {total:.0f} us", flush=True)
+                steps, times = {}, defaultdict(list)
+                for _ in range(max(1, args.rounds)):
+                    for label, env in variants:
+                        with _Env(env), torch.no_grad():
+                            if label not in steps:
+                                steps[label] = (fused_decode_step(decoders[runtime], b, args.context)
+                                                if runtime in decoders else decode_step(model, b, args.context, device))
+                            times[label].append(time_calls([steps[label]], min_us=50_000.0, replays=11).median_us)
+                for label, env in variants:
+                    with _Env(env), torch.no_grad():
+                        kernels = {} if args.no_profile else profile_step(steps[label])
+                    graph_us = sorted(times[label])[len(times[label]) // 2]
+                    name = f"{runtime}[{label}]" if label else runtime
+                    by_cat: dict[str, float] = defaultdict(float)
+                    for kname, us in kernels.items():
+                        by_cat[category(kname)] += us
+                    total = sum(kernels.values())
+                    rows.append((method, name, b, graph_us, total, len(kernels), dict(by_cat)))
+                    records.append({"method": method, "runtime": name, "variant_env": env, "batch": b,
+                                    "context": args.context, "graph_step_us": graph_us,
+                                    "graph_step_us_rounds": times[label], "kernel_sum_us": total,
+                                    "categories_us": dict(by_cat),
+                                    "kernels": [{"name": n, "category": category(n), "us_per_step": us}
+                                                for n, us in sorted(kernels.items(), key=lambda kv: -kv[1])]})
+                    print(f"{method} {name} b{b}: graph {graph_us:.0f} us "
+                          f"(rounds {', '.join(f'{t:.0f}' for t in times[label])}), kernels {total:.0f} us", flush=True)
+                del steps
         del model, decoders
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "decode_profile.json"), "w") as f:

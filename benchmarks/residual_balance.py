@@ -15,7 +15,9 @@ outside the timing):
   GEMM takes 128 x 128-byte tiles) ``zip10_n64w{warps}s{stages}``: 64-channel tiles with the
   same 128-byte K steps (each kept block then split over two programs);
 - ``zip10_par`` / ``zip10_even_par`` (M ≤ 16): ZipperEngine's parallel mode, each kept block in
-  programs of its own, summed into the dense tiles' fix-up.
+  programs of its own, summed into the dense tiles' fix-up; ``zip10_tail`` the tail walk (what
+  ``"auto"`` picks may be either); where the default tiles split K, ``w4a4_s{n}``,
+  ``zip10_tail_s{n}`` and ``zip10_par_s{n}`` for the other splits of 2, 4 and 8.
 
 Each variant is checked against its reference before it is timed (CUDA graphs, weights rotating
 through copies larger than 3× L2, medians). Prints the largest blocks-per-row of each layout and
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -127,6 +130,16 @@ def main(argv=None) -> int:
                         block_m=16, block_n=64, block_kp=128, num_warps=warps, num_stages=stages)}
             if m <= 16:
                 opts["zip10_par"] = {"mode": "parallel"}
+                opts["zip10_tail"] = {"mode": "tail"}
+                cfg = pick_config(m, n, kp, device)
+                for split in (2, 4, 8):
+                    if cfg.split_k > 1 and cfg.split_k != split:
+                        opts[f"zip10_par_s{split}"] = {"mode": "parallel", "config": replace(cfg, split_k=split)}
+                        opts[f"zip10_tail_s{split}"] = {"mode": "tail", "config": replace(cfg, split_k=split)}
+                        ok, rel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k,
+                                                         config=replace(cfg, split_k=split)), ref0)
+                        variants[f"w4a4_s{split}"] = ([(lambda i=i, c=replace(cfg, split_k=split): w4a4_gemm_triton(
+                            ap, a_s, qws[i], wss[i], k, config=c)) for i in range(copies)], ok)
             for variant, kw in opts.items():
                 ok, rel = check(zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], block_map=maps[0], **kw), zref)
                 variants[variant] = ([(lambda i=i, kw=kw: zipper_gemm_triton(
@@ -143,7 +156,9 @@ def main(argv=None) -> int:
                              "spread_iqr_over_median": spread, "check_ok": ok})
                 print(f"{name:8s} M={m:<3d} {variant:16s} {us:8.2f} µs  ok={ok}", flush=True)
     print()
-    names = ["w4a4", "zip10", "zip10_even", "zip10_dot", "zip10_par", "zip10_even_par", "zip10_n64w4s4",
+    names = ["w4a4", "w4a4_s2", "w4a4_s4", "w4a4_s8", "zip10", "zip10_tail", "zip10_tail_s2", "zip10_tail_s4",
+             "zip10_tail_s8", "zip10_even", "zip10_dot", "zip10_par", "zip10_par_s2", "zip10_par_s4", "zip10_par_s8",
+             "zip10_even_par", "zip10_n64w4s4",
              "zip10_n64w4s3", "zip10_n64w8s3", "gemv", "gemv_zip10", "gemv_zip10_even"]
     print("| shape | M | " + " | ".join(f"{v} µs" for v in names) + " | zip10 / w4a4 | even / w4a4 | par / w4a4 |")
     print("|---|---|" + "---|" * (len(names) + 3))

@@ -29,6 +29,15 @@ KERNEL_PREFERENCES = ("auto", "triton", "torch")
 KERNEL_ENV_VAR = "MOSAICQUANT_KERNEL"
 # "0" turns programmatic dependent launch off (see mosaicquant.kernels._tl); default on where supported.
 PDL_ENV_VAR = "MOSAICQUANT_PDL"
+# How far programmatic dependent launch reaches past the activation kernel -> GEMM pairs:
+# "off" or "on" (see chain_mode); read at every launch.
+PDL_CHAIN_ENV_VAR = "MOSAICQUANT_PDL_CHAIN"
+# The kernels' CHAIN constexpr (mosaicquant.kernels._tl.chain_start) for each mode.
+PDL_CHAINS = {"off": 1, "on": 2}
+PDL_CHAIN_DEFAULT = "on"
+# The chain is taken by launches of at most this many tokens (rows): it measured 3-5 % faster on
+# the Llama-3-8B decode step at batch 4 and 8, 2.5-3.3 % slower at batch 16 (benchmarks/NOTES.md v15).
+PDL_CHAIN_MAX_M = 8
 
 
 def triton_interpreting() -> bool:
@@ -54,6 +63,42 @@ def use_pdl(device: torch.device, pdl: bool | None = None) -> bool:
     if pdl is None:
         pdl = os.environ.get(PDL_ENV_VAR, "1").strip() not in ("0", "false", "off", "")
     return bool(pdl) and pdl_supported(device)
+
+
+def chain_mode(device: torch.device, m: int) -> int:
+    """The ``CHAIN`` constexpr of the decode step's non-GEMM kernels on ``device`` (``_tl.chain_start``).
+
+    ``m`` is the launch's tokens (rows). ``MOSAICQUANT_PDL_CHAIN`` picks the mode where
+    programmatic dependent launch is on (:func:`use_pdl`; else ``0``, nothing); launches of
+    more than :data:`PDL_CHAIN_MAX_M` tokens take ``"off"`` whatever it says:
+
+    - ``"off"`` (``1``): only the activation kernels let the GEMM after them start early
+      (they signal as they start; the GEMM is the only kernel launched with PDL);
+    - ``"on"`` (``2``, the default): every kernel of the step is launched with PDL, waits for
+      the kernel before it as it starts, then lets the next one launch; GEMMs launched with
+      PDL signal once they have waited. Each kernel's programs thus become resident while its
+      predecessor runs, so the launch gaps between the step's ~11 kernels a layer overlap work.
+      Measured on the H200 (``benchmarks/NOTES.md`` v15): 3-5 % off the Llama-3-8B batch-4
+      step of the W4A4 methods. Signalling *before* waiting, so that a run of small kernels
+      and the GEMM after them launch several kernels ahead, was 7-13 % slower.
+
+    Every kernel waits before it reads or writes anything an earlier kernel touches, so the
+    results are the same in every mode.
+
+    Raises:
+        UserInputError: an unknown mode in the environment.
+    """
+    if not use_pdl(device):
+        return 0
+    name = os.environ.get(PDL_CHAIN_ENV_VAR, PDL_CHAIN_DEFAULT).strip().lower() or PDL_CHAIN_DEFAULT
+    if name not in PDL_CHAINS:
+        raise UserInputError(f"{PDL_CHAIN_ENV_VAR}={name!r} is not allowed: choose one of {', '.join(PDL_CHAINS)}")
+    return PDL_CHAINS[name] if m <= PDL_CHAIN_MAX_M else PDL_CHAINS["off"]
+
+
+def chain_launch(chain: int) -> dict:
+    """Launch options of a kernel started with ``_tl.chain_start(chain)``."""
+    return {"launch_pdl": True} if chain >= 2 else {}
 
 
 def resolve_kernel(kernel: str | None = None, device: torch.device | None = None) -> str:

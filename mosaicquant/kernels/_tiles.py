@@ -8,6 +8,7 @@ tensor-core-bound at large M); ``benchmarks/zipper.py`` measures the choices and
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -16,7 +17,7 @@ from mosaicquant.harness.errors import UserInputError
 
 __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MIN_M", "SWAP_MIN_TILES_PER_SM",
            "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "DP4A_WALK_MAX_M", "PARALLEL_MIN_M", "PARALLEL_MAX_M",
-           "PARALLEL_MAX_SPLIT",
+           "PARALLEL_MAX_SPLIT", "PARALLEL_MAX_BLOCKS_PER_ROW", "DENSE_PREFETCH_MIB",
            "parallel_residual", "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
            "swapped_prefill"]
 
@@ -39,6 +40,14 @@ PDL_MAX_M = 8
 PDL_ANY_SIZE_MAX_M = 4
 PDL_MAX_WEIGHT_BYTES = 32 * 2**20
 PREFETCH_MIN_KP = 4096
+# A cap (MiB) on what every PDL GEMM launch prefetches, in place of the launchers' defaults.
+PREFETCH_ENV_VAR = "MOSAICQUANT_PREFETCH_MIB"
+# The dense W4A4 GEMM's default cap. In the decode step with every kernel chained by PDL
+# (benchmarks/NOTES.md v15), an 8 MiB prefetch on every launch took RTN's Llama-3-8B step
+# 4.0 / 3.3 % and QuaRot's 1.4 / 3.9 % down at batch 4 / 8 against prefetch_default's rule
+# (16 and 32 MiB gained less; ZipperEngine's launches were 2 % slower with it at batch 4 and
+# keep the rule).
+DENSE_PREFETCH_MIB = 8.0
 
 
 def pdl_default(m: int, n: int, kp: int) -> bool:
@@ -92,14 +101,23 @@ DP4A_WALK_MAX_M = 4
 # (split 4) 1.03-1.08x faster at M = 4-16, gate/up (unsplit, wide tiles) 1.03-1.06x; o_proj 1.08-1.14x
 # and down_proj 1.24-1.30x slower (split 8: 8 dense partials and ~3 / ~11 block partials a tile to
 # sum); at M = 2 the dp4a tail walk was 1.10x faster on gate/up.
+# With K split 4 ways (tiles given explicitly, v15), o_proj's parallel mode ran level with the
+# default tail walk (split 8) at M = 4 and 1.14x faster at M = 8, down_proj's 1.47-1.75x slower at
+# M = 2-8: its tiles sum ~11 block partials (14336 / 128 block columns at 10 %), o's ~3; hence also
+# at most PARALLEL_MAX_BLOCKS_PER_ROW kept blocks per block row on average.
 PARALLEL_MIN_M = 4
 PARALLEL_MAX_M = 16
 PARALLEL_MAX_SPLIT = 4
+PARALLEL_MAX_BLOCKS_PER_ROW = 6.0
 
 
-def parallel_residual(m: int, cfg: "TileConfig") -> bool:
-    """Whether ZipperEngine's ``"auto"`` mode runs a call of ``m`` tokens on ``cfg``'s tiles in the parallel mode."""
-    return PARALLEL_MIN_M <= m <= min(cfg.block_m, PARALLEL_MAX_M) and cfg.use_dot and cfg.split_k <= PARALLEL_MAX_SPLIT
+def parallel_residual(m: int, cfg: "TileConfig", blocks_per_row: float = 0.0) -> bool:
+    """Whether ZipperEngine's ``"auto"`` mode runs a call of ``m`` tokens on ``cfg``'s tiles in the parallel mode.
+
+    ``blocks_per_row``: the layer's kept blocks over its block rows.
+    """
+    return (PARALLEL_MIN_M <= m <= min(cfg.block_m, PARALLEL_MAX_M) and cfg.use_dot
+            and cfg.split_k <= PARALLEL_MAX_SPLIT and blocks_per_row <= PARALLEL_MAX_BLOCKS_PER_ROW)
 
 
 def swapped_prefill(m: int, n: int, device: torch.device, residual: bool, min_m: int = SWAP_MIN_M,
@@ -133,21 +151,30 @@ def swapped_decode_config(m: int, n: int, kp: int, device: torch.device) -> dict
             "pdl": pdl_default(m, n, kp)}
 
 
-def prefetch_row_bytes(n: int, kp: int, split: int, prefetch_mib: float | None) -> int:
+def prefetch_row_bytes(n: int, kp: int, split: int, prefetch_mib: float | None,
+                       default_mib: float | None = None) -> int:
     """Bytes of each weight row that one program of a PDL launch prefetches into L2.
 
     Args:
         n, kp: the weights' rows and packed bytes per row.
         split: programs sharing a row along K (split-K).
-        prefetch_mib: ``None``: each program's whole slice where :func:`prefetch_default` says
-            so, else nothing; a number: a cap on the whole launch's prefetch (MiB), shared
-            evenly by rows and splits (``0``: no prefetch).
+        prefetch_mib: ``None``: the cap in ``MOSAICQUANT_PREFETCH_MIB`` if that is set, else
+            ``default_mib``; a number: a cap on the whole launch's prefetch (MiB), shared evenly
+            by rows and splits (``0``: no prefetch).
+        default_mib: the launcher's default cap; ``None``: each program's whole slice where
+            :func:`prefetch_default` says so, else nothing.
 
     Raises:
-        UserInputError: a negative cap.
+        UserInputError: a negative or non-numeric cap.
     """
     if prefetch_mib is None:
-        return kp if prefetch_default(n, kp) else 0
+        env = os.environ.get(PREFETCH_ENV_VAR, "").strip()
+        if not env and default_mib is None:
+            return kp if prefetch_default(n, kp) else 0
+        try:
+            prefetch_mib = float(env) if env else default_mib
+        except ValueError:
+            raise UserInputError(f"{PREFETCH_ENV_VAR}={env!r} is not a number of MiB (>= 0)") from None
     if not prefetch_mib >= 0:
         raise UserInputError(f"prefetch_mib={prefetch_mib!r} must be >= 0 (MiB prefetched per launch) or None")
     return min(kp, int(prefetch_mib * 2**20) // max(1, n * split))

@@ -13,12 +13,15 @@ work one element per register; measured ALU-bound, see ``benchmarks/NOTES.md``);
 interpreter runs the plain shifts, the GPU benchmark checks the PTX path against the
 reference.
 
-Programmatic dependent launch (Hopper and later, ``PDL``): the activation kernels call
-:func:`release_dependents` as they start, and a GEMM launched with ``launch_pdl=True`` may
+Programmatic dependent launch (Hopper and later, ``PDL``): the activation kernels signal
+(:func:`chain_start`) as they start, and a GEMM launched with ``launch_pdl=True`` may
 then start while they still run. The GEMM first asks L2 to prefetch its own slice of the
 weights (:func:`prefetch_rows_l2`; weights do not depend on the earlier kernel), then waits
 (:func:`wait_for_inputs`) before it reads anything the earlier kernel writes or writes
 anything itself. The weight stream thus overlaps the activation kernel and the launch gap.
+With ``_common.chain_mode`` ``"on"`` (the default) the decode step's other kernels (norms,
+RoPE, attention, SiLU·mul, the quantizers) are launched with PDL as well and wait first, and
+a GEMM signals once it has waited, so every launch gap of the step overlaps the kernel before.
 """
 
 from __future__ import annotations
@@ -191,17 +194,28 @@ _PREFETCH_L2 = tl.constexpr("prefetch.global.L2 [$1];\nmov.u32 $0, 0;")
 
 
 @triton.jit
-def release_dependents(PDL: tl.constexpr):
-    """Let a kernel launched after this one with ``launch_pdl=True`` start now (no-op without ``PDL``)."""
+def wait_for_inputs(PDL: tl.constexpr):
+    """Block until the kernel before this one has finished and its writes are visible, then let the
+    kernel after this one launch (no-op without ``PDL``; the signal has no effect on a successor
+    launched without PDL)."""
     if PDL:
+        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
-def wait_for_inputs(PDL: tl.constexpr):
-    """Block until the kernel before this one has finished and its writes are visible (no-op without ``PDL``)."""
-    if PDL:
+def chain_start(CHAIN: tl.constexpr):
+    """The start of a non-GEMM kernel of the decode step (``CHAIN`` from ``_common.chain_mode``).
+
+    ``0``: nothing. ``1``: signal the kernel after (a GEMM launched with PDL) as we start.
+    ``2``: wait for the kernel before (we were launched with PDL), then signal. Called first,
+    before any load or store of data another kernel touches.
+    """
+    if CHAIN == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+    if CHAIN == 2:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

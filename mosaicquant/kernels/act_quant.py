@@ -38,13 +38,14 @@ import triton.language as tl
 
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels._common import (
+    chain_launch,
+    chain_mode,
     check_same_device,
     check_tensor,
     check_triton_device,
-    pdl_supported,
     resolve_kernel,
 )
-from mosaicquant.kernels._tl import release_dependents, round_half_even, silu_mul_rounded
+from mosaicquant.kernels._tl import chain_start, round_half_even, silu_mul_rounded
 from mosaicquant.kernels._token_split import (
     barrier_buffer,
     check_num_warps,
@@ -105,10 +106,10 @@ def _load_row(x_row, k, K, end, GATED: tl.constexpr):
 @triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, scale_ptr, sync_ptr, K, KP, SLICE_KP, stride_xm, stride_qm, clip_ratio,
-    BLOCK_KP: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr, SPLIT8: tl.constexpr = False,
+    BLOCK_KP: tl.constexpr, ONE_PASS: tl.constexpr, CHAIN: tl.constexpr, SPLIT8: tl.constexpr = False,
     GATED: tl.constexpr = False, P: tl.constexpr = 1, SYNC: tl.constexpr = True,
 ):
-    release_dependents(PDL)  # the GEMM that reads our output may start (it waits for us before reading)
+    chain_start(CHAIN)  # the GEMM that reads our output may start (it waits for us before reading)
     row, slice_id, tag = token_slice(sync_ptr, P, SYNC)
     if P == 1:
         lo = 0
@@ -265,6 +266,7 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, k: int, clip_
     for each other (the kernel's ``SYNC=False``); ``None`` uses the barrier.
     """
     m, kp = x.shape[0], (k + 1) // 2
+    chain = chain_mode(x.device, m)
     if p == 1:
         slice_kp = kp
         block_kp = min(MAX_BLOCK_KP, triton.next_power_of_2(kp))
@@ -283,8 +285,8 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, k: int, clip_
         num_warps = _warps(block_kp, p)
     _act_quant_kernel[(m * p,)](
         x, q, scale, sync, k, kp, slice_kp, x.stride(0), q.stride(0), float(clip_ratio),
-        BLOCK_KP=block_kp, ONE_PASS=slice_kp <= block_kp, PDL=pdl_supported(x.device), SPLIT8=split8,
-        GATED=gated, P=p, SYNC=wait, num_warps=num_warps,
+        BLOCK_KP=block_kp, ONE_PASS=slice_kp <= block_kp, CHAIN=chain, SPLIT8=split8,
+        GATED=gated, P=p, SYNC=wait, num_warps=num_warps, **chain_launch(chain),
     )
 
 

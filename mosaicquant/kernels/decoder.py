@@ -44,12 +44,13 @@ import triton.language as tl
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels._common import (
     check_tensor,
+    chain_launch,
+    chain_mode,
     check_triton_device,
-    pdl_supported,
     resolve_kernel,
     triton_interpreting,
 )
-from mosaicquant.kernels._tl import release_dependents, silu_mul_rounded
+from mosaicquant.kernels._tl import chain_start, silu_mul_rounded
 from mosaicquant.kernels._tl import round_to_bf16 as _round_to_bf16
 from mosaicquant.kernels.act_quant import (
     LAYOUTS,
@@ -110,7 +111,9 @@ def _add_residual(x, r_ptrs, mask, DT: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _rmsnorm_kernel(X, R, W, OUT, n, eps, stride_x, stride_r, stride_o,
-                    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr):
+                    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr,
+                    CHAIN: tl.constexpr):
+    chain_start(CHAIN)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -172,9 +175,11 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     check_tensor("out", out, dtypes=(x.dtype,), shape=(t, n))
     if t:
         res = residual if residual is not None else x
+        chain = chain_mode(x.device, t)
         _rmsnorm_kernel[(t,)](x, res, weight, out, n, float(eps), x.stride(0), res.stride(0), out.stride(0),
                               BLOCK=triton.next_power_of_2(n), HAS_RES=residual is not None,
-                              DT=_tl_dtype(x.dtype), BITS=_bits(x.dtype), num_warps=4 if n <= 4096 else 8)
+                              DT=_tl_dtype(x.dtype), BITS=_bits(x.dtype), CHAIN=chain,
+                              num_warps=4 if n <= 4096 else 8, **chain_launch(chain))
     return out
 
 
@@ -202,7 +207,9 @@ def _head_norm(x1, x2, w1, w2, eps, D: tl.constexpr, DT: tl.constexpr, BITS: tl.
 def _rope_kv_kernel(QKV, POS, COS, SIN, QN, KN, QOUT, KC, VC, eps, tokens_per_seq,
                     stride_t, stride_cos, stride_qo, stride_cb, stride_ch, stride_cl,
                     HQ: tl.constexpr, HKV: tl.constexpr, HQP: tl.constexpr, HKVP: tl.constexpr,
-                    D: tl.constexpr, QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr):
+                    D: tl.constexpr, QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr,
+                    CHAIN: tl.constexpr):
+    chain_start(CHAIN)
     t = tl.program_id(0).to(tl.int64)
     b = t // tokens_per_seq
     pos = tl.load(POS + t).to(tl.int64)
@@ -334,12 +341,14 @@ def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
         raise UserInputError("out must be contiguous, the caches unit-strided along D, cos and sin alike")
     if t:
         qn = q_norm if q_norm is not None else cos
+        chain = chain_mode(qkv.device, t)
         _rope_kv_kernel[(t,)](
             qkv, positions, cos, sin, qn, k_norm if k_norm is not None else cos, out, k_cache, v_cache,
             float(eps), tokens_per_seq, qkv.stride(0), cos.stride(0), out.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             HQ=heads, HKV=kv_heads, HQP=triton.next_power_of_2(heads), HKVP=triton.next_power_of_2(kv_heads),
-            D=d, QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype), num_warps=4)
+            D=d, QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype), CHAIN=chain,
+            num_warps=4, **chain_launch(chain))
     return out
 
 
@@ -350,7 +359,8 @@ def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
 def _attn_split_kernel(Q, KC, VC, LENS, PM, PL, PACC, scale_log2, chunk,
                        stride_qb, stride_qh, stride_cb, stride_ch, stride_cl,
                        HKV, NSPLIT, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr):
+                       BLOCK_N: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr, CHAIN: tl.constexpr):
+    chain_start(CHAIN)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
@@ -373,6 +383,7 @@ def _attn_split_kernel(Q, KC, VC, LENS, PM, PL, PACC, scale_log2, chunk,
         valid = n < end
         off = base + n[:, None].to(tl.int64) * stride_cl + d[None, :]
         k = tl.load(KC + off, mask=valid[:, None], other=0.0)
+        v = tl.load(VC + off, mask=valid[:, None], other=0.0)  # issued with the keys: one memory round trip
         if DOT_F32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k)) * scale_log2
@@ -381,7 +392,6 @@ def _attn_split_kernel(Q, KC, VC, LENS, PM, PL, PACC, scale_log2, chunk,
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(VC + off, mask=valid[:, None], other=0.0)
         if DOT_F32:
             pv = tl.dot(_round_to_bf16(p) if DT == tl.bfloat16 else p.to(DT).to(tl.float32), v.to(tl.float32))
         else:
@@ -396,7 +406,9 @@ def _attn_split_kernel(Q, KC, VC, LENS, PM, PL, PACC, scale_log2, chunk,
 
 @triton.jit
 def _attn_combine_kernel(PM, PL, PACC, OUT, stride_ob, HQ, NSPLIT, G: tl.constexpr, GP: tl.constexpr,
-                         SP: tl.constexpr, D: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr):
+                         SP: tl.constexpr, D: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr,
+                         CHAIN: tl.constexpr):
+    chain_start(CHAIN)
     bq = tl.program_id(0)
     b = bq // HQ
     hq = bq % HQ
@@ -486,14 +498,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pm = torch.empty(b * hkv * nsplit * gp, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     pacc = torch.empty(b * hkv * nsplit * gp, d, dtype=torch.float32, device=q.device)
+    chain = chain_mode(q.device, b)
     _attn_split_kernel[(b * hkv, nsplit)](
         q, k_cache, v_cache, lengths, pm, pl, pacc, float(scale) * _LOG2E, chunk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         hkv, nsplit, G=g, GP=gp, D=d, BLOCK_N=block_n, DT=_tl_dtype(q.dtype), DOT_F32=triton_interpreting(),
-        num_warps=4)
+        CHAIN=chain, num_warps=4, **chain_launch(chain))
     _attn_combine_kernel[(b * hq,)](pm, pl, pacc, out, out.stride(0), hq, nsplit, G=g, GP=gp,
                                     SP=max(2, triton.next_power_of_2(nsplit)), D=d, DT=_tl_dtype(q.dtype),
-                                    BITS=_bits(q.dtype), num_warps=4)
+                                    BITS=_bits(q.dtype), CHAIN=chain, num_warps=4, **chain_launch(chain))
     return out
 
 
@@ -501,7 +514,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
-def _silu_mul_kernel(GU, OUT, n, stride_g, stride_o, up_offset, BLOCK: tl.constexpr, DT: tl.constexpr):
+def _silu_mul_kernel(GU, OUT, n, stride_g, stride_o, up_offset, BLOCK: tl.constexpr, DT: tl.constexpr,
+                     CHAIN: tl.constexpr):
+    chain_start(CHAIN)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -536,8 +551,10 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None, kernel: str
     check_tensor("out", out, dtypes=(gate_up.dtype,), shape=(t, n))
     block = min(4096, triton.next_power_of_2(n))
     if t:
+        chain = chain_mode(gate_up.device, t)
         _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0), n,
-                                                     BLOCK=block, DT=_tl_dtype(gate_up.dtype), num_warps=4)
+                                                     BLOCK=block, DT=_tl_dtype(gate_up.dtype), CHAIN=chain,
+                                                     num_warps=4, **chain_launch(chain))
     return out
 
 
@@ -547,8 +564,8 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None, kernel: str
 @triton.jit
 def _rmsnorm_quant_kernel(X, R, W, Q, SCALE, n, kp, eps, clip_ratio, stride_x, stride_r, stride_q,
                           HB: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr,
-                          SPLIT8: tl.constexpr, PDL: tl.constexpr):
-    release_dependents(PDL)  # the GEMM reading our output may start its prologue (it waits before reading)
+                          SPLIT8: tl.constexpr, CHAIN: tl.constexpr):
+    chain_start(CHAIN)  # the GEMM reading our output may start its prologue (it waits before reading)
     row = tl.program_id(0).to(tl.int64)
     pairs = tl.arange(0, HB)
     k = pairs[:, None] * 2 + tl.arange(0, 2)[None, :]
@@ -617,9 +634,10 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     if t:
         hb = max(64, triton.next_power_of_2(kp))
         res = residual if residual is not None else x
+        chain = chain_mode(x.device, t)
         _rmsnorm_quant_kernel[(t,)](
             x, res, weight, q.view(torch.int8), scale, n, kp, float(eps), float(clip_ratio), x.stride(0),
             res.stride(0), q.stride(0), HB=hb, HAS_RES=residual is not None, DT=_tl_dtype(x.dtype),
-            BITS=_bits(x.dtype), SPLIT8=layout == "split8", PDL=pdl_supported(x.device),
+            BITS=_bits(x.dtype), SPLIT8=layout == "split8", CHAIN=chain, **chain_launch(chain),
             num_warps=4 if hb <= 1024 else (8 if hb <= 4096 else 16))  # act_quant's rule (per-element div_rn)
     return q, scale

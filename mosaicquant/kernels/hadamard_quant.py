@@ -54,14 +54,15 @@ import triton.language as tl
 
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels._common import (
+    chain_launch,
+    chain_mode,
     check_same_device,
     check_tensor,
     check_triton_device,
-    pdl_supported,
     resolve_kernel,
     triton_interpreting,
 )
-from mosaicquant.kernels._tl import release_dependents, round_half_even, silu_mul_rounded
+from mosaicquant.kernels._tl import chain_start, round_half_even, silu_mul_rounded
 from mosaicquant.kernels._tl import round_to_bf16 as _round_to_bf16
 from mosaicquant.kernels._token_split import (
     barrier_buffer,
@@ -100,11 +101,11 @@ def _hadamard_quant_kernel(
     x_ptr, left_ptr, syl_ptr, signs_ptr, q_ptr, scale_ptr, sync_ptr,
     R, stride_xm, stride_qm, inv_sqrt_n, clip_ratio,
     D: tl.constexpr, R_PAD: tl.constexpr,
-    HAS_SIGNS: tl.constexpr, SIGNS_FIRST: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    HAS_SIGNS: tl.constexpr, SIGNS_FIRST: tl.constexpr, DOT_F32: tl.constexpr, CHAIN: tl.constexpr,
     SPLIT8: tl.constexpr = False, GATED: tl.constexpr = False, up_offset=0,
     P: tl.constexpr = 1, SYNC: tl.constexpr = True, TRANS: tl.constexpr = False,
 ):
-    release_dependents(PDL)  # the GEMM that reads our output may start (it waits for us before reading)
+    chain_start(CHAIN)  # the GEMM that reads our output may start (it waits for us before reading)
     DS: tl.constexpr = D // P  # columns of the [R, D] view this program transforms and quantizes
     # program token · P + s: columns [s · DS, (s + 1) · DS), Z[:, cols] = Aᵀ (X S_D[:, cols])
     row, slice_id, tag = token_slice(sync_ptr, P, SYNC)
@@ -351,6 +352,7 @@ def _launch(x: torch.Tensor, transform: OnlineHadamard, q: torch.Tensor, scale: 
     kernel's ``SYNC=False``); ``None`` uses the barrier.
     """
     m, n = x.shape[0], transform.size
+    chain = chain_mode(x.device, m)
     r, d, r_pad = _view_of(transform)
     left, syl = _operands(transform.factor_order, transform.log2_sylvester, transform.transpose, x.device, x.dtype)
     signs = transform.signs
@@ -364,9 +366,9 @@ def _launch(x: torch.Tensor, transform: OnlineHadamard, q: torch.Tensor, scale: 
         x, left, syl, signs if signs is not None else scale, q, scale, sync,
         r, x.stride(0), q.stride(0), 1.0 / math.sqrt(n), float(clip_ratio),
         D=d, R_PAD=r_pad, HAS_SIGNS=signs is not None, SIGNS_FIRST=transform.transpose,
-        DOT_F32=triton_interpreting(), PDL=pdl_supported(x.device), SPLIT8=split8,
+        DOT_F32=triton_interpreting(), CHAIN=chain, SPLIT8=split8,
         GATED=gated, up_offset=n if gated else 0, P=p, SYNC=wait, TRANS=_transposed(r_pad, d, p),
-        num_warps=num_warps if num_warps is not None else _warps(m, r_pad * d // p),
+        num_warps=num_warps if num_warps is not None else _warps(m, r_pad * d // p), **chain_launch(chain),
     )
 
 

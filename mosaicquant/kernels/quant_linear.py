@@ -226,7 +226,7 @@ class QuantLinear(nn.Module):
         if self.mode != "auto":
             return False
         cfg = pick_config(m, self.out_features, self.qweight.shape[1], self.qweight.device, self.block_shape)
-        return parallel_residual(m, cfg)
+        return parallel_residual(m, cfg, self.residual.num_blocks / max(1, self.residual.grid[0]))
 
     def uses_swapped(self, m: int, backend: str) -> bool:
         """Whether a call of ``m`` tokens on ``backend`` runs the operand-swapped GEMM (prefill, or decode tiles)."""

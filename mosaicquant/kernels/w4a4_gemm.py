@@ -51,7 +51,17 @@ from mosaicquant.kernels._common import (
     triton_interpreting,
     use_pdl,
 )
-from mosaicquant.kernels._tiles import LOCK_SLOTS, PREFETCH_MAX_M, TileConfig, lock_buffer, pdl_default, pdl_launch, pick_config, prefetch_row_bytes
+from mosaicquant.kernels._tiles import (
+    DENSE_PREFETCH_MIB,
+    LOCK_SLOTS,
+    PREFETCH_MAX_M,
+    TileConfig,
+    lock_buffer,
+    pdl_default,
+    pdl_launch,
+    pick_config,
+    prefetch_row_bytes,
+)
 from mosaicquant.kernels._tl import (
     dense_split_k,
     store_output,
@@ -304,9 +314,10 @@ def w4a4_gemm_triton(
             ``MOSAICQUANT_PDL`` is not ``0``; ``True``/``False`` force it (where the device
             supports it).
         prefetch_mib: with PDL, cap on the weight bytes the launch prefetches into L2
-            (:func:`mosaicquant.kernels._tiles.prefetch_row_bytes`; ``None``: every program's
-            whole slice where :func:`mosaicquant.kernels._tiles.prefetch_default` says so (long
-            rows that fit L2), else none; ``0``: PDL without prefetch).
+            (:func:`mosaicquant.kernels._tiles.prefetch_row_bytes`; ``None``:
+            ``MOSAICQUANT_PREFETCH_MIB`` if set, else
+            :data:`mosaicquant.kernels._tiles.DENSE_PREFETCH_MIB`, shared by rows and splits;
+            ``0``: PDL without prefetch).
         x16: unpack both operands as ``16 * q`` (:func:`mosaicquant.kernels._tl.mac_int4`; the
             same result exactly; taken only with tensor-core dots and ``K < 2**17``, where the
             256x accumulator cannot overflow). Default on: 1.04-1.37x faster at M <= 32 on the
@@ -331,7 +342,7 @@ def w4a4_gemm_triton(
     if pdl is None and not pdl_default(m, n, kp):
         pdl = False
     pdl = use_pdl(a_packed.device, pdl)
-    pf_row = prefetch_row_bytes(n, kp, split, prefetch_mib)
+    pf_row = prefetch_row_bytes(n, kp, split, prefetch_mib, DENSE_PREFETCH_MIB)
     _w4a4_gemm_kernel[(tiles, split)](
         a_packed.view(torch.int8), a_scale, qweight.view(torch.int8), w_scale,
         bias if bias is not None else a_scale, out, part, lock_buffer(out.device),

@@ -401,7 +401,7 @@ def zipper_gemm_triton(
     rkp = cfg.block_kp  # the tail walk's step through a block: a power of two dividing its packed columns
     while (bk_res // 2) % rkp:
         rkp //= 2
-    if mode == "auto" and parallel_residual(m, cfg):
+    if mode == "auto" and parallel_residual(m, cfg, residual.num_blocks / max(1, residual.grid[0])):
         fuse = "parallel"
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = cfg.split_k if tiles <= LOCK_SLOTS and cfg.split_k * m * n < 2**31 else 1

@@ -192,9 +192,9 @@ def test_decode_attention_matches_reference(heads, kv_heads, d, chunk):
     vc = torch.randn(b, kv_heads, length, d, generator=g).to(BF16)
     lengths = torch.tensor([1, 37, 64, 200], dtype=torch.int32)
     ref = decode_attention_reference(q, kc, vc, lengths, d ** -0.5)
+    args = (q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), lengths.to(DEVICE), d ** -0.5)
     out = torch.full((b, heads * d), float("nan"), dtype=BF16, device=DEVICE)
-    y = decode_attention(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), lengths.to(DEVICE), d ** -0.5, chunk=chunk,
-                         out=out, kernel="triton").cpu().float()
+    y = decode_attention(*args, chunk=chunk, out=out, kernel="triton").cpu().float()
     assert torch.isfinite(y).all(), "unwritten outputs"
     err = (y - ref.float()).abs()
     bad = err > ATTN_RTOL * ref.float().abs() + ATTN_ATOL

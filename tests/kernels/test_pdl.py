@@ -4,12 +4,27 @@ import pytest
 import torch
 
 from mosaicquant.kernels import _common
-from mosaicquant.kernels._common import PDL_ENV_VAR, pdl_supported, use_pdl
+from mosaicquant.kernels._common import (
+    PDL_CHAIN_ENV_VAR,
+    PDL_CHAIN_MAX_M,
+    PDL_ENV_VAR,
+    chain_launch,
+    chain_mode,
+    pdl_supported,
+    use_pdl,
+)
+from mosaicquant.harness import shapes
+from mosaicquant.harness.context import QuantContext
 from mosaicquant.harness.errors import UserInputError
+from mosaicquant.harness.registry import get_method
+from mosaicquant.harness.runtime import FusedDecoder
+from mosaicquant.harness.speedforms import executable, speed_form
+from mosaicquant.harness.suites.speed import fused_decode_step
 from mosaicquant.kernels._tiles import (
     PDL_ANY_SIZE_MAX_M,
     PDL_MAX_M,
     PDL_MAX_WEIGHT_BYTES,
+    PREFETCH_ENV_VAR,
     PREFETCH_MIN_KP,
     pdl_default,
     pdl_launch,
@@ -38,6 +53,28 @@ def test_switch_reads_argument_then_environment(monkeypatch, env, arg, want):
     assert use_pdl(torch.device("cuda"), arg) is want
 
 
+@pytest.mark.parametrize("env,want", [("off", 1), ("on", 2), (" On ", 2), ("", 2)])
+def test_chain_mode_reads_the_environment(monkeypatch, env, want):
+    monkeypatch.setattr(_common, "pdl_supported", lambda device: True)
+    monkeypatch.setenv(PDL_ENV_VAR, "1")
+    monkeypatch.setenv(PDL_CHAIN_ENV_VAR, env)
+    assert chain_mode(torch.device("cuda"), PDL_CHAIN_MAX_M) == want
+    assert chain_launch(want) == ({"launch_pdl": True} if want >= 2 else {})
+    assert chain_mode(torch.device("cuda"), PDL_CHAIN_MAX_M + 1) == 1  # larger launches keep the plain pairs
+
+
+def test_chain_mode_is_nothing_without_pdl_and_names_a_bad_mode(monkeypatch):
+    monkeypatch.setenv(PDL_CHAIN_ENV_VAR, "on")
+    assert chain_mode(torch.device("cpu"), 1) == 0 and chain_launch(0) == {}
+    monkeypatch.setattr(_common, "pdl_supported", lambda device: True)
+    monkeypatch.setenv(PDL_ENV_VAR, "0")
+    assert chain_mode(torch.device("cuda"), 1) == 0  # PDL off turns the chain off too
+    monkeypatch.setenv(PDL_ENV_VAR, "1")
+    monkeypatch.setenv(PDL_CHAIN_ENV_VAR, "sideways")
+    with pytest.raises(UserInputError, match="MOSAICQUANT_PDL_CHAIN='sideways'.*off, on"):
+        chain_mode(torch.device("cuda"), 1)
+
+
 def test_default_covers_small_m_and_prefetches_long_rows_that_fit_l2():
     assert pdl_default(1, 4096, 7168)  # down_proj at decode: 28 MiB packed
     assert pdl_default(PDL_ANY_SIZE_MAX_M, 28672, 2048)  # 56 MiB gate/up: PDL alone gained at M <= 4
@@ -58,6 +95,25 @@ def test_prefetch_cap_shares_the_bytes_between_rows_and_splits():
     assert 28672 * prefetch_row_bytes(28672, 2048, 1, 24) <= 24 * 2**20
     with pytest.raises(UserInputError, match="prefetch_mib"):
         prefetch_row_bytes(1, 1, 1, -1.0)
+
+
+def test_launcher_default_cap_applies_without_the_environment(monkeypatch):
+    monkeypatch.delenv(PREFETCH_ENV_VAR, raising=False)
+    # the dense GEMM's 8 MiB cap over 12 MiB of q/k/v: two thirds of each row
+    assert prefetch_row_bytes(6144, 2048, 1, None, 8.0) == 8 * 2**20 // 6144
+    assert prefetch_row_bytes(4096, 2048, 2, None, 8.0) == 1024  # 8 MiB o_proj over 2 splits: each its half
+    assert prefetch_row_bytes(6144, 2048, 1, 0, 8.0) == 0  # an argument wins
+
+
+def test_prefetch_cap_from_the_environment(monkeypatch):
+    monkeypatch.setenv(PREFETCH_ENV_VAR, "24")
+    assert prefetch_row_bytes(28672, 2048, 1, None) == 24 * 2**20 // 28672  # in place of the default's 0
+    assert prefetch_row_bytes(6144, 2048, 2, None) == 2048  # 12 MiB: under the cap, the whole slices
+    assert prefetch_row_bytes(6144, 2048, 2, 0) == 0  # an argument still wins
+    assert prefetch_row_bytes(6144, 2048, 2, None, 8.0) == 2048  # and the environment beats a launcher default
+    monkeypatch.setenv(PREFETCH_ENV_VAR, "lots")
+    with pytest.raises(UserInputError, match="MOSAICQUANT_PREFETCH_MIB='lots'"):
+        prefetch_row_bytes(6144, 2048, 2, None)
 
 
 def _hopper() -> bool:
@@ -95,3 +151,41 @@ def test_pdl_chain_in_a_cuda_graph_matches(m):
         assert torch.equal(capped[0], plain[0]) and torch.equal(capped[1], plain[1])
     a, s = quantize_activations_triton(x)
     assert_close_bf16(captured[0], w4a4_gemm_reference(a, s, qweight, w_scale, k, out_fp32=True), "dense with PDL")
+
+
+# big enough for the decode paths of the Llama-3 linears' kinds: split-token quantizers, split-K
+# fix-ups, the parallel residual (4-16 tokens), the GEMV (1 token)
+_PDL_SHAPES = shapes.ShapeModel("pdl-llama-shapes", "llama", 512, 1536, 2, 8, 2, 64, 1024, False)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a CUDA GPU of compute capability 9.0 or later")
+@pytest.mark.parametrize("method", ["fp16", "rtn", "quarot", "mosaicquant"])
+def test_every_chain_mode_gives_the_same_decode_step_in_a_cuda_graph(monkeypatch, method):
+    """The whole fused decode step, captured in a graph under each chain mode, equals plain launches bit for bit."""
+    monkeypatch.setitem(shapes.SHAPE_MODELS, _PDL_SHAPES.name, _PDL_SHAPES)
+    torch.manual_seed(0)
+    model = shapes.build_shape_model(_PDL_SHAPES.name, dtype=torch.bfloat16, device=torch.device("cuda")).eval()
+    ctx = QuantContext(calibration=lambda: None, seed=0, device=torch.device("cuda"))
+    speed_form(method, model, get_method(method).config() if method != "fp16" else None, ctx)
+    executable(model, ctx.info)
+    dec = FusedDecoder(model)
+    for batch in (1, 4, 8, 32):
+        logits = {}
+        for mode in ("plain", "off", "on"):
+            monkeypatch.setenv(PDL_ENV_VAR, "0" if mode == "plain" else "1")
+            monkeypatch.setenv(PDL_CHAIN_ENV_VAR, "off" if mode == "plain" else mode)
+            torch.manual_seed(batch)
+            with torch.no_grad():
+                step = fused_decode_step(dec, batch, 40)
+                step()  # compile outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = step()
+                for _ in range(3):
+                    graph.replay()
+            torch.cuda.synchronize()
+            logits[mode] = out.clone()
+        assert logits["plain"].isfinite().all()
+        for mode in ("off", "on"):
+            assert torch.equal(logits[mode], logits["plain"]), f"{method} batch {batch}: chain {mode!r} differs"

@@ -116,3 +116,4 @@ def test_wide_dense_layers_take_unsplit_wide_tiles_at_decode_sizes(monkeypatch):
     assert (zip_wide.block_n, zip_wide.block_kp) == (128, 128)
     assert pick_config(4, 28672, 2048, cuda, residual_block=(64, 128)).block_n == 64  # rows nest in the blocks
     assert pick_config(32, 28672, 2048, cuda).block_kp == 64
+

@@ -192,6 +192,9 @@ def test_auto_mode_runs_the_parallel_residual_where_measured_faster():
     assert not parallel_residual(2, TileConfig(block_m=16, block_n=128, block_kp=128, split_k=1))
     assert not parallel_residual(8, TileConfig(block_m=16, block_n=64, block_kp=64, split_k=8))  # o, down
     assert not parallel_residual(32, TileConfig(block_m=32, block_n=64, block_kp=64, split_k=2))
+    o_split4 = TileConfig(block_m=16, block_n=64, block_kp=64, split_k=4)
+    assert parallel_residual(8, o_split4, 3.2)  # o_proj at 10 %: ~3 kept blocks per block row
+    assert not parallel_residual(8, o_split4, 11.2)  # down_proj: ~11 partials a tile to sum
 
 
 def test_tail_mode_keeps_k_steps_wider_than_a_block():
