@@ -399,9 +399,10 @@ def _attn_split_kernel(Q, KC, VC, LENS, PM, PL, PACC, scale_log2, chunk,
         acc = acc * alpha[:, None] + pv
         m = m_new
     part = (bh * NSPLIT + split).to(tl.int64) * GP + g
-    tl.store(PM + part, m)
-    tl.store(PL + part, l_sum)
-    tl.store(PACC + part[:, None] * D + d[None, :], acc)
+    real = g < G  # the rows padding the dot to 16 are never read
+    tl.store(PM + part, m, mask=real)
+    tl.store(PL + part, l_sum, mask=real)
+    tl.store(PACC + part[:, None] * D + d[None, :], acc, mask=real[:, None])
 
 
 @triton.jit
