@@ -25,6 +25,7 @@ Usage (GPU)::
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import math
 import sys
@@ -71,6 +72,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--waves", type=int, default=2)
     args = parser.parse_args(argv)
+    # GEMMs timed back to back: without the decode step's PDL chain a GEMM never lets the next timed one
+    # start early, so each time is one GEMM's (set MOSAICQUANT_PDL_CHAIN=on to time them chained)
+    os.environ.setdefault("MOSAICQUANT_PDL_CHAIN", "off")
     if not torch.cuda.is_available():
         print("decode_swap.py times compiled kernels: it needs a CUDA GPU (none found)", file=sys.stderr)
         return 2

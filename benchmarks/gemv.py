@@ -23,6 +23,7 @@ to ``results.json`` under ``--out``.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import math
 import sys
@@ -144,6 +145,9 @@ def main(argv=None) -> int:
     ap.add_argument("--explore-tc", action="store_true")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args(argv)
+    # GEMMs timed back to back: without the decode step's PDL chain a GEMM never lets the next timed one
+    # start early, so each time is one GEMM's (set MOSAICQUANT_PDL_CHAIN=on to time them chained)
+    os.environ.setdefault("MOSAICQUANT_PDL_CHAIN", "off")
     device = torch.device("cuda")
     rows: list[dict] = []
     info = {"versions": versions(device), "ceilings": measure_ceilings(device)}

@@ -13,6 +13,7 @@ default split-K (marked ``*``) and at half, twice and four times it, as is the d
 from __future__ import annotations
 
 import argparse
+import os
 import importlib
 import math
 import sys
@@ -76,6 +77,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     args = parser.parse_args(argv)
+    # GEMMs timed back to back: without the decode step's PDL chain a GEMM never lets the next timed one
+    # start early, so each time is one GEMM's (set MOSAICQUANT_PDL_CHAIN=on to time them chained)
+    os.environ.setdefault("MOSAICQUANT_PDL_CHAIN", "off")
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     _capture(w4a4_mod._w4a4_gemm_kernel, "w4a4")

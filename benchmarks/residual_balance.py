@@ -29,6 +29,7 @@ a table of µs and of the residual's cost over ``w4a4`` last.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -84,6 +85,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args(argv)
+    # GEMMs timed back to back: without the decode step's PDL chain a GEMM never lets the next timed one
+    # start early, so each time is one GEMM's (set MOSAICQUANT_PDL_CHAIN=on to time them chained)
+    os.environ.setdefault("MOSAICQUANT_PDL_CHAIN", "off")
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)

@@ -77,7 +77,8 @@ def chain_mode(device: torch.device, m: int) -> int:
     - ``"on"`` (``2``, the default): every kernel of the step is launched with PDL, waits for
       the kernel before it as it starts, then lets the next one launch; GEMMs launched with
       PDL signal once they have waited. Each kernel's programs thus become resident while its
-      predecessor runs, so the launch gaps between the step's ~11 kernels a layer overlap work.
+      predecessor runs, so the launch gaps between the step's ~11 kernels a layer overlap work
+      (:func:`gemm_pdl`).
       Measured on the H200 (``benchmarks/NOTES.md`` v15): 3-5 % off the Llama-3-8B batch-4
       step of the W4A4 methods. Signalling *before* waiting, so that a run of small kernels
       and the GEMM after them launch several kernels ahead, was 7-13 % slower.
@@ -94,6 +95,18 @@ def chain_mode(device: torch.device, m: int) -> int:
     if name not in PDL_CHAINS:
         raise UserInputError(f"{PDL_CHAIN_ENV_VAR}={name!r} is not allowed: choose one of {', '.join(PDL_CHAINS)}")
     return PDL_CHAINS[name] if m <= PDL_CHAIN_MAX_M else PDL_CHAINS["off"]
+
+
+def gemm_pdl(device: torch.device, m: int, pdl: bool) -> int:
+    """The ``PDL`` constexpr of a GEMM launch of ``m`` tokens (``_tl.wait_for_inputs``).
+
+    ``0``: launched without PDL; ``1``: with PDL, waiting for the kernel before; ``2``: also
+    signalling the kernel after once it has waited (the step's chain, :func:`chain_mode`, is on).
+    With the chain ``"off"`` a GEMM never signals, so back-to-back timed GEMMs do not overlap.
+    """
+    if not pdl:
+        return 0
+    return 2 if chain_mode(device, m) == PDL_CHAINS["on"] else 1
 
 
 def chain_launch(chain: int) -> dict:

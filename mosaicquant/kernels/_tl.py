@@ -195,11 +195,12 @@ _PREFETCH_L2 = tl.constexpr("prefetch.global.L2 [$1];\nmov.u32 $0, 0;")
 
 @triton.jit
 def wait_for_inputs(PDL: tl.constexpr):
-    """Block until the kernel before this one has finished and its writes are visible, then let the
-    kernel after this one launch (no-op without ``PDL``; the signal has no effect on a successor
-    launched without PDL)."""
+    """Block until the kernel before this one has finished and its writes are visible (``PDL``
+    true: the GEMM was launched with PDL); with ``PDL == 2`` (``_common.gemm_pdl``: the step's
+    chain is on) then let the kernel after this one launch."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
 
 

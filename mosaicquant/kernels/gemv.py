@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.kernels._common import check_triton_device, output_buffer, triton_interpreting, use_pdl
+from mosaicquant.kernels._common import check_triton_device, gemm_pdl, output_buffer, triton_interpreting, use_pdl
 from mosaicquant.kernels._tiles import LOCK_SLOTS, _sm_count, lock_buffer, pdl_launch
 from mosaicquant.kernels._tl import store_output, wait_for_inputs
 from mosaicquant.kernels.w4a4_gemm import X16_MAX_K, check_gemm_args
@@ -393,7 +393,7 @@ def gemv_triton(
         m, n, kw, a_packed.stride(0) // 4, qweight.stride(0) // 4, out.stride(0),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, BN_RES=bn_res, BKW_RES=bk_res // 8,
         BM=triton.next_power_of_2(m), BN=block_n, BKW=block_kw, SPLIT_K=split_k, EVEN_K=kw % block_kw == 0,
-        USE_ASM=not triton_interpreting(), PDL=pdl,
+        USE_ASM=not triton_interpreting(), PDL=gemm_pdl(a_packed.device, m, pdl),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return out

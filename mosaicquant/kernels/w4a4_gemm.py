@@ -46,6 +46,7 @@ from mosaicquant.kernels._common import (
     check_same_device,
     check_tensor,
     check_triton_device,
+    gemm_pdl,
     output_buffer,
     resolve_kernel,
     triton_interpreting,
@@ -349,7 +350,8 @@ def w4a4_gemm_triton(
         m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), pf_row,
         HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0,
         BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot,
-        USE_ASM=not triton_interpreting(), PDL=pdl, PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
+        USE_ASM=not triton_interpreting(), PDL=gemm_pdl(a_packed.device, m, pdl),
+        PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
         X16=bool(x16) and cfg.use_dot and k < X16_MAX_K,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
@@ -484,7 +486,8 @@ def w4a4_gemm_swapped_triton(
         *res, m, n, kp, a_split.shape[1], a_split.stride(0), qweight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=kp % block_kp == 0, RES_MODE=res_mode, TAIL_STAGES=tail_stages,
         BN_RES=bn_res, BKP_RES=bk_res // 2, BN=block_n, BM=block_m, GROUP_N=8,
-        USE_ASM=not triton_interpreting(), BKP=block_kp, SPLIT_K=split_k, PDL=pdl, X16=bool(x16),
+        USE_ASM=not triton_interpreting(), BKP=block_kp, SPLIT_K=split_k, PDL=gemm_pdl(a_split.device, m, pdl),
+        X16=bool(x16),
         E4M3_ASM=bool(e4m3_asm),
         num_warps=num_warps, num_stages=num_stages, **launch, **pdl_launch(pdl),
     )

@@ -62,6 +62,7 @@ from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels._common import (
     check_tensor,
     check_triton_device,
+    gemm_pdl,
     output_buffer,
     resolve_kernel,
     triton_interpreting,
@@ -428,7 +429,7 @@ def zipper_gemm_triton(
             m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), pf_row, n_dense,
             HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0,
             BN_RES=bn_res, BKP_RES=bk_res // 2, RKP=rkp, BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp,
-            SPLIT_K=cfg.split_k, USE_ASM=not triton_interpreting(), PDL=pdl,
+            SPLIT_K=cfg.split_k, USE_ASM=not triton_interpreting(), PDL=gemm_pdl(a_packed.device, m, pdl),
             PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0, X16=bool(x16) and k < X16_MAX_K,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
         )
@@ -443,7 +444,8 @@ def zipper_gemm_triton(
         HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0, MODE=_MODE_ID[fuse],
         BN_RES=bn_res, BKP_RES=bk_res // 2, RKP=rkp,
         BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot,
-        USE_ASM=not triton_interpreting(), PDL=pdl, PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
+        USE_ASM=not triton_interpreting(), PDL=gemm_pdl(a_packed.device, m, pdl),
+        PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
         X16=bool(x16) and cfg.use_dot and k < X16_MAX_K, DP4A_TOKENS=dp4a_tokens,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )

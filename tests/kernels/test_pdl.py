@@ -10,6 +10,7 @@ from mosaicquant.kernels._common import (
     PDL_ENV_VAR,
     chain_launch,
     chain_mode,
+    gemm_pdl,
     pdl_supported,
     use_pdl,
 )
@@ -61,6 +62,17 @@ def test_chain_mode_reads_the_environment(monkeypatch, env, want):
     assert chain_mode(torch.device("cuda"), PDL_CHAIN_MAX_M) == want
     assert chain_launch(want) == ({"launch_pdl": True} if want >= 2 else {})
     assert chain_mode(torch.device("cuda"), PDL_CHAIN_MAX_M + 1) == 1  # larger launches keep the plain pairs
+
+
+def test_gemms_signal_their_successor_only_inside_the_chain(monkeypatch):
+    monkeypatch.setattr(_common, "pdl_supported", lambda device: True)
+    monkeypatch.setenv(PDL_ENV_VAR, "1")
+    cuda = torch.device("cuda")
+    monkeypatch.setenv(PDL_CHAIN_ENV_VAR, "on")
+    assert gemm_pdl(cuda, 4, True) == 2 and gemm_pdl(cuda, 4, False) == 0
+    assert gemm_pdl(cuda, PDL_CHAIN_MAX_M + 1, True) == 1  # waits, but lets nothing start early
+    monkeypatch.setenv(PDL_CHAIN_ENV_VAR, "off")  # v6: back-to-back GEMMs do not overlap
+    assert gemm_pdl(cuda, 4, True) == 1
 
 
 def test_chain_mode_is_nothing_without_pdl_and_names_a_bad_mode(monkeypatch):
