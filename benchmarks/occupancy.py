@@ -1,7 +1,8 @@
 """Registers, shared memory and resident programs of the decode GEMMs, and ZipperEngine's time per split.
 
 For each Llama-3-8B linear at decode sizes: the dense W4A4 GEMM, ZipperEngine (10 % random
-residual; dp4a and tensor-core walks) and the decode GEMV at their default tiles, as compiled:
+residual; its tail walk, and where ``"auto"`` routes it its parallel mode, ``zip10_par``) and
+the decode GEMV at their default tiles, as compiled:
 registers a thread, shared memory a program, and how many programs the H200 holds at once
 (the least of the register file, shared memory and thread limits per SM, times the SMs) against
 the grid. A grid above that runs in more than one wave. Then ZipperEngine is timed at the
@@ -30,7 +31,7 @@ from zipper import check, clone_residual, random_residual, random_w4_copies, rep
 gemv_mod = importlib.import_module("mosaicquant.kernels.gemv")
 w4a4_mod = importlib.import_module("mosaicquant.kernels.w4a4_gemm")
 zipper_mod = importlib.import_module("mosaicquant.kernels.zipper")
-from mosaicquant.kernels._tiles import pick_config  # noqa: E402
+from mosaicquant.kernels._tiles import parallel_residual, pick_config  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
 from mosaicquant.kernels.gemv import gemv_triton  # noqa: E402
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_triton  # noqa: E402
@@ -84,6 +85,7 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     _capture(w4a4_mod._w4a4_gemm_kernel, "w4a4")
     _capture(zipper_mod._zipper_kernel, "zipper")
+    _capture(zipper_mod._zipper_parallel_kernel, "zipper_par")
     _capture(gemv_mod._gemv_kernel, "gemv")
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
@@ -115,7 +117,10 @@ def main(argv=None) -> int:
                                                                                     config=cfg), False)
                     else:
                         variants[tag] = ("zipper", lambda i, cfg=cfg: zipper_gemm_triton(
-                            ap, a_s, qws[i], wss[i], k, rs[i], block_map=maps[i], config=cfg), True)
+                            ap, a_s, qws[i], wss[i], k, rs[i], block_map=maps[i], config=cfg, mode="tail"), True)
+                        if split == base.split_k and parallel_residual(m, cfg, r.num_blocks / r.grid[0]):
+                            variants["zip10_par*"] = ("zipper_par", lambda i, cfg=cfg: zipper_gemm_triton(
+                                ap, a_s, qws[i], wss[i], k, rs[i], config=cfg, mode="parallel"), True)
             for variant, (kname, call, has_res) in variants.items():
                 out = call(0)
                 occ = occupancy(kname, sms)
