@@ -91,10 +91,30 @@ def chain_mode(device: torch.device, m: int) -> int:
     """
     if not use_pdl(device):
         return 0
+    return PDL_CHAINS[_chain_name()] if m <= PDL_CHAIN_MAX_M else PDL_CHAINS["off"]
+
+
+def _chain_name() -> str:
     name = os.environ.get(PDL_CHAIN_ENV_VAR, PDL_CHAIN_DEFAULT).strip().lower() or PDL_CHAIN_DEFAULT
     if name not in PDL_CHAINS:
         raise UserInputError(f"{PDL_CHAIN_ENV_VAR}={name!r} is not allowed: choose one of {', '.join(PDL_CHAINS)}")
-    return PDL_CHAINS[name] if m <= PDL_CHAIN_MAX_M else PDL_CHAINS["off"]
+    return name
+
+
+def check_kernel_environment() -> None:
+    """Check the kernels' environment variables, as a sweep starts (they are read at every launch).
+
+    Raises:
+        UserInputError: ``MOSAICQUANT_KERNEL``, ``MOSAICQUANT_PDL_CHAIN`` or
+            ``MOSAICQUANT_PREFETCH_MIB`` holding a value the first launch would refuse.
+    """
+    from mosaicquant.kernels._tiles import prefetch_env_mib
+
+    pref = os.environ.get(KERNEL_ENV_VAR, "auto").strip().lower()
+    if pref not in KERNEL_PREFERENCES:
+        raise UserInputError(f"{KERNEL_ENV_VAR}={pref!r} is not allowed: choose one of {', '.join(KERNEL_PREFERENCES)}")
+    _chain_name()
+    prefetch_env_mib()
 
 
 def gemm_pdl(device: torch.device, m: int, pdl: bool) -> int:

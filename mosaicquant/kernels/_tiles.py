@@ -151,6 +151,24 @@ def swapped_decode_config(m: int, n: int, kp: int, device: torch.device) -> dict
             "pdl": pdl_default(m, n, kp)}
 
 
+def prefetch_env_mib() -> float | None:
+    """``MOSAICQUANT_PREFETCH_MIB`` as MiB, ``None`` where it is unset or empty.
+
+    Raises:
+        UserInputError: a value that is not a number of MiB >= 0.
+    """
+    env = os.environ.get(PREFETCH_ENV_VAR, "").strip()
+    if not env:
+        return None
+    try:
+        value = float(env)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:
+        raise UserInputError(f"{PREFETCH_ENV_VAR}={env!r} is not allowed: a number of MiB >= 0")
+    return value
+
+
 def prefetch_row_bytes(n: int, kp: int, split: int, prefetch_mib: float | None,
                        default_mib: float | None = None) -> int:
     """Bytes of each weight row that one program of a PDL launch prefetches into L2.
@@ -168,13 +186,11 @@ def prefetch_row_bytes(n: int, kp: int, split: int, prefetch_mib: float | None,
         UserInputError: a negative or non-numeric cap.
     """
     if prefetch_mib is None:
-        env = os.environ.get(PREFETCH_ENV_VAR, "").strip()
-        if not env and default_mib is None:
+        prefetch_mib = prefetch_env_mib()
+        if prefetch_mib is None:
+            prefetch_mib = default_mib
+        if prefetch_mib is None:
             return kp if prefetch_default(n, kp) else 0
-        try:
-            prefetch_mib = float(env) if env else default_mib
-        except ValueError:
-            raise UserInputError(f"{PREFETCH_ENV_VAR}={env!r} is not a number of MiB (>= 0)") from None
     if not prefetch_mib >= 0:
         raise UserInputError(f"prefetch_mib={prefetch_mib!r} must be >= 0 (MiB prefetched per launch) or None")
     return min(kp, int(prefetch_mib * 2**20) // max(1, n * split))

@@ -46,6 +46,16 @@ def test_bad_input_is_one_line_exit_2(args, message, capsys):
     assert len(err) == 1 and err[0].startswith("mosaicquant: error:") and message in err[0], err
 
 
+def test_bad_kernel_environment_is_exit_2_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MOSAICQUANT_PDL_CHAIN", "sideways")
+    monkeypatch.setenv("MOSAICQUANT_OFFLINE", "1")
+    monkeypatch.setenv("MOSAICQUANT_CACHE", str(tmp_path / "empty-cache"))  # no asset: the check comes first
+    rc = main(["run", "--model", "smollm2-135m", "--methods", "fp16", "--suites", "accuracy", "--out",
+               str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "MOSAICQUANT_PDL_CHAIN='sideways'" in err[0], err
+
+
 def test_missing_asset_offline_is_exit_2(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MOSAICQUANT_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("MOSAICQUANT_OFFLINE", "1")

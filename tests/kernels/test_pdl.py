@@ -10,6 +10,7 @@ from mosaicquant.kernels._common import (
     PDL_ENV_VAR,
     chain_launch,
     chain_mode,
+    check_kernel_environment,
     gemm_pdl,
     pdl_supported,
     use_pdl,
@@ -107,6 +108,21 @@ def test_prefetch_cap_shares_the_bytes_between_rows_and_splits():
     assert 28672 * prefetch_row_bytes(28672, 2048, 1, 24) <= 24 * 2**20
     with pytest.raises(UserInputError, match="prefetch_mib"):
         prefetch_row_bytes(1, 1, 1, -1.0)
+
+
+@pytest.mark.parametrize("var,value,message", [
+    ("MOSAICQUANT_KERNEL", "cuda", "MOSAICQUANT_KERNEL='cuda' is not allowed: choose one of auto, triton, torch"),
+    ("MOSAICQUANT_PDL_CHAIN", "early", "MOSAICQUANT_PDL_CHAIN='early' is not allowed: choose one of off, on"),
+    ("MOSAICQUANT_PREFETCH_MIB", "-1", "MOSAICQUANT_PREFETCH_MIB='-1' is not allowed: a number of MiB >= 0"),
+    ("MOSAICQUANT_PREFETCH_MIB", "lots", "MOSAICQUANT_PREFETCH_MIB='lots' is not allowed"),
+])
+def test_kernel_environment_is_checked_up_front(monkeypatch, var, value, message):
+    for v in ("MOSAICQUANT_KERNEL", "MOSAICQUANT_PDL_CHAIN", "MOSAICQUANT_PREFETCH_MIB"):
+        monkeypatch.delenv(v, raising=False)
+    check_kernel_environment()  # the defaults pass
+    monkeypatch.setenv(var, value)
+    with pytest.raises(UserInputError, match=message):
+        check_kernel_environment()
 
 
 def test_launcher_default_cap_applies_without_the_environment(monkeypatch):
