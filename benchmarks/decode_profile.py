@@ -13,7 +13,7 @@ online Hadamard + quantizer, or in a kernel of its own), ``transformers`` (eager
 
 Variants (``--variant LABEL:VAR=VALUE[,VAR=VALUE]``, repeatable): environment settings the
 kernels read at launch (e.g. ``MOSAICQUANT_PDL_CHAIN``, ``MOSAICQUANT_PREFETCH_MIB``) or numeric
-constants named by module (``mosaicquant.kernels._tiles.DECODE_SPLIT_PROGRAMS_PER_SM=2``), each
+constants named by module (``mosaicquant.kernels._tiles.DENSE_PREFETCH_MIB=16``), each
 timed on the same model right after the others (``--rounds`` times, interleaved); the row's
 runtime reads ``fused[LABEL]``. With programmatic dependent launch a kernel's programs may start
 before its predecessor ends and wait, so the profiler's per-kernel times then include waiting:

@@ -348,17 +348,16 @@ def store_counted(
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tile = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-    # only the tile's rows of real tokens travel (a decode call of 4 tokens fills 4 of 16)
-    rows = (offs_m[:, None] < M) & (tl.arange(0, BN)[None, :] < BN)
+    # partials travel only within the output (a decode call of 4 tokens fills 4 of a tile's 16 rows)
     finish = expected == 1
     if not finish:
-        tl.store(part_ptr + (slot_base + slot).to(tl.int64) * (BM * BN) + tile, acc, mask=rows, cache_modifier=".cg")
+        tl.store(part_ptr + (slot_base + slot).to(tl.int64) * (BM * BN) + tile, acc, mask=mask, cache_modifier=".cg")
         arrived = tl.atomic_add(lock_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
         finish = arrived == expected - 1
         if finish:
             acc = tl.zeros([BM, BN], dtype=tl.float32)
             for s in range(0, expected):
-                acc += tl.load(part_ptr + (slot_base + s).to(tl.int64) * (BM * BN) + tile, mask=rows, other=0.0,
+                acc += tl.load(part_ptr + (slot_base + s).to(tl.int64) * (BM * BN) + tile, mask=mask, other=0.0,
                                cache_modifier=".cg")
             tl.atomic_xchg(lock_ptr + tile_id, 0, sem="relaxed", scope="gpu")
     if finish:
