@@ -121,6 +121,8 @@ def main(argv=None) -> int:
                         if split == base.split_k and parallel_residual(m, cfg, r.num_blocks / r.grid[0]):
                             variants["zip10_par*"] = ("zipper_par", lambda i, cfg=cfg: zipper_gemm_triton(
                                 ap, a_s, qws[i], wss[i], k, rs[i], config=cfg, mode="parallel"), True)
+                            variants["zip10_par_rows"] = ("zipper_par", lambda i, cfg=cfg: zipper_gemm_triton(
+                                ap, a_s, qws[i], wss[i], k, rs[i], config=cfg, mode="parallel_rows"), True)
             for variant, (kname, call, has_res) in variants.items():
                 out = call(0)
                 occ = occupancy(kname, sms)

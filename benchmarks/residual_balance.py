@@ -15,7 +15,8 @@ outside the timing):
   GEMM takes 128 x 128-byte tiles) ``zip10_n64w{warps}s{stages}``: 64-channel tiles with the
   same 128-byte K steps (each kept block then split over two programs);
 - ``zip10_par`` / ``zip10_even_par`` (M ≤ 16): ZipperEngine's parallel mode, each kept block in
-  programs of its own, summed into the dense tiles' fix-up; ``zip10_tail`` the tail walk (what
+  programs of its own, summed into the dense tiles' fix-up; ``zip10_par_rows`` one program per
+  block row walking its blocks instead; ``zip10_tail`` the tail walk (what
   ``"auto"`` picks may be either); where the default tiles split K, ``w4a4_s{n}``,
   ``zip10_tail_s{n}`` and ``zip10_par_s{n}`` for the other splits of 2, 4 and 8.
 
@@ -134,6 +135,7 @@ def main(argv=None) -> int:
                         block_m=16, block_n=64, block_kp=128, num_warps=warps, num_stages=stages)}
             if m <= 16:
                 opts["zip10_par"] = {"mode": "parallel"}
+                opts["zip10_par_rows"] = {"mode": "parallel_rows"}
                 opts["zip10_tail"] = {"mode": "tail"}
                 cfg = pick_config(m, n, kp, device)
                 for split in (2, 4, 8):
@@ -161,7 +163,7 @@ def main(argv=None) -> int:
                 print(f"{name:8s} M={m:<3d} {variant:16s} {us:8.2f} µs  ok={ok}", flush=True)
     print()
     names = ["w4a4", "w4a4_s2", "w4a4_s4", "w4a4_s8", "zip10", "zip10_tail", "zip10_tail_s2", "zip10_tail_s4",
-             "zip10_tail_s8", "zip10_even", "zip10_dot", "zip10_par", "zip10_par_s2", "zip10_par_s4", "zip10_par_s8",
+             "zip10_tail_s8", "zip10_even", "zip10_dot", "zip10_par", "zip10_par_rows", "zip10_par_s2", "zip10_par_s4", "zip10_par_s8",
              "zip10_even_par", "zip10_n64w4s4",
              "zip10_n64w4s3", "zip10_n64w8s3", "gemv", "gemv_zip10", "gemv_zip10_even"]
     print("| shape | M | " + " | ".join(f"{v} µs" for v in names) + " | zip10 / w4a4 | even / w4a4 | par / w4a4 |")

@@ -221,7 +221,7 @@ class QuantLinear(nn.Module):
         programs of their own; :func:`mosaicquant.kernels._tiles.parallel_residual`)."""
         if not self.fused or self.residual is None or self.uses_gemv(m) or self._swap_route(m) is not None:
             return False
-        if self.mode == "parallel":
+        if self.mode in ("parallel", "parallel_rows"):
             return True
         if self.mode != "auto":
             return False

@@ -40,6 +40,13 @@ partials plus one per kept block of the tile's block row and sums them in slot o
 (:func:`mosaicquant.kernels._tl.store_counted`). No program carries a heavy block row's walk
 after its dense loop, at the price of a partial per block.
 
+``"parallel_rows"``: as ``"parallel"``, but one program per (block row, ``BN``-row slice) walks
+all of the row's kept blocks, so a tile sums ``SPLIT_K`` partials plus one (where its row keeps
+any), and the grid holds one residual program per row instead of one per block (on gate/up at
+10 %: 224 instead of ~717; with the 224 dense programs ~1.1 waves instead of ~2.4 at 3 programs
+per SM, what an offline sm_90 compile's 80 registers a thread at 8 warps allows). Not routed by
+``"auto"``: not yet timed against ``"parallel"``.
+
 ``"auto"`` picks tail, or parallel where :func:`mosaicquant.kernels._tiles.parallel_residual`
 says so (measured faster there, ``benchmarks/NOTES.md`` v14): inline measured slower than
 tail at every M (v1), because the per-step residual dot doubles the operand conversion work,
@@ -103,7 +110,7 @@ __all__ = [
     "FUSE_MODES",
 ]
 
-FUSE_MODES = ("auto", "inline", "tail", "parallel")
+FUSE_MODES = ("auto", "inline", "tail", "parallel", "parallel_rows")
 RESIDUAL_WALKS = ("auto", "dot", "dp4a")  # how the tail mode multiplies the kept blocks
 _MODE_ID = {"inline": 1, "tail": 2}
 
@@ -225,15 +232,18 @@ def _zipper_parallel_kernel(
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr, RKP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, X16: tl.constexpr,
+    ROWS: tl.constexpr = False,
 ):
     # Programs [0, N_DENSE): the dense GEMM, SPLIT_K per output tile (one tile of M rows). Programs
-    # from N_DENSE: one per (kept block, BN-row slice of it). Every program adds its scaled partial
-    # to its tile's counted fix-up (store_counted): a tile sums SPLIT_K dense partials and one per
-    # kept block of its block row, in slot order.
+    # from N_DENSE: one per (kept block, BN-row slice of it), or with ROWS one per (block row,
+    # BN-row slice) walking all of the row's kept blocks. Every program adds its scaled partial to
+    # its tile's counted fix-up (store_counted): a tile sums SPLIT_K dense partials and one per kept
+    # block of its block row (ROWS: one for the whole row, if it keeps any), in slot order.
     SUB: tl.constexpr = BN_RES // BN  # tiles of one block row
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BM)
     safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    has_part = pid >= 0
     if pid < N_DENSE:
         t = pid // SPLIT_K
         slot = pid % SPLIT_K
@@ -243,6 +253,29 @@ def _zipper_parallel_kernel(
                             BM, BN, BKP, SPLIT_K, EVEN_K, True, USE_ASM, PDL, PREFETCH, X16)
         w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         y = acc.to(tl.float32) * w_scale[None, :]
+    elif ROWS:
+        block_row = (pid - N_DENSE) // SUB
+        sub = (pid - N_DENSE) % SUB  # which BN rows of the block row
+        t = block_row * SUB + sub
+        offs_n = t * BN + tl.arange(0, BN)
+        res_rows = (sub * BN + tl.arange(0, BN)).to(tl.int64)  # storage is padded to full blocks
+        p_first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
+        p_last = tl.load(row_ptr_ptr + block_row + 1).to(tl.int64)
+        has_part = p_last > p_first
+        slot = pid * 0 + SPLIT_K
+        wait_for_inputs(PDL)
+        y = tl.zeros([BM, BN], dtype=tl.float32)
+        for p in range(p_first, p_last):
+            block_col = tl.load(coords_ptr + 2 * p + 1)
+            r_acc = tl.zeros([BM, BN], dtype=tl.int32)
+            for chunk in tl.static_range(0, BKP_RES, RKP):
+                r = tl.load(res_val_ptr + p * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES
+                            + (chunk + tl.arange(0, RKP))[:, None])
+                kp = block_col * BKP_RES + chunk + tl.arange(0, RKP)
+                a = tl.load(a_ptr + safe_m[:, None] * stride_am + kp[None, :], mask=kp[None, :] < KP, other=0)
+                r_acc = mac_int4(r_acc, a, r, True, USE_ASM, X16)
+            r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows).to(tl.float32)
+            y += r_acc.to(tl.float32) * r_scale[None, :]
     else:
         p = ((pid - N_DENSE) // SUB).to(tl.int64)  # the kept block
         sub = (pid - N_DENSE) % SUB  # which BN rows of it
@@ -272,10 +305,16 @@ def _zipper_parallel_kernel(
     block_row_t = (t * BN) // BN_RES
     r_first = tl.load(row_ptr_ptr + block_row_t)
     r_count = tl.load(row_ptr_ptr + block_row_t + 1) - r_first
-    # slots before tile t: SPLIT_K per tile, and one per kept block of each earlier tile's block row
-    slot_base = t * SPLIT_K + SUB * r_first + (t % SUB) * r_count
-    if t * BN < N:  # a ragged last block row may reach past the last tile
-        store_counted(out_ptr, part_ptr, lock_ptr, t, slot_base, slot, SPLIT_K + r_count, y, bias_ptr,
+    if ROWS:
+        # SPLIT_K + 1 slots a tile; the row's partial counts only where the row keeps a block
+        slot_base = t * (SPLIT_K + 1)
+        expected = SPLIT_K + tl.minimum(r_count, 1)
+    else:
+        # slots before tile t: SPLIT_K per tile, and one per kept block of each earlier tile's block row
+        slot_base = t * SPLIT_K + SUB * r_first + (t % SUB) * r_count
+        expected = SPLIT_K + r_count
+    if (t * BN < N) & has_part:  # a ragged last block row may reach past the last tile
+        store_counted(out_ptr, part_ptr, lock_ptr, t, slot_base, slot, expected, y, bias_ptr,
                       offs_m, offs_n, M, N, stride_om, HAS_BIAS=HAS_BIAS, OUT_FP32=OUT_FP32)
 
 
@@ -350,8 +389,8 @@ def zipper_gemm_triton(
         residual: the layer's :class:`ResidualBlocks` (on the same device).
         block_map: :func:`residual_block_map` of ``residual`` (built here when ``None`` and the
             inline mode needs it; the other modes do not read it).
-        mode: ``"auto"``, ``"inline"``, ``"tail"`` or ``"parallel"`` (see module docstring; parallel
-            takes one tile of tokens, at most ``config.block_m``).
+        mode: ``"auto"``, ``"inline"``, ``"tail"``, ``"parallel"`` or ``"parallel_rows"`` (see module
+            docstring; the parallel modes take one tile of tokens, at most ``config.block_m``).
         out_fp32: write fp32 instead of BF16.
         config: tiles; shrunk to nest in the residual blocks.
         out: optional preallocated contiguous ``[M, N]`` output of the output dtype.
@@ -411,17 +450,19 @@ def zipper_gemm_triton(
         pdl = False
     pdl = use_pdl(a_packed.device, pdl)
     pf_row = prefetch_row_bytes(n, kp, split, prefetch_mib)
-    if fuse == "parallel":
+    if fuse in ("parallel", "parallel_rows"):
         if m > cfg.block_m or not cfg.use_dot:
-            raise UserInputError(f"mode='parallel' runs one tensor-core tile of {cfg.block_m} tokens; this call has "
+            raise UserInputError(f"mode={fuse!r} runs one tensor-core tile of {cfg.block_m} tokens; this call has "
                                  f"M={m}" + ("" if cfg.use_dot else " and tiles without tensor-core dots"))
         if tiles > LOCK_SLOTS:
-            raise UserInputError(f"mode='parallel' needs a counter per output tile: N={n} makes {tiles} tiles, "
+            raise UserInputError(f"mode={fuse!r} needs a counter per output tile: N={n} makes {tiles} tiles, "
                                  f"more than {LOCK_SLOTS}")
+        rows = fuse == "parallel_rows"
         sub = bn_res // cfg.block_n
         n_dense = tiles * cfg.split_k
-        n_res = sub * residual.num_blocks
-        part = torch.empty((n_dense + n_res) * cfg.block_m * cfg.block_n, dtype=torch.float32, device=out.device)
+        n_res = sub * (residual.grid[0] if rows else residual.num_blocks)
+        slots = tiles * (cfg.split_k + 1) if rows else n_dense + n_res
+        part = torch.empty(slots * cfg.block_m * cfg.block_n, dtype=torch.float32, device=out.device)
         _zipper_parallel_kernel[(n_dense + n_res,)](
             a_packed.view(torch.int8), a_scale, qweight.view(torch.int8), w_scale.reshape(-1),
             bias if bias is not None else a_scale, out, part, lock_buffer(out.device),
@@ -430,7 +471,7 @@ def zipper_gemm_triton(
             HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0,
             BN_RES=bn_res, BKP_RES=bk_res // 2, RKP=rkp, BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp,
             SPLIT_K=cfg.split_k, USE_ASM=not triton_interpreting(), PDL=gemm_pdl(a_packed.device, m, pdl),
-            PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0, X16=bool(x16) and k < X16_MAX_K,
+            PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0, X16=bool(x16) and k < X16_MAX_K, ROWS=rows,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
         )
         return out

@@ -158,7 +158,8 @@ def test_tail_walk_steps_through_blocks_of_uneven_width():
     (5, 96, 520, (32, 64), SPLIT),   # a ragged last block column; two dense splits
     (13, 130, 1000, (64, 128), WIDE_STEP),  # K steps wider than a block column
 ])
-def test_parallel_residual_programs_match_reference(m, n, k, block, config):
+@pytest.mark.parametrize("mode", ["parallel", "parallel_rows"])
+def test_parallel_residual_programs_match_reference(m, n, k, block, config, mode):
     # the kept blocks run in programs of their own, summed into the dense tiles' counted fix-up
     a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, 0.4, seed=m + n + 1)
     assert int(residual.row_ptr[-1] - residual.row_ptr[-2]) > 0  # the last block row keeps blocks
@@ -166,14 +167,30 @@ def test_parallel_residual_programs_match_reference(m, n, k, block, config):
     for rep in range(2):  # the tile counters are back at zero after a launch
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
         zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
-                           _dev(residual), bias.to(DEVICE), mode="parallel", out=out, config=config)
-        assert_close_bf16(out, ref, f"zipper parallel {m}x{n}x{k} run {rep}")
+                           _dev(residual), bias.to(DEVICE), mode=mode, out=out, config=config)
+        assert_close_bf16(out, ref, f"zipper {mode} {m}x{n}x{k} run {rep}")
     assert_residual_matters(a_packed, a_scale, qweight, w_scale, k, bias, ref)
     empty = ResidualBlocks.empty((n, k), block, device=DEVICE)  # no kept block: the dense GEMM alone
     got = zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
-                             empty, bias.to(DEVICE), mode="parallel", config=config)
+                             empty, bias.to(DEVICE), mode=mode, config=config)
     dense = w4a4_gemm_reference(a_packed, a_scale, qweight, w_scale, k, bias, out_fp32=True)
-    assert_close_bf16(got, dense, "zipper parallel, no kept block")
+    assert_close_bf16(got, dense, f"zipper {mode}, no kept block")
+
+
+@needs_triton()
+def test_parallel_rows_mode_counts_only_rows_that_keep_blocks():
+    # block rows with and without kept blocks side by side: a tile's fix-up expects the row's partial
+    # only where the row keeps one
+    m, n, k, block = 6, 256, 512, (64, 64)
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, 0.1, seed=21)
+    per_row = torch.diff(residual.row_ptr.long())
+    assert (per_row == 0).any() and (per_row > 0).any(), per_row
+    ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
+    for rep in range(2):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
+                           _dev(residual), bias.to(DEVICE), mode="parallel_rows", out=out, config=SPLIT)
+        assert_close_bf16(out, ref, f"zipper parallel_rows, rows with and without blocks, run {rep}")
 
 
 def test_parallel_mode_refuses_more_tokens_than_one_tile():
