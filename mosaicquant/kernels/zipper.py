@@ -224,6 +224,30 @@ def _zipper_kernel(
 
 
 @triton.jit
+def _block_chunk(res_val_ptr, p, res_rows, chunk, BN_RES: tl.constexpr, BKP_RES: tl.constexpr, RKP: tl.constexpr):
+    """``RKP`` packed columns from ``chunk`` of kept block ``p``'s rows ``res_rows``, as a ``[RKP, BN]`` dot operand."""
+    return tl.load(res_val_ptr + p * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES
+                   + (chunk + tl.arange(0, RKP))[:, None])
+
+
+@triton.jit
+def _block_product(r, a_ptr, res_val_ptr, res_scale_ptr, p, block_col, res_rows, safe_m, stride_am, KP,
+                   BM: tl.constexpr, BN: tl.constexpr, BN_RES: tl.constexpr, BKP_RES: tl.constexpr,
+                   RKP: tl.constexpr, USE_ASM: tl.constexpr, X16: tl.constexpr):
+    """fp32 ``[BM, BN]``: kept block ``p`` (block column ``block_col``) times the activations, scaled by
+    its row scales; ``r`` is its first chunk (:func:`_block_chunk`), loaded by the caller."""
+    r_acc = tl.zeros([BM, BN], dtype=tl.int32)
+    for chunk in tl.static_range(0, BKP_RES, RKP):
+        if chunk > 0:
+            r = _block_chunk(res_val_ptr, p, res_rows, chunk, BN_RES, BKP_RES, RKP)
+        kp = block_col * BKP_RES + chunk + tl.arange(0, RKP)
+        a = tl.load(a_ptr + safe_m[:, None] * stride_am + kp[None, :], mask=kp[None, :] < KP, other=0)
+        r_acc = mac_int4(r_acc, a, r, True, USE_ASM, X16)
+    r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows).to(tl.float32)
+    return r_acc.to(tl.float32) * r_scale[None, :]
+
+
+@triton.jit
 def _zipper_parallel_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
@@ -266,16 +290,9 @@ def _zipper_parallel_kernel(
         wait_for_inputs(PDL)
         y = tl.zeros([BM, BN], dtype=tl.float32)
         for p in range(p_first, p_last):
-            block_col = tl.load(coords_ptr + 2 * p + 1)
-            r_acc = tl.zeros([BM, BN], dtype=tl.int32)
-            for chunk in tl.static_range(0, BKP_RES, RKP):
-                r = tl.load(res_val_ptr + p * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES
-                            + (chunk + tl.arange(0, RKP))[:, None])
-                kp = block_col * BKP_RES + chunk + tl.arange(0, RKP)
-                a = tl.load(a_ptr + safe_m[:, None] * stride_am + kp[None, :], mask=kp[None, :] < KP, other=0)
-                r_acc = mac_int4(r_acc, a, r, True, USE_ASM, X16)
-            r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows).to(tl.float32)
-            y += r_acc.to(tl.float32) * r_scale[None, :]
+            r = _block_chunk(res_val_ptr, p, res_rows, 0, BN_RES, BKP_RES, RKP)
+            y += _block_product(r, a_ptr, res_val_ptr, res_scale_ptr, p, tl.load(coords_ptr + 2 * p + 1), res_rows,
+                                safe_m, stride_am, KP, BM, BN, BN_RES, BKP_RES, RKP, USE_ASM, X16)
     else:
         p = ((pid - N_DENSE) // SUB).to(tl.int64)  # the kept block
         sub = (pid - N_DENSE) % SUB  # which BN rows of it
@@ -285,19 +302,10 @@ def _zipper_parallel_kernel(
         offs_n = t * BN + tl.arange(0, BN)
         res_rows = (sub * BN + tl.arange(0, BN)).to(tl.int64)  # storage is padded to full blocks
         slot = SPLIT_K + (p - tl.load(row_ptr_ptr + block_row)).to(tl.int32)
-        r = tl.load(res_val_ptr + p * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES
-                    + tl.arange(0, RKP)[:, None])  # the weights do not depend on the kernel before us
+        r = _block_chunk(res_val_ptr, p, res_rows, 0, BN_RES, BKP_RES, RKP)  # weights: not from the kernel before
         wait_for_inputs(PDL)
-        r_acc = tl.zeros([BM, BN], dtype=tl.int32)
-        for chunk in tl.static_range(0, BKP_RES, RKP):
-            if chunk > 0:
-                r = tl.load(res_val_ptr + p * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES
-                            + (chunk + tl.arange(0, RKP))[:, None])
-            kp = block_col * BKP_RES + chunk + tl.arange(0, RKP)
-            a = tl.load(a_ptr + safe_m[:, None] * stride_am + kp[None, :], mask=kp[None, :] < KP, other=0)
-            r_acc = mac_int4(r_acc, a, r, True, USE_ASM, X16)
-        r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows).to(tl.float32)
-        y = r_acc.to(tl.float32) * r_scale[None, :]
+        y = _block_product(r, a_ptr, res_val_ptr, res_scale_ptr, p, block_col, res_rows, safe_m, stride_am, KP,
+                           BM, BN, BN_RES, BKP_RES, RKP, USE_ASM, X16)
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     y = y * a_scale[:, None]
     if X16:  # every product was 256x: exact power-of-two rescale (the same rounding as without)
