@@ -16,7 +16,9 @@ outside the timing):
   same 128-byte K steps (each kept block then split over two programs);
 - ``zip10_par`` / ``zip10_even_par`` (M ≤ 16): ZipperEngine's parallel mode, each kept block in
   programs of its own, summed into the dense tiles' fix-up; ``zip10_par_rows`` one program per
-  block row walking its blocks instead; ``zip10_tail`` the tail walk (what
+  block row walking its blocks instead; on gate/up ``zip10_par[_rows]_silu`` that GEMM followed by the
+  SiLU·mul kernel and ``zip10_par[_rows]_gated`` the GEMM writing SiLU·mul itself (``gated=True``);
+  ``zip10_tail`` the tail walk (what
   ``"auto"`` picks may be either); where the default tiles split K, ``w4a4_s{n}``,
   ``zip10_tail_s{n}`` and ``zip10_par_s{n}`` for the other splits of 2, 4 and 8.
 
@@ -52,6 +54,7 @@ from zipper import (  # noqa: E402
 
 from mosaicquant.kernels._tiles import TileConfig, pick_config  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
+from mosaicquant.kernels.decoder import silu_mul, silu_mul_reference  # noqa: E402
 from mosaicquant.kernels.gemv import gemv_triton  # noqa: E402
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_triton  # noqa: E402
 from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm_reference, zipper_gemm_triton  # noqa: E402
@@ -142,6 +145,7 @@ def main(argv=None) -> int:
                     if cfg.split_k > 1 and cfg.split_k != split:
                         opts[f"zip10_par_s{split}"] = {"mode": "parallel", "config": replace(cfg, split_k=split)}
                         opts[f"zip10_tail_s{split}"] = {"mode": "tail", "config": replace(cfg, split_k=split)}
+                        opts[f"zip10_par_rows_s{split}"] = {"mode": "parallel_rows", "config": replace(cfg, split_k=split)}
                         ok, rel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k,
                                                          config=replace(cfg, split_k=split)), ref0)
                         variants[f"w4a4_s{split}"] = ([(lambda i=i, c=replace(cfg, split_k=split): w4a4_gemm_triton(
@@ -150,6 +154,15 @@ def main(argv=None) -> int:
                 ok, rel = check(zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], block_map=maps[0], **kw), zref)
                 variants[variant] = ([(lambda i=i, kw=kw: zipper_gemm_triton(
                     ap, a_s, qws[i], wss[i], k, rs[i], block_map=maps[i], **kw)) for i in range(copies)], ok)
+            if m <= 16 and name == "gate_up":  # SiLU·mul written by the pair fix-up, against the GEMM + SiLU·mul kernel
+                gref = silu_mul_reference(zref.to(torch.bfloat16))
+                for variant, mode in (("zip10_par_gated", "parallel"), ("zip10_par_rows_gated", "parallel_rows")):
+                    ok, rel = check(zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], mode=mode, gated=True), gref)
+                    variants[variant] = ([(lambda i=i, mode=mode: zipper_gemm_triton(
+                        ap, a_s, qws[i], wss[i], k, rs[i], mode=mode, gated=True)) for i in range(copies)], ok)
+                for variant, mode in (("zip10_par_silu", "parallel"), ("zip10_par_rows_silu", "parallel_rows")):
+                    variants[variant] = ([(lambda i=i, mode=mode: silu_mul(zipper_gemm_triton(
+                        ap, a_s, qws[i], wss[i], k, rs[i], mode=mode))) for i in range(copies)], True)
             if m <= 16:
                 ers, emaps = res["_even"]
                 eref = zipper_gemm_reference(ap, a_s, qweight, w_scale, k, ers[0], out_fp32=True)
@@ -164,6 +177,8 @@ def main(argv=None) -> int:
     print()
     names = ["w4a4", "w4a4_s2", "w4a4_s4", "w4a4_s8", "zip10", "zip10_tail", "zip10_tail_s2", "zip10_tail_s4",
              "zip10_tail_s8", "zip10_even", "zip10_dot", "zip10_par", "zip10_par_rows", "zip10_par_s2", "zip10_par_s4", "zip10_par_s8",
+             "zip10_par_rows_s2", "zip10_par_rows_s4", "zip10_par_rows_s8", "zip10_par_silu", "zip10_par_gated",
+             "zip10_par_rows_silu", "zip10_par_rows_gated",
              "zip10_even_par", "zip10_n64w4s4",
              "zip10_n64w4s3", "zip10_n64w8s3", "gemv", "gemv_zip10", "gemv_zip10_even"]
     print("| shape | M | " + " | ".join(f"{v} µs" for v in names) + " | zip10 / w4a4 | even / w4a4 | par / w4a4 |")

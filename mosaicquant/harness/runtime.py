@@ -55,6 +55,11 @@ TRANSFORMERS_DESCRIPTION = "transformers eager decoder (static KV cache, 16-bit 
 # SiLU·mul inside down_proj's fused online Hadamard + quantizer (methods with that Hadamard: QuaRot,
 # SpinQuant, MosaicQuant) instead of a kernel of its own.
 SILU_IN_HADAMARD = False
+# SiLU·mul written by gate/up's own GEMM where it can (ZipperEngine's parallel modes at decode sizes,
+# BF16 models, down_proj's quantizer not taking it: QuantLinear.writes_gated) instead of a kernel of its own.
+# Measured (v16, Llama-3-8B shapes, MosaicQuant's CUDA-graph step at batch 4 / 8 / 16, µs): 3,109 / 3,244 /
+# 3,546 with the kernel, 2,979 / 3,164 / 3,478 without it.
+SILU_IN_GATE_UP = True
 
 _STANDARD_ATTENTION = (None, "sdpa", "eager", "flash_attention_2", "flash_attention_3")
 _KV_SPEC_ATTR = "kv_quant_spec"  # mosaicquant.methods.kvcache's per-attention-module spec
@@ -401,9 +406,19 @@ class FusedDecoder:
                     seq = torch.arange(positions.shape[0], device=positions.device) // tokens_per_seq
                 q = _quantize_new_kv(q, keys[i], values[i], seq, positions, lay.kv_spec)
             a = attend(q, keys[i], values[i], lay.scaling)
-            gate_up = self._norm_then(lay.o_proj(a), lay.post_norm, residual, lay.gate_up, lay.gate_up_quant)
-            h = self._silu_down(gate_up, lay.down_proj, lay.down_quant, lay.down_transform)
+            gated = self._gate_up_writes_silu(lay, x.shape[0])
+            gate_up = self._norm_then(lay.o_proj(a), lay.post_norm, residual, lay.gate_up, lay.gate_up_quant, gated)
+            h = lay.down_proj(gate_up) if gated else self._silu_down(gate_up, lay.down_proj, lay.down_quant,
+                                                                     lay.down_transform)
         return h, residual
+
+    def _gate_up_writes_silu(self, lay: _Layer, m: int) -> bool:
+        """Whether gate/up's GEMM writes SiLU·mul itself for ``m`` tokens (:data:`SILU_IN_GATE_UP`)."""
+        from mosaicquant.kernels.quant_linear import QuantLinear
+
+        quant = lay.gate_up_quant
+        return (SILU_IN_GATE_UP and lay.down_quant is None and self.dtype == torch.bfloat16
+                and isinstance(quant, QuantLinear) and quant.writes_gated(m))
 
     def _silu_down(self, gate_up: torch.Tensor, down: nn.Module, quant, transform=None) -> torch.Tensor:
         """``down(silu_mul(gate_up))``; with ``quant`` (see :meth:`_gated_input`) SiLU·mul runs inside its
@@ -424,8 +439,9 @@ class FusedDecoder:
         return y.to(gate_up.dtype)
 
     def _norm_then(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, stacked: _Stacked,
-                   quant) -> torch.Tensor:
-        """``stacked(rmsnorm(x))`` (after ``residual += x``); with ``quant`` the norm also quantizes for it."""
+                   quant, gated: bool = False) -> torch.Tensor:
+        """``stacked(rmsnorm(x))`` (after ``residual += x``); with ``quant`` the norm also quantizes for it;
+        ``gated``: the GEMM writes SiLU·mul of its ``[gate | up]`` halves (:meth:`_gate_up_writes_silu`)."""
         from mosaicquant.kernels.decoder import rmsnorm, rmsnorm_quant
 
         if quant is None:
@@ -433,6 +449,8 @@ class FusedDecoder:
         swapped = quant.uses_swapped(x.shape[0], "triton")
         a, scale = rmsnorm_quant(x, norm.weight, norm.variance_epsilon, residual, quant.act_clip_ratio,
                                  "split8" if swapped else "packed", kernel="triton")
+        if gated:
+            return quant.forward_quantized(a, scale, "triton", gated=True)
         y = quant.forward_split8(a, scale) if swapped else quant.forward_quantized(a, scale, "triton")
         return y.to(x.dtype)
 

@@ -18,7 +18,7 @@ from mosaicquant.harness.errors import UserInputError
 __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MIN_M", "SWAP_MIN_TILES_PER_SM",
            "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "DP4A_WALK_MAX_M", "PARALLEL_MIN_M", "PARALLEL_MAX_M",
            "PARALLEL_MAX_SPLIT", "PARALLEL_MAX_BLOCKS_PER_ROW", "DENSE_PREFETCH_MIB",
-           "parallel_residual", "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
+           "parallel_mode", "parallel_residual", "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
            "swapped_prefill"]
 
 # Up to this many rows the GEMMs use CUDA-core multiply-adds instead of tensor-core dots
@@ -109,6 +109,17 @@ PARALLEL_MIN_M = 4
 PARALLEL_MAX_M = 16
 PARALLEL_MAX_SPLIT = 4
 PARALLEL_MAX_BLOCKS_PER_ROW = 6.0
+# Which parallel mode "auto" runs: one program per block row walking its kept blocks ("parallel_rows")
+# on tiles that split K at most PARALLEL_ROWS_MAX_SPLIT ways, else one program per kept block
+# ("parallel"). GEMM alone (v16, M = 2-16): on gate/up (unsplit) the row walk was 1.00-1.06x faster,
+# on q/k/v (split 4) 1.17-1.25x slower; in the decode step with the row walk on gate/up only,
+# MosaicQuant's batch-4 / 8 / 16 step 3,109 / 3,244 / 3,546 -> 2,994 / 3,225 / 3,503 us.
+PARALLEL_ROWS_MAX_SPLIT = 1
+
+
+def parallel_mode(cfg: "TileConfig") -> str:
+    """The parallel mode ``"auto"`` runs on ``cfg``'s tiles where :func:`parallel_residual` says so."""
+    return "parallel_rows" if cfg.split_k <= PARALLEL_ROWS_MAX_SPLIT else "parallel"
 
 
 def parallel_residual(m: int, cfg: "TileConfig", blocks_per_row: float = 0.0) -> bool:

@@ -355,10 +355,7 @@ def store_counted(
         arrived = tl.atomic_add(lock_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
         finish = arrived == expected - 1
         if finish:
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
-            for s in range(0, expected):
-                acc += tl.load(part_ptr + (slot_base + s).to(tl.int64) * (BM * BN) + tile, mask=mask, other=0.0,
-                               cache_modifier=".cg")
+            acc = sum_slots(part_ptr, slot_base, expected, tile, mask, BM, BN)
             tl.atomic_xchg(lock_ptr + tile_id, 0, sem="relaxed", scope="gpu")
     if finish:
         if HAS_BIAS:
@@ -367,6 +364,47 @@ def store_counted(
             tl.store(out_ptr + out_offs, acc, mask=mask)
         else:
             tl.store(out_ptr + out_offs, acc.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def sum_slots(part_ptr, base, count, tile, mask, BM: tl.constexpr, BN: tl.constexpr):
+    """fp32 sum of the ``[BM, BN]`` partial slots ``base … base + count - 1``, in slot order."""
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for s in range(0, count):
+        acc += tl.load(part_ptr + (base + s).to(tl.int64) * (BM * BN) + tile, mask=mask, other=0.0,
+                       cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
+def store_counted_gated(
+    out_ptr, part_ptr, lock_ptr, pair_id, slot, base_g, exp_g, base_u, exp_u, acc, bias_ptr,
+    offs_m, offs_c, M, HALF_N, stride_om, HAS_BIAS: tl.constexpr,
+):
+    """:func:`store_counted` for a pair of tiles of stacked ``[gate | up]`` columns, written as ``silu(g) · u``.
+
+    Every contributor to the gate tile or the up tile of columns ``offs_c`` writes its fp32
+    partial to slot ``slot`` and bumps the pair's counter ``pair_id``; the last of the ``exp_g +
+    exp_u`` to arrive sums the gate slots ``base_g …`` and the up slots ``base_u …`` in order, adds
+    the bias, rounds both to BF16 (as the GEMM's output is rounded) and writes
+    ``bf16(silu(g)) · u`` in BF16 (:func:`silu_mul_rounded`), at ``[M, HALF_N]``. The same bits as
+    the GEMM's ``[M, 2 · HALF_N]`` BF16 output followed by the SiLU·mul kernel.
+    """
+    BM: tl.constexpr = acc.shape[0]
+    BN: tl.constexpr = acc.shape[1]
+    mask = (offs_m[:, None] < M) & (offs_c[None, :] < HALF_N)
+    tile = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+    tl.store(part_ptr + slot.to(tl.int64) * (BM * BN) + tile, acc, mask=mask, cache_modifier=".cg")
+    arrived = tl.atomic_add(lock_ptr + pair_id, 1, sem="acq_rel", scope="gpu")
+    if arrived == exp_g + exp_u - 1:
+        g = sum_slots(part_ptr, base_g, exp_g, tile, mask, BM, BN)
+        u = sum_slots(part_ptr, base_u, exp_u, tile, mask, BM, BN)
+        tl.atomic_xchg(lock_ptr + pair_id, 0, sem="relaxed", scope="gpu")
+        if HAS_BIAS:
+            g += tl.load(bias_ptr + offs_c, mask=offs_c < HALF_N, other=0.0)[None, :]
+            u += tl.load(bias_ptr + HALF_N + offs_c, mask=offs_c < HALF_N, other=0.0)[None, :]
+        y = silu_mul_rounded(round_to_bf16(g), round_to_bf16(u), True)
+        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_c[None, :], y.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit

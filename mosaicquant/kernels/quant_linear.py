@@ -33,6 +33,8 @@ from mosaicquant.kernels._tiles import (
     GEMV_ROUTE_MAX_M,
     SWAP_DECODE_M,
     SWAP_MIN_M,
+    fit_to_blocks,
+    parallel_mode,
     parallel_residual,
     pick_config,
     swapped_decode_config,
@@ -48,7 +50,7 @@ from mosaicquant.kernels.w4a4_gemm import (
     w4a4_gemm_swapped_triton,
     w4a4_gemm_triton,
 )
-from mosaicquant.kernels.zipper import FUSE_MODES, check_residual, residual_block_map, zipper_gemm
+from mosaicquant.kernels.zipper import FUSE_MODES, check_residual, gated_reason, residual_block_map, zipper_gemm
 from mosaicquant.methods.format import PackedW4, ResidualBlocks
 
 __all__ = ["QuantLinear"]
@@ -228,6 +230,18 @@ class QuantLinear(nn.Module):
         cfg = pick_config(m, self.out_features, self.qweight.shape[1], self.qweight.device, self.block_shape)
         return parallel_residual(m, cfg, self.residual.num_blocks / max(1, self.residual.grid[0]))
 
+    def writes_gated(self, m: int) -> bool:
+        """Whether a Triton call of ``m`` packed tokens can write SiLU·mul of this stacked ``[gate | up]``
+        layer itself (``forward_quantized(..., gated=True)``: ZipperEngine's parallel modes sum each gate
+        tile with its up tile, :func:`mosaicquant.kernels.zipper.gated_reason`)."""
+        if not self.uses_parallel_residual(m):
+            return False
+        n, kp = self.out_features, self.qweight.shape[1]
+        cfg = fit_to_blocks(pick_config(m, n, kp, self.qweight.device, self.block_shape), self.block_shape,
+                            nest_k=False)
+        mode = parallel_mode(cfg) if self.mode == "auto" else self.mode
+        return gated_reason(m, n, cfg, self.block_shape, mode) is None
+
     def uses_swapped(self, m: int, backend: str) -> bool:
         """Whether a call of ``m`` tokens on ``backend`` runs the operand-swapped GEMM (prefill, or decode tiles)."""
         return backend == "triton" and self._swap_route(m) is not None
@@ -252,15 +266,24 @@ class QuantLinear(nn.Module):
         return w4a4_gemm_swapped_triton(a_split, a_scale, self.qweight, self.w_scale, self.in_features, self.bias,
                                         residual=self.residual, **tiles)
 
-    def forward_quantized(self, a_packed: torch.Tensor, a_scale: torch.Tensor, backend: str) -> torch.Tensor:
+    def forward_quantized(self, a_packed: torch.Tensor, a_scale: torch.Tensor, backend: str,
+                          gated: bool = False) -> torch.Tensor:
         """The GEMM part on already quantized activations: ``[M, ceil(K/2)]`` packed + ``[M]`` scales → ``[M, N]`` BF16.
 
         For callers that quantize the activations themselves (e.g. fused with an online
         Hadamard, :mod:`mosaicquant.kernels.hadamard_quant`); ``backend`` is ``"triton"`` or
-        ``"torch"`` (:func:`mosaicquant.kernels.resolve_kernel`).
+        ``"torch"`` (:func:`mosaicquant.kernels.resolve_kernel`). ``gated``: this layer is stacked
+        ``[gate | up]``; return ``bf16(silu(gate)) · up``, ``[M, N / 2]``, written by the GEMM where
+        :meth:`writes_gated` says so (else :class:`UserInputError`).
         """
         k = self.in_features
         residual = self.residual
+        if gated:
+            m = a_packed.shape[0]
+            if residual is None or not self.fused or (backend == "triton" and not self.writes_gated(m)):
+                raise UserInputError(f"this layer cannot write SiLU·mul in its GEMM at M={m} (see writes_gated)")
+            return zipper_gemm(a_packed, a_scale, self.qweight, self.w_scale, k, residual, self.bias,
+                               kernel=backend, block_map=self.res_block_map, mode=self.mode, gated=True)
         if backend == "triton" and self.uses_gemv(a_packed.shape[0]):
             return gemv_triton(a_packed, a_scale, self.qweight, self.w_scale, k, self.bias, residual=residual)
         if residual is None:

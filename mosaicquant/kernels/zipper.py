@@ -44,8 +44,15 @@ after its dense loop, at the price of a partial per block.
 all of the row's kept blocks, so a tile sums ``SPLIT_K`` partials plus one (where its row keeps
 any), and the grid holds one residual program per row instead of one per block (on gate/up at
 10 %: 224 instead of ~717; with the 224 dense programs ~1.1 waves instead of ~2.4 at 3 programs
-per SM, what an offline sm_90 compile's 80 registers a thread at 8 warps allows). Not routed by
-``"auto"``: not yet timed against ``"parallel"``.
+per SM, what an offline sm_90 compile's 80 registers a thread at 8 warps allows). ``"auto"`` runs
+it on tiles that split K at most :data:`mosaicquant.kernels._tiles.PARALLEL_ROWS_MAX_SPLIT` ways
+(gate/up; on q/k/v, split 4, it was 1.17-1.25x slower than ``"parallel"``, ``benchmarks/NOTES.md`` v16).
+
+``gated=True`` (both parallel modes; a stacked ``[gate | up]`` layer): gate tile ``q`` and up tile
+``q + I / BN`` share one counter; the last of their contributors sums each tile's partials in slot
+order, rounds both to BF16 and writes ``bf16(silu(g)) · u`` at ``[M, I]``
+(:func:`mosaicquant.kernels._tl.store_counted_gated`): the same bits as the GEMM's BF16 output
+followed by the SiLU·mul kernel, one kernel fewer in the decode step.
 
 ``"auto"`` picks tail, or parallel where :func:`mosaicquant.kernels._tiles.parallel_residual`
 says so (measured faster there, ``benchmarks/NOTES.md`` v14): inline measured slower than
@@ -82,6 +89,7 @@ from mosaicquant.kernels._tiles import (
     TileConfig,
     fit_to_blocks,
     lock_buffer,
+    parallel_mode,
     parallel_residual,
     pdl_default,
     pdl_launch,
@@ -93,6 +101,7 @@ from mosaicquant.kernels._tl import (
     mac_int4,
     prefetch_rows_l2,
     store_counted,
+    store_counted_gated,
     store_output,
     tile_indices,
     wait_for_inputs,
@@ -102,6 +111,7 @@ from mosaicquant.kernels.w4a4_gemm import X16_MAX_K, check_gemm_args, int_matmul
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 
 __all__ = [
+    "gated_reason",
     "zipper_gemm",
     "zipper_gemm_triton",
     "zipper_gemm_reference",
@@ -256,7 +266,7 @@ def _zipper_parallel_kernel(
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr, RKP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, X16: tl.constexpr,
-    ROWS: tl.constexpr = False,
+    ROWS: tl.constexpr = False, GATED: tl.constexpr = False,
 ):
     # Programs [0, N_DENSE): the dense GEMM, SPLIT_K per output tile (one tile of M rows). Programs
     # from N_DENSE: one per (kept block, BN-row slice of it), or with ROWS one per (block row,
@@ -310,6 +320,26 @@ def _zipper_parallel_kernel(
     y = y * a_scale[:, None]
     if X16:  # every product was 256x: exact power-of-two rescale (the same rounding as without)
         y = y * 0.00390625
+    if GATED:  # stacked [gate | up] columns: gate tile q and up tile q + HALF finish together
+        HALF = (N // 2) // BN
+        q = t % HALF
+        base_g, exp_g = _tile_slots(row_ptr_ptr, q, BN, BN_RES, SPLIT_K, ROWS)
+        base_u, exp_u = _tile_slots(row_ptr_ptr, q + HALF, BN, BN_RES, SPLIT_K, ROWS)
+        if has_part:
+            store_counted_gated(out_ptr, part_ptr, lock_ptr, q, tl.where(t < HALF, base_g, base_u) + slot,
+                                base_g, exp_g, base_u, exp_u, y, bias_ptr, offs_m, q * BN + tl.arange(0, BN), M,
+                                N // 2, stride_om, HAS_BIAS=HAS_BIAS)
+    else:
+        slot_base, expected = _tile_slots(row_ptr_ptr, t, BN, BN_RES, SPLIT_K, ROWS)
+        if (t * BN < N) & has_part:  # a ragged last block row may reach past the last tile
+            store_counted(out_ptr, part_ptr, lock_ptr, t, slot_base, slot, expected, y, bias_ptr,
+                          offs_m, offs_n, M, N, stride_om, HAS_BIAS=HAS_BIAS, OUT_FP32=OUT_FP32)
+
+
+@triton.jit
+def _tile_slots(row_ptr_ptr, t, BN: tl.constexpr, BN_RES: tl.constexpr, SPLIT_K: tl.constexpr, ROWS: tl.constexpr):
+    """``(first slot, partials expected)`` of output tile ``t`` in the parallel modes' fix-up."""
+    SUB: tl.constexpr = BN_RES // BN
     block_row_t = (t * BN) // BN_RES
     r_first = tl.load(row_ptr_ptr + block_row_t)
     r_count = tl.load(row_ptr_ptr + block_row_t + 1) - r_first
@@ -321,9 +351,7 @@ def _zipper_parallel_kernel(
         # slots before tile t: SPLIT_K per tile, and one per kept block of each earlier tile's block row
         slot_base = t * SPLIT_K + SUB * r_first + (t % SUB) * r_count
         expected = SPLIT_K + r_count
-    if (t * BN < N) & has_part:  # a ragged last block row may reach past the last tile
-        store_counted(out_ptr, part_ptr, lock_ptr, t, slot_base, slot, expected, y, bias_ptr,
-                      offs_m, offs_n, M, N, stride_om, HAS_BIAS=HAS_BIAS, OUT_FP32=OUT_FP32)
+    return slot_base, expected
 
 
 def check_residual(residual: ResidualBlocks, n: int, k: int) -> None:
@@ -371,6 +399,23 @@ def _resolve_mode(mode: str, m: int) -> str:
     return mode
 
 
+def gated_reason(m: int, n: int, cfg: TileConfig, block_shape: tuple[int, int], mode: str,
+                 out_fp32: bool = False) -> str | None:
+    """Why :func:`zipper_gemm_triton` cannot write SiLU·mul of a stacked ``[gate | up]`` call (``gated=True``)
+    of ``m`` tokens on ``cfg``'s tiles in ``mode`` (after ``"auto"`` is resolved), or ``None``."""
+    if mode not in ("parallel", "parallel_rows"):
+        return f"mode {mode!r} has no counted fix-up (the parallel modes have)"
+    if out_fp32:
+        return "it writes BF16 (out_fp32=True was asked)"
+    half = n // 2
+    if n % 2 or half % cfg.block_n or half % block_shape[0]:
+        return (f"N={n} is not two halves of whole {cfg.block_n}-channel tiles and {block_shape[0]}-row "
+                f"residual blocks")
+    if m > cfg.block_m:
+        return f"M={m} is more than one tile of {cfg.block_m} tokens"
+    return None
+
+
 def zipper_gemm_triton(
     a_packed: torch.Tensor,
     a_scale: torch.Tensor,
@@ -389,6 +434,7 @@ def zipper_gemm_triton(
     prefetch_mib: float | None = None,
     x16: bool = True,
     residual_walk: str = "auto",
+    gated: bool = False,
 ) -> torch.Tensor:
     """Launch the fused dense + residual Triton GEMM.
 
@@ -412,6 +458,10 @@ def zipper_gemm_triton(
             ``dp4a`` (:func:`mosaicquant.kernels.gemv.residual_dp4a`; calls the decode GEMV takes:
             at most 8 tokens, ``K`` a multiple of 8); ``"auto"``: ``"dp4a"`` where it can run, up to
             :data:`mosaicquant.kernels._tiles.DP4A_WALK_MAX_M` tokens (measured faster there, v13).
+        gated: the layer is stacked ``[gate | up]`` (``N = 2I``): write ``bf16(silu(gate)) · up``,
+            ``[M, I]`` BF16, from the fix-up of each pair of tiles (the same bits as the GEMM then
+            :func:`mosaicquant.kernels.decoder.silu_mul`); the parallel modes only, where
+            :func:`gated_reason` finds nothing against it.
 
     Returns:
         ``[M, N]`` BF16 (or fp32).
@@ -440,9 +490,9 @@ def zipper_gemm_triton(
         check_tensor("block_map", block_map, dtypes=(torch.int32,), shape=residual.grid)
     elif fuse == "inline":  # only the inline mode reads it
         block_map = residual_block_map(residual)
-    out = output_buffer(out, (m, n), torch.float32 if out_fp32 else torch.bfloat16, a_packed.device)
+    out_dtype = torch.float32 if out_fp32 else torch.bfloat16
     if m == 0 or n == 0:
-        return out
+        return output_buffer(out, (m, n // 2 if gated else n), out_dtype, a_packed.device)
     bn_res, bk_res = residual.block_shape
     cfg = fit_to_blocks(config or pick_config(m, n, kp, a_packed.device, residual.block_shape), residual.block_shape,
                         nest_k=fuse == "inline")
@@ -450,7 +500,12 @@ def zipper_gemm_triton(
     while (bk_res // 2) % rkp:
         rkp //= 2
     if mode == "auto" and parallel_residual(m, cfg, residual.num_blocks / max(1, residual.grid[0])):
-        fuse = "parallel"
+        fuse = parallel_mode(cfg)
+    if gated:
+        reason = gated_reason(m, n, cfg, residual.block_shape, fuse, out_fp32)
+        if reason is not None:
+            raise UserInputError(f"gated=True cannot run this call: {reason}")
+    out = output_buffer(out, (m, n // 2 if gated else n), out_dtype, a_packed.device)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = cfg.split_k if tiles <= LOCK_SLOTS and cfg.split_k * m * n < 2**31 else 1
     part = torch.empty(split, m, n, dtype=torch.float32, device=out.device) if split > 1 else out
@@ -480,6 +535,7 @@ def zipper_gemm_triton(
             BN_RES=bn_res, BKP_RES=bk_res // 2, RKP=rkp, BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp,
             SPLIT_K=cfg.split_k, USE_ASM=not triton_interpreting(), PDL=gemm_pdl(a_packed.device, m, pdl),
             PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0, X16=bool(x16) and k < X16_MAX_K, ROWS=rows,
+            GATED=bool(gated),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
         )
         return out
@@ -569,6 +625,7 @@ def zipper_gemm(
     block_map: torch.Tensor | None = None,
     mode: str = "auto",
     config: TileConfig | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """ZipperEngine GEMM (dense base + fused sparse residual) in BF16, on the chosen kernel.
 
@@ -580,16 +637,25 @@ def zipper_gemm(
         bias: optional ``float32 [N]``.
         kernel: ``"auto"`` / ``"triton"`` / ``"torch"`` / ``None``.
         block_map, mode, config: Triton-path options (see :func:`zipper_gemm_triton`).
+        gated: a stacked ``[gate | up]`` layer: return ``bf16(silu(gate)) · up`` (see :func:`zipper_gemm_triton`).
 
     Returns:
-        ``bfloat16 [M, N]``.
+        ``bfloat16 [M, N]`` (``[M, N / 2]`` gated).
 
     Raises:
         UserInputError: bad operands, mode or kernel preference.
     """
     if resolve_kernel(kernel) == "triton":
         return zipper_gemm_triton(
-            a_packed, a_scale, qweight, w_scale, k, residual, bias, block_map=block_map, mode=mode, config=config
+            a_packed, a_scale, qweight, w_scale, k, residual, bias, block_map=block_map, mode=mode, config=config,
+            gated=gated,
         )
     _resolve_mode(mode, a_packed.shape[0])
-    return zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias)
+    out = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias)
+    if gated:
+        from mosaicquant.kernels.decoder import silu_mul_reference
+
+        if out.shape[1] % 2:
+            raise UserInputError(f"gated=True needs stacked [gate | up] columns; N={out.shape[1]} is odd")
+        out = silu_mul_reference(out)
+    return out

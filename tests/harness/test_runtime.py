@@ -126,6 +126,47 @@ def test_quantized_models_run_their_kernel_layers_in_the_fused_decoder(tiny, met
         assert torch.equal(inside.prefill(prompt[:, :4]), apart.prefill(prompt[:, :4]))
 
 
+def test_gate_up_gemm_writes_silu_mul_at_decode_sizes(tiny, monkeypatch):
+    # MosaicQuant's gate/up runs ZipperEngine's parallel mode at 4-16 tokens: its fix-up writes
+    # SiLU·mul of the two halves, and no SiLU·mul kernel runs
+    from mosaicquant.harness import runtime
+    from mosaicquant.kernels.quant_linear import QuantLinear
+
+    model = _model(TINY.name)
+    ctx = QuantContext(calibration=lambda: None, seed=0, device=DEVICE)
+    speed_form("mosaicquant", model, get_method("mosaicquant").config(budget=0.25, block="16x64"), ctx)
+    executable(model, ctx.info)
+    dec = FusedDecoder(model)
+    lay = dec.layers[0]
+    assert lay.down_quant is None  # down_proj's online Hadamard runs in its own quantizer
+    assert dec._gate_up_writes_silu(lay, 4) and not dec._gate_up_writes_silu(lay, 2)  # 2 tokens: the tail walk
+    gated_calls = []
+    plain_forward = QuantLinear.forward_quantized
+
+    def counting(self, a, s, backend, gated=False):
+        gated_calls.append(gated)
+        return plain_forward(self, a, s, backend, gated)
+
+    monkeypatch.setattr(QuantLinear, "forward_quantized", counting)
+    prompt = torch.randint(0, 256, (4, 9), device=DEVICE)
+    step = torch.randint(0, 256, (4, 1), device=DEVICE)
+    pos = torch.full((4,), 9, device=DEVICE)
+    ref = _eager_reference(model, prompt, [step])[1]
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(runtime, "SILU_IN_GATE_UP", on)
+        cache = dec.new_cache(4, 16)
+        dec.prefill(prompt, cache)
+        gated_calls.clear()
+        outs[on] = dec.decode(step, pos, cache)
+        assert sum(gated_calls) == (len(dec.layers) if on else 0), gated_calls
+    assert _sqnr_db(outs[True], ref) >= QUANT_SQNR_DB
+    if DEVICE.type == "cuda":  # the same bits as the GEMM's BF16 output followed by the SiLU·mul kernel
+        assert torch.equal(outs[True], outs[False])
+    else:  # the interpreter truncates the plain GEMM's BF16 output; the gated fix-up rounds to nearest
+        assert _sqnr_db(outs[True], outs[False]) >= QUANT_SQNR_DB
+
+
 def test_the_timed_step_repeats_one_position_and_matches_a_full_forward(tiny):
     model = _model(TINY_QWEN.name)
     dec = FusedDecoder(model)

@@ -193,6 +193,52 @@ def test_parallel_rows_mode_counts_only_rows_that_keep_blocks():
         assert_close_bf16(out, ref, f"zipper parallel_rows, rows with and without blocks, run {rep}")
 
 
+@needs_triton()
+@pytest.mark.parametrize("config", [SPLIT, TileConfig(block_m=16, block_n=64, block_kp=64, num_stages=2)])
+@pytest.mark.parametrize("mode", ["parallel", "parallel_rows"])
+def test_gated_call_writes_silu_mul_of_its_gate_and_up_halves(mode, config):
+    # stacked [gate | up] (I = 128 each): the fix-up of each gate tile and its up tile writes
+    # bf16(silu(g)) * u, the same bits as the GEMM's BF16 output followed by the SiLU*mul kernel
+    from mosaicquant.kernels.decoder import silu_mul, silu_mul_reference
+
+    m, n, k, block = 6, 256, 512, (64, 64)
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, 0.15, seed=31)
+    per_row = torch.diff(residual.row_ptr.long())
+    assert (per_row == 0).any() and (per_row > 0).any(), per_row
+    args = (a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k, _dev(residual),
+            bias.to(DEVICE))
+    plain = zipper_gemm_triton(*args, mode=mode, config=config, out_fp32=True)
+    # torch rounds fp32 to BF16 to nearest even, as the GPU's conversion does
+    want = silu_mul(plain.to(torch.bfloat16), kernel="triton")
+    ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
+    for rep in range(2):  # the pair counters are back at zero after a launch
+        out = torch.full((m, n // 2), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        zipper_gemm_triton(*args, mode=mode, config=config, out=out, gated=True)
+        assert torch.equal(out, want), f"gated {mode} run {rep}: {(out != want).sum()} of {out.numel()} differ"
+        assert_close_bf16(out, silu_mul_reference(ref.to(torch.bfloat16)).float(), f"gated {mode} run {rep}")
+    no_res = ResidualBlocks.empty((n, k), block, device=DEVICE)
+    dense = zipper_gemm_triton(*args[:5], no_res, args[6], mode=mode, config=config, out_fp32=True)
+    got = zipper_gemm_triton(*args[:5], no_res, args[6], mode=mode, config=config, gated=True)
+    assert torch.equal(got, silu_mul(dense.to(torch.bfloat16), kernel="triton")), "gated, no kept block"
+    torch_path = zipper_gemm(a_packed, a_scale, qweight, w_scale, k, residual, bias, kernel="torch", gated=True)
+    assert torch.equal(torch_path, silu_mul_reference(zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k,
+                                                                            residual, bias)))
+
+
+@needs_triton()
+def test_gated_call_refuses_what_it_cannot_take():
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(4, 256, 256, (64, 64), 0.3, seed=5)
+    args = (a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), 256, _dev(residual))
+    with pytest.raises(UserInputError, match="mode 'tail' has no counted fix-up"):
+        zipper_gemm_triton(*args, mode="tail", gated=True, config=SPLIT)
+    with pytest.raises(UserInputError, match="writes BF16"):
+        zipper_gemm_triton(*args, mode="parallel", gated=True, out_fp32=True, config=SPLIT)
+    a2, s2, q2, w2, r2, _ = _case(4, 192, 256, (64, 64), 0.3, seed=6)  # halves of 96: not whole 64-row blocks
+    with pytest.raises(UserInputError, match="N=192 is not two halves"):
+        zipper_gemm_triton(a2.to(DEVICE), s2.to(DEVICE), q2.to(DEVICE), w2.to(DEVICE), 256, _dev(r2),
+                           mode="parallel", gated=True, config=SPLIT)
+
+
 def test_parallel_mode_refuses_more_tokens_than_one_tile():
     a_packed, a_scale, qweight, w_scale, residual, _ = _case(17, 64, 128, (64, 64), 0.3, seed=3)
     dev = [t.to(DEVICE) for t in (a_packed, a_scale, qweight, w_scale)]
@@ -212,6 +258,17 @@ def test_auto_mode_runs_the_parallel_residual_where_measured_faster():
     o_split4 = TileConfig(block_m=16, block_n=64, block_kp=64, split_k=4)
     assert parallel_residual(8, o_split4, 3.2)  # o_proj at 10 %: ~3 kept blocks per block row
     assert not parallel_residual(8, o_split4, 11.2)  # down_proj: ~11 partials a tile to sum
+
+
+def test_auto_mode_takes_the_parallel_mode_the_constant_names(monkeypatch):
+    from mosaicquant.kernels import _tiles
+
+    wide = TileConfig(block_m=16, block_n=128, block_kp=128, split_k=1)  # gate/up
+    split4 = TileConfig(block_m=16, block_n=64, block_kp=64, split_k=4)  # q/k/v
+    monkeypatch.setattr(_tiles, "PARALLEL_ROWS_MAX_SPLIT", 1)
+    assert (_tiles.parallel_mode(wide), _tiles.parallel_mode(split4)) == ("parallel_rows", "parallel")
+    monkeypatch.setattr(_tiles, "PARALLEL_ROWS_MAX_SPLIT", 0)
+    assert _tiles.parallel_mode(wide) == "parallel"
 
 
 def test_tail_mode_keeps_k_steps_wider_than_a_block():
