@@ -109,6 +109,13 @@ def executable(model: nn.Module, info: dict) -> str:
             part += (f"; calls of {parallel[0]}-{parallel[-1]} tokens on "
                      f"{sum(1 for m in w4 if m.quant.uses_parallel_residual(parallel[0]))} of {len(w4)} linears: "
                      f"the residual blocks in programs of their own")
+            rows = sum(1 for m in w4 if m.quant.parallel_mode(parallel[0]) == "parallel_rows")
+            gated = sum(1 for m in w4 if isinstance(m, FusedProjections) and m.names == ["gate_proj", "up_proj"]
+                        and m.quant.writes_gated(parallel[0]))
+            if rows:
+                part += f" (one per block row on {rows})"
+            if gated:
+                part += f", {gated} gate/up GEMMs writing SiLU·mul themselves (fused decoder, BF16)"
         gemv = sum(1 for m in w4 if m.quant.uses_gemv(1))
         if gemv:
             part += ("; calls of 1 token: the dp4a decode GEMV" + (" (residual included)" if fused else "")

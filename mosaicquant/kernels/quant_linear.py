@@ -33,6 +33,7 @@ from mosaicquant.kernels._tiles import (
     GEMV_ROUTE_MAX_M,
     SWAP_DECODE_M,
     SWAP_MIN_M,
+    TileConfig,
     fit_to_blocks,
     parallel_mode,
     parallel_residual,
@@ -230,17 +231,25 @@ class QuantLinear(nn.Module):
         cfg = pick_config(m, self.out_features, self.qweight.shape[1], self.qweight.device, self.block_shape)
         return parallel_residual(m, cfg, self.residual.num_blocks / max(1, self.residual.grid[0]))
 
+    def _parallel_call(self, m: int) -> tuple[str, TileConfig] | None:
+        """``(mode, tiles)`` of a Triton call of ``m`` packed tokens in a parallel mode, else ``None``."""
+        if not self.uses_parallel_residual(m):
+            return None
+        cfg = fit_to_blocks(pick_config(m, self.out_features, self.qweight.shape[1], self.qweight.device,
+                                        self.block_shape), self.block_shape, nest_k=False)
+        return (parallel_mode(cfg) if self.mode == "auto" else self.mode), cfg
+
+    def parallel_mode(self, m: int) -> str | None:
+        """ZipperEngine's parallel mode (``"parallel"``, ``"parallel_rows"``) a call of ``m`` tokens runs, or ``None``."""
+        call = self._parallel_call(m)
+        return None if call is None else call[0]
+
     def writes_gated(self, m: int) -> bool:
         """Whether a Triton call of ``m`` packed tokens can write SiLU·mul of this stacked ``[gate | up]``
         layer itself (``forward_quantized(..., gated=True)``: ZipperEngine's parallel modes sum each gate
         tile with its up tile, :func:`mosaicquant.kernels.zipper.gated_reason`)."""
-        if not self.uses_parallel_residual(m):
-            return False
-        n, kp = self.out_features, self.qweight.shape[1]
-        cfg = fit_to_blocks(pick_config(m, n, kp, self.qweight.device, self.block_shape), self.block_shape,
-                            nest_k=False)
-        mode = parallel_mode(cfg) if self.mode == "auto" else self.mode
-        return gated_reason(m, n, cfg, self.block_shape, mode) is None
+        call = self._parallel_call(m)
+        return call is not None and gated_reason(m, self.out_features, call[1], self.block_shape, call[0]) is None
 
     def uses_swapped(self, m: int, backend: str) -> bool:
         """Whether a call of ``m`` tokens on ``backend`` runs the operand-swapped GEMM (prefill, or decode tiles)."""
