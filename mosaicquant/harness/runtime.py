@@ -48,7 +48,8 @@ __all__ = ["RUNTIMES", "FUSED_DESCRIPTION", "FusedDecoder", "DecodeCache", "fuse
 RUNTIMES = ("auto", "fused", "transformers")
 FUSED_DESCRIPTION = ("fused decoder (Triton add+RMSNorm, fused with the 4-bit activation quantizer where a W4A4 "
                      "GEMM reads the norm directly; q/k norm + RoPE + KV write; split-KV decode attention; SiLU*mul, "
-                     "inside down_proj's quantizer for W4A4 layers without an online Hadamard; "
+                     "inside down_proj's quantizer for W4A4 layers without an online Hadamard, else written by "
+                     "gate/up's GEMM where its fix-up can (ZipperEngine at 4-16 tokens), else a kernel of its own; "
                      "SDPA flash attention for prefill; q/k/v and gate/up as one GEMM each; 16-bit KV)")
 TRANSFORMERS_DESCRIPTION = "transformers eager decoder (static KV cache, 16-bit unless the method quantizes it)"
 
