@@ -34,7 +34,6 @@ from mosaicquant.kernels._tiles import (
     SWAP_DECODE_M,
     SWAP_MIN_M,
     TileConfig,
-    fit_to_blocks,
     parallel_mode,
     parallel_residual,
     pick_config,
@@ -222,22 +221,21 @@ class QuantLinear(nn.Module):
     def uses_parallel_residual(self, m: int) -> bool:
         """Whether a Triton call of ``m`` packed tokens runs ZipperEngine's parallel mode (kept blocks in
         programs of their own; :func:`mosaicquant.kernels._tiles.parallel_residual`)."""
-        if not self.fused or self.residual is None or self.uses_gemv(m) or self._swap_route(m) is not None:
-            return False
-        if self.mode in ("parallel", "parallel_rows"):
-            return True
-        if self.mode != "auto":
-            return False
-        cfg = pick_config(m, self.out_features, self.qweight.shape[1], self.qweight.device, self.block_shape)
-        return parallel_residual(m, cfg, self.residual.num_blocks / max(1, self.residual.grid[0]))
+        return self._parallel_call(m) is not None
 
     def _parallel_call(self, m: int) -> tuple[str, TileConfig] | None:
         """``(mode, tiles)`` of a Triton call of ``m`` packed tokens in a parallel mode, else ``None``."""
-        if not self.uses_parallel_residual(m):
+        if not self.fused or self.residual is None or self.uses_gemv(m) or self._swap_route(m) is not None:
             return None
-        cfg = fit_to_blocks(pick_config(m, self.out_features, self.qweight.shape[1], self.qweight.device,
-                                        self.block_shape), self.block_shape, nest_k=False)
-        return (parallel_mode(cfg) if self.mode == "auto" else self.mode), cfg
+        if self.mode not in ("auto", "parallel", "parallel_rows"):
+            return None
+        # the launcher's tiles (pick_config nests them in the residual blocks)
+        cfg = pick_config(m, self.out_features, self.qweight.shape[1], self.qweight.device, self.block_shape)
+        if self.mode != "auto":
+            return self.mode, cfg
+        if not parallel_residual(m, cfg, self.residual.num_blocks / max(1, self.residual.grid[0])):
+            return None
+        return parallel_mode(cfg), cfg
 
     def parallel_mode(self, m: int) -> str | None:
         """ZipperEngine's parallel mode (``"parallel"``, ``"parallel_rows"``) a call of ``m`` tokens runs, or ``None``."""
@@ -289,7 +287,7 @@ class QuantLinear(nn.Module):
         residual = self.residual
         if gated:
             m = a_packed.shape[0]
-            if residual is None or not self.fused or (backend == "triton" and not self.writes_gated(m)):
+            if residual is None or not self.fused:  # the Triton launcher names what else it cannot take
                 raise UserInputError(f"this layer cannot write SiLU·mul in its GEMM at M={m} (see writes_gated)")
             return zipper_gemm(a_packed, a_scale, self.qweight, self.w_scale, k, residual, self.bias,
                                kernel=backend, block_map=self.res_block_map, mode=self.mode, gated=True)
