@@ -49,15 +49,17 @@ RUNTIMES = ("auto", "fused", "transformers")
 FUSED_DESCRIPTION = ("fused decoder (Triton add+RMSNorm, fused with the 4-bit activation quantizer where a W4A4 "
                      "GEMM reads the norm directly; q/k norm + RoPE + KV write; split-KV decode attention; SiLU*mul, "
                      "inside down_proj's quantizer for W4A4 layers without an online Hadamard, else written by "
-                     "gate/up's GEMM where its fix-up can (ZipperEngine at 4-16 tokens), else a kernel of its own; "
-                     "SDPA flash attention for prefill; q/k/v and gate/up as one GEMM each; 16-bit KV)")
+                     "gate/up's GEMM where its fix-up can (ZipperEngine at 4-16 tokens, the dense W4A4 GEMM at "
+                     "2-16), else a kernel of its own; SDPA flash attention for prefill; q/k/v and gate/up as one "
+                     "GEMM each; 16-bit KV)")
 TRANSFORMERS_DESCRIPTION = "transformers eager decoder (static KV cache, 16-bit unless the method quantizes it)"
 
 # SiLU·mul inside down_proj's fused online Hadamard + quantizer (methods with that Hadamard: QuaRot,
 # SpinQuant, MosaicQuant) instead of a kernel of its own.
 SILU_IN_HADAMARD = False
-# SiLU·mul written by gate/up's own GEMM where it can (ZipperEngine's parallel modes at decode sizes,
-# BF16 models, down_proj's quantizer not taking it: QuantLinear.writes_gated) instead of a kernel of its own.
+# SiLU·mul written by gate/up's own GEMM where it can (ZipperEngine's parallel modes and the dense W4A4 GEMM at
+# decode sizes, BF16 models, down_proj's quantizer not taking it: QuantLinear.writes_gated) instead of a kernel
+# of its own.
 # Measured (v16, Llama-3-8B shapes, MosaicQuant's CUDA-graph step at batch 4 / 8 / 16, µs): 3,109 / 3,244 /
 # 3,546 with the kernel, 2,979 / 3,164 / 3,478 without it.
 SILU_IN_GATE_UP = True
@@ -447,7 +449,7 @@ class FusedDecoder:
 
         if quant is None:
             return stacked(rmsnorm(x, norm.weight, norm.variance_epsilon, residual, kernel=self.kernel))
-        swapped = quant.uses_swapped(x.shape[0], "triton")
+        swapped = not gated and quant.uses_swapped(x.shape[0], "triton")
         a, scale = rmsnorm_quant(x, norm.weight, norm.variance_epsilon, residual, quant.act_clip_ratio,
                                  "split8" if swapped else "packed", kernel="triton")
         if gated:

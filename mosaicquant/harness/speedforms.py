@@ -98,24 +98,29 @@ def executable(model: nn.Module, info: dict) -> str:
             part += (f"; calls of >= {min(swapped)} tokens whose 128x128 output tiles fill the GPU (prefill): "
                      f"int8 activations + operand-swapped GEMM"
                      + (" with the residual blocks in its tail" if fused else ""))
-        decode = sorted({m.quant.swap_decode for m in w4 if m.quant.swap_ok and m.quant.swap_decode is not None
-                         and m.quant.block_shape is None})
-        if decode:
-            lo, hi = decode[0]
-            part += (f"; {'layers without residual' if fused else 'calls'} of {lo}-{hi} tokens: the swapped GEMM "
-                     f"at decode tiles")
+        top = max((m.quant.swap_decode[1] for m in w4 if m.quant.swap_decode is not None), default=0)
+        for res, who in ((False, "layers without residual" if fused else "calls"), (True, "layers with residual")):
+            decode = [m_ for m_ in range(1, top + 1) if any(
+                (m.quant.block_shape is not None) == res and m.quant.swap_route(m_) == "decode" for m in w4)]
+            if decode:
+                part += (f"; {who} of {decode[0]}-{decode[-1]} tokens: the swapped GEMM at decode tiles"
+                         + (" with the residual blocks in its tail" if res else ""))
         parallel = sorted(m_ for m_ in range(2, 33) if any(m.quant.uses_parallel_residual(m_) for m in w4))
         if parallel:
             part += (f"; calls of {parallel[0]}-{parallel[-1]} tokens on "
                      f"{sum(1 for m in w4 if m.quant.uses_parallel_residual(parallel[0]))} of {len(w4)} linears: "
                      f"the residual blocks in programs of their own")
             rows = sum(1 for m in w4 if m.quant.parallel_mode(parallel[0]) == "parallel_rows")
-            gated = sum(1 for m in w4 if isinstance(m, FusedProjections) and m.names == ["gate_proj", "up_proj"]
-                        and m.quant.writes_gated(parallel[0]))
             if rows:
                 part += f" (one per block row on {rows})"
-            if gated:
-                part += f", {gated} gate/up GEMMs writing SiLU·mul themselves (fused decoder, BF16)"
+        # stacked gate/up GEMMs whose MLP's down_proj quantizer does not take SiLU·mul (an online Hadamard)
+        gate_ups = [mlp.fused_gate_up for mlp in model.modules()
+                    if isinstance(getattr(mlp, "fused_gate_up", None), FusedProjections)
+                    and getattr(getattr(mlp, "down_proj", None), "input_transform", None) is not None]
+        gated = [m_ for m_ in range(2, 33) if any(g.quant.writes_gated(m_) for g in gate_ups)]
+        if gated:
+            part += (f"; {sum(1 for g in gate_ups if g.quant.writes_gated(gated[0]))} gate/up GEMMs writing "
+                     f"SiLU·mul themselves at {gated[0]}-{gated[-1]} tokens (fused decoder, BF16)")
         gemv = sum(1 for m in w4 if m.quant.uses_gemv(1))
         if gemv:
             part += ("; calls of 1 token: the dp4a decode GEMV" + (" (residual included)" if fused else "")

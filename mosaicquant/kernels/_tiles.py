@@ -17,8 +17,10 @@ from mosaicquant.harness.errors import UserInputError
 
 __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MIN_M", "SWAP_MIN_TILES_PER_SM",
            "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "DP4A_WALK_MAX_M", "PARALLEL_MIN_M", "PARALLEL_MAX_M",
-           "PARALLEL_MAX_SPLIT", "PARALLEL_MAX_BLOCKS_PER_ROW", "DENSE_PREFETCH_MIB",
-           "parallel_mode", "parallel_residual", "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
+           "PARALLEL_MAX_SPLIT", "PARALLEL_MAX_BLOCKS_PER_ROW", "PARALLEL_MAXNREG", "SWAP_DECODE_RESIDUAL_MIN_M",
+           "DENSE_GATED_MAX_M", "DENSE_GATED_MAXNREG", "DENSE_PREFETCH_MIB",
+           "maxnreg_launch", "parallel_mode", "parallel_residual",
+           "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
            "swapped_prefill"]
 
 # Up to this many rows the GEMMs use CUDA-core multiply-adds instead of tensor-core dots
@@ -73,6 +75,12 @@ SWAP_MIN_TILES_PER_SM = {"dense": 0.7, "residual": 1.2}
 # down_proj, 0.99-1.03x on q/k/v and o_proj at M = 16 and 32; at M <= 8 no tile of it was faster
 # on every shape.
 SWAP_DECODE_M = (16, 32)
+# Layers with residual blocks run their calls of this many tokens up to SWAP_DECODE_M's upper end on the
+# swapped GEMM at decode tiles too, the kept blocks in its tail (0: never; they stay on ZipperEngine's
+# packed kernels). GEMM alone (v17, Llama-3-8B, M = 16 / 32, us): slower on every layer, q/k/v 11.07 /
+# 13.27 against ZipperEngine's 9.87 / 11.69, o 9.34 / 13.50 against 8.59 / 12.23, gate/up 29.40 / 32.77
+# against 25.35 / 32.18, down 17.09 / 22.55 against 16.19 / 19.28.
+SWAP_DECODE_RESIDUAL_MIN_M = 0
 # A layer of at least this many 64-channel tiles per SM runs its calls of 2-16 tokens (one 16-row
 # tile) on 128 x 128-byte tiles, 8 warps, 3 stages, unsplit. Measured against the default tiles (64 x 64
 # bytes, 4 warps, 4 stages, split-K to two programs per SM) on o, gate/up and down at M = 4 and 8 in one
@@ -105,6 +113,8 @@ DP4A_WALK_MAX_M = 4
 # default tail walk (split 8) at M = 4 and 1.14x faster at M = 8, down_proj's 1.47-1.75x slower at
 # M = 2-8: its tiles sum ~11 block partials (14336 / 128 block columns at 10 %), o's ~3; hence also
 # at most PARALLEL_MAX_BLOCKS_PER_ROW kept blocks per block row on average.
+# At 32 tokens (v17, GEMM alone) the parallel modes were slower than the tail walk on every layer (q/k/v
+# 13.36 / 12.51 against 11.69 us, o 15.63 / 13.62 against 12.23, gate/up 36.81 / 32.88 against 32.18).
 PARALLEL_MIN_M = 4
 PARALLEL_MAX_M = 16
 PARALLEL_MAX_SPLIT = 4
@@ -115,6 +125,33 @@ PARALLEL_MAX_BLOCKS_PER_ROW = 6.0
 # on q/k/v (split 4) 1.17-1.25x slower; in the decode step with the row walk on gate/up only,
 # MosaicQuant's batch-4 / 8 / 16 step 3,109 / 3,244 / 3,546 -> 2,994 / 3,225 / 3,503 us.
 PARALLEL_ROWS_MAX_SPLIT = 1
+# A cap on the registers a thread of ZipperEngine's parallel kernel may take (ptxas ``maxnreg``; 0: none).
+# Compiled offline for sm_90 on gate/up's wide tiles (8 warps), the row walk takes 88 registers (two
+# programs an SM) and 84 with the gated fix-up (rounded to 88: two); under a cap of 80, 74 with no spills
+# (three an SM). GEMM alone on gate/up (v17, M = 4 / 16, us): capped at 80, the row walk 24.53 / 25.82
+# against 24.11 / 25.61 uncapped, gated 25.62 / 26.38 against 25.22 / 26.16: not capped.
+PARALLEL_MAXNREG = 0
+
+
+# A layer without residual blocks writes SiLU·mul of a stacked [gate | up] call of 2 to this many tokens
+# from its dense GEMM's counted fix-up of each gate tile and its up tile, as ZipperEngine's parallel modes
+# do (QuantLinear.writes_gated; the fused decoder, BF16; 0: never, the SiLU·mul kernel runs), on the
+# packed kernel even where the swapped GEMM would take the call (SWAP_DECODE_M). GEMM alone, Llama-3-8B
+# gate/up (v17): 21.07 / 21.60 us at M = 4 / 16 against 22.53 / 23.98 for the GEMM and the SiLU·mul
+# kernel, and the swapped GEMM's 20.83 at M = 16 before its SiLU·mul kernel. QuaRot's decode step (CUDA
+# graph, 3 interleaved rounds, batch 4 / 8 / 16, us): 2,551 / 2,788 / 3,205 without, 2,474 / 2,712 / 3,098
+# with it up to 16 tokens (3,195 at batch 16 up to 15 tokens, the swapped GEMM then taking 16).
+DENSE_GATED_MAX_M = 16
+# A register cap for that gated dense GEMM (0: none). Compiled offline for sm_90 on gate/up's wide tiles
+# (8 warps), its fix-up takes the GEMM from 80 to 93 registers a thread (three programs an SM to two);
+# 80 under the cap, with no spills. GEMM alone (v17, M = 4 / 16, us): 22.09 / 21.40 capped at 80 against
+# 21.98 / 21.35: not capped.
+DENSE_GATED_MAXNREG = 0
+
+
+def maxnreg_launch(cap: int) -> dict:
+    """Launch options that cap a kernel's registers a thread at ``cap`` (none for ``cap <= 0``)."""
+    return {"maxnreg": int(cap)} if cap > 0 else {}
 
 
 def parallel_mode(cfg: "TileConfig") -> str:

@@ -14,8 +14,9 @@ activations to the ``"split8"`` int8 layout instead and run the operand-swapped 
 fused in its tail): the same integers and scales, the same result up to float rounding
 (``benchmarks/NOTES.md``, v7, v8, v10). The unfused pipeline always keeps the packed path.
 Layers without residual blocks also run decode calls of ``swap_decode`` tokens (16-32) that way,
-at decode tiles (v10). Calls of at most ``gemv_max_m`` tokens run the decode GEMV on CUDA-core
-``dp4a`` instead (:mod:`mosaicquant.kernels.gemv`, dense and with the residual; v13).
+at decode tiles (v10); layers with them from ``_tiles.SWAP_DECODE_RESIDUAL_MIN_M`` tokens where that is set. Calls of at most
+``gemv_max_m`` tokens run the decode GEMV on CUDA-core ``dp4a`` instead
+(:mod:`mosaicquant.kernels.gemv`, dense and with the residual; v13).
 
 It computes the function of the simulated layer
 ``fake_quantize(x, 4, clip_ratio) @ packed.dequantize().T (+ bias)`` up to float
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from mosaicquant.harness.errors import UserInputError
+from mosaicquant.kernels import _tiles
 from mosaicquant.kernels._common import resolve_kernel
 from mosaicquant.kernels._tiles import (
     GEMV_ROUTE_MAX_M,
@@ -44,6 +46,7 @@ from mosaicquant.kernels.act_quant import quantize_activations, quantize_activat
 from mosaicquant.kernels.gemv import GEMV_MAX_M, gemv_reason, gemv_triton
 from mosaicquant.kernels.residual_gemm import residual_add
 from mosaicquant.kernels.w4a4_gemm import (
+    gated_shape_reason,
     swapped_residual_reason,
     w4a4_gemm,
     w4a4_gemm_reference,
@@ -79,7 +82,9 @@ class QuantLinear(nn.Module):
             ``swap_min_m`` tokens or more).
         swap_decode: ``(lo, hi)``: a layer without residual blocks runs calls of ``lo`` to ``hi``
             tokens on the swapped GEMM too, at decode tiles (default
-            :data:`mosaicquant.kernels._tiles.SWAP_DECODE_M`); ``None`` never.
+            :data:`mosaicquant.kernels._tiles.SWAP_DECODE_M`); ``None`` never. A layer with residual
+            blocks does so from :data:`mosaicquant.kernels._tiles.SWAP_DECODE_RESIDUAL_MIN_M` tokens
+            (read at each call; 0: never).
         gemv_max_m: calls of up to this many tokens on the Triton path run the decode GEMV where it
             takes them (:func:`mosaicquant.kernels.gemv.gemv_reason`; the fused residual only);
             default :data:`mosaicquant.kernels._tiles.GEMV_ROUTE_MAX_M`, ``0`` never.
@@ -225,7 +230,7 @@ class QuantLinear(nn.Module):
 
     def _parallel_call(self, m: int) -> tuple[str, TileConfig] | None:
         """``(mode, tiles)`` of a Triton call of ``m`` packed tokens in a parallel mode, else ``None``."""
-        if not self.fused or self.residual is None or self.uses_gemv(m) or self._swap_route(m) is not None:
+        if not self.fused or self.residual is None or self.uses_gemv(m) or self.swap_route(m) is not None:
             return None
         if self.mode not in ("auto", "parallel", "parallel_rows"):
             return None
@@ -244,16 +249,24 @@ class QuantLinear(nn.Module):
 
     def writes_gated(self, m: int) -> bool:
         """Whether a Triton call of ``m`` packed tokens can write SiLU·mul of this stacked ``[gate | up]``
-        layer itself (``forward_quantized(..., gated=True)``: ZipperEngine's parallel modes sum each gate
-        tile with its up tile, :func:`mosaicquant.kernels.zipper.gated_reason`)."""
+        layer itself (``forward_quantized(..., gated=True)``): ZipperEngine's parallel modes sum each gate
+        tile with its up tile (:func:`mosaicquant.kernels.zipper.gated_reason`), and so does the dense
+        GEMM of a layer without residual blocks at 2 to :data:`mosaicquant.kernels._tiles.DENSE_GATED_MAX_M`
+        tokens (:func:`mosaicquant.kernels.w4a4_gemm.gated_shape_reason`), on the packed kernel even where
+        a plain call would run the swapped GEMM at decode tiles."""
+        if self.block_shape is None:  # the dense GEMM's counted fix-up
+            if not 1 <= m <= _tiles.DENSE_GATED_MAX_M or self.uses_gemv(m) or self.swap_route(m) == "prefill":
+                return False
+            cfg = pick_config(m, self.out_features, self.qweight.shape[1], self.qweight.device)
+            return gated_shape_reason(m, self.out_features, cfg) is None
         call = self._parallel_call(m)
         return call is not None and gated_reason(m, self.out_features, call[1], self.block_shape, call[0]) is None
 
     def uses_swapped(self, m: int, backend: str) -> bool:
         """Whether a call of ``m`` tokens on ``backend`` runs the operand-swapped GEMM (prefill, or decode tiles)."""
-        return backend == "triton" and self._swap_route(m) is not None
+        return backend == "triton" and self.swap_route(m) is not None
 
-    def _swap_route(self, m: int) -> str | None:
+    def swap_route(self, m: int) -> str | None:
         """``"prefill"``, ``"decode"`` (the swapped GEMM at decode tiles) or ``None`` for a call of ``m`` tokens."""
         if not self.swap_ok:
             return None
@@ -261,15 +274,18 @@ class QuantLinear(nn.Module):
                 m, self.out_features, self.qweight.device, self.block_shape is not None, self.swap_min_m,
                 self.swap_min_tiles_per_sm):
             return "prefill"
-        if self.swap_decode is not None and self.block_shape is None and self.swap_decode[0] <= m <= self.swap_decode[1]:
-            return "decode"
+        if self.swap_decode is not None and self.swap_decode[0] <= m <= self.swap_decode[1]:
+            if self.block_shape is None:
+                return "decode"
+            if self.block_shape is not None and 0 < _tiles.SWAP_DECODE_RESIDUAL_MIN_M <= m:
+                return "decode"
         return None
 
     def forward_split8(self, a_split: torch.Tensor, a_scale: torch.Tensor) -> torch.Tensor:
         """The swapped GEMM on ``"split8"`` activations ``int8 [M, split8_width(K)]`` + ``[M]`` scales → BF16 ``[M, N]``."""
         m = a_split.shape[0]
         tiles = swapped_decode_config(m, self.out_features, (self.in_features + 1) // 2, a_split.device) \
-            if self._swap_route(m) == "decode" else {}
+            if self.swap_route(m) == "decode" else {}
         return w4a4_gemm_swapped_triton(a_split, a_scale, self.qweight, self.w_scale, self.in_features, self.bias,
                                         residual=self.residual, **tiles)
 
@@ -285,10 +301,13 @@ class QuantLinear(nn.Module):
         """
         k = self.in_features
         residual = self.residual
-        if gated:
-            m = a_packed.shape[0]
-            if residual is None or not self.fused:  # the Triton launcher names what else it cannot take
-                raise UserInputError(f"this layer cannot write SiLU·mul in its GEMM at M={m} (see writes_gated)")
+        if gated:  # the Triton launchers name what they cannot take
+            if residual is None:
+                return w4a4_gemm(a_packed, a_scale, self.qweight, self.w_scale, k, self.bias, kernel=backend,
+                                 gated=True)
+            if not self.fused:
+                raise UserInputError(f"the unfused pipeline cannot write SiLU·mul in its GEMM "
+                                     f"(M={a_packed.shape[0]}; see writes_gated)")
             return zipper_gemm(a_packed, a_scale, self.qweight, self.w_scale, k, residual, self.bias,
                                kernel=backend, block_map=self.res_block_map, mode=self.mode, gated=True)
         if backend == "triton" and self.uses_gemv(a_packed.shape[0]):

@@ -52,12 +52,14 @@ from mosaicquant.kernels._common import (
     triton_interpreting,
     use_pdl,
 )
+from mosaicquant.kernels import _tiles
 from mosaicquant.kernels._tiles import (
     DENSE_PREFETCH_MIB,
     LOCK_SLOTS,
     PREFETCH_MAX_M,
     TileConfig,
     lock_buffer,
+    maxnreg_launch,
     pdl_default,
     pdl_launch,
     pick_config,
@@ -65,6 +67,7 @@ from mosaicquant.kernels._tiles import (
 )
 from mosaicquant.kernels._tl import (
     dense_split_k,
+    store_counted_gated,
     store_output,
     tile_indices,
     to_e4m3,
@@ -79,7 +82,7 @@ from mosaicquant.kernels.act_quant import SPLIT_BLOCK, split8_width
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 
 __all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_swapped_triton", "w4a4_gemm_reference", "check_gemm_args",
-           "swapped_residual_reason", "RESIDUAL_WALKS"]
+           "swapped_residual_reason", "gated_shape_reason", "silu_mul_halves", "RESIDUAL_WALKS"]
 
 FP8_TAIL_MAX_REGS = 128
 # Both operands unpacked as 16 q: |acc| <= 64 * 256 * K stays below 2**31 up to this K.
@@ -94,7 +97,7 @@ def _w4a4_gemm_kernel(
     HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    X16: tl.constexpr = False,
+    X16: tl.constexpr = False, GATED: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -107,10 +110,20 @@ def _w4a4_gemm_kernel(
     y = acc.to(tl.float32) * a_scale[:, None] * w_scale[None, :]
     if X16:  # both operands were 16x: exact power-of-two rescale (the same rounding as without)
         y = y * 0.00390625
-    store_output(
-        out_ptr, part_ptr, lock_ptr, pid, pid_k, y, bias_ptr, offs_m, offs_n, M, N, stride_om,
-        HAS_BIAS=HAS_BIAS, SPLIT_K=SPLIT_K, OUT_FP32=OUT_FP32,
-    )
+    if GATED:
+        # stacked [gate | up] columns, one tile of M rows: gate tile q and up tile q + HALF share a
+        # counter; their 2 * SPLIT_K partials (slots: SPLIT_K a tile, in split order) are summed by
+        # the last to arrive, which writes bf16(silu(g)) * u at [M, N / 2]
+        HALF = (N // 2) // BN
+        q = pid_n % HALF
+        store_counted_gated(out_ptr, part_ptr, lock_ptr, q, pid_n * SPLIT_K + pid_k, q * SPLIT_K, SPLIT_K,
+                            (q + HALF) * SPLIT_K, SPLIT_K, y, bias_ptr, offs_m, q * BN + tl.arange(0, BN), M,
+                            N // 2, stride_om, HAS_BIAS=HAS_BIAS)
+    else:
+        store_output(
+            out_ptr, part_ptr, lock_ptr, pid, pid_k, y, bias_ptr, offs_m, offs_n, M, N, stride_om,
+            HAS_BIAS=HAS_BIAS, SPLIT_K=SPLIT_K, OUT_FP32=OUT_FP32,
+        )
 
 
 @triton.jit
@@ -296,6 +309,7 @@ def w4a4_gemm_triton(
     pdl: bool | None = None,
     prefetch_mib: float | None = None,
     x16: bool = True,
+    gated: bool = False,
 ) -> torch.Tensor:
     """Launch the dense W4A4 Triton GEMM.
 
@@ -323,22 +337,35 @@ def w4a4_gemm_triton(
             same result exactly; taken only with tensor-core dots and ``K < 2**17``, where the
             256x accumulator cannot overflow). Default on: 1.04-1.37x faster at M <= 32 on the
             H200 (``benchmarks/NOTES.md`` v10).
+        gated: the layer is stacked ``[gate | up]`` (``N = 2I``): write ``bf16(silu(gate)) · up``,
+            ``[M, I]`` BF16, from the counted fix-up of each gate tile and its up tile (the same
+            bits as the GEMM followed by :func:`mosaicquant.kernels.decoder.silu_mul`), where
+            :func:`gated_shape_reason` finds nothing against it.
 
     Returns:
-        ``[M, N]`` BF16 (or fp32) output.
+        ``[M, N]`` BF16 (or fp32) output; ``[M, N / 2]`` gated.
 
     Raises:
-        UserInputError: bad operands (see :func:`check_gemm_args`) or device.
+        UserInputError: bad operands (see :func:`check_gemm_args`), device, or a gated call the
+            tiles cannot take.
     """
     m, n, kp = check_gemm_args(a_packed, a_scale, qweight, w_scale, bias, k)
     check_triton_device(a_packed.device)
-    out = output_buffer(out, (m, n), torch.float32 if out_fp32 else torch.bfloat16, a_packed.device)
+    cfg = config or pick_config(m, n, kp, a_packed.device)
+    if gated:
+        reason = gated_shape_reason(m, n, cfg, out_fp32)
+        if reason is not None:
+            raise UserInputError(f"gated=True cannot run this call: {reason}")
+    out = output_buffer(out, (m, n // 2 if gated else n), torch.float32 if out_fp32 else torch.bfloat16,
+                        a_packed.device)
     if m == 0 or n == 0:
         return out
-    cfg = config or pick_config(m, n, kp, a_packed.device)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = cfg.split_k if tiles <= LOCK_SLOTS and cfg.split_k * m * n < 2**31 else 1
-    part = torch.empty(split, m, n, dtype=torch.float32, device=out.device) if split > 1 else out
+    if gated:  # SPLIT_K slots of one [BM, BN] tile each, for every tile
+        part = torch.empty(tiles * split * cfg.block_m * cfg.block_n, dtype=torch.float32, device=out.device)
+    else:
+        part = torch.empty(split, m, n, dtype=torch.float32, device=out.device) if split > 1 else out
     w_scale = w_scale.reshape(-1)
     if pdl is None and not pdl_default(m, n, kp):
         pdl = False
@@ -352,10 +379,25 @@ def w4a4_gemm_triton(
         BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot,
         USE_ASM=not triton_interpreting(), PDL=gemm_pdl(a_packed.device, m, pdl),
         PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
-        X16=bool(x16) and cfg.use_dot and k < X16_MAX_K,
+        X16=bool(x16) and cfg.use_dot and k < X16_MAX_K, GATED=bool(gated),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+        **(maxnreg_launch(_tiles.DENSE_GATED_MAXNREG) if gated else {}),
     )
     return out
+
+
+def gated_shape_reason(m: int, n: int, cfg: TileConfig, out_fp32: bool = False) -> str | None:
+    """Why :func:`w4a4_gemm_triton` cannot write SiLU·mul of a stacked ``[gate | up]`` call of ``m``
+    tokens on ``cfg``'s tiles (``gated=True``), or ``None``."""
+    if out_fp32:
+        return "it writes BF16 (out_fp32=True was asked)"
+    if n % 2 or (n // 2) % cfg.block_n:
+        return f"N={n} is not two halves of whole {cfg.block_n}-channel tiles"
+    if m > cfg.block_m:
+        return f"M={m} is more than one tile of {cfg.block_m} tokens"
+    if (n // 2) // cfg.block_n > LOCK_SLOTS:
+        return f"N={n} makes more tile pairs than the {LOCK_SLOTS} counters"
+    return None
 
 
 def swapped_residual_reason(block_shape: tuple[int, int]) -> str | None:
@@ -535,6 +577,7 @@ def w4a4_gemm(
     *,
     kernel: str | None = None,
     config: TileConfig | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """Dense W4A4 GEMM ``y = (A·Wᵀ) ⊙ s_a ⊙ s_w (+ bias)`` in BF16, on the chosen kernel.
 
@@ -545,13 +588,28 @@ def w4a4_gemm(
         bias: optional ``float32 [N]``.
         kernel: ``"auto"`` / ``"triton"`` / ``"torch"`` / ``None``.
         config: Triton tiles override.
+        gated: a stacked ``[gate | up]`` layer: return ``bf16(silu(gate)) · up`` (see :func:`w4a4_gemm_triton`).
 
     Returns:
-        ``bfloat16 [M, N]``.
+        ``bfloat16 [M, N]`` (``[M, N / 2]`` gated).
 
     Raises:
         UserInputError: bad operands or kernel preference.
     """
     if resolve_kernel(kernel) == "triton":
-        return w4a4_gemm_triton(a_packed, a_scale, qweight, w_scale, k, bias, config=config)
-    return w4a4_gemm_reference(a_packed, a_scale, qweight, w_scale, k, bias)
+        return w4a4_gemm_triton(a_packed, a_scale, qweight, w_scale, k, bias, config=config, gated=gated)
+    out = w4a4_gemm_reference(a_packed, a_scale, qweight, w_scale, k, bias)
+    return silu_mul_halves(out) if gated else out
+
+
+def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
+    """``bf16(silu(gate)) · up`` of a BF16 ``[M, 2I]`` output of stacked ``[gate | up]`` columns (PyTorch).
+
+    Raises:
+        UserInputError: an odd number of columns.
+    """
+    from mosaicquant.kernels.decoder import silu_mul_reference  # decoder builds on this module
+
+    if y.shape[-1] % 2:
+        raise UserInputError(f"gated=True needs stacked [gate | up] columns; N={y.shape[-1]} is odd")
+    return silu_mul_reference(y)

@@ -82,6 +82,7 @@ from mosaicquant.kernels._common import (
     triton_interpreting,
     use_pdl,
 )
+from mosaicquant.kernels import _tiles
 from mosaicquant.kernels._tiles import (
     DP4A_WALK_MAX_M,
     LOCK_SLOTS,
@@ -89,6 +90,7 @@ from mosaicquant.kernels._tiles import (
     TileConfig,
     fit_to_blocks,
     lock_buffer,
+    maxnreg_launch,
     parallel_mode,
     parallel_residual,
     pdl_default,
@@ -107,7 +109,7 @@ from mosaicquant.kernels._tl import (
     wait_for_inputs,
 )
 from mosaicquant.kernels.gemv import gemv_reason, residual_dp4a, residual_dp4a_begin
-from mosaicquant.kernels.w4a4_gemm import X16_MAX_K, check_gemm_args, int_matmul
+from mosaicquant.kernels.w4a4_gemm import X16_MAX_K, check_gemm_args, gated_shape_reason, int_matmul, silu_mul_halves
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 
 __all__ = [
@@ -405,15 +407,10 @@ def gated_reason(m: int, n: int, cfg: TileConfig, block_shape: tuple[int, int], 
     of ``m`` tokens on ``cfg``'s tiles in ``mode`` (after ``"auto"`` is resolved), or ``None``."""
     if mode not in ("parallel", "parallel_rows"):
         return f"mode {mode!r} has no counted fix-up (the parallel modes have)"
-    if out_fp32:
-        return "it writes BF16 (out_fp32=True was asked)"
-    half = n // 2
-    if n % 2 or half % cfg.block_n or half % block_shape[0]:
-        return (f"N={n} is not two halves of whole {cfg.block_n}-channel tiles and {block_shape[0]}-row "
-                f"residual blocks")
-    if m > cfg.block_m:
-        return f"M={m} is more than one tile of {cfg.block_m} tokens"
-    return None
+    reason = gated_shape_reason(m, n, cfg, out_fp32)
+    if reason is None and (n // 2) % block_shape[0]:
+        reason = f"N={n} is not two halves of whole {block_shape[0]}-row residual blocks"
+    return reason
 
 
 def zipper_gemm_triton(
@@ -537,6 +534,7 @@ def zipper_gemm_triton(
             PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0, X16=bool(x16) and k < X16_MAX_K, ROWS=rows,
             GATED=bool(gated),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+            **maxnreg_launch(_tiles.PARALLEL_MAXNREG),
         )
         return out
     _zipper_kernel[(tiles, split)](
@@ -652,10 +650,4 @@ def zipper_gemm(
         )
     _resolve_mode(mode, a_packed.shape[0])
     out = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias)
-    if gated:
-        from mosaicquant.kernels.decoder import silu_mul_reference
-
-        if out.shape[1] % 2:
-            raise UserInputError(f"gated=True needs stacked [gate | up] columns; N={out.shape[1]} is odd")
-        out = silu_mul_reference(out)
-    return out
+    return silu_mul_halves(out) if gated else out

@@ -104,3 +104,31 @@ def test_kernel_preference_from_env(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(UserInputError, match="needs a CUDA device or TRITON_INTERPRET=1"):
             resolve_kernel("triton")
+
+
+@needs_triton()
+def test_dense_gate_up_layer_writes_silu_mul_where_the_constant_allows(monkeypatch):
+    # a layer without residual blocks: its dense GEMM's fix-up writes SiLU·mul at 2 to
+    # _tiles.DENSE_GATED_MAX_M tokens (single tokens run the GEMV), on the packed kernel even where a
+    # plain call of 16 takes the swapped GEMM
+    from mosaicquant.kernels import _tiles
+    from mosaicquant.kernels.act_quant import quantize_activations_reference
+    from mosaicquant.kernels.decoder import silu_mul, silu_mul_reference
+
+    layer = QuantLinear(_packed(256, 512, seed=9, residual=False), kernel="triton").to(DEVICE)
+    monkeypatch.setattr(_tiles, "DENSE_GATED_MAX_M", 0)
+    assert not any(layer.writes_gated(m) for m in (1, 4, 8, 15))
+    monkeypatch.setattr(_tiles, "DENSE_GATED_MAX_M", 16)
+    assert [m for m in (1, 2, 4, 8, 15, 16, 24) if layer.writes_gated(m)] == [2, 4, 8, 15, 16]
+    assert layer.uses_swapped(16, "triton") and layer.writes_gated(16)  # a plain call of 16: the swapped GEMM
+    monkeypatch.setattr(_tiles, "DENSE_GATED_MAX_M", 8)
+    assert [m for m in (2, 8, 9, 15) if layer.writes_gated(m)] == [2, 8]
+    a, s = quantize_activations_reference(torch.randn(5, 512, generator=torch.Generator().manual_seed(2)))
+    got = layer.forward_quantized(a.to(DEVICE), s.to(DEVICE), "triton", gated=True)
+    ref = silu_mul_reference(layer.cpu().forward_quantized(a, s, "torch"))
+    assert got.shape == (5, 128) and torch.equal(layer.forward_quantized(a, s, "torch", gated=True), ref)
+    layer.to(DEVICE)
+    if DEVICE.type == "cuda":  # the same bits as the GEMM's BF16 output followed by the SiLU·mul kernel
+        assert torch.equal(got, silu_mul(layer.forward_quantized(a.to(DEVICE), s.to(DEVICE), "triton"),
+                                         kernel="triton"))
+    assert (got.float().cpu() - ref.float()).abs().max() <= 2e-2 * ref.float().abs().max()

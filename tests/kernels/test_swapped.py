@@ -11,6 +11,7 @@ from mosaicquant.kernels.act_quant import (
     split8_width,
 )
 from mosaicquant.kernels.hadamard_quant import hadamard_quantize_triton
+from mosaicquant.kernels import _tiles
 from mosaicquant.kernels._tiles import SWAP_MIN_TILES_PER_SM, _sm_count, swapped_prefill
 from mosaicquant.kernels.quant_linear import QuantLinear
 from mosaicquant.kernels.w4a4_gemm import swapped_residual_reason, w4a4_gemm_reference, w4a4_gemm_swapped_triton
@@ -206,6 +207,25 @@ def test_quant_linear_decode_route_runs_dense_layers_swapped_at_16_to_32_tokens(
     for bad in ((0, 4), (8, 4), "16"):
         with pytest.raises(UserInputError, match="swap_decode="):
             QuantLinear(PackedW4.from_quantized(qt), swap_decode=bad)
+
+
+@needs_triton()
+def test_quant_linear_decode_route_takes_residual_layers_from_the_set_token_count(monkeypatch):
+    # SWAP_DECODE_RESIDUAL_MIN_M: residual layers join the decode route (blocks in the swapped GEMM's tail)
+    gen = torch.Generator().manual_seed(7)
+    n, k = 130, 640
+    qt = quantize(torch.randn(n, k, generator=gen), 4, scale_dtype=torch.float16)
+    packed = PackedW4.from_quantized(qt, residual=random_residual(n, k, (64, 128), 0.3, gen))
+    layer = QuantLinear(packed, kernel="triton", swap_min_m=512).to(DEVICE)
+    ref_layer = QuantLinear(packed, kernel="torch")
+    monkeypatch.setattr(_tiles, "SWAP_DECODE_RESIDUAL_MIN_M", 17)
+    assert [m for m in (8, 16, 17, 24, 32, 33) if layer.uses_swapped(m, "triton")] == [17, 24, 32]
+    assert layer.swap_route(24) == "decode" and not layer.uses_parallel_residual(24)
+    for m in (16, 24):
+        x = random_activations(m, k, gen)
+        assert_close_bf16(layer(x.to(DEVICE)), ref_layer(x).float(), f"residual layer, decode route, M={m}")
+    monkeypatch.setattr(_tiles, "SWAP_DECODE_RESIDUAL_MIN_M", 0)
+    assert not any(layer.uses_swapped(m, "triton") for m in (16, 24, 32))
 
 
 

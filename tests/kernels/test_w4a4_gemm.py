@@ -117,3 +117,43 @@ def test_wide_dense_layers_take_unsplit_wide_tiles_at_decode_sizes(monkeypatch):
     assert pick_config(4, 28672, 2048, cuda, residual_block=(64, 128)).block_n == 64  # rows nest in the blocks
     assert pick_config(32, 28672, 2048, cuda).block_kp == 64
 
+
+@needs_triton()
+@pytest.mark.parametrize("config", [
+    TileConfig(block_m=16, block_n=64, block_kp=64, num_stages=2),  # unsplit: a partial a tile all the same
+    TileConfig(block_m=16, block_n=32, block_kp=32, split_k=3, num_stages=2),
+])
+def test_gated_dense_call_writes_silu_mul_of_its_gate_and_up_halves(config):
+    # stacked [gate | up] (I = 128 each): the fix-up of each gate tile and its up tile writes
+    # bf16(silu(g)) * u, the same bits as the GEMM's BF16 output followed by the SiLU*mul kernel
+    from mosaicquant.kernels.decoder import silu_mul, silu_mul_reference
+
+    m, n, k = 6, 256, 520
+    ops = _operands(m, n, k, seed=17)
+    dev = [t.to(DEVICE) for t in ops]
+    plain = w4a4_gemm_triton(*dev[:4], k, dev[4], config=config, out_fp32=True)
+    # torch rounds fp32 to BF16 to nearest even, as the GPU's conversion does (the interpreter truncates)
+    want = silu_mul(plain.to(torch.bfloat16), kernel="triton")
+    ref = w4a4_gemm_reference(*ops[:4], k, ops[4])
+    for rep in range(2):  # the pair counters are back at zero after a launch
+        out = torch.full((m, n // 2), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        w4a4_gemm_triton(*dev[:4], k, dev[4], config=config, out=out, gated=True)
+        assert torch.equal(out, want), f"gated run {rep}: {(out != want).sum()} of {out.numel()} differ"
+        assert_close_bf16(out, silu_mul_reference(ref).float(), f"gated dense run {rep}")
+    assert torch.equal(w4a4_gemm(*ops[:4], k, ops[4], kernel="torch", gated=True), silu_mul_reference(ref))
+
+
+@needs_triton()
+def test_gated_dense_call_refuses_what_it_cannot_take():
+    ops = [t.to(DEVICE) for t in _operands(17, 192, 256, seed=4)]
+    cfg = TileConfig(block_m=16, block_n=64, block_kp=64)
+    with pytest.raises(UserInputError, match="N=192 is not two halves of whole 64-channel tiles"):
+        w4a4_gemm_triton(ops[0][:4], ops[1][:4], *ops[2:4], 256, config=cfg, gated=True)
+    ops = [t.to(DEVICE) for t in _operands(17, 256, 256, seed=4)]
+    with pytest.raises(UserInputError, match="M=17 is more than one tile of 16 tokens"):
+        w4a4_gemm_triton(*ops[:4], 256, config=cfg, gated=True)
+    with pytest.raises(UserInputError, match="writes BF16"):
+        w4a4_gemm_triton(ops[0][:4], ops[1][:4], *ops[2:4], 256, config=cfg, gated=True, out_fp32=True)
+    with pytest.raises(UserInputError, match="N=255 is odd"):
+        w4a4_gemm(ops[0][:4].cpu(), ops[1][:4].cpu(), ops[2][:255].cpu(), ops[3][:255].cpu(), 256, kernel="torch",
+                  gated=True)

@@ -290,3 +290,27 @@ def test_dp4a_residual_walk_refuses_what_it_cannot_take():
         zipper_gemm_triton(*few, mode="inline", residual_walk="dp4a")
     with pytest.raises(UserInputError, match="residual_walk='fp8'"):
         zipper_gemm_triton(*args, residual_walk="fp8")
+
+
+def test_register_cap_is_a_launch_option_only_where_set():
+    from mosaicquant.kernels._tiles import maxnreg_launch
+
+    assert maxnreg_launch(0) == {} and maxnreg_launch(80) == {"maxnreg": 80}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated", [False, True])
+def test_parallel_kernel_under_a_register_cap_writes_the_same_bits(monkeypatch, gated):
+    # PARALLEL_MAXNREG only changes how ptxas allocates registers (spills at worst), never a result
+    from mosaicquant.kernels import _tiles
+
+    m, n, k, block = 8, 512, 1024, (128, 128)
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, 0.2, seed=41)
+    args = (a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k, _dev(residual),
+            bias.to(DEVICE))
+    wide = TileConfig(block_m=16, block_n=128, block_kp=128, num_warps=8, num_stages=3)
+    outs = {}
+    for cap in (0, 64):
+        monkeypatch.setattr(_tiles, "PARALLEL_MAXNREG", cap)
+        outs[cap] = zipper_gemm_triton(*args, mode="parallel_rows", config=wide, gated=gated)
+    assert torch.equal(outs[0], outs[64]), f"{(outs[0] != outs[64]).sum()} of {outs[0].numel()} differ"
