@@ -18,8 +18,8 @@ from mosaicquant.harness.errors import UserInputError
 __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MIN_M", "SWAP_MIN_TILES_PER_SM",
            "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "DP4A_WALK_MAX_M", "PARALLEL_MIN_M", "PARALLEL_MAX_M",
            "PARALLEL_MAX_SPLIT", "PARALLEL_MAX_BLOCKS_PER_ROW", "PARALLEL_MAXNREG", "SWAP_DECODE_RESIDUAL_MIN_M",
-           "DENSE_GATED_MAX_M", "DENSE_GATED_MAXNREG", "DENSE_PREFETCH_MIB",
-           "maxnreg_launch", "parallel_mode", "parallel_residual",
+           "DENSE_GATED_MAX_M", "DENSE_GATED_MAXNREG", "DENSE_PREFETCH_MIB", "ZIPPER_PREFETCH_MIB",
+           "WIDE_K_DECODE_MIN_M", "TAIL_WIDE_K_MIN_M", "maxnreg_launch", "parallel_mode", "parallel_residual",
            "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
            "swapped_prefill"]
 
@@ -50,6 +50,12 @@ PREFETCH_ENV_VAR = "MOSAICQUANT_PREFETCH_MIB"
 # (16 and 32 MiB gained less; ZipperEngine's launches were 2 % slower with it at batch 4 and
 # keep the rule).
 DENSE_PREFETCH_MIB = 8.0
+# ZipperEngine's default cap (its residual blocks are prefetched whole as well while the prefetch is on).
+# In MosaicQuant's decode step (v17, Llama-3-8B shapes, CUDA graph, medians of 3 interleaved rounds, us at
+# batch 4 / 8 / 16): 8 MiB 2,874 / 3,071 / 3,429 against prefetch_default's rule 2,942 / 3,127 / 3,429, no
+# prefetch 2,899 / 3,077 / 3,426 and 16 MiB 2,909 / 3,101 / 3,428 (v15, before the parallel modes' row
+# walk and gated fix-up, had found 8 MiB 2 % slower at batch 4).
+ZIPPER_PREFETCH_MIB = 8.0
 
 
 def pdl_default(m: int, n: int, kp: int) -> bool:
@@ -75,6 +81,20 @@ SWAP_MIN_TILES_PER_SM = {"dense": 0.7, "residual": 1.2}
 # down_proj, 0.99-1.03x on q/k/v and o_proj at M = 16 and 32; at M <= 8 no tile of it was faster
 # on every shape.
 SWAP_DECODE_M = (16, 32)
+# ... except calls of WIDE_K_DECODE_MIN_M to 16 tokens (one 16-row tile; 0: none), which stay on the packed
+# kernel: gate/up on its wide tiles, and 64-channel layers (q/k/v, o, down) on 256-byte K steps at a quarter
+# of the 64-byte tiles' split (as many steps a program, four times the bytes a step; layers without residual
+# blocks only: ZipperEngine's tail walk deals a block row's kept blocks over the splits). GEMM alone at M = 16
+# (v17, Llama-3-8B, us): q/k/v 7.48, o 6.84, down 12.36, gate/up 20.25 against 8.47 / 7.77 / 13.85 / - on the
+# 64-byte tiles and 8.49 / 7.84 / 13.89 / 21.16 on the swapped GEMM; at M = 12 7.38 / 6.73 / 12.32 against
+# 7.97 / 7.27 / 13.36; at M = 8 within -4 / +9 %, at M = 4 slower. In the decode step at batch 16 (v17):
+# QuaRot 3,140 -> 3,025 us, RTN 2,952 -> 2,826.
+WIDE_K_DECODE_MIN_M = 12
+# ZipperEngine's tail walk on 64-channel tiles split K at least 8 ways (o, down) takes 128-byte K steps at
+# the same split for calls of TAIL_WIDE_K_MIN_M to 16 tokens (0: never; below it the dp4a walk, which was
+# slower with them). GEMM alone (v17, Llama-3-8B down_proj, M = 8 / 12 / 16, us): 15.64 / 14.72 / 15.05
+# against 17.06 / 16.14 / 16.19; o_proj 8.85 / 8.25 / 8.55 against 8.81 / 8.58 / 8.59.
+TAIL_WIDE_K_MIN_M = 5
 # Layers with residual blocks run their calls of this many tokens up to SWAP_DECODE_M's upper end on the
 # swapped GEMM at decode tiles too, the kept blocks in its tail (0: never; they stay on ZipperEngine's
 # packed kernels). GEMM alone (v17, Llama-3-8B, M = 16 / 32, us): slower on every layer, q/k/v 11.07 /
@@ -339,6 +359,8 @@ def pick_config(
         cfg = TileConfig(block_m=256, block_n=128, block_kp=64, num_warps=8, num_stages=3)
     if residual_block is not None:
         cfg = fit_to_blocks(cfg, residual_block, nest_k=False)
+    narrow = device.type == "cuda" and not wide and cfg.block_n == 64 and m <= 16
+    wide_k = narrow and residual_block is None and 0 < WIDE_K_DECODE_MIN_M <= m
     if device.type == "cuda" and m <= 256 and not wide:
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         k_steps = -(-kp // cfg.block_kp)
@@ -348,6 +370,10 @@ def pick_config(
         while tiles * split < 2 * sms and k_steps // (2 * split) >= 4 and split < 16:
             split *= 2
         cfg = replace(cfg, split_k=split)
+    if wide_k:  # as many K steps a program, four times the bytes a step
+        cfg = replace(cfg, block_kp=4 * cfg.block_kp, split_k=max(1, cfg.split_k // 4))
+    elif narrow and residual_block is not None and 0 < TAIL_WIDE_K_MIN_M <= m and cfg.split_k >= 8:
+        cfg = replace(cfg, block_kp=2 * cfg.block_kp)  # the tail walk's tiles: half the steps, same split
     return cfg
 
 

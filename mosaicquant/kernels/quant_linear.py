@@ -14,7 +14,8 @@ activations to the ``"split8"`` int8 layout instead and run the operand-swapped 
 fused in its tail): the same integers and scales, the same result up to float rounding
 (``benchmarks/NOTES.md``, v7, v8, v10). The unfused pipeline always keeps the packed path.
 Layers without residual blocks also run decode calls of ``swap_decode`` tokens (16-32) that way,
-at decode tiles (v10); layers with them from ``_tiles.SWAP_DECODE_RESIDUAL_MIN_M`` tokens where that is set. Calls of at most
+at decode tiles (v10), but for those of ``_tiles.WIDE_K_DECODE_MIN_M`` to 16 tokens (v17); layers
+with them from ``_tiles.SWAP_DECODE_RESIDUAL_MIN_M`` tokens where that is set. Calls of at most
 ``gemv_max_m`` tokens run the decode GEMV on CUDA-core ``dp4a`` instead
 (:mod:`mosaicquant.kernels.gemv`, dense and with the residual; v13).
 
@@ -82,7 +83,9 @@ class QuantLinear(nn.Module):
             ``swap_min_m`` tokens or more).
         swap_decode: ``(lo, hi)``: a layer without residual blocks runs calls of ``lo`` to ``hi``
             tokens on the swapped GEMM too, at decode tiles (default
-            :data:`mosaicquant.kernels._tiles.SWAP_DECODE_M`); ``None`` never. A layer with residual
+            :data:`mosaicquant.kernels._tiles.SWAP_DECODE_M`), but for calls of
+            :data:`mosaicquant.kernels._tiles.WIDE_K_DECODE_MIN_M` to 16 tokens (the packed kernel's wide
+            K steps, read at each call); ``None`` never. A layer with residual
             blocks does so from :data:`mosaicquant.kernels._tiles.SWAP_DECODE_RESIDUAL_MIN_M` tokens
             (read at each call; 0: never).
         gemv_max_m: calls of up to this many tokens on the Triton path run the decode GEMV where it
@@ -275,7 +278,7 @@ class QuantLinear(nn.Module):
                 self.swap_min_tiles_per_sm):
             return "prefill"
         if self.swap_decode is not None and self.swap_decode[0] <= m <= self.swap_decode[1]:
-            if self.block_shape is None:
+            if self.block_shape is None and not 0 < _tiles.WIDE_K_DECODE_MIN_M <= m <= 16:
                 return "decode"
             if self.block_shape is not None and 0 < _tiles.SWAP_DECODE_RESIDUAL_MIN_M <= m:
                 return "decode"

@@ -447,7 +447,8 @@ def zipper_gemm_triton(
         out: optional preallocated contiguous ``[M, N]`` output of the output dtype.
         pdl: programmatic dependent launch, as in :func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_triton`
             (decode-sized launches also prefetch their tiles' residual blocks).
-        prefetch_mib: cap on the dense weight bytes prefetched, as there (residual blocks are
+        prefetch_mib: cap on the dense weight bytes prefetched, as there (``None``: ``MOSAICQUANT_PREFETCH_MIB``
+            if set, else :data:`mosaicquant.kernels._tiles.ZIPPER_PREFETCH_MIB`; residual blocks are
             prefetched whole while the prefetch is on).
         x16: unpack as ``16 * q``, as in :func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_triton` (default on).
         residual_walk: how the tail mode multiplies the kept blocks: ``"dot"``, int8 tensor-core dots
@@ -509,7 +510,7 @@ def zipper_gemm_triton(
     if pdl is None and not pdl_default(m, n, kp):
         pdl = False
     pdl = use_pdl(a_packed.device, pdl)
-    pf_row = prefetch_row_bytes(n, kp, split, prefetch_mib)
+    pf_row = prefetch_row_bytes(n, kp, split, prefetch_mib, _tiles.ZIPPER_PREFETCH_MIB)
     if fuse in ("parallel", "parallel_rows"):
         if m > cfg.block_m or not cfg.use_dot:
             raise UserInputError(f"mode={fuse!r} runs one tensor-core tile of {cfg.block_m} tokens; this call has "

@@ -120,7 +120,8 @@ def test_dense_gate_up_layer_writes_silu_mul_where_the_constant_allows(monkeypat
     assert not any(layer.writes_gated(m) for m in (1, 4, 8, 15))
     monkeypatch.setattr(_tiles, "DENSE_GATED_MAX_M", 16)
     assert [m for m in (1, 2, 4, 8, 15, 16, 24) if layer.writes_gated(m)] == [2, 4, 8, 15, 16]
-    assert layer.uses_swapped(16, "triton") and layer.writes_gated(16)  # a plain call of 16: the swapped GEMM
+    monkeypatch.setattr(_tiles, "WIDE_K_DECODE_MIN_M", 0)  # a plain call of 16 tokens: the swapped GEMM
+    assert layer.uses_swapped(16, "triton") and layer.writes_gated(16)
     monkeypatch.setattr(_tiles, "DENSE_GATED_MAX_M", 8)
     assert [m for m in (2, 8, 9, 15) if layer.writes_gated(m)] == [2, 8]
     a, s = quantize_activations_reference(torch.randn(5, 512, generator=torch.Generator().manual_seed(2)))

@@ -96,11 +96,14 @@ def test_bad_operands_raise_clear_errors():
 def test_sixteen_q_unpacking_gives_the_plain_unpacking_result_exactly(config):
     # x16 (the default) unpacks nibbles as 16 q and rescales by 1/256 at the end: a power of two,
     # so every product, partial sum and rounding is the plain path's times 256 -- bit-equal output.
+    # (Without a bias: on an unsplit tile the compiler fuses the plain path's last scale multiply with
+    # the bias add into one rounding, where x16 rounds twice, as the PyTorch reference does.)
     m, n, k = 13, 130, 1000
     ops = [t.to(DEVICE) for t in _operands(m, n, k, seed=11)]
-    plain = w4a4_gemm_triton(*ops[:4], k, ops[4], config=CONFIGS[config], x16=False, out_fp32=True)
-    x16 = w4a4_gemm_triton(*ops[:4], k, ops[4], config=CONFIGS[config], x16=True, out_fp32=True)
+    plain = w4a4_gemm_triton(*ops[:4], k, config=CONFIGS[config], x16=False, out_fp32=True)
+    x16 = w4a4_gemm_triton(*ops[:4], k, config=CONFIGS[config], x16=True, out_fp32=True)
     assert torch.equal(plain, x16)
+    x16 = w4a4_gemm_triton(*ops[:4], k, ops[4], config=CONFIGS[config], x16=True, out_fp32=True)
     assert_close_bf16(x16, w4a4_gemm_reference(*[t.cpu() for t in ops[:4]], k, ops[4].cpu(), out_fp32=True), "x16")
 
 
@@ -116,6 +119,30 @@ def test_wide_dense_layers_take_unsplit_wide_tiles_at_decode_sizes(monkeypatch):
     assert (zip_wide.block_n, zip_wide.block_kp) == (128, 128)
     assert pick_config(4, 28672, 2048, cuda, residual_block=(64, 128)).block_n == 64  # rows nest in the blocks
     assert pick_config(32, 28672, 2048, cuda).block_kp == 64
+
+
+def test_dense_64_channel_layers_take_wide_k_steps_at_16_tokens(monkeypatch):
+    # as many K steps a program as the 64-byte tiles, four times the bytes a step (WIDE_K_DECODE_MIN_M)
+    from mosaicquant.kernels import _tiles
+
+    monkeypatch.setattr(_tiles, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    for n, kp, split in ((6144, 2048, 1), (4096, 2048, 2), (4096, 7168, 2)):  # q/k/v, o, down
+        narrow = pick_config(8, n, kp, cuda)
+        wide_k = pick_config(16, n, kp, cuda)
+        assert (narrow.block_n, narrow.block_kp) == (64, 64)
+        assert (wide_k.block_n, wide_k.block_kp, wide_k.split_k) == (64, 256, split), (n, kp, wide_k)
+    # ZipperEngine: 128-byte steps at the same split for the tail walk of tiles split 8 ways (o, down),
+    # above the dp4a walk's 4 tokens (TAIL_WIDE_K_MIN_M)
+    for m, kp_step in ((4, 64), (5, 128), (16, 128), (17, 64)):
+        zipper = pick_config(m, 4096, 7168, cuda, residual_block=(128, 128))
+        assert (zipper.block_kp, zipper.split_k) == (kp_step, 8), (m, zipper)
+    assert pick_config(8, 6144, 2048, cuda, residual_block=(128, 128)).block_kp == 64  # q/k/v: split 4
+    monkeypatch.setattr(_tiles, "WIDE_K_DECODE_MIN_M", 8)
+    assert pick_config(8, 4096, 7168, cuda).block_kp == 256
+    monkeypatch.setattr(_tiles, "WIDE_K_DECODE_MIN_M", 0)
+    assert pick_config(16, 4096, 7168, cuda).block_kp == 64
+
 
 
 @needs_triton()
