@@ -14,10 +14,14 @@ outside the timing):
 - ``zip10_dot``: ZipperEngine with the tensor-core residual walk; on wide layers (where the dense
   GEMM takes 128 x 128-byte tiles) ``zip10_n64w{warps}s{stages}``: 64-channel tiles with the
   same 128-byte K steps (each kept block then split over two programs);
-- ``zip10_par`` / ``zip10_even_par`` (M ≤ 16): ZipperEngine's parallel mode, each kept block in
-  programs of its own, summed into the dense tiles' fix-up; ``zip10_par_rows`` one program per
-  block row walking its blocks instead; on gate/up ``zip10_par[_rows]_silu`` that GEMM followed by the
-  SiLU·mul kernel and ``zip10_par[_rows]_gated`` the GEMM writing SiLU·mul itself (``gated=True``);
+- ``zip10_par`` (M ≤ 32) / ``zip10_even_par`` (M ≤ 16): ZipperEngine's parallel mode, each kept block
+  in programs of its own, summed into the dense tiles' fix-up; ``zip10_par_rows`` one program per
+  block row walking its blocks instead (``_r80``: under a cap of 80 registers a thread); on gate/up
+  ``zip10_par[_rows]_silu`` that GEMM followed by the SiLU·mul kernel and ``zip10_par[_rows]_gated``
+  the GEMM writing SiLU·mul itself (``gated=True``), and the same for the dense GEMM (``w4a4_silu``,
+  ``w4a4_gated[_r80]``);
+- ``w4a4_swapdec`` / ``zip10_swapdec`` (M = 16, 32): the operand-swapped GEMM at decode tiles, dense
+  and with the kept blocks in its tail;
   ``zip10_tail`` the tail walk (what
   ``"auto"`` picks may be either); where the default tiles split K, ``w4a4_s{n}``,
   ``zip10_tail_s{n}`` and ``zip10_par_s{n}`` for the other splits of 2, 4 and 8.
@@ -52,11 +56,16 @@ from zipper import (  # noqa: E402
     time_calls,
 )
 
-from mosaicquant.kernels._tiles import TileConfig, pick_config  # noqa: E402
+from mosaicquant.kernels import _tiles  # noqa: E402
+from mosaicquant.kernels._tiles import TileConfig, pick_config, swapped_decode_config  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
 from mosaicquant.kernels.decoder import silu_mul, silu_mul_reference  # noqa: E402
 from mosaicquant.kernels.gemv import gemv_triton  # noqa: E402
-from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_triton  # noqa: E402
+from mosaicquant.kernels.w4a4_gemm import (  # noqa: E402
+    w4a4_gemm_reference,
+    w4a4_gemm_swapped_triton,
+    w4a4_gemm_triton,
+)
 from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm_reference, zipper_gemm_triton  # noqa: E402
 from mosaicquant.methods.format import ResidualBlocks  # noqa: E402
 
@@ -83,11 +92,28 @@ def even_residual(n: int, k: int, budget: float, device) -> ResidualBlocks:
     return ResidualBlocks((n, k), BLOCK, coords, row_ptr, values, scales)
 
 
+def capped(cap: tuple[str, int] | None, call):
+    """``call`` with the register cap ``_tiles.<name> = value`` set while it runs (launches, graph capture)."""
+    if cap is None:
+        return call
+
+    def run():
+        saved = getattr(_tiles, cap[0])
+        setattr(_tiles, cap[0], cap[1])
+        try:
+            return call()
+        finally:
+            setattr(_tiles, cap[0], saved)
+    return run
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--k-steps", action="store_true",
+                        help="also time wider K steps on the 64-channel layers, the L2 prefetch caps and budget 0")
     args = parser.parse_args(argv)
     # GEMMs timed back to back: without the decode step's PDL chain a GEMM never lets the next timed one
     # start early, so each time is one GEMM's (set MOSAICQUANT_PDL_CHAIN=on to time them chained)
@@ -136,10 +162,11 @@ def main(argv=None) -> int:
                 for warps, stages in ((4, 4), (4, 3), (8, 3)):
                     opts[f"zip10_n64w{warps}s{stages}"] = {"config": TileConfig(
                         block_m=16, block_n=64, block_kp=128, num_warps=warps, num_stages=stages)}
-            if m <= 16:
+            if m <= 32:
                 opts["zip10_par"] = {"mode": "parallel"}
                 opts["zip10_par_rows"] = {"mode": "parallel_rows"}
                 opts["zip10_tail"] = {"mode": "tail"}
+            if m <= 16:
                 cfg = pick_config(m, n, kp, device)
                 for split in (2, 4, 8):
                     if cfg.split_k > 1 and cfg.split_k != split:
@@ -150,19 +177,73 @@ def main(argv=None) -> int:
                                                          config=replace(cfg, split_k=split)), ref0)
                         variants[f"w4a4_s{split}"] = ([(lambda i=i, c=replace(cfg, split_k=split): w4a4_gemm_triton(
                             ap, a_s, qws[i], wss[i], k, config=c)) for i in range(copies)], ok)
+            if "zip10_par_rows" in opts:  # the row walk under a register cap (three programs an SM)
+                opts["zip10_par_rows_r80"] = dict(opts["zip10_par_rows"], cap=("PARALLEL_MAXNREG", 80))
             for variant, kw in opts.items():
-                ok, rel = check(zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], block_map=maps[0], **kw), zref)
-                variants[variant] = ([(lambda i=i, kw=kw: zipper_gemm_triton(
+                kw = dict(kw)
+                cap = kw.pop("cap", None)
+                ok, rel = check(capped(cap, lambda kw=kw: zipper_gemm_triton(
+                    ap, a_s, qweight, w_scale, k, rs[0], block_map=maps[0], **kw))(), zref)
+                variants[variant] = ([capped(cap, lambda i=i, kw=kw: zipper_gemm_triton(
                     ap, a_s, qws[i], wss[i], k, rs[i], block_map=maps[i], **kw)) for i in range(copies)], ok)
+            if args.k_steps and m <= 16 and pick_config(m, n, kp, device).block_n == 64:
+                # wider K steps (bytes of each weight row a step) at 64 or 32 channels, K split so that a
+                # program keeps about as many steps as the default's or half as many
+                base = pick_config(m, n, kp, device)
+                for bn, bkp in ((64, 128), (64, 256), (32, 256)):
+                    for split in sorted({max(1, base.split_k * base.block_kp // bkp * f) for f in (1, 2)}):
+                        cfg_k = replace(base, block_n=bn, block_kp=bkp, split_k=split)
+                        tag = f"n{bn}k{bkp}s{split}"
+                        ok, rel = check(w4a4_gemm_triton(ap, a_s, qweight, w_scale, k, config=cfg_k), ref0)
+                        variants[f"w4a4_{tag}"] = ([(lambda i=i, c=cfg_k: w4a4_gemm_triton(
+                            ap, a_s, qws[i], wss[i], k, config=c)) for i in range(copies)], ok)
+                        ok, rel = check(zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], config=cfg_k), zref)
+                        variants[f"zip10_{tag}"] = ([(lambda i=i, c=cfg_k: zipper_gemm_triton(
+                            ap, a_s, qws[i], wss[i], k, rs[i], block_map=maps[i], config=c))
+                            for i in range(copies)], ok)
+            if args.k_steps and m <= 16:
+                # L2 prefetch of the weights while waiting (PDL): none, or the dense GEMM's 8 MiB cap
+                for mib in (0, 8):
+                    variants[f"w4a4_pf{mib}"] = ([(lambda i=i, mib=mib: w4a4_gemm_triton(
+                        ap, a_s, qws[i], wss[i], k, prefetch_mib=mib)) for i in range(copies)], True)
+                    variants[f"zip10_pf{mib}"] = ([(lambda i=i, mib=mib: zipper_gemm_triton(
+                        ap, a_s, qws[i], wss[i], k, rs[i], block_map=maps[i], prefetch_mib=mib))
+                        for i in range(copies)], True)
+                empty = ResidualBlocks.empty((n, k), BLOCK, device=device)  # ZipperEngine with no kept block
+                ok, rel = check(zipper_gemm_triton(ap, a_s, qweight, w_scale, k, empty), ref0)
+                variants["zip0"] = ([(lambda i=i: zipper_gemm_triton(ap, a_s, qws[i], wss[i], k, empty))
+                                     for i in range(copies)], ok)
+            if m in (16, 32):  # the swapped GEMM at decode tiles, dense and with the blocks in its tail
+                a8, s8 = quantize_activations_triton(x, layout="split8")
+                tiles = swapped_decode_config(m, n, kp, device)
+                for variant, r0 in (("w4a4_swapdec", None), ("zip10_swapdec", rs)):
+                    ok, rel = check(w4a4_gemm_swapped_triton(a8, s8, qweight, w_scale, k, residual=r0 and r0[0],
+                                                             **tiles), zref if r0 else ref0)
+                    variants[variant] = ([(lambda i=i, r0=r0: w4a4_gemm_swapped_triton(
+                        a8, s8, qws[i], wss[i], k, residual=r0 and r0[i], **tiles)) for i in range(copies)], ok)
             if m <= 16 and name == "gate_up":  # SiLU·mul written by the pair fix-up, against the GEMM + SiLU·mul kernel
                 gref = silu_mul_reference(zref.to(torch.bfloat16))
                 for variant, mode in (("zip10_par_gated", "parallel"), ("zip10_par_rows_gated", "parallel_rows")):
                     ok, rel = check(zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], mode=mode, gated=True), gref)
                     variants[variant] = ([(lambda i=i, mode=mode: zipper_gemm_triton(
                         ap, a_s, qws[i], wss[i], k, rs[i], mode=mode, gated=True)) for i in range(copies)], ok)
+                cap = ("PARALLEL_MAXNREG", 80)
+                ok, rel = check(capped(cap, lambda: zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0],
+                                                                       mode="parallel_rows", gated=True))(), gref)
+                variants["zip10_par_rows_gated_r80"] = ([capped(cap, lambda i=i: zipper_gemm_triton(
+                    ap, a_s, qws[i], wss[i], k, rs[i], mode="parallel_rows", gated=True)) for i in range(copies)], ok)
                 for variant, mode in (("zip10_par_silu", "parallel"), ("zip10_par_rows_silu", "parallel_rows")):
                     variants[variant] = ([(lambda i=i, mode=mode: silu_mul(zipper_gemm_triton(
                         ap, a_s, qws[i], wss[i], k, rs[i], mode=mode))) for i in range(copies)], True)
+                # the dense GEMM (QuaRot's gate/up) writing SiLU·mul itself, against it + the SiLU·mul kernel
+                dref = silu_mul_reference(ref0.to(torch.bfloat16))
+                variants["w4a4_silu"] = ([(lambda i=i: silu_mul(w4a4_gemm_triton(ap, a_s, qws[i], wss[i], k)))
+                                          for i in range(copies)], True)
+                for variant, cap in (("w4a4_gated", None), ("w4a4_gated_r80", ("DENSE_GATED_MAXNREG", 80))):
+                    ok, rel = check(capped(cap, lambda: w4a4_gemm_triton(ap, a_s, qweight, w_scale, k, gated=True))(),
+                                    dref)
+                    variants[variant] = ([capped(cap, lambda i=i: w4a4_gemm_triton(
+                        ap, a_s, qws[i], wss[i], k, gated=True)) for i in range(copies)], ok)
             if m <= 16:
                 ers, emaps = res["_even"]
                 eref = zipper_gemm_reference(ap, a_s, qweight, w_scale, k, ers[0], out_fp32=True)
@@ -175,10 +256,13 @@ def main(argv=None) -> int:
                              "spread_iqr_over_median": spread, "check_ok": ok})
                 print(f"{name:8s} M={m:<3d} {variant:16s} {us:8.2f} µs  ok={ok}", flush=True)
     print()
-    names = ["w4a4", "w4a4_s2", "w4a4_s4", "w4a4_s8", "zip10", "zip10_tail", "zip10_tail_s2", "zip10_tail_s4",
+    extra = sorted({r["variant"] for r in rows if r["variant"].startswith(("w4a4_n", "zip10_n", "w4a4_pf", "zip10_pf"))
+                    and not r["variant"].startswith("zip10_n64w")} | ({"zip0"} & {r["variant"] for r in rows}))
+    names = extra + ["w4a4", "w4a4_s2", "w4a4_s4", "w4a4_s8", "zip10", "zip10_tail", "zip10_tail_s2", "zip10_tail_s4",
              "zip10_tail_s8", "zip10_even", "zip10_dot", "zip10_par", "zip10_par_rows", "zip10_par_s2", "zip10_par_s4", "zip10_par_s8",
              "zip10_par_rows_s2", "zip10_par_rows_s4", "zip10_par_rows_s8", "zip10_par_silu", "zip10_par_gated",
-             "zip10_par_rows_silu", "zip10_par_rows_gated",
+             "zip10_par_rows_silu", "zip10_par_rows_gated", "zip10_par_rows_r80", "zip10_par_rows_gated_r80",
+             "w4a4_silu", "w4a4_gated", "w4a4_gated_r80", "w4a4_swapdec", "zip10_swapdec",
              "zip10_even_par", "zip10_n64w4s4",
              "zip10_n64w4s3", "zip10_n64w8s3", "gemv", "gemv_zip10", "gemv_zip10_even"]
     print("| shape | M | " + " | ".join(f"{v} µs" for v in names) + " | zip10 / w4a4 | even / w4a4 | par / w4a4 |")
