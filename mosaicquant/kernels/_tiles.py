@@ -87,19 +87,20 @@ SWAP_DECODE_M = (16, 32)
 # blocks only: ZipperEngine's tail walk deals a block row's kept blocks over the splits). GEMM alone at M = 16
 # (v17, Llama-3-8B, us): q/k/v 7.48, o 6.84, down 12.36, gate/up 20.25 against 8.47 / 7.77 / 13.85 / - on the
 # 64-byte tiles and 8.49 / 7.84 / 13.89 / 21.16 on the swapped GEMM; at M = 12 7.38 / 6.73 / 12.32 against
-# 7.97 / 7.27 / 13.36; at M = 8 within -4 / +9 %, at M = 4 slower. In the decode step at batch 16 (v17):
+# 7.97 / 7.27 / 13.36; at M = 8 within -0.4 / +9 %, at M = 4 slower. In the decode step at batch 16 (v17):
 # QuaRot 3,140 -> 3,025 us, RTN 2,952 -> 2,826.
 WIDE_K_DECODE_MIN_M = 12
 # ZipperEngine's tail walk on 64-channel tiles split K at least 8 ways (o, down) takes 128-byte K steps at
 # the same split for calls of TAIL_WIDE_K_MIN_M to 16 tokens (0: never; below it the dp4a walk, which was
-# slower with them). GEMM alone (v17, Llama-3-8B down_proj, M = 8 / 12 / 16, us): 15.64 / 14.72 / 15.05
-# against 17.06 / 16.14 / 16.19; o_proj 8.85 / 8.25 / 8.55 against 8.81 / 8.58 / 8.59.
+# slower with them). GEMM alone (v17, Llama-3-8B, M = 8 / 12 / 16, M = 16 in another run, us): down_proj
+# 15.64 / 14.72 / 15.05 against 17.06 / 16.14 / 16.19; o_proj 8.85 / 8.25 / 8.55 against 8.81 / 8.58 / 8.59.
+# MosaicQuant's decode step at batch 8 / 16: 3,048 / 3,411 -> 3,039 / 3,366 us.
 TAIL_WIDE_K_MIN_M = 5
 # Layers with residual blocks run their calls of this many tokens up to SWAP_DECODE_M's upper end on the
 # swapped GEMM at decode tiles too, the kept blocks in its tail (0: never; they stay on ZipperEngine's
-# packed kernels). GEMM alone (v17, Llama-3-8B, M = 16 / 32, us): slower on every layer, q/k/v 11.07 /
-# 13.27 against ZipperEngine's 9.87 / 11.69, o 9.34 / 13.50 against 8.59 / 12.23, gate/up 29.40 / 32.77
-# against 25.35 / 32.18, down 17.09 / 22.55 against 16.19 / 19.28.
+# packed kernels). GEMM alone (v17, Llama-3-8B, M = 16 / 32, us): slower on every layer, q/k/v 11.05 /
+# 13.27 against ZipperEngine's 9.59 / 11.69, o 9.43 / 13.50 against 8.67 / 12.23, gate/up 29.11 / 32.77
+# against 25.34 / 32.18, down 16.76 / 22.55 against 15.63 / 19.28.
 SWAP_DECODE_RESIDUAL_MIN_M = 0
 # A layer of at least this many 64-channel tiles per SM runs its calls of 2-16 tokens (one 16-row
 # tile) on 128 x 128-byte tiles, 8 warps, 3 stages, unsplit. Measured against the default tiles (64 x 64
@@ -148,8 +149,8 @@ PARALLEL_ROWS_MAX_SPLIT = 1
 # A cap on the registers a thread of ZipperEngine's parallel kernel may take (ptxas ``maxnreg``; 0: none).
 # Compiled offline for sm_90 on gate/up's wide tiles (8 warps), the row walk takes 88 registers (two
 # programs an SM) and 84 with the gated fix-up (rounded to 88: two); under a cap of 80, 74 with no spills
-# (three an SM). GEMM alone on gate/up (v17, M = 4 / 16, us): capped at 80, the row walk 24.53 / 25.82
-# against 24.11 / 25.61 uncapped, gated 25.62 / 26.38 against 25.22 / 26.16: not capped.
+# (three an SM). GEMM alone on gate/up (v17, M = 4 / 16, us): capped at 80, the row walk 24.53 / 25.60
+# against 24.11 / 25.53 uncapped, gated 25.83 / 26.58 against 25.38 / 26.37: not capped.
 PARALLEL_MAXNREG = 0
 
 
@@ -164,8 +165,8 @@ PARALLEL_MAXNREG = 0
 DENSE_GATED_MAX_M = 16
 # A register cap for that gated dense GEMM (0: none). Compiled offline for sm_90 on gate/up's wide tiles
 # (8 warps), its fix-up takes the GEMM from 80 to 93 registers a thread (three programs an SM to two);
-# 80 under the cap, with no spills. GEMM alone (v17, M = 4 / 16, us): 22.09 / 21.40 capped at 80 against
-# 21.98 / 21.35: not capped.
+# 80 under the cap, with no spills. GEMM alone (v17, M = 4 / 16, us): 21.31 / 21.63 capped at 80 against
+# 21.07 / 21.60: not capped.
 DENSE_GATED_MAXNREG = 0
 
 

@@ -23,7 +23,10 @@ particular multiple: the tail step is masked (padding nibbles are zero on both s
 
 Small M (decode) is memory-bound and has few output tiles, so K is split across
 ``SPLIT_K`` programs: each writes an fp32 partial, the last to arrive (atomic counter per
-tile) sums the partials in split order, adds the bias and writes the output.
+tile) sums the partials in split order, adds the bias and writes the output. With
+``gated=True`` (a stacked ``[gate | up]`` layer, one tile of tokens) a gate tile and its up tile
+share one counter and the last of their partials writes ``bf16(silu(g)) · u``, the SiLU·mul of
+the MLP, so the decode step needs no kernel of its own for it (``benchmarks/NOTES.md`` v17).
 
 Prefill-sized M runs the operand-swapped variant (:func:`w4a4_gemm_swapped_triton`,
 ``Cᵀ = W Aᵀ``) on int8 activations in the ``"split8"`` layout: the unpacked weights are the
