@@ -19,7 +19,8 @@ __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MI
            "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "DP4A_WALK_MAX_M", "PARALLEL_MIN_M", "PARALLEL_MAX_M",
            "PARALLEL_MAX_SPLIT", "PARALLEL_MAX_BLOCKS_PER_ROW", "PARALLEL_MAXNREG", "SWAP_DECODE_RESIDUAL_MIN_M",
            "DENSE_GATED_MAX_M", "DENSE_GATED_MAXNREG", "DENSE_PREFETCH_MIB", "ZIPPER_PREFETCH_MIB",
-           "WIDE_K_DECODE_MIN_M", "TAIL_WIDE_K_MIN_M", "maxnreg_launch", "parallel_mode", "parallel_residual",
+           "WIDE_K_DECODE_MIN_M", "TAIL_WIDE_K_MIN_M", "TAIL_WIDE_K_MAX_M", "WIDE_DECODE_MAX_M", "maxnreg_launch",
+           "parallel_mode", "parallel_residual",
            "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
            "swapped_prefill"]
 
@@ -96,6 +97,9 @@ WIDE_K_DECODE_MIN_M = 12
 # 15.64 / 14.72 / 15.05 against 17.06 / 16.14 / 16.19; o_proj 8.85 / 8.25 / 8.55 against 8.81 / 8.58 / 8.59.
 # MosaicQuant's decode step at batch 8 / 16: 3,048 / 3,411 -> 3,039 / 3,366 us.
 TAIL_WIDE_K_MIN_M = 5
+# ... up to this many tokens (16 at least). At M = 32 (32-row tiles) the 128-byte steps were slower: down
+# 23.90 us against 20.03, o 14.49 against 12.30; MosaicQuant's batch-32 step 4,487 -> 4,695 us.
+TAIL_WIDE_K_MAX_M = 16
 # Layers with residual blocks run their calls of this many tokens up to SWAP_DECODE_M's upper end on the
 # swapped GEMM at decode tiles too, the kept blocks in its tail (0: never; they stay on ZipperEngine's
 # packed kernels). GEMM alone (v17, Llama-3-8B, M = 16 / 32, us): slower on every layer, q/k/v 11.05 /
@@ -111,6 +115,10 @@ SWAP_DECODE_RESIDUAL_MIN_M = 0
 # 128 x 128 blocks at M = 2-16 (v14); cut to 64-byte steps to nest in the blocks they had been
 # 1.10-1.20x slower (v13).
 WIDE_DECODE_TILES_PER_SM = 2
+# ZipperEngine's layers (residual blocks) take the wide tiles for calls of 17 to this many tokens too, on
+# 32-row tiles (dense layers run those calls on the swapped GEMM). Llama-3-8B gate/up at M = 32 (v17, GEMM
+# alone): 29.79 us against 32.83 on the 64-channel tiles; MosaicQuant's batch-32 step 4,487 -> 4,407 us.
+WIDE_DECODE_MAX_M = 32
 # Calls of up to this many tokens run the decode GEMV (CUDA-core dp4a, mosaicquant.kernels.gemv)
 # instead of the tensor-core GEMMs. Measured on every Llama-3 / Qwen3 linear in one run (v13): at
 # M = 1 it was 1.77-3.05x BF16 against the tensor-core kernel's 1.64-2.30x; at M = 4 its dp4a work
@@ -339,7 +347,8 @@ def pick_config(
         UserInputError: a residual block shape the kernels cannot tile (``Bn`` not a
             multiple of 16 or ``Bk`` not a multiple of 32).
     """
-    wide = (device.type == "cuda" and m <= 16 and -(-n // 64) >= WIDE_DECODE_TILES_PER_SM * _sm_count(device))
+    wide = (device.type == "cuda" and (m <= 16 or (residual_block is not None and m <= WIDE_DECODE_MAX_M))
+            and -(-n // 64) >= WIDE_DECODE_TILES_PER_SM * _sm_count(device))
     if device.type != "cuda":
         cfg = TileConfig(block_m=64 if m > 16 else 16, block_n=64, block_kp=64, num_warps=4, num_stages=1)
     elif m <= FMA_MAX_M:
@@ -347,7 +356,7 @@ def pick_config(
                          num_stages=4, use_dot=False)
     elif wide:
         # a wide dense layer (gate/up): enough tiles without split-K, and longer steps per tile
-        cfg = TileConfig(block_m=16, block_n=128, block_kp=128, num_warps=8, num_stages=3)
+        cfg = TileConfig(block_m=16 if m <= 16 else 32, block_n=128, block_kp=128, num_warps=8, num_stages=3)
     elif m <= 16:
         cfg = TileConfig(block_m=16, block_n=64, block_kp=64, num_warps=4, num_stages=4)
     elif m <= 64:
@@ -360,8 +369,8 @@ def pick_config(
         cfg = TileConfig(block_m=256, block_n=128, block_kp=64, num_warps=8, num_stages=3)
     if residual_block is not None:
         cfg = fit_to_blocks(cfg, residual_block, nest_k=False)
-    narrow = device.type == "cuda" and not wide and cfg.block_n == 64 and m <= 16
-    wide_k = narrow and residual_block is None and 0 < WIDE_K_DECODE_MIN_M <= m
+    narrow = device.type == "cuda" and not wide and cfg.block_n == 64
+    wide_k = narrow and residual_block is None and 0 < WIDE_K_DECODE_MIN_M <= m <= 16
     if device.type == "cuda" and m <= 256 and not wide:
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         k_steps = -(-kp // cfg.block_kp)
@@ -373,7 +382,8 @@ def pick_config(
         cfg = replace(cfg, split_k=split)
     if wide_k:  # as many K steps a program, four times the bytes a step
         cfg = replace(cfg, block_kp=4 * cfg.block_kp, split_k=max(1, cfg.split_k // 4))
-    elif narrow and residual_block is not None and 0 < TAIL_WIDE_K_MIN_M <= m and cfg.split_k >= 8:
+    elif (narrow and residual_block is not None and 0 < TAIL_WIDE_K_MIN_M <= m <= max(16, TAIL_WIDE_K_MAX_M)
+          and cfg.split_k >= 8):
         cfg = replace(cfg, block_kp=2 * cfg.block_kp)  # the tail walk's tiles: half the steps, same split
     return cfg
 
