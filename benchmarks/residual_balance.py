@@ -201,6 +201,21 @@ def main(argv=None) -> int:
                         variants[f"zip10_{tag}"] = ([(lambda i=i, c=cfg_k: zipper_gemm_triton(
                             ap, a_s, qws[i], wss[i], k, rs[i], block_map=maps[i], config=c))
                             for i in range(copies)], ok)
+            if args.k_steps and 16 < m <= 32:
+                # 32 tokens: the tail walk's 128-byte K steps at the default split (o, down), and the wide
+                # 128-channel tiles with 32-row tiles (gate/up)
+                base = pick_config(m, n, kp, device, BLOCK)
+                opts32 = {}
+                if base.block_n == 64 and base.split_k >= 8:
+                    opts32[f"zip10_n64k128s{base.split_k}"] = replace(base, block_kp=128)
+                if -(-n // 64) >= 2 * torch.cuda.get_device_properties(device).multi_processor_count:
+                    opts32["zip10_wide32"] = TileConfig(block_m=32, block_n=128, block_kp=128, num_warps=8,
+                                                        num_stages=3)
+                for variant, cfg32 in opts32.items():
+                    ok, rel = check(zipper_gemm_triton(ap, a_s, qweight, w_scale, k, rs[0], config=cfg32), zref)
+                    variants[variant] = ([(lambda i=i, c=cfg32: zipper_gemm_triton(
+                        ap, a_s, qws[i], wss[i], k, rs[i], block_map=maps[i], config=c))
+                        for i in range(copies)], ok)
             if args.k_steps and m <= 16:
                 # L2 prefetch of the weights while waiting (PDL): none, or the dense GEMM's 8 MiB cap
                 for mib in (0, 8):
@@ -257,7 +272,8 @@ def main(argv=None) -> int:
                 print(f"{name:8s} M={m:<3d} {variant:16s} {us:8.2f} µs  ok={ok}", flush=True)
     print()
     extra = sorted({r["variant"] for r in rows if r["variant"].startswith(("w4a4_n", "zip10_n", "w4a4_pf", "zip10_pf"))
-                    and not r["variant"].startswith("zip10_n64w")} | ({"zip0"} & {r["variant"] for r in rows}))
+                    and not r["variant"].startswith("zip10_n64w")}
+                   | ({"zip0", "zip10_wide32"} & {r["variant"] for r in rows}))
     names = extra + ["w4a4", "w4a4_s2", "w4a4_s4", "w4a4_s8", "zip10", "zip10_tail", "zip10_tail_s2", "zip10_tail_s4",
              "zip10_tail_s8", "zip10_even", "zip10_dot", "zip10_par", "zip10_par_rows", "zip10_par_s2", "zip10_par_s4", "zip10_par_s8",
              "zip10_par_rows_s2", "zip10_par_rows_s4", "zip10_par_rows_s8", "zip10_par_silu", "zip10_par_gated",
