@@ -155,10 +155,11 @@ PARALLEL_MAX_BLOCKS_PER_ROW = 6.0
 # MosaicQuant's batch-4 / 8 / 16 step 3,109 / 3,244 / 3,546 -> 2,994 / 3,225 / 3,503 us.
 PARALLEL_ROWS_MAX_SPLIT = 1
 # A cap on the registers a thread of ZipperEngine's parallel kernel may take (ptxas ``maxnreg``; 0: none).
-# Compiled offline for sm_90 on gate/up's wide tiles (8 warps), the row walk takes 88 registers (two
-# programs an SM) and 84 with the gated fix-up (rounded to 88: two); under a cap of 80, 74 with no spills
-# (three an SM). GEMM alone on gate/up (v17, M = 4 / 16, us): capped at 80, the row walk 24.53 / 25.60
-# against 24.11 / 25.53 uncapped, gated 25.83 / 26.58 against 25.38 / 26.37: not capped.
+# GEMM alone on gate/up (v17, M = 4 / 16, us): capped at 80, the row walk 24.53 / 25.60 against 24.11 /
+# 25.53 uncapped, gated 25.83 / 26.58 against 25.38 / 26.37: not capped. Compiled offline for sm_90 on
+# gate/up's wide tiles with the integer arguments' divisibility a launch gives, the row walk (plain and
+# gated) already takes 80 registers, as the dense GEMM does (v16's count of 88 came from a compile
+# without those hints).
 PARALLEL_MAXNREG = 0
 
 
@@ -172,7 +173,7 @@ PARALLEL_MAXNREG = 0
 # with it up to 16 tokens (3,195 at batch 16 up to 15 tokens, the swapped GEMM then taking 16).
 DENSE_GATED_MAX_M = 16
 # A register cap for that gated dense GEMM (0: none). Compiled offline for sm_90 on gate/up's wide tiles
-# (8 warps), its fix-up takes the GEMM from 80 to 93 registers a thread (three programs an SM to two);
+# (8 warps), its fix-up takes the GEMM from 80 to 92 registers a thread (three programs an SM to two);
 # 80 under the cap, with no spills. GEMM alone (v17, M = 4 / 16, us): 21.31 / 21.63 capped at 80 against
 # 21.07 / 21.60: not capped.
 DENSE_GATED_MAXNREG = 0
