@@ -67,21 +67,6 @@ def test_fused_split_k(mode):
 
 
 @needs_triton()
-def test_tail_walk_on_wide_32_row_tiles():
-    # the tiles ZipperEngine's wide layers take at 17-32 tokens (WIDE_DECODE_MAX_M): 32 rows, 128 channels,
-    # 128-byte K steps over 64-byte block columns; ragged M, N and K
-    m, n, k = 27, 300, 1000
-    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, (128, 128), 0.3, seed=17)
-    ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
-                       _dev(residual), bias.to(DEVICE), mode="tail", out=out,
-                       config=TileConfig(block_m=32, block_n=128, block_kp=128, num_warps=8, num_stages=3))
-    assert_close_bf16(out, ref, "zipper tail walk, 32 x 128 tiles")
-    assert_residual_matters(a_packed, a_scale, qweight, w_scale, k, bias, ref)
-
-
-@needs_triton()
 def test_unfused_pipeline_matches_fused_reference():
     m, n, k = 13, 130, 333
     a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, (64, 64), 0.3, seed=12)
@@ -154,16 +139,23 @@ def test_dp4a_residual_walk_matches_reference(m, n, k, block, config):
 
 
 @needs_triton()
-def test_tail_walk_steps_through_blocks_of_uneven_width():
+@pytest.mark.parametrize("m,n,k,block,fraction,seed,config,what", [
     # 192-column blocks are 96 packed bytes: the walk steps 32 bytes at a time under 64-byte dense steps
-    m, n, k = 5, 64, 400
-    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, (32, 192), 0.5, seed=21)
+    (5, 64, 400, (32, 192), 0.5, 21, TileConfig(block_m=16, block_n=32, block_kp=64, num_stages=2),
+     "192-column blocks"),
+    # the tiles ZipperEngine's wide layers take at 17-32 tokens (WIDE_DECODE_MAX_M): 32 rows, 128 channels,
+    # 128-byte K steps over 64-byte block columns; ragged M, N and K
+    (27, 300, 1000, (128, 128), 0.3, 17, TileConfig(block_m=32, block_n=128, block_kp=128, num_warps=8,
+                                                    num_stages=3), "32 x 128 tiles"),
+])
+def test_tail_walk_on_tiles_that_do_not_nest_in_a_block_column(m, n, k, block, fraction, seed, config, what):
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, fraction, seed=seed)
     ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
-                       _dev(residual), bias.to(DEVICE), mode="tail", out=out, residual_walk="dot",
-                       config=TileConfig(block_m=16, block_n=32, block_kp=64, num_stages=2))
-    assert_close_bf16(out, ref, "zipper tail walk, 192-column blocks")
+                       _dev(residual), bias.to(DEVICE), mode="tail", out=out, residual_walk="dot", config=config)
+    assert_close_bf16(out, ref, f"zipper tail walk, {what}")
+    assert_residual_matters(a_packed, a_scale, qweight, w_scale, k, bias, ref)
 
 
 @needs_triton()
