@@ -63,6 +63,12 @@ SILU_IN_HADAMARD = False
 # Measured (v16, Llama-3-8B shapes, MosaicQuant's CUDA-graph step at batch 4 / 8 / 16, µs): 3,109 / 3,244 /
 # 3,546 with the kernel, 2,979 / 3,164 / 3,478 without it.
 SILU_IN_GATE_UP = True
+# A decode step's RoPE + KV write inside the attention's kernel (decoder.decode_rope_attention: two kernels, the
+# chunks and their combine, instead of three) for layers whose KV cache is not simulated at lower precision.
+# Measured (v18, Llama-3-8B shapes, CUDA-graph step at batch 4 / 8 / 16 / 32, µs): MosaicQuant 2,865 / 3,070 /
+# 3,377 / 4,410 without, 2,765 / 3,008 / 3,303 / 4,345 with; BF16 4,853 / 5,111 / 5,206 / 5,659 and 4,847 /
+# 4,971 / 5,124 / 5,592.
+FUSED_ROPE_ATTENTION = True
 
 _STANDARD_ATTENTION = (None, "sdpa", "eager", "flash_attention_2", "flash_attention_3")
 _KV_SPEC_ATTR = "kv_quant_spec"  # mosaicquant.methods.kvcache's per-attention-module spec
@@ -390,30 +396,39 @@ class FusedDecoder:
         self._table_cache[length] = (cos, sin)
         return cos, sin
 
-    def _layers(self, x: torch.Tensor, positions: torch.Tensor, tokens_per_seq: int, keys, values, cos, sin,
-                attend) -> tuple[torch.Tensor, torch.Tensor]:
-        from mosaicquant.kernels.decoder import rope_kv
-
-        kernel = self.kernel
+    def _layers(self, x: torch.Tensor, attend_qkv) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers on ``x``; ``attend_qkv(qkv, i, layer)`` is layer ``i``'s attention on its q/k/v
+        projections (RoPE and the KV cache included)."""
         residual = x.clone()
         h = None
-        seq = None
         for i, lay in enumerate(self.layers):
             # the first layer's norm reads the embeddings (no residual sum yet)
             qkv = self._norm_then(x if h is None else h, lay.input_norm, None if h is None else residual, lay.qkv,
                                   lay.qkv_quant)
-            q = rope_kv(qkv, positions, cos, sin, keys[i], values[i], self.heads, self.kv_heads, tokens_per_seq,
-                        lay.q_norm, lay.k_norm, lay.qk_eps, kernel=kernel)
-            if lay.kv_spec is not None:
-                if seq is None:
-                    seq = torch.arange(positions.shape[0], device=positions.device) // tokens_per_seq
-                q = _quantize_new_kv(q, keys[i], values[i], seq, positions, lay.kv_spec)
-            a = attend(q, keys[i], values[i], lay.scaling)
+            a = attend_qkv(qkv, i, lay)
             gated = self._gate_up_writes_silu(lay, x.shape[0])
             gate_up = self._norm_then(lay.o_proj(a), lay.post_norm, residual, lay.gate_up, lay.gate_up_quant, gated)
             h = lay.down_proj(gate_up) if gated else self._silu_down(gate_up, lay.down_proj, lay.down_quant,
                                                                      lay.down_transform)
         return h, residual
+
+    def _rope_attend(self, positions: torch.Tensor, tokens_per_seq: int, keys, values, cos, sin, attend):
+        """``attend_qkv`` for :meth:`_layers`: :func:`~mosaicquant.kernels.decoder.rope_kv` (and the
+        method's KV simulation), then ``attend(q, k_cache, v_cache, scale)``."""
+        from mosaicquant.kernels.decoder import rope_kv
+
+        seq = []  # each token's sequence, made once where a layer simulates its KV cache
+
+        def attend_qkv(qkv: torch.Tensor, i: int, lay: _Layer) -> torch.Tensor:
+            q = rope_kv(qkv, positions, cos, sin, keys[i], values[i], self.heads, self.kv_heads, tokens_per_seq,
+                        lay.q_norm, lay.k_norm, lay.qk_eps, kernel=self.kernel)
+            if lay.kv_spec is not None:
+                if not seq:
+                    seq.append(torch.arange(positions.shape[0], device=positions.device) // tokens_per_seq)
+                q = _quantize_new_kv(q, keys[i], values[i], seq[0], positions, lay.kv_spec)
+            return attend(q, keys[i], values[i], lay.scaling)
+
+        return attend_qkv
 
     def _gate_up_writes_silu(self, lay: _Layer, m: int) -> bool:
         """Whether gate/up's GEMM writes SiLU·mul itself for ``m`` tokens (:data:`SILU_IN_GATE_UP`)."""
@@ -502,7 +517,7 @@ class FusedDecoder:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
             return o.transpose(1, 2).reshape(b * s, self.heads * self.head_dim)
 
-        h, residual = self._layers(x, positions, s, keys, values, cos, sin, attend)
+        h, residual = self._layers(x, self._rope_attend(positions, s, keys, values, cos, sin, attend))
         last = torch.arange(b, device=self.device) * s + (s - 1)
         return self._head(h[last].contiguous(), residual[last].contiguous())
 
@@ -526,7 +541,7 @@ class FusedDecoder:
                                  f"got {list(ids.shape)}")
         if not isinstance(positions, torch.Tensor) or positions.shape != (b,):
             raise UserInputError(f"positions must be a [{b}] tensor, got {getattr(positions, 'shape', positions)}")
-        from mosaicquant.kernels.decoder import decode_attention
+        from mosaicquant.kernels.decoder import decode_attention, decode_rope_attention
 
         if lengths is None:
             lengths = (positions + 1).to(torch.int32)
@@ -535,5 +550,14 @@ class FusedDecoder:
         def attend(q, kc, vc, scale):
             return decode_attention(q, kc, vc, lengths, scale, kernel=self.kernel)
 
-        h, residual = self._layers(x, positions, 1, cache.keys, cache.values, cache.cos, cache.sin, attend)
+        unfused = self._rope_attend(positions, 1, cache.keys, cache.values, cache.cos, cache.sin, attend)
+
+        def attend_qkv(qkv: torch.Tensor, i: int, lay: _Layer) -> torch.Tensor:
+            if not FUSED_ROPE_ATTENTION or lay.kv_spec is not None:
+                return unfused(qkv, i, lay)
+            return decode_rope_attention(qkv, positions, cache.cos, cache.sin, cache.keys[i], cache.values[i],
+                                         self.heads, self.kv_heads, lay.scaling, lay.q_norm, lay.k_norm,
+                                         lay.qk_eps, kernel=self.kernel)
+
+        h, residual = self._layers(x, attend_qkv)
         return self._head(h, residual)

@@ -36,6 +36,7 @@ preference runs.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -69,12 +70,15 @@ __all__ = [
     "rope_kv_reference",
     "decode_attention",
     "decode_attention_reference",
+    "decode_rope_attention",
+    "decode_rope_attention_reference",
     "attention_splits",
     "silu_mul",
     "silu_mul_reference",
 ]
 
 _HALF = (torch.bfloat16, torch.float16)
+ATTN_BLOCK_N = 64  # keys a step of the attention kernels
 _LOG2E = 1.4426950408889634
 
 
@@ -204,6 +208,29 @@ def _head_norm(x1, x2, w1, w2, eps, D: tl.constexpr, DT: tl.constexpr, BITS: tl.
 
 
 @triton.jit
+def _rotated_qk(q_ptrs, q_mask, k_ptrs, k_mask, COS, SIN, QN, KN, pos, stride_cos, eps, D: tl.constexpr,
+                QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr):
+    """Query and key heads at ``q_ptrs``/``k_ptrs`` (``[heads, D/2]`` pointers to their first halves), with
+    the per-head norm (``QK_NORM``) and RoPE at ``pos``: their halves ``q1, q2, k1, k2``, rounded to ``DT``."""
+    HALF: tl.constexpr = D // 2
+    d = tl.arange(0, HALF)
+    c = tl.load(COS + pos * stride_cos + d).to(tl.float32)[None, :]
+    s = tl.load(SIN + pos * stride_cos + d).to(tl.float32)[None, :]
+    q1 = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)
+    q2 = tl.load(q_ptrs + HALF, mask=q_mask, other=0.0).to(tl.float32)
+    k1 = tl.load(k_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k_ptrs + HALF, mask=k_mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        q1, q2 = _head_norm(q1, q2, tl.load(QN + d).to(tl.float32), tl.load(QN + HALF + d).to(tl.float32),
+                            eps, D, DT, BITS)
+        k1, k2 = _head_norm(k1, k2, tl.load(KN + d).to(tl.float32), tl.load(KN + HALF + d).to(tl.float32),
+                            eps, D, DT, BITS)
+    q1, q2 = _rope_half(q1, q2, c, s, DT, BITS)
+    k1, k2 = _rope_half(k1, k2, c, s, DT, BITS)
+    return q1, q2, k1, k2
+
+
+@triton.jit
 def _rope_kv_kernel(QKV, POS, COS, SIN, QN, KN, QOUT, KC, VC, eps, tokens_per_seq,
                     stride_t, stride_cos, stride_qo, stride_cb, stride_ch, stride_cl,
                     HQ: tl.constexpr, HKV: tl.constexpr, HQP: tl.constexpr, HKVP: tl.constexpr,
@@ -215,25 +242,14 @@ def _rope_kv_kernel(QKV, POS, COS, SIN, QN, KN, QOUT, KC, VC, eps, tokens_per_se
     pos = tl.load(POS + t).to(tl.int64)
     HALF: tl.constexpr = D // 2
     d = tl.arange(0, HALF)
-    c = tl.load(COS + pos * stride_cos + d).to(tl.float32)[None, :]
-    s = tl.load(SIN + pos * stride_cos + d).to(tl.float32)[None, :]
     row = QKV + t * stride_t
     hq = tl.arange(0, HQP)[:, None]
     mq = hq < HQ
-    q1 = tl.load(row + hq * D + d[None, :], mask=mq, other=0.0).to(tl.float32)
-    q2 = tl.load(row + hq * D + HALF + d[None, :], mask=mq, other=0.0).to(tl.float32)
     hk = tl.arange(0, HKVP)[:, None]
     mk = hk < HKV
     k_row = row + HQ * D
-    k1 = tl.load(k_row + hk * D + d[None, :], mask=mk, other=0.0).to(tl.float32)
-    k2 = tl.load(k_row + hk * D + HALF + d[None, :], mask=mk, other=0.0).to(tl.float32)
-    if QK_NORM:
-        q1, q2 = _head_norm(q1, q2, tl.load(QN + d).to(tl.float32), tl.load(QN + HALF + d).to(tl.float32),
-                            eps, D, DT, BITS)
-        k1, k2 = _head_norm(k1, k2, tl.load(KN + d).to(tl.float32), tl.load(KN + HALF + d).to(tl.float32),
-                            eps, D, DT, BITS)
-    q1, q2 = _rope_half(q1, q2, c, s, DT, BITS)
-    k1, k2 = _rope_half(k1, k2, c, s, DT, BITS)
+    q1, q2, k1, k2 = _rotated_qk(row + hq * D + d[None, :], mq, k_row + hk * D + d[None, :], mk, COS, SIN, QN, KN,
+                                 pos, stride_cos, eps, D, QK_NORM, DT, BITS)
     qo = QOUT + t * stride_qo + hq * D + d[None, :]
     tl.store(qo, q1, mask=mq)
     tl.store(qo + HALF, q2, mask=mq)
@@ -277,6 +293,38 @@ def rope_kv_reference(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_head
     return q
 
 
+def _check_rope_args(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, tokens_per_seq, q_norm,
+                     k_norm) -> tuple[int, int]:
+    """:func:`rope_kv`'s argument checks; returns the batch and the head size."""
+    check_tensor("qkv", qkv, dtypes=_HALF, dim=2)
+    check_tensor("k_cache", k_cache, dtypes=(qkv.dtype,), dim=4)
+    b, hkv, _, d = k_cache.shape
+    if hkv != kv_heads or heads % kv_heads:
+        raise UserInputError(f"k_cache has {hkv} heads; expected kv_heads={kv_heads} dividing heads={heads}")
+    if d < 16 or d > 256 or d & (d - 1):
+        raise UserInputError(f"head size {d} is not taken: the kernels need a power of two from 16 to 256")
+    check_tensor("v_cache", v_cache, dtypes=(qkv.dtype,), shape=tuple(k_cache.shape))
+    if v_cache.stride() != k_cache.stride():
+        raise UserInputError("k_cache and v_cache must have the same strides")
+    t = qkv.shape[0]
+    if qkv.shape[1] != (heads + 2 * kv_heads) * d:
+        raise UserInputError(f"qkv has {qkv.shape[1]} columns; expected (heads + 2·kv_heads)·D = "
+                             f"{(heads + 2 * kv_heads) * d}")
+    if tokens_per_seq < 1 or t != b * tokens_per_seq:
+        raise UserInputError(f"qkv has {t} tokens; expected batch {b} × tokens_per_seq {tokens_per_seq}")
+    check_tensor("positions", positions, dtypes=(torch.int32, torch.int64), shape=(t,))
+    check_tensor("cos", cos, dtypes=(qkv.dtype,), dim=2)
+    check_tensor("sin", sin, dtypes=(qkv.dtype,), shape=tuple(cos.shape))
+    if cos.shape[1] != d:
+        raise UserInputError(f"cos/sin tables have width {cos.shape[1]}; expected the head size {d}")
+    if (q_norm is None) != (k_norm is None):
+        raise UserInputError("q_norm and k_norm are given together or not at all")
+    if q_norm is not None:
+        check_tensor("q_norm", q_norm, dtypes=(qkv.dtype,), shape=(d,))
+        check_tensor("k_norm", k_norm, dtypes=(qkv.dtype,), shape=(d,))
+    return b, d
+
+
 def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int, tokens_per_seq: int,
             q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
@@ -304,32 +352,9 @@ def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
         UserInputError: inconsistent shapes, a head size the kernel cannot take (a power of
             two from 16 to 256), or dtypes that differ.
     """
-    check_tensor("qkv", qkv, dtypes=_HALF, dim=2)
-    check_tensor("k_cache", k_cache, dtypes=(qkv.dtype,), dim=4)
-    b, hkv, _, d = k_cache.shape
-    if hkv != kv_heads or heads % kv_heads:
-        raise UserInputError(f"k_cache has {hkv} heads; expected kv_heads={kv_heads} dividing heads={heads}")
-    if d < 16 or d > 256 or d & (d - 1):
-        raise UserInputError(f"head size {d} is not taken: the kernels need a power of two from 16 to 256")
-    check_tensor("v_cache", v_cache, dtypes=(qkv.dtype,), shape=tuple(k_cache.shape))
-    if v_cache.stride() != k_cache.stride():
-        raise UserInputError("k_cache and v_cache must have the same strides")
+    b, d = _check_rope_args(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, tokens_per_seq,
+                            q_norm, k_norm)
     t = qkv.shape[0]
-    if qkv.shape[1] != (heads + 2 * kv_heads) * d:
-        raise UserInputError(f"qkv has {qkv.shape[1]} columns; expected (heads + 2·kv_heads)·D = "
-                             f"{(heads + 2 * kv_heads) * d}")
-    if tokens_per_seq < 1 or t != b * tokens_per_seq:
-        raise UserInputError(f"qkv has {t} tokens; expected batch {b} × tokens_per_seq {tokens_per_seq}")
-    check_tensor("positions", positions, dtypes=(torch.int32, torch.int64), shape=(t,))
-    check_tensor("cos", cos, dtypes=(qkv.dtype,), dim=2)
-    check_tensor("sin", sin, dtypes=(qkv.dtype,), shape=tuple(cos.shape))
-    if cos.shape[1] != d:
-        raise UserInputError(f"cos/sin tables have width {cos.shape[1]}; expected the head size {d}")
-    if (q_norm is None) != (k_norm is None):
-        raise UserInputError("q_norm and k_norm are given together or not at all")
-    if q_norm is not None:
-        check_tensor("q_norm", q_norm, dtypes=(qkv.dtype,), shape=(d,))
-        check_tensor("k_norm", k_norm, dtypes=(qkv.dtype,), shape=(d,))
     if resolve_kernel(kernel, qkv.device) == "torch":
         q = rope_kv_reference(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, tokens_per_seq,
                               q_norm, k_norm, eps)
@@ -356,28 +381,14 @@ def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
 
 
 @triton.jit
-def _attn_split_kernel(Q, KC, VC, LENS, PM, PL, PACC, scale_log2, chunk,
-                       stride_qb, stride_qh, stride_cb, stride_ch, stride_cl,
-                       HKV, NSPLIT, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr, CHAIN: tl.constexpr):
-    chain_start(CHAIN)
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = (bh // HKV).to(tl.int64)
-    h = bh % HKV
-    length = tl.load(LENS + b)
-    start = split * chunk
-    end = tl.minimum(start + chunk, length)
-    g = tl.arange(0, GP)
+def _attend_chunk(q, KC, VC, base, start, end, stride_cl, scale_log2, GP: tl.constexpr, D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr):
+    """Online softmax of the queries ``q [GP, D]`` over the cached keys ``[start, end)`` of one KV head
+    (``base``): fp32 row maxima (log2 units), sums and ``[GP, D]`` value sums."""
     d = tl.arange(0, D)
-    q = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
-                other=0.0)
-    if DOT_F32:  # Triton's interpreter computes 16-bit dots wrongly; the same products in fp32
-        q = q.to(tl.float32)
     m = tl.full([GP], float("-inf"), tl.float32)
     l_sum = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    base = b * stride_cb + h * stride_ch
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < end
@@ -398,11 +409,58 @@ def _attn_split_kernel(Q, KC, VC, LENS, PM, PL, PACC, scale_log2, chunk,
             pv = tl.dot(p.to(DT), v)
         acc = acc * alpha[:, None] + pv
         m = m_new
-    part = (bh * NSPLIT + split).to(tl.int64) * GP + g
+    return m, l_sum, acc
+
+
+@triton.jit
+def _store_partial(PM, PL, PACC, part0, m, l_sum, acc, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
+    """A chunk's softmax state for its ``G`` query heads at partial rows ``part0 + [0, G)``."""
+    g = tl.arange(0, GP)
+    part = part0 + g
     real = g < G  # the rows padding the dot to 16 are never read
     tl.store(PM + part, m, mask=real)
     tl.store(PL + part, l_sum, mask=real)
-    tl.store(PACC + part[:, None] * D + d[None, :], acc, mask=real[:, None])
+    tl.store(PACC + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=real[:, None])
+
+
+@triton.jit
+def _combine_head(PM, PL, PACC, first, NSPLIT, SP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
+    """fp32 ``[D]`` attention output of one query head from its ``NSPLIT`` chunks' partials (partial rows
+    ``first + s·GP``), combined by their maxima."""
+    sp = tl.arange(0, SP)
+    d = tl.arange(0, D)
+    part = first + sp.to(tl.int64) * GP
+    ok = sp < NSPLIT
+    m = tl.load(PM + part, mask=ok, other=float("-inf"))
+    l_sum = tl.load(PL + part, mask=ok, other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)
+    acc = tl.load(PACC + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    return tl.sum(acc * w[:, None], axis=0) / tl.sum(l_sum * w, axis=0)
+
+
+@triton.jit
+def _attn_split_kernel(Q, KC, VC, LENS, PM, PL, PACC, scale_log2, chunk,
+                       stride_qb, stride_qh, stride_cb, stride_ch, stride_cl,
+                       HKV, NSPLIT, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                       BLOCK_N: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr, CHAIN: tl.constexpr):
+    chain_start(CHAIN)
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (bh // HKV).to(tl.int64)
+    h = bh % HKV
+    length = tl.load(LENS + b)
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
+                other=0.0)
+    if DOT_F32:  # Triton's interpreter computes 16-bit dots wrongly; the same products in fp32
+        q = q.to(tl.float32)
+    m, l_sum, acc = _attend_chunk(q, KC, VC, b * stride_cb + h * stride_ch, start, end, stride_cl, scale_log2,
+                                  GP, D, BLOCK_N, DT, DOT_F32)
+    _store_partial(PM, PL, PACC, (bh * NSPLIT + split).to(tl.int64) * GP, m, l_sum, acc, G, GP, D)
 
 
 @triton.jit
@@ -414,17 +472,65 @@ def _attn_combine_kernel(PM, PL, PACC, OUT, stride_ob, HQ, NSPLIT, G: tl.constex
     b = bq // HQ
     hq = bq % HQ
     bh = b * (HQ // G) + hq // G
-    sp = tl.arange(0, SP)
+    o = _combine_head(PM, PL, PACC, (bh * NSPLIT).to(tl.int64) * GP + hq % G, NSPLIT, SP, GP, D)
+    tl.store(OUT + b.to(tl.int64) * stride_ob + hq * D + tl.arange(0, D), _rnd(o, DT, BITS).to(DT))
+
+
+@triton.jit
+def _cat_halves(x1, x2):
+    """``[R, H]`` and ``[R, H]`` side by side: ``[R, 2H]``."""
+    R: tl.constexpr = x1.shape[0]
+    H: tl.constexpr = x1.shape[1]
+    return tl.reshape(tl.permute(tl.join(x1, x2), (0, 2, 1)), (R, 2 * H))
+
+
+@triton.jit
+def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, eps, scale_log2, chunk,
+                      stride_t, stride_cos, stride_cb, stride_ch, stride_cl, HKV, NSPLIT,
+                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                      QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr, DOT_F32: tl.constexpr,
+                      CHAIN: tl.constexpr):
+    # _attn_split_kernel's programs (a KV head of a sequence, a chunk of its cache), doing rope_kv's
+    # work for their head too: the G queries and the new key rotated from the qkv row; the program
+    # whose chunk holds the position writes the new key and value into the cache and adds them from
+    # registers, outside the loop (a tile edited in registers is not loaded straight into the dot
+    # operands: 192 registers a thread and 100 KB of shared memory against 94 and 70 KB).
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (bh // HKV).to(tl.int64)
+    h = bh % HKV
+    pos = tl.load(POS + b).to(tl.int64)  # the new token's position: it attends to keys 0..pos
+    start = split * chunk
+    end = tl.minimum(start + chunk, pos + 1)
+    base = b * stride_cb + h * stride_ch
+    chain_start(CHAIN)
+    dh = tl.arange(0, D // 2)[None, :]
+    row = QKV + b * stride_t
+    g = tl.arange(0, GP)[:, None]
+    q1, q2, k1, k2 = _rotated_qk(row + (h * G + g) * D + dh, g < G, row + (HKV * G + h) * D + dh, dh >= 0, COS, SIN,
+                                 QN, KN, pos, stride_cos, eps, D, QK_NORM, DT, BITS)
+    q = _cat_halves(q1, q2)
+    k_new = tl.reshape(_cat_halves(k1, k2), (D,))
     d = tl.arange(0, D)
-    part = (bh * NSPLIT + sp).to(tl.int64) * GP + hq % G
-    ok = sp < NSPLIT
-    m = tl.load(PM + part, mask=ok, other=float("-inf"))
-    l_sum = tl.load(PL + part, mask=ok, other=0.0)
-    m_all = tl.max(m, axis=0)
-    w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)
-    acc = tl.load(PACC + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_sum * w, axis=0)
-    tl.store(OUT + b.to(tl.int64) * stride_ob + hq * D + d, _rnd(o, DT, BITS).to(DT))
+    v_new = tl.load(row + (HKV * (G + 1) + h) * D + d)
+    owner = (start <= pos) & (pos < start + chunk)
+    new_at = base + pos * stride_cl + d
+    tl.store(KC + new_at, k_new, mask=owner & (d < D))
+    tl.store(VC + new_at, v_new, mask=owner & (d < D))
+    if DOT_F32:  # Triton's interpreter computes 16-bit dots wrongly; the same products in fp32
+        q = q.to(tl.float32)
+    # the keys cached before: the plain loop (loads straight into the dot operands)
+    m, l_sum, acc = _attend_chunk(q, KC, VC, base, start, tl.minimum(end, pos), stride_cl, scale_log2,
+                                  GP, D, BLOCK_N, DT, DOT_F32)
+    if owner:  # the new key and value, from registers: one more step of the online softmax
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale_log2
+        m_new = tl.maximum(m, s_new)
+        p = tl.exp2(s_new - m_new)
+        alpha = tl.exp2(m - m_new)
+        l_sum = l_sum * alpha + p
+        acc = acc * alpha[:, None] + _rnd(p, DT, BITS)[:, None] * v_new.to(tl.float32)[None, :]
+        m = m_new
+    _store_partial(PM, PL, PACC, (bh * NSPLIT + split).to(tl.int64) * GP, m, l_sum, acc, G, GP, D)
 
 
 def attention_splits(batch: int, kv_heads: int, cache_len: int, sms: int = 132, block_n: int = 64) -> int:
@@ -485,29 +591,124 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     check_triton_device(q.device)
     if v_cache.stride() != k_cache.stride():
         raise UserInputError("k_cache and v_cache must have the same strides")
-    block_n = 64
-    if chunk is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        chunk = attention_splits(b, hkv, cache_len, sms, block_n)
-    if chunk < block_n or chunk % block_n:
-        raise UserInputError(f"chunk={chunk} must be a positive multiple of {block_n}")
-    nsplit = math.ceil(cache_len / chunk)
-    g = hq // hkv
-    gp = max(16, triton.next_power_of_2(g))
+    p = _AttnPlan.make(q.device, b, hq, hkv, cache_len, d, chunk)
     out = torch.empty(b, hq * d, dtype=q.dtype, device=q.device) if out is None else out
     check_tensor("out", out, dtypes=(q.dtype,), shape=(b, hq * d))
-    pm = torch.empty(b * hkv * nsplit * gp, dtype=torch.float32, device=q.device)
-    pl = torch.empty_like(pm)
-    pacc = torch.empty(b * hkv * nsplit * gp, d, dtype=torch.float32, device=q.device)
+    pm, pl, pacc = p.partials()
     chain = chain_mode(q.device, b)
-    _attn_split_kernel[(b * hkv, nsplit)](
-        q, k_cache, v_cache, lengths, pm, pl, pacc, float(scale) * _LOG2E, chunk,
+    _attn_split_kernel[(b * hkv, p.nsplit)](
+        q, k_cache, v_cache, lengths, pm, pl, pacc, float(scale) * _LOG2E, p.chunk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        hkv, nsplit, G=g, GP=gp, D=d, BLOCK_N=block_n, DT=_tl_dtype(q.dtype), DOT_F32=triton_interpreting(),
+        hkv, p.nsplit, G=p.g, GP=p.gp, D=d, BLOCK_N=ATTN_BLOCK_N, DT=_tl_dtype(q.dtype),
+        DOT_F32=triton_interpreting(), CHAIN=chain, num_warps=4, **chain_launch(chain))
+    _attn_combine_kernel[(b * hq,)](pm, pl, pacc, out, out.stride(0), hq, p.nsplit, G=p.g, GP=p.gp, SP=p.sp, D=d,
+                                    DT=_tl_dtype(q.dtype), BITS=_bits(q.dtype), CHAIN=chain, num_warps=4,
+                                    **chain_launch(chain))
+    return out
+
+
+@dataclass(frozen=True)
+class _AttnPlan:
+    """How :func:`decode_attention` and :func:`decode_rope_attention` cut the cache: ``nsplit`` chunks of
+    ``chunk`` keys per (sequence, KV head), ``g`` query heads a KV head padded to ``gp`` dot rows."""
+
+    device: torch.device
+    rows: int  # partial rows: batch · kv_heads · nsplit · gp
+    d: int
+    chunk: int
+    nsplit: int
+    g: int
+    gp: int
+
+    @staticmethod
+    def make(device, b, hq, hkv, cache_len, d, chunk) -> "_AttnPlan":
+        if chunk is None:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+            chunk = attention_splits(b, hkv, cache_len, sms, ATTN_BLOCK_N)
+        if chunk < ATTN_BLOCK_N or chunk % ATTN_BLOCK_N:
+            raise UserInputError(f"chunk={chunk} must be a positive multiple of {ATTN_BLOCK_N}")
+        nsplit = math.ceil(cache_len / chunk)
+        g = hq // hkv
+        gp = max(16, triton.next_power_of_2(g))
+        return _AttnPlan(device, b * hkv * nsplit * gp, d, chunk, nsplit, g, gp)
+
+    @property
+    def sp(self) -> int:
+        return max(2, triton.next_power_of_2(self.nsplit))
+
+    def partials(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 buffers of every chunk's row maxima, sums and ``[D]`` value sums."""
+        pm = torch.empty(self.rows, dtype=torch.float32, device=self.device)
+        return pm, torch.empty_like(pm), torch.empty(self.rows, self.d, dtype=torch.float32, device=self.device)
+
+
+def decode_rope_attention_reference(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, scale,
+                                    q_norm=None, k_norm=None, eps=1e-6) -> torch.Tensor:
+    """PyTorch reference of :func:`decode_rope_attention`: :func:`rope_kv_reference`, then
+    :func:`decode_attention_reference` over positions ``0..positions[b]``."""
+    q = rope_kv_reference(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, 1, q_norm, k_norm, eps)
+    return decode_attention_reference(q, k_cache, v_cache, (positions + 1).to(torch.int32), scale)
+
+
+def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int, scale: float,
+                          q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+                          chunk: int | None = None, out: torch.Tensor | None = None,
+                          kernel: str | None = None) -> torch.Tensor:
+    """:func:`rope_kv` and :func:`decode_attention` of one new token per sequence: two kernels instead of three.
+
+    Each program of the attention (a KV head of a sequence, a chunk of its cache) rotates its
+    query heads and the head's new key itself (:func:`rope_kv`'s roundings); the program whose chunk
+    holds the token's position writes the new key and value into the cache and adds them to its
+    online softmax from registers, after its loop over the keys cached before (which loads straight
+    into the dot operands, as :func:`decode_attention`'s does). :func:`decode_attention`'s kernel
+    then combines the chunks. The cache ends up as :func:`rope_kv` leaves it; the output agrees with
+    the two ops to attention's bf16 accuracy (the new key's score is an fp32 sum of its own).
+
+    Measured on the H200 (``benchmarks/NOTES.md`` v18): also combining in the attention kernel (the
+    last chunk of a head to finish, by a counter) and prefetching the chunk's cached keys into L2
+    before waiting for the qkv GEMM were both slower in the decode step.
+
+    Args:
+        qkv: ``[B, (heads + 2·kv_heads)·D]`` projections of the new token of each sequence.
+        positions: ``[B]`` position of each new token: its key and value go there, and it attends
+            to keys ``0..positions[b]`` (read on the device).
+        cos, sin, k_cache, v_cache, heads, kv_heads, q_norm, k_norm, eps: as in :func:`rope_kv`.
+        scale, chunk: as in :func:`decode_attention`.
+        out: optional ``[B, heads·D]`` output (unit-strided along its last dimension).
+        kernel: kernel preference.
+
+    Returns:
+        ``[B, heads·D]`` in qkv's dtype.
+
+    Raises:
+        UserInputError: as :func:`rope_kv` and :func:`decode_attention`.
+    """
+    b, d = _check_rope_args(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, 1, q_norm, k_norm)
+    if resolve_kernel(kernel, qkv.device) == "torch":
+        y = decode_rope_attention_reference(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, scale,
+                                            q_norm, k_norm, eps)
+        return y if out is None else out.copy_(y)
+    check_triton_device(qkv.device)
+    if k_cache.stride(-1) != 1 or cos.stride() != sin.stride() or cos.stride(-1) != 1 or qkv.stride(-1) != 1:
+        raise UserInputError("qkv, the caches and cos/sin must be unit-strided along D, cos and sin alike")
+    p = _AttnPlan.make(qkv.device, b, heads, kv_heads, k_cache.shape[2], d, chunk)
+    out = torch.empty(b, heads * d, dtype=qkv.dtype, device=qkv.device) if out is None else out
+    check_tensor("out", out, dtypes=(qkv.dtype,), shape=(b, heads * d))
+    if out.stride(-1) != 1:
+        raise UserInputError("out must be unit-strided along its last dimension")
+    pm, pl, pacc = p.partials()
+    chain = chain_mode(qkv.device, b)
+    qn = q_norm if q_norm is not None else cos
+    _rope_attn_kernel[(b * kv_heads, p.nsplit)](
+        qkv, positions, cos, sin, qn, k_norm if k_norm is not None else cos, k_cache, v_cache, pm, pl, pacc,
+        float(eps), float(scale) * _LOG2E, p.chunk, qkv.stride(0), cos.stride(0), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), kv_heads, p.nsplit, G=p.g, GP=p.gp, D=d, BLOCK_N=ATTN_BLOCK_N,
+        QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype), DOT_F32=triton_interpreting(),
         CHAIN=chain, num_warps=4, **chain_launch(chain))
-    _attn_combine_kernel[(b * hq,)](pm, pl, pacc, out, out.stride(0), hq, nsplit, G=g, GP=gp,
-                                    SP=max(2, triton.next_power_of_2(nsplit)), D=d, DT=_tl_dtype(q.dtype),
-                                    BITS=_bits(q.dtype), CHAIN=chain, num_warps=4, **chain_launch(chain))
+    _attn_combine_kernel[(b * heads,)](pm, pl, pacc, out, out.stride(0), heads, p.nsplit, G=p.g, GP=p.gp, SP=p.sp,
+                                       D=d, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype), CHAIN=chain,
+                                       num_warps=4, **chain_launch(chain))
     return out
 
 

@@ -10,6 +10,8 @@ from mosaicquant.kernels.decoder import (
     attention_splits,
     decode_attention,
     decode_attention_reference,
+    decode_rope_attention,
+    decode_rope_attention_reference,
     rmsnorm,
     rmsnorm_quant,
     rmsnorm_quant_reference,
@@ -204,6 +206,48 @@ def test_decode_attention_matches_reference(heads, kv_heads, d, chunk):
                           rtol=0, atol=1e-2)
 
 
+@pytest.mark.parametrize("heads,kv_heads,d,qk_norm", [(8, 2, 64, False), (6, 2, 128, True), (4, 4, 32, False)])
+@pytest.mark.parametrize("chunk", [None, 64, 128])
+def test_decode_rope_attention_is_rope_kv_then_attention(heads, kv_heads, d, qk_norm, chunk):
+    # RoPE inside the attention: the cache as rope_kv leaves it, the output as rope_kv + decode_attention give it
+    g = torch.Generator().manual_seed(heads * d + (chunk or 0))
+    b, length = 4, 200
+    qkv, _, cos, sin = _rope_inputs(1, b, heads, kv_heads, d, length, heads + d)
+    pos = torch.tensor([0, 36, 63, 199])  # first key only, ragged, a chunk's last slot, the cache's last
+    qn = (1 + 0.2 * torch.randn(d, generator=g)).to(BF16) if qk_norm else None
+    kn = (1 + 0.2 * torch.randn(d, generator=g)).to(BF16) if qk_norm else None
+    shape = (b, kv_heads, length, d)
+    kc, vc = torch.randn(shape, generator=g).to(BF16), torch.randn(shape, generator=g).to(BF16)
+    kr, vr = kc.clone(), vc.clone()
+    ref = decode_rope_attention_reference(qkv, pos, cos, sin, kr, vr, heads, kv_heads, d ** -0.5, qn, kn, 1e-6)
+    dev = [x.to(DEVICE) if x is not None else None for x in (qkv, pos, cos, sin, qn, kn)]
+    caches = {name: (kc.clone().to(DEVICE), vc.clone().to(DEVICE)) for name in ("fused", "two ops")}
+    out = torch.full((b, heads * d), float("nan"), dtype=BF16, device=DEVICE)
+    y = decode_rope_attention(dev[0], dev[1], dev[2], dev[3], *caches["fused"], heads, kv_heads, d ** -0.5,
+                              dev[4], dev[5], 1e-6, chunk=chunk, out=out, kernel="triton")
+    assert y is out
+    y = y.cpu().float()
+    assert torch.isfinite(y).all(), "unwritten outputs"
+    q = rope_kv(dev[0], dev[1], dev[2], dev[3], *caches["two ops"], heads, kv_heads, 1, dev[4], dev[5], 1e-6,
+                kernel="triton")
+    y2 = decode_attention(q, *caches["two ops"], (dev[1] + 1).to(torch.int32), d ** -0.5, chunk=chunk,
+                          kernel="triton").cpu().float()
+    if qk_norm:  # the per-head norm's fp32 sum may round its last bit otherwise in another kernel
+        _assert_ulp_close(caches["fused"][0], caches["two ops"][0], "the new keys against rope_kv's")
+    else:
+        assert torch.equal(caches["fused"][0], caches["two ops"][0]), "the new keys are rope_kv's"
+    assert torch.equal(caches["fused"][1], caches["two ops"][1]), "the new values are rope_kv's"
+    _assert_ulp_close(caches["fused"][0].cpu(), kr, "the rotated keys in the cache")
+    assert torch.equal(caches["fused"][1].cpu(), vr)
+    for what, want in (("the two ops", y2), ("the reference", ref.float())):
+        err = (y - want).abs()
+        bad = err > ATTN_RTOL * want.abs() + ATTN_ATOL
+        assert not bad.any(), f"against {what}: {int(bad.sum())} outputs off, max err {err.max().item():.3g}"
+    # a position-0 token attends only its own key: the output is its value, whatever the cache held
+    assert torch.allclose(y[0].reshape(heads, d), vr[0, :, 0].float().repeat_interleave(heads // kv_heads, 0),
+                          rtol=0, atol=1e-2)
+
+
 def test_attention_splits_fill_the_gpu():
     assert attention_splits(4, 8, 520, 132) == 64
     chunk = attention_splits(32, 8, 520, 132)
@@ -236,6 +280,9 @@ def test_bad_inputs_are_named():
     with pytest.raises(UserInputError, match="expected batch 2 × tokens_per_seq 2"):
         rope_kv(torch.randn(3, 8 * 32).to(BF16), torch.zeros(3, dtype=torch.int64), torch.ones(8, 32, dtype=BF16),
                 torch.ones(8, 32, dtype=BF16), kc, kc.clone(), 4, 2, 2)
+    with pytest.raises(UserInputError, match="expected batch 2 × tokens_per_seq 1"):
+        decode_rope_attention(torch.randn(3, 8 * 32).to(BF16), torch.zeros(3, dtype=torch.int64),
+                              torch.ones(8, 32, dtype=BF16), torch.ones(8, 32, dtype=BF16), kc, kc.clone(), 4, 2, 0.1)
     with pytest.raises(UserInputError, match="chunk=96"):
         decode_attention(torch.randn(1, 2, 32).to(BF16).to(DEVICE), torch.randn(1, 1, 8, 32).to(BF16).to(DEVICE),
                          torch.randn(1, 1, 8, 32).to(BF16).to(DEVICE), torch.ones(1, dtype=torch.int32).to(DEVICE),
