@@ -249,9 +249,12 @@ def test_decode_rope_attention_is_rope_kv_then_attention(heads, kv_heads, d, qk_
 
 
 def test_attention_splits_fill_the_gpu():
-    assert attention_splits(4, 8, 520, 132) == 64
+    # two programs an SM below 64 (sequence, KV head) pairs, one from there
+    assert attention_splits(4, 8, 520, 132) == 64  # 9 chunks of 32 pairs: 288 programs
+    assert attention_splits(8, 8, 520, 132) == 192  # 3 chunks of 64 pairs: 192 programs
     chunk = attention_splits(32, 8, 520, 132)
     assert chunk % 64 == 0 and 32 * 8 * math.ceil(520 / chunk) >= 132
+    assert attention_splits(8, 8, 520, 132, per_sm=2) == 128
     assert attention_splits(1, 1, 10, 132) == 64
 
 
