@@ -505,7 +505,10 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, eps, sca
     split = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
     h = bh % HKV
-    pos = tl.load(POS + b).to(tl.int64)  # the new token's position: it attends to keys 0..pos
+    # the new token's position (it attends to keys 0..pos), read before waiting for the kernel before us:
+    # that is the qkv GEMM, which does not write it, and every kernel before it has finished (each one
+    # waits for its predecessor before it lets the next start)
+    pos = tl.load(POS + b).to(tl.int64)
     start = split * chunk
     end = tl.minimum(start + chunk, pos + 1)
     base = b * stride_cb + h * stride_ch
