@@ -24,8 +24,16 @@ compare graph steps across variants, categories within one.
     PYTHONUNBUFFERED=1 python3 benchmarks/decode_profile.py --out OUT --runtimes fused \\
         --variant off:MOSAICQUANT_PDL_CHAIN=off --variant on:MOSAICQUANT_PDL_CHAIN=on --rounds 2
 
-Writes ``OUT/decode_profile.json`` (every kernel name with its category and µs per step)
-and prints a short table last.
+``--timeline`` also profiles replays of the captured step: per kernel its duration and its
+*increment* (how far it moves the step's end; the increments sum to the step), by kernel name and
+for one decoder layer in order (medians over the layers). Unlike the eager profile, this is the
+graph's own schedule, with programmatic dependent launch overlapping neighbours:
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/decode_profile.py --out OUT --methods quarot,mosaicquant \
+        --batches 4,32 --runtimes fused --no-profile --timeline
+
+Writes ``OUT/decode_profile.json`` (every kernel name with its category and µs per step; with
+``--timeline`` each row's kernels in order) and prints a short table last.
 """
 
 from __future__ import annotations
@@ -84,6 +92,82 @@ def profile_step(step, steps: int = 5) -> dict[str, float]:
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[evt.name] += evt.device_time / steps
     return dict(per_kernel)
+
+
+def graph_timeline(step, replays: int = 5) -> list[dict]:
+    """The step captured in a CUDA graph and replayed under the profiler: per kernel of the step (in
+    launch order, median over ``replays``), its duration and its *increment*, the µs by which it moves
+    the step's end (its end minus the latest end of the kernels that started before it; the
+    increments sum to the step's span). With programmatic dependent launch a kernel's duration
+    includes its wait; its increment does not double-count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(replays):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                          if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda t: t[0])
+        latest, run = None, []
+        for start, end, name in kernels:
+            inc = end - start if latest is None else max(0.0, end - latest)
+            latest = end if latest is None else max(latest, end)
+            run.append((name, end - start, inc))
+        runs.append(run)
+    n = min(len(r) for r in runs)
+    out = []
+    for i in range(n):
+        durs = sorted(r[i][1] for r in runs)
+        incs = sorted(r[i][2] for r in runs)
+        out.append({"name": runs[0][i][0], "category": category(runs[0][i][0]),
+                    "us": durs[len(durs) // 2], "increment_us": incs[len(incs) // 2]})
+    return out
+
+
+def summarize_timeline(timeline: list[dict]) -> list[tuple[str, int, float, float]]:
+    """``(kernel, calls, µs of duration, µs of increment)`` per kernel name, largest increment first."""
+    acc: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for k in timeline:
+        a = acc[k["name"]]
+        a[0] += 1
+        a[1] += k["us"]
+        a[2] += k["increment_us"]
+    return sorted(((n, int(a[0]), a[1], a[2]) for n, a in acc.items()), key=lambda t: -t[3])
+
+
+def layer_slots(timeline: list[dict]) -> list[tuple[str, float, float]]:
+    """One decoder layer's kernels in order, ``(name, µs, increment µs)`` as medians over the layers: the
+    period is the shortest that repeats the kernel names best (a layer's run of kernels)."""
+    names = [k["name"] for k in timeline]
+    n = len(names)
+    if n < 8:
+        return []
+    best, period = -1.0, 0
+    for p in range(2, min(40, n // 3) + 1):
+        match = sum(names[i] == names[i + p] for i in range(n - p)) / (n - p)
+        if match > best + 1e-9:
+            best, period = match, p
+    mid = n // 2
+    slots = []
+    for j in range(period):
+        idx = [mid + j + k * period for k in range(-(mid // period) + 1, (n - mid) // period)
+               if 0 <= mid + j + k * period < n and names[mid + j + k * period] == names[mid + j]]
+        durs = sorted(timeline[i]["us"] for i in idx)
+        incs = sorted(timeline[i]["increment_us"] for i in idx)
+        slots.append((names[mid + j], durs[len(durs) // 2], incs[len(incs) // 2]))
+    return slots
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -149,6 +233,8 @@ def main() -> None:
                     help="LABEL:VAR=VALUE[,VAR=VALUE]: environment for the kernels' launches (repeatable)")
     ap.add_argument("--rounds", type=int, default=1, help="times each variant is timed, interleaved")
     ap.add_argument("--no-profile", action="store_true", help="graph steps only (no profiler pass)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also profile graph replays: each kernel's duration and increment of the step's end")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variant] or [("", {})]
     device = torch.device("cuda")
@@ -179,6 +265,7 @@ def main() -> None:
                 for label, env in variants:
                     with _Env(env), torch.no_grad():
                         kernels = {} if args.no_profile else profile_step(steps[label])
+                        timeline = graph_timeline(steps[label]) if args.timeline else []
                     graph_us = sorted(times[label])[len(times[label]) // 2]
                     name = f"{runtime}[{label}]" if label else runtime
                     by_cat: dict[str, float] = defaultdict(float)
@@ -191,7 +278,17 @@ def main() -> None:
                                     "graph_step_us_rounds": times[label], "kernel_sum_us": total,
                                     "categories_us": dict(by_cat),
                                     "kernels": [{"name": n, "category": category(n), "us_per_step": us}
-                                                for n, us in sorted(kernels.items(), key=lambda kv: -kv[1])]})
+                                                for n, us in sorted(kernels.items(), key=lambda kv: -kv[1])],
+                                    "timeline": timeline})
+                    if timeline:
+                        span = sum(k["increment_us"] for k in timeline)
+                        print(f"  graph replay timeline: {len(timeline)} kernels, span {span:.0f} us; "
+                              "kernel | calls | duration us | increment us (per step)")
+                        for kname, calls, dur, inc in summarize_timeline(timeline)[:14]:
+                            print(f"  {kname[:60]} | {calls} | {dur:.0f} | {inc:.0f}")
+                        print("  one layer (medians over layers): kernel | duration us | increment us")
+                        for kname, dur, inc in layer_slots(timeline):
+                            print(f"  {kname[:60]} | {dur:.2f} | {inc:.2f}")
                     print(f"{method} {name} b{b}: graph {graph_us:.0f} us "
                           f"(rounds {', '.join(f'{t:.0f}' for t in times[label])}), kernels {total:.0f} us", flush=True)
                 del steps

@@ -45,7 +45,7 @@ import triton.language as tl
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels._common import check_triton_device, gemm_pdl, output_buffer, triton_interpreting, use_pdl
 from mosaicquant.kernels._tiles import LOCK_SLOTS, _sm_count, lock_buffer, pdl_launch
-from mosaicquant.kernels._tl import store_output, wait_for_inputs
+from mosaicquant.kernels._tl import in_range, store_output, wait_for_inputs
 from mosaicquant.kernels.w4a4_gemm import X16_MAX_K, check_gemm_args
 from mosaicquant.methods.format import ResidualBlocks
 
@@ -206,7 +206,7 @@ def _gemv_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    safe_n = in_range(offs_n, N)
     kw = tl.arange(0, BKW)
     k_steps = tl.cdiv(KW, BKW)
     per_split = tl.cdiv(k_steps, SPLIT_K)

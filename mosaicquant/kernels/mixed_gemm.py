@@ -768,7 +768,7 @@ def _mixed_gemm_kernel(
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    # out-of-range rows/channels read index 0 instead (safe_*; their results are never stored)
+    # out-of-range rows/channels read wrapped indices instead (safe_*, _tl.in_range; their results are never stored)
     pid_m, pid_n, offs_m, offs_n, safe_m, safe_n = tile_indices(pid, M, N, BM, BN, GROUP_M)
 
     y = tl.zeros([BM, BN], dtype=tl.float32)

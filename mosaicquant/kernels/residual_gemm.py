@@ -31,7 +31,7 @@ from mosaicquant.kernels._common import (
     triton_interpreting,
 )
 from mosaicquant.kernels._tiles import FMA_MAX_M, TileConfig, fit_to_blocks
-from mosaicquant.kernels._tl import mac_int4
+from mosaicquant.kernels._tl import in_range, mac_int4
 from mosaicquant.kernels.zipper import check_residual, residual_product_reference
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 
@@ -51,7 +51,7 @@ def _residual_add_kernel(
     pid_n = pid % num_pid_n
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    safe_m = in_range(offs_m, M)
     block_row = (pid_n * BN) // BN_RES
     res_rows = (offs_n - block_row * BN_RES).to(tl.int64)
 

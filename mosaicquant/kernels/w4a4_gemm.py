@@ -104,7 +104,7 @@ def _w4a4_gemm_kernel(
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    # out-of-range rows/channels read index 0 instead (safe_*; their results are never stored)
+    # out-of-range rows/channels read wrapped indices instead (safe_*, _tl.in_range; their results are never stored)
     pid_m, pid_n, offs_m, offs_n, safe_m, safe_n = tile_indices(pid, M, N, BM, BN, GROUP_M)
     acc = dense_split_k(a_ptr, w_ptr, safe_m, safe_n, stride_am, stride_wn, KP, PF_ROW_BYTES, pid_k,
                         BM, BN, BKP, SPLIT_K, EVEN_K, USE_DOT, USE_ASM, PDL, PREFETCH, X16)

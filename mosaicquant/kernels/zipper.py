@@ -100,6 +100,7 @@ from mosaicquant.kernels._tiles import (
 )
 from mosaicquant.kernels._tl import (
     dense_split_k,
+    in_range,
     mac_int4,
     prefetch_rows_l2,
     store_counted,
@@ -140,7 +141,7 @@ def _zipper_kernel(
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    # out-of-range rows/channels read index 0 instead (safe_*; their results are never stored)
+    # out-of-range rows/channels read wrapped indices instead (safe_*, _tl.in_range; their results are never stored)
     pid_m, pid_n, offs_m, offs_n, safe_m, safe_n = tile_indices(pid, M, N, BM, BN, GROUP_M)
     block_row = (pid_n * BN) // BN_RES
     # Rows of this tile inside its residual block (storage is padded to full blocks).
@@ -278,13 +279,13 @@ def _zipper_parallel_kernel(
     SUB: tl.constexpr = BN_RES // BN  # tiles of one block row
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BM)
-    safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    safe_m = in_range(offs_m, M)
     has_part = pid >= 0
     if pid < N_DENSE:
         t = pid // SPLIT_K
         slot = pid % SPLIT_K
         offs_n = t * BN + tl.arange(0, BN)
-        safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+        safe_n = in_range(offs_n, N)
         acc = dense_split_k(a_ptr, w_ptr, safe_m, safe_n, stride_am, stride_wn, KP, PF_ROW_BYTES, slot,
                             BM, BN, BKP, SPLIT_K, EVEN_K, True, USE_ASM, PDL, PREFETCH, X16)
         w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)

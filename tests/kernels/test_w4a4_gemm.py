@@ -1,8 +1,11 @@
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels._tiles import TileConfig, fit_to_blocks, pick_config
+from mosaicquant.kernels._tl import in_range
 from mosaicquant.kernels.act_quant import quantize_activations_reference
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm, w4a4_gemm_reference, w4a4_gemm_triton
 
@@ -51,6 +54,24 @@ def test_fp32_output_and_no_bias():
     out = w4a4_gemm_triton(*[t.to(DEVICE) for t in ops[:4]], k, out_fp32=True)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@triton.jit
+def _in_range_kernel(out_ptr, n, B: tl.constexpr):
+    offs = tl.arange(0, B)
+    tl.store(out_ptr + offs, in_range(offs, n))
+
+
+@needs_triton()
+@pytest.mark.parametrize("n", [1, 4, 17, 31, 32])
+def test_out_of_range_tile_rows_read_distinct_rows_in_range(n):
+    # the tiles' rows past the end (tokens past M, weight rows past N) load in-range rows, spread over them
+    # (offs % n) rather than all on row 0, whose line would be requested once per such row by every program
+    out = torch.full((32,), -1, dtype=torch.int64, device=DEVICE)
+    _in_range_kernel[(1,)](out, n, B=32)
+    got = out.cpu()
+    assert torch.equal(got, torch.arange(32) % n)
+    assert int(torch.bincount(got).max()) == -(-32 // n), "an in-range row read more often than the wrap needs"
 
 
 def test_reference_equals_dequantized_matmul():
