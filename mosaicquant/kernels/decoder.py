@@ -85,6 +85,9 @@ ATTN_BLOCK_N = 64  # keys a step of the attention kernels
 # 3,292 / 4,342 at batch 4 / 8 / 16 / 32 (8 KV heads: 32 pairs at batch 4).
 ATTN_PROGRAMS_PER_SM = 1
 ATTN_FEW_PAIRS = 64
+# Where the cache is one chunk (nsplit == 1: from ~132 sequence x KV-head pairs), decode_rope_attention's programs
+# write the output themselves, as the combining kernel would, and that kernel is not launched.
+ATTN_DIRECT_ONE_CHUNK = True
 _LOG2E = 1.4426950408889634
 
 
@@ -491,11 +494,11 @@ def _cat_halves(x1, x2):
 
 
 @triton.jit
-def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, eps, scale_log2, chunk,
-                      stride_t, stride_cos, stride_cb, stride_ch, stride_cl, HKV, NSPLIT,
+def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, eps, scale_log2, chunk,
+                      stride_t, stride_cos, stride_cb, stride_ch, stride_cl, stride_ob, HKV, NSPLIT,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                       QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr, DOT_F32: tl.constexpr,
-                      CHAIN: tl.constexpr):
+                      DIRECT: tl.constexpr, CHAIN: tl.constexpr):
     # _attn_split_kernel's programs (a KV head of a sequence, a chunk of its cache), doing rope_kv's
     # work for their head too: the G queries and the new key rotated from the qkv row; the program
     # whose chunk holds the position writes the new key and value into the cache and adds them from
@@ -539,7 +542,13 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, eps, sca
         l_sum = l_sum * alpha + p
         acc = acc * alpha[:, None] + _rnd(p, DT, BITS)[:, None] * v_new.to(tl.float32)[None, :]
         m = m_new
-    _store_partial(PM, PL, PACC, (bh * NSPLIT + split).to(tl.int64) * GP, m, l_sum, acc, G, GP, D)
+    if DIRECT:  # the head's only chunk: its output, as _combine_head gives it for one chunk (weight exp2(0) = 1)
+        g1 = tl.arange(0, GP)
+        o = acc / l_sum[:, None]
+        tl.store(OUT + b * stride_ob + (h * G + g1)[:, None] * D + d[None, :], _rnd(o, DT, BITS).to(DT),
+                 mask=(g1 < G)[:, None])
+    else:
+        _store_partial(PM, PL, PACC, (bh * NSPLIT + split).to(tl.int64) * GP, m, l_sum, acc, G, GP, D)
 
 
 def attention_splits(batch: int, kv_heads: int, cache_len: int, sms: int = 132, block_n: int = 64,
@@ -675,8 +684,10 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     holds the token's position writes the new key and value into the cache and adds them to its
     online softmax from registers, after its loop over the keys cached before (which loads straight
     into the dot operands, as :func:`decode_attention`'s does). :func:`decode_attention`'s kernel
-    then combines the chunks. The cache ends up as :func:`rope_kv` leaves it; the output agrees with
-    the two ops to attention's bf16 accuracy (the new key's score is an fp32 sum of its own).
+    then combines the chunks; where the cache is one chunk, the programs write the output themselves
+    instead (:data:`ATTN_DIRECT_ONE_CHUNK`). The cache ends up as :func:`rope_kv` leaves it; the
+    output agrees with the two ops to attention's bf16 accuracy (the new key's score is an fp32 sum of
+    its own).
 
     Measured on the H200 (``benchmarks/NOTES.md`` v18): also combining in the attention kernel (the
     last chunk of a head to finish, by a counter) and prefetching the chunk's cached keys into L2
@@ -713,12 +724,15 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     pm, pl, pacc = p.partials()
     chain = chain_mode(qkv.device, b)
     qn = q_norm if q_norm is not None else cos
+    direct = ATTN_DIRECT_ONE_CHUNK and p.nsplit == 1
     _rope_attn_kernel[(b * kv_heads, p.nsplit)](
-        qkv, positions, cos, sin, qn, k_norm if k_norm is not None else cos, k_cache, v_cache, pm, pl, pacc,
+        qkv, positions, cos, sin, qn, k_norm if k_norm is not None else cos, k_cache, v_cache, pm, pl, pacc, out,
         float(eps), float(scale) * _LOG2E, p.chunk, qkv.stride(0), cos.stride(0), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), kv_heads, p.nsplit, G=p.g, GP=p.gp, D=d, BLOCK_N=ATTN_BLOCK_N,
-        QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype), DOT_F32=triton_interpreting(),
-        CHAIN=chain, num_warps=4, **chain_launch(chain))
+        k_cache.stride(1), k_cache.stride(2), out.stride(0), kv_heads, p.nsplit, G=p.g, GP=p.gp, D=d,
+        BLOCK_N=ATTN_BLOCK_N, QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype),
+        DOT_F32=triton_interpreting(), DIRECT=direct, CHAIN=chain, num_warps=4, **chain_launch(chain))
+    if direct:
+        return out
     _attn_combine_kernel[(b * heads,)](pm, pl, pacc, out, out.stride(0), heads, p.nsplit, G=p.g, GP=p.gp, SP=p.sp,
                                        D=d, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype), CHAIN=chain,
                                        num_warps=4, **chain_launch(chain))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mosaicquant.harness.errors import UserInputError
+from mosaicquant.kernels import decoder
 from mosaicquant.kernels.decoder import (
     attention_splits,
     decode_attention,
@@ -207,9 +208,11 @@ def test_decode_attention_matches_reference(heads, kv_heads, d, chunk):
 
 
 @pytest.mark.parametrize("heads,kv_heads,d,qk_norm", [(8, 2, 64, False), (6, 2, 128, True), (4, 4, 32, False)])
-@pytest.mark.parametrize("chunk", [None, 64, 128])
-def test_decode_rope_attention_is_rope_kv_then_attention(heads, kv_heads, d, qk_norm, chunk):
-    # RoPE inside the attention: the cache as rope_kv leaves it, the output as rope_kv + decode_attention give it
+@pytest.mark.parametrize("chunk,direct", [(None, True), (64, True), (128, True), (256, True), (256, False)])
+def test_decode_rope_attention_is_rope_kv_then_attention(heads, kv_heads, d, qk_norm, chunk, direct, monkeypatch):
+    # RoPE inside the attention: the cache as rope_kv leaves it, the output as rope_kv + decode_attention give it;
+    # a one-chunk cache (256 keys, and the default chunk here) written by the programs themselves or combined
+    monkeypatch.setattr(decoder, "ATTN_DIRECT_ONE_CHUNK", direct)
     g = torch.Generator().manual_seed(heads * d + (chunk or 0))
     b, length = 4, 200
     qkv, _, cos, sin = _rope_inputs(1, b, heads, kv_heads, d, length, heads + d)
