@@ -32,6 +32,9 @@ graph's own schedule, with programmatic dependent launch overlapping neighbours:
     PYTHONUNBUFFERED=1 python3 benchmarks/decode_profile.py --out OUT --methods quarot,mosaicquant \
         --batches 4,32 --runtimes fused --no-profile --timeline
 
+Methods take their options as on the command line (``--methods quarot:kvbits=16,quarot`` times QuaRot
+with a 16-bit and with its default 4-bit KV cache).
+
 Writes ``OUT/decode_profile.json`` (every kernel name with its category and µs per step; with
 ``--timeline`` each row's kernels in order) and prints a short table last.
 """
@@ -50,7 +53,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mosaicquant.harness.context import QuantContext  # noqa: E402
-from mosaicquant.harness.registry import get_method  # noqa: E402
+from mosaicquant.harness.spec import parse_plugin_spec  # noqa: E402
 from mosaicquant.harness.runtime import FusedDecoder  # noqa: E402
 from mosaicquant.harness.shapes import build_shape_model  # noqa: E402
 from mosaicquant.harness.speedforms import executable, speed_form  # noqa: E402
@@ -240,18 +243,19 @@ def main() -> None:
     device = torch.device("cuda")
     os.makedirs(args.out, exist_ok=True)
     rows, records = [], []
-    for method in args.methods.split(","):
+    for item in args.methods.split(","):
+        spec = parse_plugin_spec(item, "method")  # options as on the command line: quarot:kvbits=16
+        method = spec.label
         torch.manual_seed(0)
         model = build_shape_model(args.model, dtype=torch.bfloat16, device=device)
         ctx = QuantContext(calibration=lambda: None, seed=0, device=device)
-        config = get_method(method).config() if method != "fp16" else None
-        speed_form(method, model, config, ctx)
+        speed_form(spec.name, model, spec.config if spec.name != "fp16" else None, ctx)
         executable(model, ctx.info)
         decoders = {"fused": FusedDecoder(model), "fused_nq": FusedDecoder(model, fuse_quant=False),
                     "fused_sh": FusedDecoder(model, silu_in_hadamard=True),
                     "fused_nsh": FusedDecoder(model, silu_in_hadamard=False)}
         for runtime in args.runtimes.split(","):
-            if runtime in ("fused_nq", "fused_sh", "fused_nsh") and method == "fp16":
+            if runtime in ("fused_nq", "fused_sh", "fused_nsh") and spec.name == "fp16":
                 continue  # nothing to quantize
             for b in (int(x) for x in args.batches.split(",")):
                 steps, times = {}, defaultdict(list)

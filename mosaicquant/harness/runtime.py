@@ -20,16 +20,26 @@ split-KV decode attention (two kernels) or, for a prefill, PyTorch's
 ``scaled_dot_product_attention`` (causal, flash); ``o_proj``; the second add + RMSNorm;
 gate/up as one GEMM; SiLU·mul (for a W4A4 ``down_proj`` without an online transform,
 computed inside its activation quantizer); ``down_proj``. The KV cache is the model dtype (16-bit),
-``[B, kv_heads, L, D]`` per layer.
+``[B, kv_heads, L, D]`` per layer, unless the method quantizes it (below).
 
 :func:`fused_reason` says why a model cannot run on it (an architecture it does not know,
 hooks on modules it does not call, a sliding window, an unknown attention wrapper, ...);
 the suites then run transformers' code and record why.
 
-A method's simulated KV-cache quantizer (:mod:`mosaicquant.methods.kvcache`: optional Q/K
-Hadamard, K/V fake-quantized per token) is reproduced with the same PyTorch functions on
-each step's new tokens, right after they are written to the cache: the values attention
-reads are those of the method's simulation, and, as there, the cache stays 16-bit.
+A method's KV-cache quantizer (:mod:`mosaicquant.methods.kvcache`: optional Q/K Hadamard, K/V
+quantized per token) runs in one of two ways, decided per layer (:func:`kv_format_reason`):
+
+- **4-bit cache in the kernels** where the spec is 4-bit with one group per head and token (any
+  grid and clip ratio, with or without the Q/K Hadamard; QuaRot's, SpinQuant's, Atom's and ResQ's
+  defaults on a head size of 128), or 16-bit with only the rotation: the RoPE kernels rotate q and
+  k and quantize each new key and value with the simulation's integers and scales
+  (:class:`~mosaicquant.kernels.decoder.KVFormat`); the cache holds the packed integers
+  ``[B, kv_heads, L, D/2]`` and fp32 scales and zero points ``[B, kv_heads, L]`` (72 bytes a
+  head and token against 256 at 16 bits, D = 128); decode attention reads the integers; a
+  prefill attends over the prompt's dequantized keys and values, the simulation's values;
+- **the simulation** otherwise (other bit widths, groups smaller than a head): the same PyTorch
+  functions on each step's new tokens, right after they are written to a 16-bit cache; the
+  values attention reads are the simulation's, and the record says the cache is 16-bit.
 """
 
 from __future__ import annotations
@@ -42,7 +52,8 @@ from torch import nn
 
 from mosaicquant.harness.errors import UserInputError, unknown_name
 
-__all__ = ["RUNTIMES", "FUSED_DESCRIPTION", "FusedDecoder", "DecodeCache", "fused_reason", "resolve_runtime"]
+__all__ = ["RUNTIMES", "FUSED_DESCRIPTION", "FusedDecoder", "DecodeCache", "fused_reason", "resolve_runtime",
+           "kv_format_reason", "kv_format_of", "kv_cache_bytes_per_token"]
 
 #: ``auto``: fused where :func:`fused_reason` allows, else transformers (the record says why)
 RUNTIMES = ("auto", "fused", "transformers")
@@ -51,7 +62,7 @@ FUSED_DESCRIPTION = ("fused decoder (Triton add+RMSNorm, fused with the 4-bit ac
                      "inside down_proj's quantizer for W4A4 layers without an online Hadamard, else written by "
                      "gate/up's GEMM where its fix-up can (ZipperEngine at 4-16 tokens, the dense W4A4 GEMM at "
                      "2-16), else a kernel of its own; SDPA flash attention for prefill; q/k/v and gate/up as one "
-                     "GEMM each; 16-bit KV)")
+                     "GEMM each; 16-bit KV unless noted)")
 TRANSFORMERS_DESCRIPTION = "transformers eager decoder (static KV cache, 16-bit unless the method quantizes it)"
 
 # SiLU·mul inside down_proj's fused online Hadamard + quantizer (methods with that Hadamard: QuaRot,
@@ -129,15 +140,69 @@ def fused_reason(model: nn.Module) -> str | None:
     return None
 
 
+def kv_format_reason(spec, head_dim: int) -> str | None:
+    """Why the fused decoder's kernels cannot keep the KV cache as ``spec`` says (None: they can).
+
+    They take 4-bit K/V with one group per head and token (``group_size`` None or the head size),
+    any grid and clip ratio, or 16-bit K/V; either with or without the Q/K Hadamard.
+    """
+    if spec.bits not in (4, 16):
+        return f"{spec.bits}-bit K/V (the kernels keep 4 or 16 bits)"
+    if spec.bits == 4 and spec.group_size not in (None, head_dim):
+        return f"K/V groups of {spec.group_size} channels (the kernels take one group per head of {head_dim})"
+    return None
+
+
+def kv_format_of(spec):
+    """The :class:`~mosaicquant.kernels.decoder.KVFormat` that executes ``spec`` (see :func:`kv_format_reason`).
+
+    ``methods.kvcache`` rotates Q/K by ``apply_hadamard`` (Sylvester order for the powers of two the
+    fused decoder's head sizes are), which the kernels compute by butterflies.
+    """
+    from mosaicquant.kernels.decoder import KVFormat
+
+    return KVFormat(bits=spec.bits, symmetric=spec.symmetric, clip_ratio=float(spec.clip_ratio),
+                    rotate=bool(spec.rotate_qk))
+
+
+def kv_cache_bytes_per_token(model: nn.Module) -> int | None:
+    """Bytes one token of one sequence adds to the fused decoder's KV cache (all layers), or None where the
+    fused decoder cannot run ``model``: a 4-bit layer keeps ``D/2`` bytes and four fp32 scales and zeros a
+    KV head, a 16-bit one (the simulation's included) ``2·D`` values of the model's dtype."""
+    from mosaicquant.methods.kvcache import kv_quant_spec_of
+
+    if fused_reason(model) is not None:
+        return None
+    inner = model.model
+    attn = inner.layers[0].self_attn
+    d = int(attn.head_dim)
+    kv_heads = int(getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads)
+    spec = kv_quant_spec_of(model)
+    if (spec is not None and spec.enabled and model.config._attn_implementation not in _STANDARD_ATTENTION
+            and spec.bits == 4 and kv_format_reason(spec, d) is None):
+        per_head = 2 * (d // 2 + 2 * 4)
+    else:
+        per_head = 2 * d * inner.embed_tokens.weight.element_size()
+    return len(inner.layers) * kv_heads * per_head
+
+
 def _kv_note(model: nn.Module) -> str:
     from mosaicquant.methods.kvcache import kv_quant_spec_of
 
     spec = kv_quant_spec_of(model)
     if spec is None or not spec.active:
         return ""
+    rotation = " after a Q/K Hadamard" if spec.rotate_qk else ""
+    head_dim = int(model.model.layers[0].self_attn.head_dim)
+    reason = kv_format_reason(spec, head_dim)
+    if reason is None:
+        what = (f"4-bit {'symmetric' if spec.symmetric else 'asymmetric'} cache (clip {spec.clip_ratio:g}), "
+                f"packed with fp32 scales and zeros a head and token, written and read by the kernels"
+                if spec.enabled else "16-bit cache")
+        return f"; KV: {what}{rotation}"
     what = f"{spec.bits}-bit fake-quant of K/V" if spec.enabled else "no K/V quantization"
-    return (f"; KV: {what}{' after a Q/K Hadamard' if spec.rotate_qk else ''} on each step's new tokens in "
-            "PyTorch, 16-bit cache (the method's simulation)")
+    return (f"; KV: {what}{rotation} on each step's new tokens in PyTorch, 16-bit cache (the method's simulation; "
+            f"not in the kernels: {reason})")
 
 
 def resolve_runtime(runtime: str, model: nn.Module) -> tuple[str, str]:
@@ -226,7 +291,8 @@ class _Layer:
     k_norm: torch.Tensor | None
     qk_eps: float
     scaling: float
-    kv_spec: object = None  # an active mosaicquant.methods.kvcache.KVQuantSpec, or None
+    kv_spec: object = None  # an active mosaicquant.methods.kvcache.KVQuantSpec the kernels do not run, or None
+    kv_format: object = None  # the mosaicquant.kernels.decoder.KVFormat the kernels run the spec with, or None
     # the W4A4 layers whose activation quantizer runs inside the kernel before them (decided once)
     qkv_quant: object = None
     gate_up_quant: object = None
@@ -239,14 +305,27 @@ class DecodeCache:
     """The fused decoder's KV cache of ``batch`` sequences up to ``length`` tokens.
 
     Attributes:
-        keys, values: per layer ``[batch, kv_heads, length, head_dim]``.
+        keys, values: per layer ``[batch, kv_heads, length, head_dim]`` in the model dtype, or for a
+            4-bit layer uint8 ``[batch, kv_heads, length, head_dim / 2]``.
         cos, sin: rotary tables ``[length, head_dim]`` in the model dtype.
+        scales: per layer the 4-bit cache's :class:`~mosaicquant.kernels.decoder.KVScales`, or None.
     """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     cos: torch.Tensor
     sin: torch.Tensor
+    scales: list = None
+
+    def __post_init__(self):
+        if self.scales is None:
+            self.scales = [None] * len(self.keys)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of keys, values, scales and zero points (all layers)."""
+        data = sum(int(t.numel() * t.element_size()) for t in (*self.keys, *self.values))
+        return data + sum(s.nbytes for s in self.scales if s is not None)
 
     @property
     def batch(self) -> int:
@@ -316,6 +395,8 @@ class FusedDecoder:
                 float(getattr(attn, "scaling", self.head_dim ** -0.5)),
                 self._active_spec(attn)))
             lay = self.layers[-1]
+            if lay.kv_spec is not None and kv_format_reason(lay.kv_spec, self.head_dim) is None:
+                lay.kv_format, lay.kv_spec = kv_format_of(lay.kv_spec), None
             lay.qkv_quant = self._fusable(lay.qkv.quant, device)
             lay.gate_up_quant = self._fusable(lay.gate_up.quant, device)
             lay.down_quant, lay.down_transform = self._gated_input(mlp.down_proj, device)
@@ -374,13 +455,41 @@ class FusedDecoder:
         Raises:
             UserInputError: a batch or length below 1.
         """
+        from mosaicquant.kernels.decoder import KVScales
+
         if batch < 1 or length < 1:
             raise UserInputError(f"cache batch={batch} and length={length} must be >= 1")
-        shape = (batch, self.kv_heads, length, self.head_dim)
-        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        keys, values, scales = [], [], []
+        for lay in self.layers:
+            packed = lay.kv_format is not None and lay.kv_format.quantized
+            shape = (batch, self.kv_heads, length, self.head_dim // 2 if packed else self.head_dim)
+            dtype = torch.uint8 if packed else self.dtype
+            keys.append(torch.zeros(shape, dtype=dtype, device=self.device))
+            values.append(torch.zeros(shape, dtype=dtype, device=self.device))
+            scales.append(KVScales.empty(batch, self.kv_heads, length, self.device) if packed else None)
         cos, sin = self._tables(length)
-        return DecodeCache(keys, values, cos, sin)
+        return DecodeCache(keys, values, cos, sin, scales)
+
+    def _scratch(self, batch: int, length: int) -> DecodeCache:
+        """A cache whose layers share one layer's buffers (a prefill without a cache: each layer's keys and
+        values are dropped after its attention)."""
+        from mosaicquant.kernels.decoder import KVScales
+
+        made = {}
+        keys, values, scales = [], [], []
+        for lay in self.layers:
+            packed = lay.kv_format is not None and lay.kv_format.quantized
+            if packed not in made:
+                shape = (batch, self.kv_heads, length, self.head_dim // 2 if packed else self.head_dim)
+                dtype = torch.uint8 if packed else self.dtype
+                made[packed] = (torch.empty(shape, dtype=dtype, device=self.device),
+                                torch.empty(shape, dtype=dtype, device=self.device),
+                                KVScales.empty(batch, self.kv_heads, length, self.device) if packed else None)
+            keys.append(made[packed][0])
+            values.append(made[packed][1])
+            scales.append(made[packed][2])
+        cos, sin = self._tables(length)
+        return DecodeCache(keys, values, cos, sin, scales)
 
     def _tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         # kept per length: the check below synchronizes, which a CUDA-graph capture must not meet
@@ -412,16 +521,23 @@ class FusedDecoder:
                                                                      lay.down_transform)
         return h, residual
 
-    def _rope_attend(self, positions: torch.Tensor, tokens_per_seq: int, keys, values, cos, sin, attend):
+    def _rope_attend(self, positions: torch.Tensor, tokens_per_seq: int, keys, values, cos, sin, attend,
+                     scales=None, dequant=None):
         """``attend_qkv`` for :meth:`_layers`: :func:`~mosaicquant.kernels.decoder.rope_kv` (and the
-        method's KV simulation), then ``attend(q, k_cache, v_cache, scale)``."""
+        method's KV simulation), then ``attend(q, k_cache, v_cache, scale)``; a 4-bit layer's cache gets
+        the packed keys and values (``scales[i]``), and ``attend`` their dequantized values (``dequant``)."""
         from mosaicquant.kernels.decoder import rope_kv
 
         seq = []  # each token's sequence, made once where a layer simulates its KV cache
 
         def attend_qkv(qkv: torch.Tensor, i: int, lay: _Layer) -> torch.Tensor:
+            fmt = lay.kv_format
+            packed = fmt is not None and fmt.quantized
             q = rope_kv(qkv, positions, cos, sin, keys[i], values[i], self.heads, self.kv_heads, tokens_per_seq,
-                        lay.q_norm, lay.k_norm, lay.qk_eps, kernel=self.kernel)
+                        lay.q_norm, lay.k_norm, lay.qk_eps, kernel=self.kernel, kv=fmt,
+                        scales=scales[i] if packed else None, dequant=dequant if packed else None)
+            if packed:
+                return attend(q, dequant[0], dequant[1], lay.scaling)
             if lay.kv_spec is not None:
                 if not seq:
                     seq.append(torch.arange(positions.shape[0], device=positions.device) // tokens_per_seq)
@@ -498,13 +614,14 @@ class FusedDecoder:
         if cache is not None and (cache.batch != b or cache.length < s):
             raise UserInputError(f"cache holds batch {cache.batch} × {cache.length} tokens; the prompt is {b} × {s}")
         if cache is None:
+            cache = self._scratch(b, s)
+        keys, values, cos, sin = cache.keys, cache.values, cache.cos, cache.sin
+        dequant = None
+        if any(lay.kv_format is not None and lay.kv_format.quantized for lay in self.layers):
+            # the prompt's dequantized keys and values for its attention, one layer at a time
             shape = (b, self.kv_heads, s, self.head_dim)
-            k = torch.empty(shape, dtype=self.dtype, device=self.device)
-            v = torch.empty_like(k)
-            keys, values = [k] * len(self.layers), [v] * len(self.layers)
-            cos, sin = self._tables(s)
-        else:
-            keys, values, cos, sin = cache.keys, cache.values, cache.cos, cache.sin
+            dequant = (torch.empty(shape, dtype=self.dtype, device=self.device),
+                       torch.empty(shape, dtype=self.dtype, device=self.device))
         positions = torch.arange(s, device=self.device).repeat(b)
         x = self.embed(ids).reshape(b * s, -1)
         group = self.heads // self.kv_heads
@@ -517,7 +634,8 @@ class FusedDecoder:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
             return o.transpose(1, 2).reshape(b * s, self.heads * self.head_dim)
 
-        h, residual = self._layers(x, self._rope_attend(positions, s, keys, values, cos, sin, attend))
+        h, residual = self._layers(x, self._rope_attend(positions, s, keys, values, cos, sin, attend, cache.scales,
+                                                        dequant))
         last = torch.arange(b, device=self.device) * s + (s - 1)
         return self._head(h[last].contiguous(), residual[last].contiguous())
 
@@ -553,11 +671,14 @@ class FusedDecoder:
         unfused = self._rope_attend(positions, 1, cache.keys, cache.values, cache.cos, cache.sin, attend)
 
         def attend_qkv(qkv: torch.Tensor, i: int, lay: _Layer) -> torch.Tensor:
-            if not FUSED_ROPE_ATTENTION or lay.kv_spec is not None:
+            fmt = lay.kv_format
+            if lay.kv_spec is not None or (fmt is None and not FUSED_ROPE_ATTENTION):
                 return unfused(qkv, i, lay)
+            # a 4-bit cache is read by this kernel only
             return decode_rope_attention(qkv, positions, cache.cos, cache.sin, cache.keys[i], cache.values[i],
                                          self.heads, self.kv_heads, lay.scaling, lay.q_norm, lay.k_norm,
-                                         lay.qk_eps, kernel=self.kernel)
+                                         lay.qk_eps, kernel=self.kernel, kv=fmt,
+                                         scales=cache.scales[i] if fmt is not None and fmt.quantized else None)
 
         h, residual = self._layers(x, attend_qkv)
         return self._head(h, residual)

@@ -19,8 +19,11 @@ Two things live here.
    many); for Atom, seeded random salient channels (its ``diag(XᵀX)`` order needs data) kept
    at ``outlier_bits``, the rest in groups, round-to-nearest. The method's configured options
    (bits, clip ratios, budget, block, ``online_o``, outliers, group size) are honoured; a configuration the kernels cannot run is built anyway, and then
-   :func:`executable` says why it has no fast path. The KV cache stays 16-bit in every
-   speed form (the records say ``kv_bits: 16``). Methods with no data-free form here
+   :func:`executable` says why it has no fast path. The KV cache is the method's: its spec
+   (:mod:`mosaicquant.methods.kvcache`; QuaRot's, SpinQuant's and Atom's 4-bit caches by default,
+   MosaicQuant's with ``kvbits=4``) is installed as the method installs it, the fused decoder
+   runs it as a 4-bit cache where its kernels can, and the records say ``kv_bits``.
+   Methods with no data-free form here
    (``resq``: its PCA bases need data; third-party methods) raise
    :class:`~mosaicquant.harness.errors.Unavailable`. Methods that need no data at all
    (``torchao``) run as they are and execute on their own kernels.
@@ -268,6 +271,20 @@ SPEED_FORMS: dict[str, Callable] = {
 }
 
 
+def _kv_spec(config, model: nn.Module):
+    """The method's KV-cache spec from its config, or None (a method without one: a 16-bit cache)."""
+    import inspect
+
+    make = getattr(config, "kv_spec", None)
+    if make is None:
+        return None
+    if "head_dim" in inspect.signature(make).parameters:  # SpinQuant's groups depend on the head size
+        from mosaicquant.methods.calibration import decoder_layers
+
+        return make(int(decoder_layers(model)[0].self_attn.head_dim))
+    return make()
+
+
 def speed_form(method: str, model: nn.Module, config, ctx) -> nn.Module:
     """Apply ``method``'s data-free speed form to a random-weight model in place.
 
@@ -295,7 +312,14 @@ def speed_form(method: str, model: nn.Module, config, ctx) -> nn.Module:
                           f"data; speed forms exist for fp16, {', '.join(sorted([*SPEED_FORMS, *DATA_FREE_METHODS]))}")
     with torch.no_grad():
         n, notes = SPEED_FORMS[method](model, config, ctx)
-    ctx.info.update(wbits=config.wbits, abits=config.abits, kv_bits=16, quantized_linears=n,
+    spec = _kv_spec(config, model)
+    kv = None
+    if spec is not None and spec.active:
+        from mosaicquant.methods.kvcache import enable_kv_quant
+
+        kv = enable_kv_quant(model, spec)
+    ctx.info.update(wbits=config.wbits, abits=config.abits, kv_bits=spec.bits if spec is not None else 16,
+                    kv_cache=kv, quantized_linears=n,
                     exec_path="data-free speed form (round-to-nearest integers, the method's format)",
                     weights="random (speed only)", speed_form=notes)
     return model

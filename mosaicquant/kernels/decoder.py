@@ -15,6 +15,10 @@ kernels do each group in one launch, for every method alike (the BF16 baseline i
 - :func:`rope_kv`: per token, the optional per-head q/k RMSNorm (Qwen3), rotary
   embedding of q and k from precomputed cos/sin tables, q written out, k and v written
   into the KV cache at the token's position;
+- a 4-bit KV cache (:class:`KVFormat`, :class:`KVScales`): the RoPE kernels optionally rotate q and k
+  by a Hadamard matrix (QuaRot's online Q/K rotation) and quantize each new key and value per head
+  and token (:mod:`mosaicquant.methods.kvcache`'s grid, the same integers and scales), two channels
+  a byte; the decode attention reads the integers straight into its dots;
 - :func:`decode_attention`: attention of one new query per sequence over its cached keys,
   split along the cache (flash-decoding): every program takes one KV head of one
   sequence — its ``G`` query heads share the loaded keys (grouped-query attention) — and
@@ -51,7 +55,7 @@ from mosaicquant.kernels._common import (
     resolve_kernel,
     triton_interpreting,
 )
-from mosaicquant.kernels._tl import chain_start, silu_mul_rounded
+from mosaicquant.kernels._tl import chain_start, round_half_even, silu_mul_rounded
 from mosaicquant.kernels._tl import round_to_bf16 as _round_to_bf16
 from mosaicquant.kernels.act_quant import (
     LAYOUTS,
@@ -73,6 +77,10 @@ __all__ = [
     "decode_rope_attention",
     "decode_rope_attention_reference",
     "attention_splits",
+    "KVFormat",
+    "KVScales",
+    "kv4_quantize_reference",
+    "kv4_dequantize_reference",
     "silu_mul",
     "silu_mul_reference",
 ]
@@ -88,6 +96,17 @@ ATTN_FEW_PAIRS = 64
 # Where the cache is one chunk (nsplit == 1: from ~132 sequence x KV-head pairs), decode_rope_attention's programs
 # write the output themselves, as the combining kernel would, and that kernel is not launched.
 ATTN_DIRECT_ONE_CHUNK = True
+# Over a 4-bit cache: programs an SM the cache is cut for (ATTN_PROGRAMS_PER_SM's role), warps a program, and the
+# queries' Hadamard on the tensor cores (the ±1 matrix loaded) rather than in butterflies. Measured (v20, Llama-3-8B
+# shapes, context 512, QuaRot's CUDA-graph step at batch 4 / 16 / 32, µs): butterflies 2,676 / 3,060 / 3,915, the
+# dot 2,897 / 3,205 / 4,051; 2 or 4 programs an SM 2,964 / 3,665 / 4,404 and 2,958 / 3,811 / 4,762 (with the
+# register-built matrix, itself 2,960 / 3,267 / 4,000); 8 warps 3,144 / 3,556 / 4,545.
+ATTN_KV4_PROGRAMS_PER_SM = 1
+ATTN_KV4_WARPS = 4
+ATTN_ROTATE_BY_DOT = False
+# The 4-bit cache's kernels compiled without fused multiply-adds (the grid's range as methods.quant rounds it); with
+# them the step was the same within 0.3 % (v20), and the GPU's scales differed from the reference's in the last bit.
+KV4_NO_FP_FUSION = True
 _LOG2E = 1.4426950408889634
 
 
@@ -240,10 +259,104 @@ def _rotated_qk(q_ptrs, q_mask, k_ptrs, k_mask, COS, SIN, QN, KN, pos, stride_co
 
 
 @triton.jit
-def _rope_kv_kernel(QKV, POS, COS, SIN, QN, KN, QOUT, KC, VC, eps, tokens_per_seq,
-                    stride_t, stride_cos, stride_qo, stride_cb, stride_ch, stride_cl,
+def _butterfly(x, R: tl.constexpr, N: tl.constexpr, H: tl.constexpr):
+    """One stage of the Walsh-Hadamard transform of the rows of ``x [R, N]``: pairs ``H`` apart → sum, difference."""
+    y = tl.permute(tl.reshape(x, (R, N // (2 * H), 2, H)), (0, 1, 3, 2))
+    a, b = tl.split(y)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (R, N))
+
+
+@triton.jit
+def _hadamard_halves(x1, x2, D: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr):
+    """Rows ``[x1 | x2]`` (halves ``[R, D/2]``) times ``H_D / √D`` (Sylvester order, as
+    :func:`mosaicquant.methods.hadamard.apply_hadamard`: QuaRot's online Q/K rotation), in fp32 butterflies,
+    rounded to ``DT``; returns the halves. ``H_D = [[H, H], [H, -H]]``: the halves are ``H (x1 ± x2)``."""
+    HALF: tl.constexpr = D // 2
+    R: tl.constexpr = x1.shape[0]
+    a = x1.to(tl.float32) + x2.to(tl.float32)
+    b = x1.to(tl.float32) - x2.to(tl.float32)
+    for i in tl.static_range(HALF.bit_length() - 1):
+        a = _butterfly(a, R, HALF, 1 << i)
+        b = _butterfly(b, R, HALF, 1 << i)
+    norm = 1.0 / tl.sqrt(D * 1.0)
+    return _rnd(a * norm, DT, BITS), _rnd(b * norm, DT, BITS)
+
+
+@triton.jit
+def _hadamard_halves_dot(x1, x2, HP, D: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr, DOT_F32: tl.constexpr):
+    """:func:`_hadamard_halves` of rows already in ``DT`` (at least 16 of them) on the tensor cores, with the
+    ±1 Sylvester matrix ``H_{D/2}`` at ``HP`` (``DT``, exact): exact products, fp32 sums, ``H x1 ± H x2``."""
+    HALF: tl.constexpr = D // 2
+    h = tl.load(HP + tl.arange(0, HALF)[:, None] * HALF + tl.arange(0, HALF)[None, :])
+    if DOT_F32:  # Triton's interpreter computes 16-bit dots wrongly; the same products in fp32
+        a = tl.dot(x1.to(tl.float32), h.to(tl.float32))
+        b = tl.dot(x2.to(tl.float32), h.to(tl.float32))
+    else:
+        a = tl.dot(x1.to(DT), h)
+        b = tl.dot(x2.to(DT), h)
+    norm = 1.0 / tl.sqrt(D * 1.0)
+    return _rnd((a + b) * norm, DT, BITS), _rnd((a - b) * norm, DT, BITS)
+
+
+@triton.jit
+def _kv4_quantize(x1, x2, clip, SYM: tl.constexpr):
+    """One 4-bit group per row of ``[x1 | x2]`` (halves ``[R, D/2]``, fp32): :func:`kv4_quantize_reference`'s
+    operations (``methods.quant``'s grid: IEEE divisions, ties to even). Returns the packed bytes ``[R, D/2]``
+    (channel ``j`` in the low nibble of byte ``j``, channel ``j + D/2`` in its high nibble), the scales and
+    the zero points ``[R]`` (fp32; 8 on the symmetric grid, whose integers are stored offset by 8)."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    if SYM:
+        amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
+        scale = tl.math.div_rn(amax * clip, 7.0)
+        scale = tl.where(scale > 0, scale, 1.0)
+        zero = scale * 0.0 + 8.0
+        # clamping to [-9, 9] first keeps the magic-number rounding exact and clamp(round(v), -8, 7) unchanged
+        u1 = tl.minimum(tl.maximum(round_half_even(tl.minimum(tl.maximum(
+            tl.math.div_rn(x1, scale[:, None]), -9.0), 9.0)), -8.0), 7.0) + 8.0
+        u2 = tl.minimum(tl.maximum(round_half_even(tl.minimum(tl.maximum(
+            tl.math.div_rn(x2, scale[:, None]), -9.0), 9.0)), -8.0), 7.0) + 8.0
+    else:
+        lo = tl.minimum(tl.minimum(tl.min(x1, axis=1), tl.min(x2, axis=1)), 0.0) * clip
+        hi = tl.maximum(tl.maximum(tl.max(x1, axis=1), tl.max(x2, axis=1)), 0.0) * clip
+        scale = tl.math.div_rn(hi - lo, 15.0)
+        scale = tl.where(scale > 0, scale, 1.0)
+        zero = round_half_even(tl.math.div_rn(-lo, scale))
+        # |v| > 32 lands outside [0, 15] after the zero point either way
+        u1 = tl.minimum(tl.maximum(round_half_even(tl.minimum(tl.maximum(
+            tl.math.div_rn(x1, scale[:, None]), -32.0), 32.0)) + zero[:, None], 0.0), 15.0)
+        u2 = tl.minimum(tl.maximum(round_half_even(tl.minimum(tl.maximum(
+            tl.math.div_rn(x2, scale[:, None]), -32.0), 32.0)) + zero[:, None], 0.0), 15.0)
+    packed = u1.to(tl.uint8) | (u2.to(tl.uint8) << 4)
+    return packed, scale, zero
+
+
+@triton.jit
+def _kv4_unpack(packed, scale, zero):
+    """fp32 halves ``(u - zero) · scale`` of packed rows ``[R, D/2]`` with their ``[R]`` scales and zeros."""
+    u1 = (packed & 0xF).to(tl.float32)
+    u2 = (packed >> 4).to(tl.float32)
+    return (u1 - zero[:, None]) * scale[:, None], (u2 - zero[:, None]) * scale[:, None]
+
+
+@triton.jit
+def _kv4_store(x1, x2, CP, SP, ZP, at, sat, mask, clip, SYM: tl.constexpr):
+    """Quantize rows ``[x1 | x2]`` (:func:`_kv4_quantize`) and store them at ``CP + at`` (``[R, D/2]`` offsets),
+    their scales and zeros at ``SP + sat``, ``ZP + sat`` (``[R, 1]``); returns their fp32 dequantized halves."""
+    packed, scale, zero = _kv4_quantize(x1, x2, clip, SYM)
+    tl.store(CP + at, packed, mask=mask)
+    tl.store(SP + sat, scale[:, None], mask=mask)
+    tl.store(ZP + sat, zero[:, None], mask=mask)
+    return _kv4_unpack(packed, scale, zero)
+
+
+@triton.jit
+def _rope_kv_kernel(QKV, POS, COS, SIN, QN, KN, QOUT, KC, VC, KS, KZ, VS, VZ, KD, VD, eps, clip,
+                    tokens_per_seq, stride_t, stride_cos, stride_qo, stride_cb, stride_ch, stride_cl,
+                    stride_sb, stride_sh, stride_db, stride_dh, stride_dl,
                     HQ: tl.constexpr, HKV: tl.constexpr, HQP: tl.constexpr, HKVP: tl.constexpr,
                     D: tl.constexpr, QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr,
+                    ROT: tl.constexpr, KV4: tl.constexpr, SYM: tl.constexpr, DEQ: tl.constexpr,
                     CHAIN: tl.constexpr):
     chain_start(CHAIN)
     t = tl.program_id(0).to(tl.int64)
@@ -259,17 +372,32 @@ def _rope_kv_kernel(QKV, POS, COS, SIN, QN, KN, QOUT, KC, VC, eps, tokens_per_se
     k_row = row + HQ * D
     q1, q2, k1, k2 = _rotated_qk(row + hq * D + d[None, :], mq, k_row + hk * D + d[None, :], mk, COS, SIN, QN, KN,
                                  pos, stride_cos, eps, D, QK_NORM, DT, BITS)
+    if ROT:
+        q1, q2 = _hadamard_halves(q1, q2, D, DT, BITS)
+        k1, k2 = _hadamard_halves(k1, k2, D, DT, BITS)
     qo = QOUT + t * stride_qo + hq * D + d[None, :]
-    tl.store(qo, q1, mask=mq)
-    tl.store(qo + HALF, q2, mask=mq)
-    cache = b * stride_cb + hk * stride_ch + pos * stride_cl + d[None, :]
-    tl.store(KC + cache, k1, mask=mk)
-    tl.store(KC + cache + HALF, k2, mask=mk)
+    tl.store(qo, q1.to(DT), mask=mq)
+    tl.store(qo + HALF, q2.to(DT), mask=mq)
     v_row = k_row + HKV * D
     v1 = tl.load(v_row + hk * D + d[None, :], mask=mk, other=0.0)
     v2 = tl.load(v_row + hk * D + HALF + d[None, :], mask=mk, other=0.0)
-    tl.store(VC + cache, v1, mask=mk)
-    tl.store(VC + cache + HALF, v2, mask=mk)
+    if KV4:
+        at = b * stride_cb + hk * stride_ch + pos * stride_cl + d[None, :]
+        sat = b * stride_sb + hk * stride_sh + pos
+        kd1, kd2 = _kv4_store(k1, k2, KC, KS, KZ, at, sat, mk, clip, SYM)
+        vd1, vd2 = _kv4_store(v1.to(tl.float32), v2.to(tl.float32), VC, VS, VZ, at, sat, mk, clip, SYM)
+        if DEQ:  # the dequantized keys and values in DT, as methods.kvcache's simulation rounds them
+            deq = b * stride_db + hk * stride_dh + pos * stride_dl + d[None, :]
+            tl.store(KD + deq, _rnd(kd1, DT, BITS).to(DT), mask=mk)
+            tl.store(KD + deq + HALF, _rnd(kd2, DT, BITS).to(DT), mask=mk)
+            tl.store(VD + deq, _rnd(vd1, DT, BITS).to(DT), mask=mk)
+            tl.store(VD + deq + HALF, _rnd(vd2, DT, BITS).to(DT), mask=mk)
+    else:
+        cache = b * stride_cb + hk * stride_ch + pos * stride_cl + d[None, :]
+        tl.store(KC + cache, k1.to(DT), mask=mk)
+        tl.store(KC + cache + HALF, k2.to(DT), mask=mk)
+        tl.store(VC + cache, v1, mask=mk)
+        tl.store(VC + cache + HALF, v2, mask=mk)
 
 
 def _head_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -278,11 +406,94 @@ def _head_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.
     return w * h.to(x.dtype)
 
 
-def rope_kv_reference(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, tokens_per_seq,
-                      q_norm=None, k_norm=None, eps=1e-6):
-    """PyTorch reference of :func:`rope_kv` (transformers' ops and roundings)."""
+@dataclass(frozen=True)
+class KVFormat:
+    """How the decode kernels keep K/V: the subset of :class:`mosaicquant.methods.kvcache.KVQuantSpec` they run.
+
+    Attributes:
+        bits: 16 (the model's dtype) or 4 (packed, one group per head and token, :func:`kv4_quantize_reference`).
+        symmetric, clip_ratio: the 4-bit grid (``methods.quant``'s conventions).
+        rotate: q and k become ``apply_hadamard(x)`` after RoPE (``x @ H_D / √D``, Sylvester order: QuaRot's
+            online Q/K rotation), rounded to the model's dtype, before k is quantized.
+    """
+
+    bits: int = 16
+    symmetric: bool = False
+    clip_ratio: float = 1.0
+    rotate: bool = False
+
+    def __post_init__(self):
+        if self.bits not in (4, 16):
+            raise UserInputError(f"kv bits={self.bits!r}: the decode kernels keep K/V in 4 or 16 bits")
+        if not 0.0 < float(self.clip_ratio) <= 1.0:
+            raise UserInputError(f"kv clip_ratio={self.clip_ratio!r} is out of range: allowed (0, 1]")
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits == 4
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """The fp32 ``[B, kv_heads, L]`` scales and zero points of a 4-bit KV cache's keys and values."""
+
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+
+    @staticmethod
+    def empty(batch: int, kv_heads: int, length: int, device) -> "KVScales":
+        def new():
+            return torch.zeros(batch, kv_heads, length, dtype=torch.float32, device=device)
+        return KVScales(new(), new(), new(), new())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(t.numel() * t.element_size()) for t in (self.k_scale, self.k_zero, self.v_scale, self.v_zero))
+
+
+def kv4_quantize_reference(x: torch.Tensor, symmetric: bool, clip_ratio: float
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit quantization of ``x [..., D]`` with one group per row, packed two channels a byte.
+
+    The integers and scales of :func:`mosaicquant.methods.quant.fake_quantize` (``group_size`` None):
+    the same fp32 operations, so :func:`kv4_dequantize_reference` of the result equals
+    ``fake_quantize(x, 4, symmetric=..., clip_ratio=...)`` bit for bit. Symmetric integers are stored
+    offset by 8 with a zero point of 8, so both grids dequantize as ``(u - zero) · scale``.
+
+    Returns:
+        ``(packed uint8 [..., D/2], scale fp32 [...], zero fp32 [...])``: channel ``j`` in the low nibble
+        of byte ``j``, channel ``j + D/2`` in its high nibble.
+    """
+    from mosaicquant.methods.quant import _apply, _params
+
+    xg = x.to(torch.float32).unsqueeze(-2)
+    scale, zero = _params(xg, 4, symmetric, clip_ratio, None)
+    q = _apply(xg, scale, zero, 4, symmetric).squeeze(-2)
+    scale = scale.squeeze(-1)
+    if symmetric:
+        q = q + 8
+        zero = torch.full_like(scale, 8.0)
+    else:
+        zero = zero.squeeze(-1)
+    u = q.to(torch.uint8)
+    half = x.shape[-1] // 2
+    return u[..., :half] | (u[..., half:] << 4), scale, zero
+
+
+def kv4_dequantize_reference(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                             dtype: torch.dtype) -> torch.Tensor:
+    """``(u - zero) · scale`` in fp32, rounded to ``dtype``: ``[..., D]`` from :func:`kv4_quantize_reference`'s
+    bytes (what ``methods.kvcache`` simulates)."""
+    u = torch.cat((packed & 0xF, packed >> 4), dim=-1).to(torch.float32)
+    return ((u - zero.unsqueeze(-1)) * scale.unsqueeze(-1)).to(dtype)
+
+
+def _rope_qkv_reference(qkv, positions, cos, sin, heads, kv_heads, d, q_norm, k_norm, eps, rotate):
+    """q, k (RoPE'd, with ``rotate`` then Hadamard-rotated) and v ``[T, heads, D]`` of ``qkv``, as transformers and
+    :mod:`mosaicquant.methods.kvcache` round them."""
     t = qkv.shape[0]
-    d = k_cache.shape[-1]
     q = qkv[:, :heads * d].reshape(t, heads, d)
     k = qkv[:, heads * d:(heads + kv_heads) * d].reshape(t, kv_heads, d)
     v = qkv[:, (heads + kv_heads) * d:(heads + 2 * kv_heads) * d].reshape(t, kv_heads, d)
@@ -296,29 +507,80 @@ def rope_kv_reference(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_head
 
     q = (q * c) + (rot(q) * s)
     k = (k * c) + (rot(k) * s)
-    b = torch.arange(t, device=qkv.device) // tokens_per_seq
+    if rotate:
+        from mosaicquant.methods.hadamard import apply_hadamard
+
+        q, k = apply_hadamard(q), apply_hadamard(k)
+    return q, k, v
+
+
+def rope_kv_reference(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, tokens_per_seq,
+                      q_norm=None, k_norm=None, eps=1e-6, kv: KVFormat | None = None, scales: KVScales | None = None,
+                      dequant: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """PyTorch reference of :func:`rope_kv` (transformers' ops and roundings)."""
+    d = qkv.shape[1] // (heads + 2 * kv_heads)
+    q, k, v = _rope_qkv_reference(qkv, positions, cos, sin, heads, kv_heads, d, q_norm, k_norm, eps,
+                                  kv is not None and kv.rotate)
+    pos = positions.long()
+    b = torch.arange(qkv.shape[0], device=qkv.device) // tokens_per_seq
+    if kv is not None and kv.quantized:
+        for x, cache, sc, zc, dq in ((k, k_cache, scales.k_scale, scales.k_zero, 0),
+                                     (v, v_cache, scales.v_scale, scales.v_zero, 1)):
+            packed, scale, zero = kv4_quantize_reference(x, kv.symmetric, kv.clip_ratio)
+            cache[b, :, pos] = packed
+            sc[b, :, pos] = scale
+            zc[b, :, pos] = zero
+            if dequant is not None:
+                dequant[dq][b, :, pos] = kv4_dequantize_reference(packed, scale, zero, qkv.dtype)
+        return q
     k_cache[b, :, pos] = k
     v_cache[b, :, pos] = v
     return q
 
 
+def _check_kv(kv: KVFormat | None, scales: KVScales | None, k_cache: torch.Tensor, d: int) -> None:
+    """The 4-bit cache's scales and the rotation against the caches ``[B, kv_heads, L, ·]``."""
+    if kv is None:
+        if scales is not None:
+            raise UserInputError("scales are given without a kv format")
+        return
+    if not isinstance(kv, KVFormat):
+        raise UserInputError(f"kv must be a KVFormat, got {type(kv).__name__}")
+    if not kv.quantized:
+        if scales is not None:
+            raise UserInputError("scales are given for a 16-bit cache")
+        return
+    if not isinstance(scales, KVScales):
+        raise UserInputError("a 4-bit cache needs its KVScales (scales=...)")
+    shape = tuple(k_cache.shape[:3])
+    for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
+        t = getattr(scales, name)
+        check_tensor(f"scales.{name}", t, dtypes=(torch.float32,), shape=shape)
+        if not t.is_contiguous():
+            raise UserInputError(f"scales.{name} must be contiguous")
+
+
 def _check_rope_args(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, tokens_per_seq, q_norm,
-                     k_norm) -> tuple[int, int]:
+                     k_norm, kv: KVFormat | None = None, scales: KVScales | None = None) -> tuple[int, int]:
     """:func:`rope_kv`'s argument checks; returns the batch and the head size."""
     check_tensor("qkv", qkv, dtypes=_HALF, dim=2)
-    check_tensor("k_cache", k_cache, dtypes=(qkv.dtype,), dim=4)
-    b, hkv, _, d = k_cache.shape
+    packed = kv is not None and kv.quantized
+    cache_dtype = torch.uint8 if packed else qkv.dtype
+    check_tensor("k_cache", k_cache, dtypes=(cache_dtype,), dim=4)
+    b, hkv, _, width = k_cache.shape
+    d = 2 * width if packed else width
     if hkv != kv_heads or heads % kv_heads:
         raise UserInputError(f"k_cache has {hkv} heads; expected kv_heads={kv_heads} dividing heads={heads}")
     if d < 16 or d > 256 or d & (d - 1):
         raise UserInputError(f"head size {d} is not taken: the kernels need a power of two from 16 to 256")
-    check_tensor("v_cache", v_cache, dtypes=(qkv.dtype,), shape=tuple(k_cache.shape))
+    check_tensor("v_cache", v_cache, dtypes=(cache_dtype,), shape=tuple(k_cache.shape))
     if v_cache.stride() != k_cache.stride():
         raise UserInputError("k_cache and v_cache must have the same strides")
     t = qkv.shape[0]
     if qkv.shape[1] != (heads + 2 * kv_heads) * d:
         raise UserInputError(f"qkv has {qkv.shape[1]} columns; expected (heads + 2·kv_heads)·D = "
-                             f"{(heads + 2 * kv_heads) * d}")
+                             f"{(heads + 2 * kv_heads) * d}" + (" (the 4-bit caches hold D/2 bytes a row)" if packed
+                                                                else ""))
     if tokens_per_seq < 1 or t != b * tokens_per_seq:
         raise UserInputError(f"qkv has {t} tokens; expected batch {b} × tokens_per_seq {tokens_per_seq}")
     check_tensor("positions", positions, dtypes=(torch.int32, torch.int64), shape=(t,))
@@ -331,13 +593,30 @@ def _check_rope_args(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads
     if q_norm is not None:
         check_tensor("q_norm", q_norm, dtypes=(qkv.dtype,), shape=(d,))
         check_tensor("k_norm", k_norm, dtypes=(qkv.dtype,), shape=(d,))
+    _check_kv(kv, scales, k_cache, d)
     return b, d
+
+
+def _kv_args(kv: KVFormat | None, scales: KVScales | None, fallback: torch.Tensor) -> dict:
+    """The KV format's pointers, strides and flags of the RoPE kernels (``fallback`` for absent pointers)."""
+    quantized = kv is not None and kv.quantized
+    sc = scales if quantized else KVScales(fallback, fallback, fallback, fallback)
+    return dict(KS=sc.k_scale, KZ=sc.k_zero, VS=sc.v_scale, VZ=sc.v_zero,
+                clip=float(kv.clip_ratio) if kv is not None else 1.0,
+                stride_sb=sc.k_scale.stride(0) if quantized else 0, stride_sh=sc.k_scale.stride(1) if quantized else 0,
+                ROT=kv is not None and kv.rotate, KV4=quantized,
+                SYM=bool(kv.symmetric) if kv is not None else True,
+                # no fused multiply-adds: the grid's range is (max·clip) - (min·clip) of rounded products, as in
+                # methods.quant (contracted into an fma it rounds once: other scales, on the GPU only)
+                **({"enable_fp_fusion": False} if quantized and KV4_NO_FP_FUSION else {}))
 
 
 def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int, tokens_per_seq: int,
             q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
-            out: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, kernel: str | None = None, kv: KVFormat | None = None,
+            scales: KVScales | None = None, dequant: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> torch.Tensor:
     """RoPE on q and k of stacked ``[q | k | v]`` rows; k and v written into the cache.
 
     Args:
@@ -346,27 +625,42 @@ def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
         positions: ``[T]`` integer position of each token (where its k/v go in the cache).
         cos, sin: ``[P, D]`` tables in the model's dtype (transformers' rotary embedding at
             positions ``0..P-1``; both halves equal).
-        k_cache, v_cache: ``[B, kv_heads, L, D]`` (``L > max(positions)``).
+        k_cache, v_cache: ``[B, kv_heads, L, D]`` (``L > max(positions)``); with a 4-bit ``kv``
+            format, uint8 ``[B, kv_heads, L, D/2]`` (:func:`kv4_quantize_reference`'s bytes).
         heads, kv_heads: query and key/value heads.
         tokens_per_seq: tokens of each sequence in ``qkv``.
         q_norm, k_norm: optional ``[D]`` per-head RMSNorm weights applied before RoPE (Qwen3).
         eps: their epsilon.
         out: optional ``[T, heads, D]`` output for q.
         kernel: kernel preference.
+        kv: the cache's format (default: 16-bit, no rotation); with ``kv.rotate`` the queries and
+            keys are Hadamard-rotated after RoPE (the returned queries too).
+        scales: a 4-bit cache's scales and zero points, written at the tokens' positions.
+        dequant: optional ``[B, kv_heads, L', D]`` pair, 4-bit caches only: the new keys and values
+            dequantized in the model's dtype (for a prefill's attention over the prompt).
 
     Returns:
         ``[T, heads, D]`` rotated queries.
 
     Raises:
         UserInputError: inconsistent shapes, a head size the kernel cannot take (a power of
-            two from 16 to 256), or dtypes that differ.
+            two from 16 to 256), dtypes that differ, or scales that do not fit the format.
     """
     b, d = _check_rope_args(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, tokens_per_seq,
-                            q_norm, k_norm)
+                            q_norm, k_norm, kv, scales)
+    if dequant is not None:
+        if kv is None or not kv.quantized:
+            raise UserInputError("dequant is given for a 16-bit cache (it holds the 4-bit cache's values)")
+        check_tensor("dequant[0]", dequant[0], dtypes=(qkv.dtype,), dim=4)
+        check_tensor("dequant[1]", dequant[1], dtypes=(qkv.dtype,), shape=tuple(dequant[0].shape))
+        if (dequant[0].shape[:2] != k_cache.shape[:2] or dequant[0].shape[3] != d
+                or dequant[0].stride() != dequant[1].stride() or dequant[0].stride(-1) != 1):
+            raise UserInputError(f"dequant tensors {list(dequant[0].shape)} must be [B, kv_heads, L, D] = "
+                                 f"[{b}, {kv_heads}, L, {d}], alike and unit-strided along D")
     t = qkv.shape[0]
     if resolve_kernel(kernel, qkv.device) == "torch":
         q = rope_kv_reference(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, tokens_per_seq,
-                              q_norm, k_norm, eps)
+                              q_norm, k_norm, eps, kv, scales, dequant)
         return q if out is None else out.copy_(q)
     check_triton_device(qkv.device)
     out = torch.empty(t, heads, d, dtype=qkv.dtype, device=qkv.device) if out is None else out
@@ -376,13 +670,17 @@ def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
     if t:
         qn = q_norm if q_norm is not None else cos
         chain = chain_mode(qkv.device, t)
+        kd, vd = dequant if dequant is not None else (cos, cos)
         _rope_kv_kernel[(t,)](
             qkv, positions, cos, sin, qn, k_norm if k_norm is not None else cos, out, k_cache, v_cache,
-            float(eps), tokens_per_seq, qkv.stride(0), cos.stride(0), out.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            HQ=heads, HKV=kv_heads, HQP=triton.next_power_of_2(heads), HKVP=triton.next_power_of_2(kv_heads),
-            D=d, QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype), CHAIN=chain,
-            num_warps=4, **chain_launch(chain))
+            KD=kd, VD=vd, eps=float(eps), tokens_per_seq=tokens_per_seq, stride_t=qkv.stride(0),
+            stride_cos=cos.stride(0), stride_qo=out.stride(0), stride_cb=k_cache.stride(0),
+            stride_ch=k_cache.stride(1), stride_cl=k_cache.stride(2),
+            stride_db=kd.stride(0) if dequant is not None else 0, stride_dh=kd.stride(1) if dequant is not None else 0,
+            stride_dl=kd.stride(2) if dequant is not None else 0,
+            HQ=heads, HKV=kv_heads, HQP=triton.next_power_of_2(heads), HKVP=triton.next_power_of_2(kv_heads), D=d, QK_NORM=q_norm is not None,
+            DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype), DEQ=dequant is not None, CHAIN=chain,
+            num_warps=4, **_kv_args(kv, scales, cos), **chain_launch(chain))
     return out
 
 
@@ -419,6 +717,64 @@ def _attend_chunk(q, KC, VC, base, start, end, stride_cl, scale_log2, GP: tl.con
         acc = acc * alpha[:, None] + pv
         m = m_new
     return m, l_sum, acc
+
+
+@triton.jit
+def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, stride_cl, scale_log2,
+                      GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
+                      BITS: tl.constexpr, DOT_F32: tl.constexpr):
+    """:func:`_attend_chunk` over a 4-bit cache (:func:`_kv4_quantize`'s bytes; scales and zeros at ``sbase``
+    along the cache): the integers go into the dots as they are, each key's scale and zero apply to its
+    scores, ``s·(q·u - z·Σq)``, and each value's to the probabilities, ``Σ_n (p·s)_n (u_n - z_n)`` with
+    ``p·s`` rounded to ``DT`` for the dot. Returns the row maxima, sums and the value sums' two halves."""
+    HALF: tl.constexpr = D // 2
+    dh = tl.arange(0, HALF)
+    q1f = q1.to(tl.float32)
+    q2f = q2.to(tl.float32)
+    qsum = tl.sum(q1f, axis=1) + tl.sum(q2f, axis=1)
+    if DOT_F32:  # Triton's interpreter computes 16-bit dots wrongly; the same products in fp32
+        q1 = q1f
+        q2 = q2f
+    else:
+        q1 = q1.to(DT)
+        q2 = q2.to(DT)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l_sum = tl.zeros([GP], tl.float32)
+    acc1 = tl.zeros([GP, HALF], tl.float32)
+    acc2 = tl.zeros([GP, HALF], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n < end
+        off = base + n[:, None].to(tl.int64) * stride_cl + dh[None, :]
+        kb = tl.load(KC + off, mask=valid[:, None], other=0)
+        vb = tl.load(VC + off, mask=valid[:, None], other=0)
+        sn = sbase + n
+        ks = tl.load(KS + sn, mask=valid, other=0.0)
+        kz = tl.load(KZ + sn, mask=valid, other=0.0)
+        vs = tl.load(VS + sn, mask=valid, other=0.0)
+        vz = tl.load(VZ + sn, mask=valid, other=0.0)
+        if DOT_F32:
+            raw = tl.dot(q1, tl.trans((kb & 0xF).to(tl.float32))) + tl.dot(q2, tl.trans((kb >> 4).to(tl.float32)))
+        else:
+            raw = tl.dot(q1, tl.trans((kb & 0xF).to(DT))) + tl.dot(q2, tl.trans((kb >> 4).to(DT)))
+        s = (raw - qsum[:, None] * kz[None, :]) * (ks * scale_log2)[None, :]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        pw = _rnd(p * vs[None, :], DT, BITS)
+        corr = tl.sum(pw * vz[None, :], axis=1)[:, None]
+        if DOT_F32:
+            pv1 = tl.dot(pw, (vb & 0xF).to(tl.float32))
+            pv2 = tl.dot(pw, (vb >> 4).to(tl.float32))
+        else:
+            pv1 = tl.dot(pw.to(DT), (vb & 0xF).to(DT))
+            pv2 = tl.dot(pw.to(DT), (vb >> 4).to(DT))
+        acc1 = acc1 * alpha[:, None] + (pv1 - corr)
+        acc2 = acc2 * alpha[:, None] + (pv2 - corr)
+        m = m_new
+    return m, l_sum, acc1, acc2
 
 
 @triton.jit
@@ -494,16 +850,19 @@ def _cat_halves(x1, x2):
 
 
 @triton.jit
-def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, eps, scale_log2, chunk,
-                      stride_t, stride_cos, stride_cb, stride_ch, stride_cl, stride_ob, HKV, NSPLIT,
+def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS, KZ, VS, VZ, HP, eps, scale_log2,
+                      clip, chunk, stride_t, stride_cos, stride_cb, stride_ch, stride_cl, stride_sb, stride_sh,
+                      stride_ob, HKV, NSPLIT,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                       QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr, DOT_F32: tl.constexpr,
-                      DIRECT: tl.constexpr, CHAIN: tl.constexpr):
+                      DIRECT: tl.constexpr, ROT: tl.constexpr, KV4: tl.constexpr, SYM: tl.constexpr,
+                      CHAIN: tl.constexpr, ROT_DOT: tl.constexpr = True):
     # _attn_split_kernel's programs (a KV head of a sequence, a chunk of its cache), doing rope_kv's
     # work for their head too: the G queries and the new key rotated from the qkv row; the program
     # whose chunk holds the position writes the new key and value into the cache and adds them from
     # registers, outside the loop (a tile edited in registers is not loaded straight into the dot
     # operands: 192 registers a thread and 100 KB of shared memory against 94 and 70 KB).
+    # ROT: QuaRot's Q/K Hadamard after RoPE; KV4: the cache is 4-bit (_kv4_quantize, _attend_chunk_kv4).
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
@@ -516,32 +875,81 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, eps
     end = tl.minimum(start + chunk, pos + 1)
     base = b * stride_cb + h * stride_ch
     chain_start(CHAIN)
-    dh = tl.arange(0, D // 2)[None, :]
+    HALF: tl.constexpr = D // 2
+    dh = tl.arange(0, HALF)[None, :]
     row = QKV + b * stride_t
     g = tl.arange(0, GP)[:, None]
     q1, q2, k1, k2 = _rotated_qk(row + (h * G + g) * D + dh, g < G, row + (HKV * G + h) * D + dh, dh >= 0, COS, SIN,
                                  QN, KN, pos, stride_cos, eps, D, QK_NORM, DT, BITS)
-    q = _cat_halves(q1, q2)
-    k_new = tl.reshape(_cat_halves(k1, k2), (D,))
     d = tl.arange(0, D)
-    v_new = tl.load(row + (HKV * (G + 1) + h) * D + d)
     owner = (start <= pos) & (pos < start + chunk)
-    new_at = base + pos * stride_cl + d
-    tl.store(KC + new_at, k_new, mask=owner & (d < D))
-    tl.store(VC + new_at, v_new, mask=owner & (d < D))
-    if DOT_F32:  # Triton's interpreter computes 16-bit dots wrongly; the same products in fp32
-        q = q.to(tl.float32)
-    # the keys cached before: the plain loop (loads straight into the dot operands)
-    m, l_sum, acc = _attend_chunk(q, KC, VC, base, start, tl.minimum(end, pos), stride_cl, scale_log2,
-                                  GP, D, BLOCK_N, DT, DOT_F32)
-    if owner:  # the new key and value, from registers: one more step of the online softmax
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale_log2
-        m_new = tl.maximum(m, s_new)
-        p = tl.exp2(s_new - m_new)
-        alpha = tl.exp2(m - m_new)
-        l_sum = l_sum * alpha + p
-        acc = acc * alpha[:, None] + _rnd(p, DT, BITS)[:, None] * v_new.to(tl.float32)[None, :]
-        m = m_new
+    v_row = row + (HKV * (G + 1) + h) * D
+    if ROT:
+        if ROT_DOT:
+            q1, q2 = _hadamard_halves_dot(q1, q2, HP, D, DT, BITS, DOT_F32)
+        else:
+            q1, q2 = _hadamard_halves(q1, q2, D, DT, BITS)
+    if KV4:
+        sbase = b * stride_sb + h * stride_sh
+        k1 = k1.to(tl.float32)
+        k2 = k2.to(tl.float32)
+        kd1 = tl.zeros([1, HALF], tl.float32)
+        kd2 = tl.zeros([1, HALF], tl.float32)
+        vd1 = tl.zeros([1, HALF], tl.float32)
+        vd2 = tl.zeros([1, HALF], tl.float32)
+        if owner:  # only the program whose chunk holds the position rotates, quantizes and stores the new key
+            if ROT:
+                if ROT_DOT:  # the key as 16 equal rows, its rotation read back from the first
+                    k1r, k2r = _hadamard_halves_dot(tl.broadcast_to(k1, (16, HALF)), tl.broadcast_to(k2, (16, HALF)),
+                                                    HP, D, DT, BITS, DOT_F32)
+                    first = tl.arange(0, 16)[:, None] == 0
+                    k1 = tl.sum(tl.where(first, k1r, 0.0), axis=0)[None, :]
+                    k2 = tl.sum(tl.where(first, k2r, 0.0), axis=0)[None, :]
+                else:
+                    k1, k2 = _hadamard_halves(k1, k2, D, DT, BITS)
+            at = base + pos * stride_cl + dh
+            sat = sbase + pos + tl.zeros([1, 1], tl.int64)
+            mine = tl.zeros([1, 1], tl.int32) == 0
+            kd1, kd2 = _kv4_store(k1, k2, KC, KS, KZ, at, sat, mine, clip, SYM)
+            vd1, vd2 = _kv4_store(tl.load(v_row + dh).to(tl.float32), tl.load(v_row + HALF + dh).to(tl.float32), VC,
+                                  VS, VZ, at, sat, mine, clip, SYM)
+        m, l_sum, acc1, acc2 = _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start,
+                                                 tl.minimum(end, pos), stride_cl, scale_log2, GP, D, BLOCK_N, DT,
+                                                 BITS, DOT_F32)
+        if owner:  # the new key and value, dequantized in registers: one more step of the online softmax
+            s_new = (tl.sum(q1.to(tl.float32) * kd1, axis=1) + tl.sum(q2.to(tl.float32) * kd2, axis=1)) * scale_log2
+            m_new = tl.maximum(m, s_new)
+            p = tl.exp2(s_new - m_new)
+            alpha = tl.exp2(m - m_new)
+            l_sum = l_sum * alpha + p
+            acc1 = acc1 * alpha[:, None] + _rnd(p, DT, BITS)[:, None] * vd1
+            acc2 = acc2 * alpha[:, None] + _rnd(p, DT, BITS)[:, None] * vd2
+            m = m_new
+        acc = _cat_halves(acc1, acc2)
+    else:
+        if ROT:
+            k1, k2 = _hadamard_halves(k1, k2, D, DT, BITS)
+        q = _cat_halves(q1, q2)
+        k_new = tl.reshape(_cat_halves(k1, k2), (D,))
+        v_new = tl.load(v_row + d)
+        new_at = base + pos * stride_cl + d
+        tl.store(KC + new_at, k_new.to(DT), mask=owner & (d < D))
+        tl.store(VC + new_at, v_new, mask=owner & (d < D))
+        if DOT_F32:  # Triton's interpreter computes 16-bit dots wrongly; the same products in fp32
+            q = q.to(tl.float32)
+        else:
+            q = q.to(DT)
+        # the keys cached before: the plain loop (loads straight into the dot operands)
+        m, l_sum, acc = _attend_chunk(q, KC, VC, base, start, tl.minimum(end, pos), stride_cl, scale_log2,
+                                      GP, D, BLOCK_N, DT, DOT_F32)
+        if owner:  # the new key and value, from registers: one more step of the online softmax
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale_log2
+            m_new = tl.maximum(m, s_new)
+            p = tl.exp2(s_new - m_new)
+            alpha = tl.exp2(m - m_new)
+            l_sum = l_sum * alpha + p
+            acc = acc * alpha[:, None] + _rnd(p, DT, BITS)[:, None] * v_new.to(tl.float32)[None, :]
+            m = m_new
     if DIRECT:  # the head's only chunk: its output, as _combine_head gives it for one chunk (weight exp2(0) = 1)
         g1 = tl.arange(0, GP)
         o = acc / l_sum[:, None]
@@ -549,6 +957,19 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, eps
                  mask=(g1 < G)[:, None])
     else:
         _store_partial(PM, PL, PACC, (bh * NSPLIT + split).to(tl.int64) * GP, m, l_sum, acc, G, GP, D)
+
+
+_SYLVESTER: dict = {}
+
+
+def _sylvester(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The ±1 Sylvester Hadamard matrix ``[n, n]`` (exact in 16-bit types), made once per device."""
+    key = (n, dtype, str(device))
+    if key not in _SYLVESTER:
+        from mosaicquant.methods.hadamard import hadamard_matrix
+
+        _SYLVESTER[key] = hadamard_matrix(n).to(dtype=dtype, device=device).contiguous()
+    return _SYLVESTER[key]
 
 
 def attention_splits(batch: int, kv_heads: int, cache_len: int, sms: int = 132, block_n: int = 64,
@@ -643,10 +1064,10 @@ class _AttnPlan:
     gp: int
 
     @staticmethod
-    def make(device, b, hq, hkv, cache_len, d, chunk) -> "_AttnPlan":
+    def make(device, b, hq, hkv, cache_len, d, chunk, per_sm=None) -> "_AttnPlan":
         if chunk is None:
             sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-            chunk = attention_splits(b, hkv, cache_len, sms, ATTN_BLOCK_N)
+            chunk = attention_splits(b, hkv, cache_len, sms, ATTN_BLOCK_N, per_sm)
         if chunk < ATTN_BLOCK_N or chunk % ATTN_BLOCK_N:
             raise UserInputError(f"chunk={chunk} must be a positive multiple of {ATTN_BLOCK_N}")
         nsplit = math.ceil(cache_len / chunk)
@@ -665,10 +1086,16 @@ class _AttnPlan:
 
 
 def decode_rope_attention_reference(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, scale,
-                                    q_norm=None, k_norm=None, eps=1e-6) -> torch.Tensor:
+                                    q_norm=None, k_norm=None, eps=1e-6, kv: KVFormat | None = None,
+                                    scales: KVScales | None = None) -> torch.Tensor:
     """PyTorch reference of :func:`decode_rope_attention`: :func:`rope_kv_reference`, then
-    :func:`decode_attention_reference` over positions ``0..positions[b]``."""
-    q = rope_kv_reference(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, 1, q_norm, k_norm, eps)
+    :func:`decode_attention_reference` over positions ``0..positions[b]`` (of the dequantized cache
+    where it is 4-bit)."""
+    q = rope_kv_reference(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, 1, q_norm, k_norm, eps,
+                          kv, scales)
+    if kv is not None and kv.quantized:
+        k_cache = kv4_dequantize_reference(k_cache, scales.k_scale, scales.k_zero, qkv.dtype)
+        v_cache = kv4_dequantize_reference(v_cache, scales.v_scale, scales.v_zero, qkv.dtype)
     return decode_attention_reference(q, k_cache, v_cache, (positions + 1).to(torch.int32), scale)
 
 
@@ -676,7 +1103,8 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
                           k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int, scale: float,
                           q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
                           chunk: int | None = None, out: torch.Tensor | None = None,
-                          kernel: str | None = None) -> torch.Tensor:
+                          kernel: str | None = None, kv: KVFormat | None = None,
+                          scales: KVScales | None = None) -> torch.Tensor:
     """:func:`rope_kv` and :func:`decode_attention` of one new token per sequence: two kernels instead of three.
 
     Each program of the attention (a KV head of a sequence, a chunk of its cache) rotates its
@@ -701,6 +1129,10 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
         scale, chunk: as in :func:`decode_attention`.
         out: optional ``[B, heads·D]`` output (unit-strided along its last dimension).
         kernel: kernel preference.
+        kv, scales: the cache's format and a 4-bit cache's scales, as in :func:`rope_kv`. Over a
+            4-bit cache the integers go into the dots and each key's and value's scale and zero
+            point apply outside them (:func:`_attend_chunk_kv4`); the output agrees with attention
+            over the dequantized cache to attention's bf16 accuracy.
 
     Returns:
         ``[B, heads·D]`` in qkv's dtype.
@@ -708,15 +1140,18 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     Raises:
         UserInputError: as :func:`rope_kv` and :func:`decode_attention`.
     """
-    b, d = _check_rope_args(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, 1, q_norm, k_norm)
+    b, d = _check_rope_args(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, 1, q_norm, k_norm, kv,
+                            scales)
     if resolve_kernel(kernel, qkv.device) == "torch":
         y = decode_rope_attention_reference(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, scale,
-                                            q_norm, k_norm, eps)
+                                            q_norm, k_norm, eps, kv, scales)
         return y if out is None else out.copy_(y)
     check_triton_device(qkv.device)
     if k_cache.stride(-1) != 1 or cos.stride() != sin.stride() or cos.stride(-1) != 1 or qkv.stride(-1) != 1:
         raise UserInputError("qkv, the caches and cos/sin must be unit-strided along D, cos and sin alike")
-    p = _AttnPlan.make(qkv.device, b, heads, kv_heads, k_cache.shape[2], d, chunk)
+    packed = kv is not None and kv.quantized
+    per_sm = ATTN_KV4_PROGRAMS_PER_SM * (2 if b * kv_heads < ATTN_FEW_PAIRS else 1) if packed else None
+    p = _AttnPlan.make(qkv.device, b, heads, kv_heads, k_cache.shape[2], d, chunk, per_sm)
     out = torch.empty(b, heads * d, dtype=qkv.dtype, device=qkv.device) if out is None else out
     check_tensor("out", out, dtypes=(qkv.dtype,), shape=(b, heads * d))
     if out.stride(-1) != 1:
@@ -727,10 +1162,13 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     direct = ATTN_DIRECT_ONE_CHUNK and p.nsplit == 1
     _rope_attn_kernel[(b * kv_heads, p.nsplit)](
         qkv, positions, cos, sin, qn, k_norm if k_norm is not None else cos, k_cache, v_cache, pm, pl, pacc, out,
-        float(eps), float(scale) * _LOG2E, p.chunk, qkv.stride(0), cos.stride(0), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), out.stride(0), kv_heads, p.nsplit, G=p.g, GP=p.gp, D=d,
+        eps=float(eps), scale_log2=float(scale) * _LOG2E, chunk=p.chunk, stride_t=qkv.stride(0),
+        stride_cos=cos.stride(0), stride_cb=k_cache.stride(0), stride_ch=k_cache.stride(1),
+        stride_cl=k_cache.stride(2), stride_ob=out.stride(0), HKV=kv_heads, NSPLIT=p.nsplit, G=p.g, GP=p.gp, D=d,
         BLOCK_N=ATTN_BLOCK_N, QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype),
-        DOT_F32=triton_interpreting(), DIRECT=direct, CHAIN=chain, num_warps=4, **chain_launch(chain))
+        HP=_sylvester(d // 2, qkv.dtype, qkv.device), DOT_F32=triton_interpreting(), DIRECT=direct, CHAIN=chain,
+        ROT_DOT=ATTN_ROTATE_BY_DOT and kv is not None and kv.rotate,
+        num_warps=ATTN_KV4_WARPS if packed else 4, **_kv_args(kv, scales, cos), **chain_launch(chain))
     if direct:
         return out
     _attn_combine_kernel[(b * heads,)](pm, pl, pacc, out, out.stride(0), heads, p.nsplit, G=p.g, GP=p.gp, SP=p.sp,

@@ -7,7 +7,7 @@ from mosaicquant.harness import shapes
 from mosaicquant.harness.context import QuantContext
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.harness.registry import get_method
-from mosaicquant.harness.runtime import FusedDecoder, fused_reason, resolve_runtime
+from mosaicquant.harness.runtime import FusedDecoder, fused_reason, kv_cache_bytes_per_token, resolve_runtime
 from mosaicquant.harness.speedforms import executable, speed_form
 from mosaicquant.harness.suites import speed
 
@@ -98,8 +98,9 @@ def test_float_projections_are_stacked_once_and_the_model_is_unchanged(tiny):
         assert torch.equal(model(input_ids=ids).logits, before)
 
 
-@pytest.mark.parametrize("method,options", [("rtn", {}), ("quarot", {}), ("mosaicquant", {"budget": 0.25,
-                                                                                           "block": "16x64"})])
+# QuaRot with a 16-bit cache: the linears' kernels alone (its 4-bit cache: test_the_methods_kv_quantizer_...)
+@pytest.mark.parametrize("method,options", [("rtn", {}), ("quarot", {"kvbits": 16}),
+                                            ("mosaicquant", {"budget": 0.25, "block": "16x64"})])
 def test_quantized_models_run_their_kernel_layers_in_the_fused_decoder(tiny, method, options, monkeypatch):
     model = _model(TINY.name)
     ctx = QuantContext(calibration=lambda: None, seed=0, device=DEVICE)
@@ -149,7 +150,7 @@ def test_gate_up_gemm_writes_silu_mul_at_decode_sizes(tiny, monkeypatch, method)
     model = _model(TINY.name)
     ctx = QuantContext(calibration=lambda: None, seed=0, device=DEVICE)
     config = (get_method("mosaicquant").config(budget=0.25, block="16x64") if method == "mosaicquant"
-              else get_method(method).config())
+              else get_method(method).config(kvbits=16))
     speed_form(method, model, config, ctx)
     executable(model, ctx.info)
     dec = FusedDecoder(model)
@@ -195,7 +196,7 @@ def test_decode_runs_rope_and_attention_in_one_kernel(tiny, monkeypatch, method)
     model = _model(TINY_QWEN.name)  # per-head q/k norms too
     if method != "fp16":
         ctx = QuantContext(calibration=lambda: None, seed=0, device=DEVICE)
-        speed_form(method, model, get_method(method).config(), ctx)
+        speed_form(method, model, get_method(method).config(kvbits=16), ctx)  # a 16-bit cache: both paths
         executable(model, ctx.info)
     dec = FusedDecoder(model)
     calls = []
@@ -266,9 +267,14 @@ def test_what_the_fused_decoder_cannot_run_is_named(tiny):
     assert "not a decoder-only model" in fused_reason(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("spec", [dict(bits=4, symmetric=False, clip_ratio=0.95, rotate_qk=True),
-                                  dict(bits=3, group_size=8)])
-def test_the_methods_kv_quantizer_runs_in_the_fused_decoder(tiny, spec):
+@pytest.mark.parametrize("spec,kernel", [
+    (dict(bits=4, symmetric=False, clip_ratio=0.95, rotate_qk=True), "triton"),  # QuaRot's: a 4-bit cache
+    (dict(bits=4, symmetric=True, clip_ratio=1.0, rotate_qk=False), "triton"),
+    (dict(bits=4, symmetric=False, clip_ratio=0.95, rotate_qk=True), "torch"),
+    (dict(bits=3, group_size=8), "triton"),  # not in the kernels: simulated on a 16-bit cache
+    (dict(bits=4, group_size=8), "triton"),
+])
+def test_the_methods_kv_quantizer_runs_in_the_fused_decoder(tiny, spec, kernel):
     from mosaicquant.methods.kvcache import KVQuantSpec, disable_kv_quant, enable_kv_quant
 
     model = _model(TINY_QWEN.name)
@@ -276,12 +282,28 @@ def test_the_methods_kv_quantizer_runs_in_the_fused_decoder(tiny, spec):
     prompt = torch.randint(0, 256, (2, 9), generator=g).to(DEVICE)
     steps = [torch.randint(0, 256, (2, 1), generator=g).to(DEVICE) for _ in range(2)]
     plain = _eager_reference(model, prompt, steps)
+    plain_bytes = FusedDecoder(model).new_cache(2, 12).nbytes
     enable_kv_quant(model, KVQuantSpec(**spec))
     name, description = resolve_runtime("auto", model)
-    assert name == "fused" and f"KV: {spec['bits']}-bit fake-quant of K/V" in description
+    in_kernels = spec.get("group_size") is None
+    if in_kernels:
+        grid = "symmetric" if spec["symmetric"] else "asymmetric"
+        assert name == "fused" and f"KV: 4-bit {grid} cache (clip {spec['clip_ratio']:g})" in description
+        assert ("after a Q/K Hadamard" in description) == spec["rotate_qk"]
+    else:
+        assert name == "fused" and f"KV: {spec['bits']}-bit fake-quant of K/V" in description
+        assert ("not in the kernels: 3-bit K/V (the kernels keep 4 or 16 bits)" if spec["bits"] == 3 else
+                "not in the kernels: K/V groups of 8 channels (the kernels take one group per head of 32)"
+                ) in description
     ref = _eager_reference(model, prompt, steps)
-    dec = FusedDecoder(model)
+    dec = FusedDecoder(model, kernel=kernel)
     cache = dec.new_cache(2, 12)
+    assert cache.nbytes == kv_cache_bytes_per_token(model) * 2 * 12  # what the memory suite reports
+    if in_kernels:  # packed integers (D/2 bytes) and fp32 scale and zero a head and token: 24 bytes against 64
+        assert cache.keys[0].dtype == torch.uint8 and cache.keys[0].shape[-1] == TINY_QWEN.head_dim // 2
+        assert cache.nbytes * 64 == plain_bytes * 24
+    else:
+        assert cache.nbytes == plain_bytes
     got = [dec.prefill(prompt, cache)] + [dec.decode(ids, torch.full((2,), 9 + i, device=DEVICE), cache)
                                           for i, ids in enumerate(steps)]
     moved = []

@@ -65,7 +65,34 @@ def test_build_shape_model_has_the_shapes(tiny_shapes, name):
     assert 0.01 < layer.mlp.up_proj.weight.float().std().item() < 0.04  # transformers' init, not zeros
 
 
-@pytest.mark.parametrize("method, options", [("rtn", {}), ("smoothquant", {}), ("quarot", {}),
+@pytest.mark.parametrize("method, options, kv", [
+    ("rtn", {}, None), ("quarot", {}, (True, 0.95, True)), ("spinquant", {}, (True, 1.0, True)),
+    ("atom", {"n_outliers": 8, "group_size": 16}, (True, 1.0, False)), ("mosaicquant", {}, None),
+    ("mosaicquant", {"kvbits": 4}, (True, 0.95, True)), ("quarot", {"kvbits": 16}, None)])
+def test_speed_forms_install_the_methods_kv_cache(tiny_shapes, method, options, kv):
+    # the method's own KV spec (4-bit per head and token: the fused decoder keeps a 4-bit cache), recorded
+    from mosaicquant.harness.runtime import resolve_runtime
+    from mosaicquant.methods.kvcache import kv_quant_spec_of
+
+    model = shapes.build_shape_model(tiny_shapes, dtype=torch.bfloat16)
+    ctx = _form(method, model, **options)
+    spec = kv_quant_spec_of(model)
+    assert ctx.info["kv_bits"] == (4 if kv else 16)
+    if kv is None:
+        assert (spec is None or not spec.active) and ctx.info["kv_cache"] is None
+        assert "; KV: " not in resolve_runtime("auto", model)[1]
+        return
+    asym, clip, rotate = kv
+    assert (spec.bits, spec.symmetric, spec.clip_ratio, spec.rotate_qk) == (4, not asym, clip, rotate)
+    assert ctx.info["kv_cache"]["kv_bits"] == 4
+    name, description = resolve_runtime("auto", model)
+    assert name == "fused" and f"KV: 4-bit asymmetric cache (clip {clip:g})" in description
+    assert ("after a Q/K Hadamard" in description) == rotate
+
+
+# the linears' kernels against the simulated linears, with 16-bit caches (a 4-bit cache's integers magnify
+# last-bit differences: test_speed_forms_install_the_methods_kv_cache and test_runtime cover those)
+@pytest.mark.parametrize("method, options", [("rtn", {}), ("smoothquant", {}), ("quarot", {"kvbits": 16}),
                                              ("mosaicquant", {"budget": 0.25, "block": "16x64"})])
 def test_speed_forms_build_the_methods_format_and_run_on_the_kernels(tiny_shapes, method, options):
     model = shapes.build_shape_model(tiny_shapes, dtype=torch.float32)
@@ -75,7 +102,8 @@ def test_speed_forms_build_the_methods_format_and_run_on_the_kernels(tiny_shapes
     ctx = _form(method, model, **options)
     layers = [m for m in model.modules() if isinstance(m, FakeQuantLinear)]
     assert len(layers) == 14 and all(m.packed is not None for m in layers)
-    assert ctx.info["weights"] == "random (speed only)" and ctx.info["kv_bits"] == 16
+    assert ctx.info["weights"] == "random (speed only)"
+    assert ctx.info["kv_bits"] == 16
     if method == "quarot":
         assert model.model.layers[0].mlp.down_proj.input_transform is not None
     if method == "mosaicquant":
@@ -134,7 +162,7 @@ def test_atom_speed_form_runs_on_the_mixed_kernels(tiny_shapes):
     ids = torch.randint(0, 256, (1, 12))
     with torch.no_grad():
         reference = model(input_ids=ids).logits.float()
-    ctx = _form("atom", model, n_outliers=16, group_size=32)
+    ctx = _form("atom", model, n_outliers=16, group_size=32, kvbits=16)
     layer = model.model.layers[0].mlp.down_proj
     assert layer.act.high_channels.numel() == 16 and layer.weight_groups == -(-(layer.in_features - 16) // 32) + 1
     with torch.no_grad():
@@ -151,7 +179,7 @@ def test_asymmetric_activations_run_on_the_mixed_kernels(tiny_shapes):
     ids = torch.randint(0, 256, (1, 12))
     with torch.no_grad():
         reference = model(input_ids=ids).logits
-    ctx = _form("spinquant", model)
+    ctx = _form("spinquant", model, kvbits=16)
     with torch.no_grad():
         simulated = model(input_ids=ids).logits
         path = executable(model, ctx.info)
@@ -234,6 +262,12 @@ def test_sweep_on_a_shape_model_records_memory_and_unavailable_methods(tiny_shap
     assert recs["atom"]["status"] == "ok" and recs["atom"]["method_info"]["weights"] == "random (speed only)"
     assert recs["resq"]["status"] == "unavailable" and "no speed form" in recs["resq"]["error"]["message"]
     assert recs["fp16"]["calibration"] is None
+    # a token of context in the fused decoder's cache: 16-bit, or Atom's default 4-bit cache (D/2 bytes and
+    # four fp32 scales and zeros a KV head)
+    s = shapes.SHAPE_MODELS[tiny_shapes]
+    per_layer = {"fp16": s.kv_heads * 2 * s.head_dim * 2, "atom": s.kv_heads * 2 * (s.head_dim // 2 + 8)}
+    for label, want in per_layer.items():
+        assert recs[label]["metrics"]["kv_cache_bytes_per_token"]["value"] == s.layers * want, label
     assert rc in (0, 1)
 
 

@@ -8,11 +8,15 @@ import torch
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels import decoder
 from mosaicquant.kernels.decoder import (
+    KVFormat,
+    KVScales,
     attention_splits,
     decode_attention,
     decode_attention_reference,
     decode_rope_attention,
     decode_rope_attention_reference,
+    kv4_dequantize_reference,
+    kv4_quantize_reference,
     rmsnorm,
     rmsnorm_quant,
     rmsnorm_quant_reference,
@@ -249,6 +253,190 @@ def test_decode_rope_attention_is_rope_kv_then_attention(heads, kv_heads, d, qk_
     # a position-0 token attends only its own key: the output is its value, whatever the cache held
     assert torch.allclose(y[0].reshape(heads, d), vr[0, :, 0].float().repeat_interleave(heads // kv_heads, 0),
                           rtol=0, atol=1e-2)
+
+
+def _kv4_cache(b, kv_heads, length, d, g):
+    """Random packed caches and scales (every slot holds something: a slot the kernel must write shows)."""
+    kc = torch.randint(0, 256, (b, kv_heads, length, d // 2), dtype=torch.uint8, generator=g)
+    vc = torch.randint(0, 256, (b, kv_heads, length, d // 2), dtype=torch.uint8, generator=g)
+    shape = (b, kv_heads, length)
+    # grids about zero, as for unit-scale keys and values (zero points 6-10, steps 0.02-0.17)
+    scales = KVScales(0.02 + 0.15 * torch.rand(shape, generator=g), torch.randint(6, 11, shape, generator=g).float(),
+                      0.02 + 0.15 * torch.rand(shape, generator=g), torch.randint(6, 11, shape, generator=g).float())
+    return kc, vc, scales
+
+
+def _copy(kc, vc, scales, device):
+    return (kc.clone().to(device), vc.clone().to(device),
+            KVScales(*(t.clone().to(device) for t in (scales.k_scale, scales.k_zero, scales.v_scale, scales.v_zero))))
+
+
+@pytest.mark.parametrize("symmetric,clip", [(True, 1.0), (False, 0.95), (True, 0.9)])
+def test_kv4_quantizer_is_the_methods_fake_quantizer(symmetric, clip):
+    from mosaicquant.methods.quant import fake_quantize
+
+    g = torch.Generator().manual_seed(int(clip * 100))
+    x = (torch.randn(6, 3, 64, generator=g) * torch.rand(6, 3, 1, generator=g) * 4).to(BF16)
+    x[0, 0] = 0  # an all-zero group: scale 1
+    packed, scale, zero = kv4_quantize_reference(x, symmetric, clip)
+    assert packed.dtype == torch.uint8 and packed.shape == (6, 3, 32) and scale.shape == zero.shape == (6, 3)
+    deq = kv4_dequantize_reference(packed, scale, zero, BF16)
+    assert torch.equal(deq, fake_quantize(x, 4, symmetric=symmetric, clip_ratio=clip))
+    # channel j in the low nibble of byte j, channel j + D/2 in its high nibble
+    u = torch.round(x.float() / scale[..., None]) + zero[..., None]
+    u = u.clamp(0, 15).to(torch.uint8)
+    assert torch.equal(packed & 0xF, u[..., :32]) and torch.equal(packed >> 4, u[..., 32:])
+    assert scale[0, 0] == 1 and (zero == 8).all() == symmetric
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,qk_norm", [(8, 2, 64, False), (6, 2, 32, True)])
+@pytest.mark.parametrize("symmetric,rotate", [(False, True), (True, False)])
+def test_rope_kv_writes_the_4bit_cache(heads, kv_heads, d, qk_norm, symmetric, rotate):
+    # the kernel's queries, packed integers, scales, zeros and dequantized prompt equal the reference's
+    batch, per_seq, length = 2, 9, 24
+    qkv, pos, cos, sin = _rope_inputs(per_seq, batch, heads, kv_heads, d, length, heads * d + 1)
+    pos = torch.cat([torch.randperm(length)[:per_seq] for _ in range(batch)])
+    g = torch.Generator().manual_seed(d)
+    qn = (1 + 0.2 * torch.randn(d, generator=g)).to(BF16) if qk_norm else None
+    kn = (1 + 0.2 * torch.randn(d, generator=g)).to(BF16) if qk_norm else None
+    kv = KVFormat(4, symmetric, 0.95, rotate)
+    cache = _kv4_cache(batch, kv_heads, length, d, g)
+    kr, vr, sr = _copy(*cache, "cpu")
+    dq_shape = (batch, kv_heads, length, d)
+    dr = (torch.zeros(dq_shape, dtype=BF16), torch.zeros(dq_shape, dtype=BF16))
+    qref = rope_kv_reference(qkv, pos, cos, sin, kr, vr, heads, kv_heads, per_seq, qn, kn, 1e-6, kv, sr, dr)
+    kc, vc, sc = _copy(*cache, DEVICE)
+    dq = tuple(torch.full(dq_shape, float("nan"), dtype=BF16, device=DEVICE) for _ in range(2))
+    dev = [x.to(DEVICE) if x is not None else None for x in (qkv, pos, cos, sin, qn, kn)]
+    q = rope_kv(*dev[:4], kc, vc, heads, kv_heads, per_seq, dev[4], dev[5], 1e-6, kernel="triton",
+                kv=kv, scales=sc, dequant=dq).cpu()
+    if rotate or qk_norm:  # fp32 sums in another order: one ulp before a quantizer can move its integer
+        # (values next to zero may land on either side of it: an absolute floor)
+        assert torch.allclose(q.float(), qref.float(), rtol=2.0**-8, atol=1e-3 * qref.float().abs().max().item())
+        slots = (torch.arange(batch).repeat_interleave(per_seq), pos)  # [T, kv_heads, D] after the permute
+        got = kv4_dequantize_reference(kc.cpu(), sc.k_scale.cpu(), sc.k_zero.cpu(), BF16).transpose(1, 2)[slots]
+        want = kv4_dequantize_reference(kr, sr.k_scale, sr.k_zero, BF16).transpose(1, 2)[slots]
+        step = sr.k_scale.transpose(1, 2)[slots][..., None]
+        diff = (got.float() - want.float()).abs()
+        assert (diff <= 1.01 * step).all() and (diff > 0).float().mean() < 0.02
+    else:
+        assert torch.equal(q, qref)
+        assert torch.equal(kc.cpu(), kr) and torch.equal(sc.k_scale.cpu(), sr.k_scale)
+        assert torch.equal(sc.k_zero.cpu(), sr.k_zero)
+    assert torch.equal(vc.cpu(), vr) and torch.equal(sc.v_scale.cpu(), sr.v_scale)
+    assert torch.equal(sc.v_zero.cpu(), sr.v_zero)
+    for i in range(batch):  # the dequantized prompt: written at every token's slot, the simulation's values
+        at = pos[i * per_seq:(i + 1) * per_seq]
+        assert torch.equal(dq[1].cpu()[i, :, at], dr[1][i, :, at])
+        got_k = dq[0].cpu()[i, :, at]
+        assert torch.isfinite(got_k.float()).all()
+        if not (rotate or qk_norm):
+            assert torch.equal(got_k, dr[0][i, :, at])
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (4, 4, 32)])
+@pytest.mark.parametrize("symmetric,rotate,by_dot", [(False, True, True), (False, True, False), (True, False, True)])
+@pytest.mark.parametrize("chunk,direct", [(None, True), (64, True), (256, True), (256, False)])
+def test_decode_rope_attention_over_the_4bit_cache(heads, kv_heads, d, symmetric, rotate, by_dot, chunk, direct,
+                                                   monkeypatch):
+    # the integers into the dots, scales and zeros outside: attention over the dequantized cache to bf16 accuracy;
+    # the Q/K rotation on the tensor cores or in butterflies
+    monkeypatch.setattr(decoder, "ATTN_DIRECT_ONE_CHUNK", direct)
+    monkeypatch.setattr(decoder, "ATTN_ROTATE_BY_DOT", by_dot)
+    b, length = 4, 200
+    qkv, _, cos, sin = _rope_inputs(1, b, heads, kv_heads, d, length, heads + d)
+    pos = torch.tensor([0, 36, 63, 199])
+    g = torch.Generator().manual_seed(heads * d + (chunk or 0))
+    kv = KVFormat(4, symmetric, 0.95 if not symmetric else 1.0, rotate)
+    cache = _kv4_cache(b, kv_heads, length, d, g)
+    kr, vr, sr = _copy(*cache, "cpu")
+    ref = decode_rope_attention_reference(qkv, pos, cos, sin, kr, vr, heads, kv_heads, d ** -0.5, kv=kv, scales=sr)
+    kc, vc, sc = _copy(*cache, DEVICE)
+    dev = [x.to(DEVICE) for x in (qkv, pos, cos, sin)]
+    out = torch.full((b, heads * d), float("nan"), dtype=BF16, device=DEVICE)
+    y = decode_rope_attention(*dev, kc, vc, heads, kv_heads, d ** -0.5, chunk=chunk, out=out, kernel="triton",
+                              kv=kv, scales=sc)
+    assert y is out
+    y = y.cpu().float()
+    assert torch.isfinite(y).all(), "unwritten outputs"
+    at = (torch.arange(b), slice(None), pos)
+    if rotate:
+        # the rotation's fp32 sums may round a new key one ulp apart, moving an integer one step: attention is
+        # checked over the kernel's own cache (queries as the reference rotates them), the cache against the
+        # reference's to within a step
+        ks = sr.k_scale[at][..., None]
+        got = kv4_dequantize_reference(kc.cpu()[at], sc.k_scale.cpu()[at], sc.k_zero.cpu()[at], torch.float32)
+        want = kv4_dequantize_reference(kr[at], sr.k_scale[at], sr.k_zero[at], torch.float32)
+        assert ((got - want).abs() <= 1.01 * ks).all() and ((got - want).abs() > 0).float().mean() < 0.02
+        q = rope_kv_reference(qkv, pos, cos, sin, kr.clone(), vr.clone(), heads, kv_heads, 1, kv=kv,
+                              scales=KVScales(*(t.clone() for t in (sr.k_scale, sr.k_zero, sr.v_scale, sr.v_zero))))
+        ref = decode_attention_reference(
+            q, kv4_dequantize_reference(kc.cpu(), sc.k_scale.cpu(), sc.k_zero.cpu(), BF16),
+            kv4_dequantize_reference(vc.cpu(), sc.v_scale.cpu(), sc.v_zero.cpu(), BF16), (pos + 1).to(torch.int32),
+            d ** -0.5)
+    else:
+        assert torch.equal(kc.cpu(), kr) and torch.equal(sc.k_scale.cpu(), sr.k_scale)
+    err = (y - ref.float()).abs()
+    bad = err > ATTN_RTOL * ref.float().abs() + ATTN_ATOL
+    assert not bad.any(), f"{int(bad.sum())} outputs off, max err {err.max().item():.3g}"
+    # the new token's value and scales: the reference's (no rotation touches v)
+    assert torch.equal(vc.cpu()[at], vr[at]) and torch.equal(sc.v_scale.cpu()[at], sr.v_scale[at])
+    others = torch.ones(length, dtype=torch.bool)
+    others[pos[1]] = False
+    assert torch.equal(kc.cpu()[1][:, others], kr[1][:, others]), "only the new token's slot is written"
+    # a position-0 token attends only its own value, dequantized
+    own = kv4_dequantize_reference(vr[0, :, 0], sr.v_scale[0, :, 0], sr.v_zero[0, :, 0], torch.float32)
+    assert torch.allclose(y[0].reshape(heads, d), own.repeat_interleave(heads // kv_heads, 0), rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_decode_rope_attention_rotates_a_16bit_cache(chunk):
+    # the Q/K Hadamard alone (a spec rotating without quantizing): rotated keys in a 16-bit cache
+    heads, kv_heads, d, b, length = 8, 2, 64, 4, 200
+    qkv, _, cos, sin = _rope_inputs(1, b, heads, kv_heads, d, length, 5)
+    pos = torch.tensor([0, 36, 63, 199])
+    g = torch.Generator().manual_seed(5)
+    shape = (b, kv_heads, length, d)
+    kc, vc = torch.randn(shape, generator=g).to(BF16), torch.randn(shape, generator=g).to(BF16)
+    kv = KVFormat(16, rotate=True)
+    kr, vr = kc.clone(), vc.clone()
+    ref = decode_rope_attention_reference(qkv, pos, cos, sin, kr, vr, heads, kv_heads, d ** -0.5, kv=kv)
+    kd, vd = kc.clone().to(DEVICE), vc.clone().to(DEVICE)
+    y = decode_rope_attention(*(x.to(DEVICE) for x in (qkv, pos, cos, sin)), kd, vd, heads, kv_heads, d ** -0.5,
+                              chunk=chunk, kernel="triton", kv=kv).cpu().float()
+    _assert_ulp_close(kd.cpu(), kr, "the rotated keys in the cache")
+    err = (y - ref.float()).abs()
+    assert not (err > ATTN_RTOL * ref.float().abs() + ATTN_ATOL).any(), f"max err {err.max().item():.3g}"
+    kp = kc.clone()
+    plain = decode_rope_attention_reference(qkv, pos, cos, sin, kp, vc.clone(), heads, kv_heads, d ** -0.5)
+    at = (torch.arange(b), slice(None), pos)
+    assert (kr[at].float() - kp[at].float()).abs().max() > 0.1, "the rotation changed the new keys"
+    assert (y - plain.float()).abs().max() > 0.1, "the queries were rotated (the cached keys here were not)"
+
+
+def test_kv_format_inputs_are_named():
+    heads, kv_heads, d, b, length = 4, 2, 32, 2, 16
+    qkv, _, cos, sin = _rope_inputs(1, b, heads, kv_heads, d, length, 3)
+    pos = torch.tensor([1, 2])
+    g = torch.Generator().manual_seed(0)
+    kc, vc, sc = _kv4_cache(b, kv_heads, length, d, g)
+    kv = KVFormat(4)
+    with pytest.raises(UserInputError, match="kv bits=8: the decode kernels keep K/V in 4 or 16 bits"):
+        KVFormat(8)
+    with pytest.raises(UserInputError, match="clip_ratio=0 is out of range"):
+        KVFormat(4, clip_ratio=0)
+    with pytest.raises(UserInputError, match="a 4-bit cache needs its KVScales"):
+        rope_kv(qkv, pos, cos, sin, kc, vc, heads, kv_heads, 1, kv=kv)
+    with pytest.raises(UserInputError, match="k_cache.*uint8"):
+        rope_kv(qkv, pos, cos, sin, kc.to(BF16), vc.to(BF16), heads, kv_heads, 1, kv=kv, scales=sc)
+    bad = KVScales(sc.k_scale[:, :, :8], sc.k_zero, sc.v_scale, sc.v_zero)
+    with pytest.raises(UserInputError, match=r"scales.k_scale"):
+        rope_kv(qkv, pos, cos, sin, kc, vc, heads, kv_heads, 1, kv=kv, scales=bad)
+    kb, vb = torch.zeros(b, kv_heads, length, d, dtype=BF16), torch.zeros(b, kv_heads, length, d, dtype=BF16)
+    with pytest.raises(UserInputError, match="dequant is given for a 16-bit cache"):
+        rope_kv(qkv, pos, cos, sin, kb, vb, heads, kv_heads, 1, dequant=(kb, vb))
+    with pytest.raises(UserInputError, match="scales are given without a kv format"):
+        decode_rope_attention(qkv, pos, cos, sin, kb, vb, heads, kv_heads, d ** -0.5, scales=sc)
 
 
 def test_attention_splits_fill_the_gpu():

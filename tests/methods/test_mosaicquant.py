@@ -82,11 +82,20 @@ def test_residual_reduces_calibration_distortion():
         ({"score": "deltta"}, "score='deltta' is not allowed"),
         ({"transform": "hadamard"}, "transform='hadamard' is not allowed"),
         ({"block": "0"}, "block"),
+        ({"kvbits": 1}, "kvbits=1 is out of range"),
+        ({"kv_clip": 0.0}, "kv_clip=0.0 is out of range"),
     ],
 )
 def test_config_errors(options, match):
     with pytest.raises(UserInputError, match=match):
         MosaicQuantConfig.from_dict(options)
+
+
+def test_kv_option_is_quarots_recipe():
+    # default: the method's linear layers only (float KV); kvbits=4: QuaRot's KV4 (Q/K Hadamard, asymmetric, 0.95)
+    assert not MosaicQuantConfig().kv_spec().active
+    spec = MosaicQuantConfig(kvbits=4).kv_spec()
+    assert (spec.bits, spec.group_size, spec.symmetric, spec.clip_ratio, spec.rotate_qk) == (4, None, False, 0.95, True)
 
 
 def test_nan_weights_rejected():

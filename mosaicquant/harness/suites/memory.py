@@ -6,7 +6,10 @@ layers count ``wbits`` per weight plus FP16 scales; unquantized linears count BF
 16-bit parts every method keeps (embeddings, norms, output head) are reported separately.
 On a CUDA device, the model is first made executable (:func:`mosaicquant.harness.speedforms.executable`:
 the kernel-backed layers) and one forward pass of ``seqlen`` tokens measures peak allocated
-memory; a method with no fast path gets no peak figure (the record says why).
+memory; a method with no fast path gets no peak figure (the record says why). That pass keeps no
+KV cache (a method's KV quantizer runs there as its simulation); ``kv_cache_bytes_per_token`` says
+what one token of context costs in the fused decoder's cache, as the speed suites run it (4-bit
+layers: packed values and fp32 scales and zeros; see :mod:`mosaicquant.harness.runtime`).
 """
 
 from __future__ import annotations
@@ -70,6 +73,11 @@ def memory(model, config: MemoryConfig, ctx):
     metrics["residual_overhead_vs_base"] = Metric(
         (mem["residual_values"] + mem["residual_scales"] + mem["residual_indices"]) / base if base else 0.0,
         higher_is_better=False)
+    from mosaicquant.harness.runtime import kv_cache_bytes_per_token
+
+    kv = kv_cache_bytes_per_token(model)
+    if kv is not None:
+        metrics["kv_cache_bytes_per_token"] = Metric(float(kv), higher_is_better=False, unit="bytes")
     return _peak_memory(model, config, ctx, metrics)
 
 
