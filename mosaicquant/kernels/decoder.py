@@ -96,12 +96,14 @@ ATTN_FEW_PAIRS = 64
 # Where the cache is one chunk (nsplit == 1: from ~132 sequence x KV-head pairs), decode_rope_attention's programs
 # write the output themselves, as the combining kernel would, and that kernel is not launched.
 ATTN_DIRECT_ONE_CHUNK = True
-# Over a 4-bit cache: programs an SM the cache is cut for (ATTN_PROGRAMS_PER_SM's role), warps a program, and the
-# queries' Hadamard on the tensor cores (the ±1 matrix loaded) rather than in butterflies. Measured (v20, Llama-3-8B
-# shapes, context 512, QuaRot's CUDA-graph step at batch 4 / 16 / 32, µs): butterflies 2,676 / 3,060 / 3,915, the
-# dot 2,897 / 3,205 / 4,051; 2 or 4 programs an SM 2,964 / 3,665 / 4,404 and 2,958 / 3,811 / 4,762 (with the
-# register-built matrix, itself 2,960 / 3,267 / 4,000); 8 warps 3,144 / 3,556 / 4,545.
-ATTN_KV4_PROGRAMS_PER_SM = 1
+# Over a 4-bit cache: programs an SM the cache is cut for (ATTN_PROGRAMS_PER_SM's role, not doubled for few pairs),
+# warps a program, and the queries' Hadamard on the tensor cores (the ±1 matrix loaded) rather than in butterflies.
+# Measured (v20, Llama-3-8B shapes, context 512, QuaRot's CUDA-graph step at batch 4 / 16 / 32, µs): butterflies
+# 2,676 / 3,060 / 3,915, the dot 2,897 / 3,205 / 4,051; 2 or 4 programs an SM 2,964 / 3,665 / 4,404 and 2,958 /
+# 3,811 / 4,762 (with the register-built matrix, itself 2,960 / 3,267 / 4,000); 8 warps 3,144 / 3,556 / 4,545.
+# Batch 4 / 8 / 16 with the doubling 2,688 / 2,791 / 3,077; 0.5 an SM (so 1 at batch 4) 2,494 / 2,794 / 3,330;
+# 0.25 2,609 / 3,141 / 3,339.
+ATTN_KV4_PROGRAMS_PER_SM = 1.0
 ATTN_KV4_WARPS = 4
 ATTN_ROTATE_BY_DOT = False
 # The 4-bit cache's kernels compiled without fused multiply-adds (the grid's range as methods.quant rounds it); with
@@ -678,9 +680,9 @@ def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
             stride_ch=k_cache.stride(1), stride_cl=k_cache.stride(2),
             stride_db=kd.stride(0) if dequant is not None else 0, stride_dh=kd.stride(1) if dequant is not None else 0,
             stride_dl=kd.stride(2) if dequant is not None else 0,
-            HQ=heads, HKV=kv_heads, HQP=triton.next_power_of_2(heads), HKVP=triton.next_power_of_2(kv_heads), D=d, QK_NORM=q_norm is not None,
-            DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype), DEQ=dequant is not None, CHAIN=chain,
-            num_warps=4, **_kv_args(kv, scales, cos), **chain_launch(chain))
+            HQ=heads, HKV=kv_heads, HQP=triton.next_power_of_2(heads), HKVP=triton.next_power_of_2(kv_heads), D=d,
+            QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype), DEQ=dequant is not None,
+            CHAIN=chain, num_warps=4, **_kv_args(kv, scales, cos), **chain_launch(chain))
     return out
 
 
@@ -1150,7 +1152,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     if k_cache.stride(-1) != 1 or cos.stride() != sin.stride() or cos.stride(-1) != 1 or qkv.stride(-1) != 1:
         raise UserInputError("qkv, the caches and cos/sin must be unit-strided along D, cos and sin alike")
     packed = kv is not None and kv.quantized
-    per_sm = ATTN_KV4_PROGRAMS_PER_SM * (2 if b * kv_heads < ATTN_FEW_PAIRS else 1) if packed else None
+    per_sm = ATTN_KV4_PROGRAMS_PER_SM if packed else None  # not doubled below ATTN_FEW_PAIRS (measured, above)
     p = _AttnPlan.make(qkv.device, b, heads, kv_heads, k_cache.shape[2], d, chunk, per_sm)
     out = torch.empty(b, heads * d, dtype=qkv.dtype, device=qkv.device) if out is None else out
     check_tensor("out", out, dtypes=(qkv.dtype,), shape=(b, heads * d))
