@@ -34,8 +34,8 @@ quantized per token) runs in one of two ways, decided per layer (:func:`kv_forma
   defaults on a head size of 128), or 16-bit with only the rotation: the RoPE kernels rotate q and
   k and quantize each new key and value with the simulation's integers and scales
   (:class:`~mosaicquant.kernels.decoder.KVFormat`); the cache holds the packed integers
-  ``[B, kv_heads, L, D/2]`` and fp32 scales and zero points ``[B, kv_heads, L]`` (72 bytes a
-  head and token against 256 at 16 bits, D = 128); decode attention reads the integers; a
+  ``[B, kv_heads, L, D/2]`` and fp32 scales and zero points ``[B, kv_heads, L]`` (for a key or a
+  value 72 bytes a head and token against 256 at 16 bits, D = 128); decode attention reads the integers; a
   prefill attends over the prompt's dequantized keys and values, the simulation's values;
 - **the simulation** otherwise (other bit widths, groups smaller than a head): the same PyTorch
   functions on each step's new tokens, right after they are written to a 16-bit cache; the
@@ -455,39 +455,34 @@ class FusedDecoder:
         Raises:
             UserInputError: a batch or length below 1.
         """
-        from mosaicquant.kernels.decoder import KVScales
-
         if batch < 1 or length < 1:
             raise UserInputError(f"cache batch={batch} and length={length} must be >= 1")
-        keys, values, scales = [], [], []
-        for lay in self.layers:
-            packed = lay.kv_format is not None and lay.kv_format.quantized
-            shape = (batch, self.kv_heads, length, self.head_dim // 2 if packed else self.head_dim)
-            dtype = torch.uint8 if packed else self.dtype
-            keys.append(torch.zeros(shape, dtype=dtype, device=self.device))
-            values.append(torch.zeros(shape, dtype=dtype, device=self.device))
-            scales.append(KVScales.empty(batch, self.kv_heads, length, self.device) if packed else None)
-        cos, sin = self._tables(length)
-        return DecodeCache(keys, values, cos, sin, scales)
+        return self._make_cache(batch, length, torch.zeros, shared=False)
 
     def _scratch(self, batch: int, length: int) -> DecodeCache:
         """A cache whose layers share one layer's buffers (a prefill without a cache: each layer's keys and
         values are dropped after its attention)."""
+        return self._make_cache(batch, length, torch.empty, shared=True)
+
+    def _make_cache(self, batch: int, length: int, alloc, shared: bool) -> DecodeCache:
+        """Keys and values (``alloc``-ed: packed uint8 for a 4-bit layer) and a 4-bit layer's scales, per layer
+        or, ``shared``, one set per kind of layer."""
         from mosaicquant.kernels.decoder import KVScales
 
         made = {}
         keys, values, scales = [], [], []
-        for lay in self.layers:
+        for i, lay in enumerate(self.layers):
             packed = lay.kv_format is not None and lay.kv_format.quantized
-            if packed not in made:
+            key = packed if shared else i
+            if key not in made:
                 shape = (batch, self.kv_heads, length, self.head_dim // 2 if packed else self.head_dim)
                 dtype = torch.uint8 if packed else self.dtype
-                made[packed] = (torch.empty(shape, dtype=dtype, device=self.device),
-                                torch.empty(shape, dtype=dtype, device=self.device),
-                                KVScales.empty(batch, self.kv_heads, length, self.device) if packed else None)
-            keys.append(made[packed][0])
-            values.append(made[packed][1])
-            scales.append(made[packed][2])
+                made[key] = (alloc(shape, dtype=dtype, device=self.device),
+                             alloc(shape, dtype=dtype, device=self.device),
+                             KVScales.empty(batch, self.kv_heads, length, self.device) if packed else None)
+            keys.append(made[key][0])
+            values.append(made[key][1])
+            scales.append(made[key][2])
         cos, sin = self._tables(length)
         return DecodeCache(keys, values, cos, sin, scales)
 
