@@ -64,6 +64,7 @@ from mosaicquant.kernels.act_quant import (
     split8_from_int,
     split8_width,
 )
+from mosaicquant.methods.hadamard import _sylvester_on
 
 __all__ = [
     "rmsnorm",
@@ -961,19 +962,6 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
         _store_partial(PM, PL, PACC, (bh * NSPLIT + split).to(tl.int64) * GP, m, l_sum, acc, G, GP, D)
 
 
-_SYLVESTER: dict = {}
-
-
-def _sylvester(n: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """The ±1 Sylvester Hadamard matrix ``[n, n]`` (exact in 16-bit types), made once per device."""
-    key = (n, dtype, str(device))
-    if key not in _SYLVESTER:
-        from mosaicquant.methods.hadamard import hadamard_matrix
-
-        _SYLVESTER[key] = hadamard_matrix(n).to(dtype=dtype, device=device).contiguous()
-    return _SYLVESTER[key]
-
-
 def attention_splits(batch: int, kv_heads: int, cache_len: int, sms: int = 132, block_n: int = 64,
                      per_sm: int | None = None) -> int:
     """Keys per program of :func:`decode_attention`: a multiple of ``block_n`` giving ~``per_sm`` programs per SM
@@ -1162,14 +1150,15 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     chain = chain_mode(qkv.device, b)
     qn = q_norm if q_norm is not None else cos
     direct = ATTN_DIRECT_ONE_CHUNK and p.nsplit == 1
+    rot_dot = ATTN_ROTATE_BY_DOT and kv is not None and kv.rotate  # only then the kernel reads the ±1 matrix
     _rope_attn_kernel[(b * kv_heads, p.nsplit)](
         qkv, positions, cos, sin, qn, k_norm if k_norm is not None else cos, k_cache, v_cache, pm, pl, pacc, out,
         eps=float(eps), scale_log2=float(scale) * _LOG2E, chunk=p.chunk, stride_t=qkv.stride(0),
         stride_cos=cos.stride(0), stride_cb=k_cache.stride(0), stride_ch=k_cache.stride(1),
         stride_cl=k_cache.stride(2), stride_ob=out.stride(0), HKV=kv_heads, NSPLIT=p.nsplit, G=p.g, GP=p.gp, D=d,
         BLOCK_N=ATTN_BLOCK_N, QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype),
-        HP=_sylvester(d // 2, qkv.dtype, qkv.device), DOT_F32=triton_interpreting(), DIRECT=direct, CHAIN=chain,
-        ROT_DOT=ATTN_ROTATE_BY_DOT and kv is not None and kv.rotate,
+        HP=_sylvester_on(d // 2, qkv.device, qkv.dtype) if rot_dot else cos, DOT_F32=triton_interpreting(),
+        DIRECT=direct, CHAIN=chain, ROT_DOT=rot_dot,
         num_warps=ATTN_KV4_WARPS if packed else 4, **_kv_args(kv, scales, cos), **chain_launch(chain))
     if direct:
         return out
