@@ -188,8 +188,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 
 class _Env:
-    """Environment variables (and ``mosaicquant.<module>.<NAME>`` constants, numbers) set for a ``with`` block,
-    restored after."""
+    """Environment variables (and ``mosaicquant.<module>.<NAME>`` constants, numbers cast to the constant's type)
+    set for a ``with`` block, restored after."""
 
     def __init__(self, env: dict[str, str]):
         self.env, self.saved, self.saved_attrs = env, {}, {}
@@ -206,7 +206,8 @@ class _Env:
             if k.startswith("mosaicquant."):
                 mod, attr = self._target(k)
                 self.saved_attrs[k] = getattr(mod, attr)
-                setattr(mod, attr, type(getattr(mod, attr))(float(v)))
+                cur, val = getattr(mod, attr), float(v)  # a constant that is None takes an int where v is whole
+                setattr(mod, attr, (int(val) if val.is_integer() else val) if cur is None else type(cur)(val))
             else:
                 self.saved[k] = os.environ.get(k)
                 os.environ[k] = v

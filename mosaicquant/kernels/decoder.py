@@ -107,6 +107,15 @@ ATTN_DIRECT_ONE_CHUNK = True
 ATTN_KV4_PROGRAMS_PER_SM = 1.0
 ATTN_KV4_WARPS = 4
 ATTN_ROTATE_BY_DOT = False
+# The 4-bit cache's loop (_attend_chunk_kv4): the integers into the dots biased by 128 (BF16 made by byte permutes on
+# the GPU: ATTN_KV4_ASM); keys a step and software-pipeline stages (None: Triton's default). QuaRot's CUDA-graph step,
+# Llama-3-8B shapes, context 512, batch 4 / 16 / 32 (NOTES v21): 2,517 / 3,104 / 3,944 µs unbiased at 64 keys,
+# 2,503 / 3,006 / 3,761 biased, 2,502 / 2,925 / 3,609 biased at 128 keys and 2 stages (one run); 256 keys, 8 warps,
+# 1 or 3 stages were slower.
+ATTN_KV4_BIASED = True
+ATTN_KV4_ASM = True
+ATTN_KV4_BLOCK_N = 128
+ATTN_KV4_STAGES = 2
 # The 4-bit cache's kernels compiled without fused multiply-adds (the grid's range as methods.quant rounds it); with
 # them the step was the same within 0.3 % (v20), and the GPU's scales differed from the reference's in the last bit.
 KV4_NO_FP_FUSION = True
@@ -614,6 +623,14 @@ def _kv_args(kv: KVFormat | None, scales: KVScales | None, fallback: torch.Tenso
                 **({"enable_fp_fusion": False} if quantized and KV4_NO_FP_FUSION else {}))
 
 
+def _kv4_loop_args(dtype: torch.dtype, packed: bool) -> dict:
+    """The 4-bit loop's variant flags (:data:`ATTN_KV4_BIASED` and the rest); the byte-permute conversion only
+    compiled (the interpreter runs no inline PTX) and for BF16; the stages only over a 4-bit cache."""
+    stages = {} if ATTN_KV4_STAGES is None or not packed else {"num_stages": int(ATTN_KV4_STAGES)}
+    return dict(KV4_BIASED=bool(ATTN_KV4_BIASED),
+                KV4_ASM=bool(ATTN_KV4_ASM) and dtype == torch.bfloat16 and not triton_interpreting(), **stages)
+
+
 def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int, tokens_per_seq: int,
             q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
@@ -722,14 +739,49 @@ def _attend_chunk(q, KC, VC, base, start, end, stride_cl, scale_log2, GP: tl.con
     return m, l_sum, acc
 
 
+# The nibbles of a packed cache byte as BF16 ``128 + u`` (low nibble: channel j, high: j + D/2), four bytes a
+# register: each nibble is placed under the byte 0x43 (BF16 128.0 is 0x4300, whose last 7 mantissa bits count
+# units), two BF16 values a register by byte permutes. Eight instructions per eight values, against the
+# compiler's element-wise u8 -> fp32 -> bf16 chain.
+_ASM_NIB_BF16 = tl.constexpr("""{
+.reg .b32 t, k;
+mov.b32 k, 0x43434343;
+and.b32 t, $4, 0x0F0F0F0F;
+prmt.b32 $0, t, k, 0x4140;
+prmt.b32 $1, t, k, 0x4342;
+shr.u32 t, $4, 4;
+and.b32 t, t, 0x0F0F0F0F;
+prmt.b32 $2, t, k, 0x4140;
+prmt.b32 $3, t, k, 0x4342;
+}""")
+KV4_BIAS = 128.0  # what _kv4_nibbles adds to each integer with BIASED (exact in BF16 and FP16 up to 143)
+
+
+@triton.jit
+def _kv4_nibbles(packed, DT: tl.constexpr, BIASED: tl.constexpr, USE_ASM: tl.constexpr):
+    """The low and high nibbles ``u`` of packed cache bytes as ``DT`` values: ``u`` itself, or with ``BIASED``
+    ``128 + u`` (in BF16 on the GPU by :data:`_ASM_NIB_BF16`'s byte permutes)."""
+    if BIASED and USE_ASM:
+        return tl.inline_asm_elementwise(_ASM_NIB_BF16, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
+                                         is_pure=True, pack=4)
+    if BIASED:
+        return ((packed & 0xF).to(tl.float32) + 128.0).to(DT), ((packed >> 4).to(tl.float32) + 128.0).to(DT)
+    return (packed & 0xF).to(DT), (packed >> 4).to(DT)
+
+
 @triton.jit
 def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, stride_cl, scale_log2,
                       GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
-                      BITS: tl.constexpr, DOT_F32: tl.constexpr):
+                      BITS: tl.constexpr, DOT_F32: tl.constexpr, BIASED: tl.constexpr = False,
+                      USE_ASM: tl.constexpr = False):
     """:func:`_attend_chunk` over a 4-bit cache (:func:`_kv4_quantize`'s bytes; scales and zeros at ``sbase``
     along the cache): the integers go into the dots as they are, each key's scale and zero apply to its
     scores, ``s·(q·u - z·Σq)``, and each value's to the probabilities, ``Σ_n (p·s)_n (u_n - z_n)`` with
-    ``p·s`` rounded to ``DT`` for the dot. Returns the row maxima, sums and the value sums' two halves."""
+    ``p·s`` rounded to ``DT`` for the dot. Returns the row maxima, sums and the value sums' two halves.
+
+    ``BIASED``: the integers enter the dots as ``128 + u`` (:func:`_kv4_nibbles`) and the zero points as
+    ``128 + z`` (exact; the products of 16-bit values by 8-bit integers are exact in the fp32 sums).
+    """
     HALF: tl.constexpr = D // 2
     dh = tl.arange(0, HALF)
     q1f = q1.to(tl.float32)
@@ -741,6 +793,8 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
     else:
         q1 = q1.to(DT)
         q2 = q2.to(DT)
+    KD: tl.constexpr = tl.float32 if DOT_F32 else DT  # the integers' dtype in the dots
+    bias = 128.0 if BIASED else 0.0
     m = tl.full([GP], float("-inf"), tl.float32)
     l_sum = tl.zeros([GP], tl.float32)
     acc1 = tl.zeros([GP, HALF], tl.float32)
@@ -753,13 +807,12 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
         vb = tl.load(VC + off, mask=valid[:, None], other=0)
         sn = sbase + n
         ks = tl.load(KS + sn, mask=valid, other=0.0)
-        kz = tl.load(KZ + sn, mask=valid, other=0.0)
+        kz = tl.load(KZ + sn, mask=valid, other=0.0) + bias
         vs = tl.load(VS + sn, mask=valid, other=0.0)
-        vz = tl.load(VZ + sn, mask=valid, other=0.0)
-        if DOT_F32:
-            raw = tl.dot(q1, tl.trans((kb & 0xF).to(tl.float32))) + tl.dot(q2, tl.trans((kb >> 4).to(tl.float32)))
-        else:
-            raw = tl.dot(q1, tl.trans((kb & 0xF).to(DT))) + tl.dot(q2, tl.trans((kb >> 4).to(DT)))
+        vz = tl.load(VZ + sn, mask=valid, other=0.0) + bias
+        k_lo, k_hi = _kv4_nibbles(kb, KD, BIASED, USE_ASM)
+        v_lo, v_hi = _kv4_nibbles(vb, KD, BIASED, USE_ASM)
+        raw = tl.dot(q1, tl.trans(k_lo)) + tl.dot(q2, tl.trans(k_hi))
         s = (raw - qsum[:, None] * kz[None, :]) * (ks * scale_log2)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -768,14 +821,8 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         pw = _rnd(p * vs[None, :], DT, BITS)
         corr = tl.sum(pw * vz[None, :], axis=1)[:, None]
-        if DOT_F32:
-            pv1 = tl.dot(pw, (vb & 0xF).to(tl.float32))
-            pv2 = tl.dot(pw, (vb >> 4).to(tl.float32))
-        else:
-            pv1 = tl.dot(pw.to(DT), (vb & 0xF).to(DT))
-            pv2 = tl.dot(pw.to(DT), (vb >> 4).to(DT))
-        acc1 = acc1 * alpha[:, None] + (pv1 - corr)
-        acc2 = acc2 * alpha[:, None] + (pv2 - corr)
+        acc1 = acc1 * alpha[:, None] + (tl.dot(pw.to(KD), v_lo) - corr)
+        acc2 = acc2 * alpha[:, None] + (tl.dot(pw.to(KD), v_hi) - corr)
         m = m_new
     return m, l_sum, acc1, acc2
 
@@ -859,7 +906,8 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                       QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr, DOT_F32: tl.constexpr,
                       DIRECT: tl.constexpr, ROT: tl.constexpr, KV4: tl.constexpr, SYM: tl.constexpr,
-                      CHAIN: tl.constexpr, ROT_DOT: tl.constexpr = True):
+                      CHAIN: tl.constexpr, ROT_DOT: tl.constexpr = True, KV4_BIASED: tl.constexpr = False,
+                      KV4_ASM: tl.constexpr = False):
     # _attn_split_kernel's programs (a KV head of a sequence, a chunk of its cache), doing rope_kv's
     # work for their head too: the G queries and the new key rotated from the qkv row; the program
     # whose chunk holds the position writes the new key and value into the cache and adds them from
@@ -918,7 +966,7 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
                                   VS, VZ, at, sat, mine, clip, SYM)
         m, l_sum, acc1, acc2 = _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start,
                                                  tl.minimum(end, pos), stride_cl, scale_log2, GP, D, BLOCK_N, DT,
-                                                 BITS, DOT_F32)
+                                                 BITS, DOT_F32, KV4_BIASED, KV4_ASM)
         if owner:  # the new key and value, dequantized in registers: one more step of the online softmax
             s_new = (tl.sum(q1.to(tl.float32) * kd1, axis=1) + tl.sum(q2.to(tl.float32) * kd2, axis=1)) * scale_log2
             m_new = tl.maximum(m, s_new)
@@ -1054,12 +1102,13 @@ class _AttnPlan:
     gp: int
 
     @staticmethod
-    def make(device, b, hq, hkv, cache_len, d, chunk, per_sm=None) -> "_AttnPlan":
+    def make(device, b, hq, hkv, cache_len, d, chunk, per_sm=None, block_n=None) -> "_AttnPlan":
+        block_n = ATTN_BLOCK_N if block_n is None else block_n
         if chunk is None:
             sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-            chunk = attention_splits(b, hkv, cache_len, sms, ATTN_BLOCK_N, per_sm)
-        if chunk < ATTN_BLOCK_N or chunk % ATTN_BLOCK_N:
-            raise UserInputError(f"chunk={chunk} must be a positive multiple of {ATTN_BLOCK_N}")
+            chunk = attention_splits(b, hkv, cache_len, sms, block_n, per_sm)
+        if chunk < block_n or chunk % block_n:
+            raise UserInputError(f"chunk={chunk} must be a positive multiple of {block_n}")
         nsplit = math.ceil(cache_len / chunk)
         g = hq // hkv
         gp = max(16, triton.next_power_of_2(g))
@@ -1116,7 +1165,8 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
         positions: ``[B]`` position of each new token: its key and value go there, and it attends
             to keys ``0..positions[b]`` (read on the device).
         cos, sin, k_cache, v_cache, heads, kv_heads, q_norm, k_norm, eps: as in :func:`rope_kv`.
-        scale, chunk: as in :func:`decode_attention`.
+        scale, chunk: as in :func:`decode_attention`; over a 4-bit cache ``chunk`` is a multiple of
+            :data:`ATTN_KV4_BLOCK_N` (128).
         out: optional ``[B, heads·D]`` output (unit-strided along its last dimension).
         kernel: kernel preference.
         kv, scales: the cache's format and a 4-bit cache's scales, as in :func:`rope_kv`. Over a
@@ -1141,7 +1191,8 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
         raise UserInputError("qkv, the caches and cos/sin must be unit-strided along D, cos and sin alike")
     packed = kv is not None and kv.quantized
     per_sm = ATTN_KV4_PROGRAMS_PER_SM if packed else None  # not doubled below ATTN_FEW_PAIRS (measured, above)
-    p = _AttnPlan.make(qkv.device, b, heads, kv_heads, k_cache.shape[2], d, chunk, per_sm)
+    block_n = ATTN_KV4_BLOCK_N if packed else ATTN_BLOCK_N
+    p = _AttnPlan.make(qkv.device, b, heads, kv_heads, k_cache.shape[2], d, chunk, per_sm, block_n)
     out = torch.empty(b, heads * d, dtype=qkv.dtype, device=qkv.device) if out is None else out
     check_tensor("out", out, dtypes=(qkv.dtype,), shape=(b, heads * d))
     if out.stride(-1) != 1:
@@ -1156,9 +1207,9 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
         eps=float(eps), scale_log2=float(scale) * _LOG2E, chunk=p.chunk, stride_t=qkv.stride(0),
         stride_cos=cos.stride(0), stride_cb=k_cache.stride(0), stride_ch=k_cache.stride(1),
         stride_cl=k_cache.stride(2), stride_ob=out.stride(0), HKV=kv_heads, NSPLIT=p.nsplit, G=p.g, GP=p.gp, D=d,
-        BLOCK_N=ATTN_BLOCK_N, QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype),
+        BLOCK_N=block_n, QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype),
         HP=_sylvester_on(d // 2, qkv.device, qkv.dtype) if rot_dot else cos, DOT_F32=triton_interpreting(),
-        DIRECT=direct, CHAIN=chain, ROT_DOT=rot_dot,
+        DIRECT=direct, CHAIN=chain, ROT_DOT=rot_dot, **_kv4_loop_args(qkv.dtype, packed),
         num_warps=ATTN_KV4_WARPS if packed else 4, **_kv_args(kv, scales, cos), **chain_launch(chain))
     if direct:
         return out

@@ -336,13 +336,26 @@ def test_rope_kv_writes_the_4bit_cache(heads, kv_heads, d, qk_norm, symmetric, r
 
 @pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (4, 4, 32)])
 @pytest.mark.parametrize("symmetric,rotate,by_dot", [(False, True, True), (False, True, False), (True, False, True)])
-@pytest.mark.parametrize("chunk,direct", [(None, True), (64, True), (256, True), (256, False)])
+@pytest.mark.parametrize("chunk,direct", [(None, True), (128, True), (256, True), (256, False)])
 def test_decode_rope_attention_over_the_4bit_cache(heads, kv_heads, d, symmetric, rotate, by_dot, chunk, direct,
                                                    monkeypatch):
     # the integers into the dots, scales and zeros outside: attention over the dequantized cache to bf16 accuracy;
     # the Q/K rotation on the tensor cores or in butterflies
     monkeypatch.setattr(decoder, "ATTN_DIRECT_ONE_CHUNK", direct)
     monkeypatch.setattr(decoder, "ATTN_ROTATE_BY_DOT", by_dot)
+    _check_4bit_attention(heads, kv_heads, d, symmetric, rotate, chunk)
+
+
+@pytest.mark.parametrize("biased,block_n", [(True, 64), (False, 64), (True, 128)])
+@pytest.mark.parametrize("chunk", [None, 128])
+def test_4bit_attention_loop_variants(biased, block_n, chunk, monkeypatch):
+    # the integers into the dots as they are or biased by 128 (zero points too), and the loop's step
+    monkeypatch.setattr(decoder, "ATTN_KV4_BIASED", biased)
+    monkeypatch.setattr(decoder, "ATTN_KV4_BLOCK_N", block_n)
+    _check_4bit_attention(8, 2, 64, False, True, chunk)
+
+
+def _check_4bit_attention(heads, kv_heads, d, symmetric, rotate, chunk):
     b, length = 4, 200
     qkv, _, cos, sin = _rope_inputs(1, b, heads, kv_heads, d, length, heads + d)
     pos = torch.tensor([0, 36, 63, 199])
@@ -437,6 +450,17 @@ def test_kv_format_inputs_are_named():
         rope_kv(qkv, pos, cos, sin, kb, vb, heads, kv_heads, 1, dequant=(kb, vb))
     with pytest.raises(UserInputError, match="scales are given without a kv format"):
         decode_rope_attention(qkv, pos, cos, sin, kb, vb, heads, kv_heads, d ** -0.5, scales=sc)
+
+
+def test_4bit_attention_chunk_is_a_multiple_of_its_step():
+    heads, kv_heads, d, b, length = 4, 2, 32, 2, 256
+    qkv, _, cos, sin = _rope_inputs(1, b, heads, kv_heads, d, length, 3)
+    g = torch.Generator().manual_seed(0)
+    kc, vc, sc = _copy(*_kv4_cache(b, kv_heads, length, d, g), DEVICE)
+    dev = [x.to(DEVICE) for x in (qkv, torch.tensor([1, 2]), cos, sin)]
+    with pytest.raises(UserInputError, match=f"chunk=64 must be a positive multiple of {decoder.ATTN_KV4_BLOCK_N}"):
+        decode_rope_attention(*dev, kc, vc, heads, kv_heads, d ** -0.5, chunk=64, kernel="triton", kv=KVFormat(4),
+                              scales=sc)
 
 
 def test_attention_splits_fill_the_gpu():
