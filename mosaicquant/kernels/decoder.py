@@ -103,7 +103,8 @@ ATTN_DIRECT_ONE_CHUNK = True
 # 2,676 / 3,060 / 3,915, the dot 2,897 / 3,205 / 4,051; 2 or 4 programs an SM 2,964 / 3,665 / 4,404 and 2,958 /
 # 3,811 / 4,762 (with the register-built matrix, itself 2,960 / 3,267 / 4,000); 8 warps 3,144 / 3,556 / 4,545.
 # Batch 4 / 8 / 16 with the doubling 2,688 / 2,791 / 3,077; 0.5 an SM (so 1 at batch 4) 2,494 / 2,794 / 3,330;
-# 0.25 2,609 / 3,141 / 3,339.
+# 0.25 2,609 / 3,141 / 3,339. Re-checked with v21's loop at batch 4 / 8 / 16 / 32: 1 an SM 2,485 / 2,637 / 2,915 /
+# 3,609, 0.5 2,487 / 2,671 / 3,015 / 3,614, 0.2 2,712 / 2,817 / 3,023 / 3,598.
 ATTN_KV4_PROGRAMS_PER_SM = 1.0
 ATTN_KV4_WARPS = 4
 ATTN_ROTATE_BY_DOT = False
@@ -754,13 +755,12 @@ and.b32 t, t, 0x0F0F0F0F;
 prmt.b32 $2, t, k, 0x4140;
 prmt.b32 $3, t, k, 0x4342;
 }""")
-KV4_BIAS = 128.0  # what _kv4_nibbles adds to each integer with BIASED (exact in BF16 and FP16 up to 143)
 
 
 @triton.jit
 def _kv4_nibbles(packed, DT: tl.constexpr, BIASED: tl.constexpr, USE_ASM: tl.constexpr):
     """The low and high nibbles ``u`` of packed cache bytes as ``DT`` values: ``u`` itself, or with ``BIASED``
-    ``128 + u`` (in BF16 on the GPU by :data:`_ASM_NIB_BF16`'s byte permutes)."""
+    ``128 + u`` (exact in BF16 and FP16; in BF16 on the GPU by :data:`_ASM_NIB_BF16`'s byte permutes)."""
     if BIASED and USE_ASM:
         return tl.inline_asm_elementwise(_ASM_NIB_BF16, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
                                          is_pure=True, pack=4)
