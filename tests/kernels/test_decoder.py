@@ -355,9 +355,16 @@ def test_4bit_attention_loop_variants(biased, block_n, chunk, monkeypatch):
     _check_4bit_attention(8, 2, 64, False, True, chunk)
 
 
-def _check_4bit_attention(heads, kv_heads, d, symmetric, rotate, chunk):
+@pytest.mark.parametrize("rotate", [True, False])
+def test_4bit_attention_in_fp16(rotate):
+    # an FP16 model: the biased integers converted by the compiler (the byte permutes are BF16's)
+    _check_4bit_attention(8, 2, 64, False, rotate, None, torch.float16)
+
+
+def _check_4bit_attention(heads, kv_heads, d, symmetric, rotate, chunk, dtype=BF16):
     b, length = 4, 200
-    qkv, _, cos, sin = _rope_inputs(1, b, heads, kv_heads, d, length, heads + d)
+    qkv, _, cos, sin = (x.to(dtype) if x.is_floating_point() else x
+                        for x in _rope_inputs(1, b, heads, kv_heads, d, length, heads + d))
     pos = torch.tensor([0, 36, 63, 199])
     g = torch.Generator().manual_seed(heads * d + (chunk or 0))
     kv = KVFormat(4, symmetric, 0.95 if not symmetric else 1.0, rotate)
@@ -366,7 +373,7 @@ def _check_4bit_attention(heads, kv_heads, d, symmetric, rotate, chunk):
     ref = decode_rope_attention_reference(qkv, pos, cos, sin, kr, vr, heads, kv_heads, d ** -0.5, kv=kv, scales=sr)
     kc, vc, sc = _copy(*cache, DEVICE)
     dev = [x.to(DEVICE) for x in (qkv, pos, cos, sin)]
-    out = torch.full((b, heads * d), float("nan"), dtype=BF16, device=DEVICE)
+    out = torch.full((b, heads * d), float("nan"), dtype=dtype, device=DEVICE)
     y = decode_rope_attention(*dev, kc, vc, heads, kv_heads, d ** -0.5, chunk=chunk, out=out, kernel="triton",
                               kv=kv, scales=sc)
     assert y is out
@@ -384,8 +391,8 @@ def _check_4bit_attention(heads, kv_heads, d, symmetric, rotate, chunk):
         q = rope_kv_reference(qkv, pos, cos, sin, kr.clone(), vr.clone(), heads, kv_heads, 1, kv=kv,
                               scales=KVScales(*(t.clone() for t in (sr.k_scale, sr.k_zero, sr.v_scale, sr.v_zero))))
         ref = decode_attention_reference(
-            q, kv4_dequantize_reference(kc.cpu(), sc.k_scale.cpu(), sc.k_zero.cpu(), BF16),
-            kv4_dequantize_reference(vc.cpu(), sc.v_scale.cpu(), sc.v_zero.cpu(), BF16), (pos + 1).to(torch.int32),
+            q, kv4_dequantize_reference(kc.cpu(), sc.k_scale.cpu(), sc.k_zero.cpu(), dtype),
+            kv4_dequantize_reference(vc.cpu(), sc.v_scale.cpu(), sc.v_zero.cpu(), dtype), (pos + 1).to(torch.int32),
             d ** -0.5)
     else:
         assert torch.equal(kc.cpu(), kr) and torch.equal(sc.k_scale.cpu(), sr.k_scale)
