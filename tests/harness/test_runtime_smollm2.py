@@ -5,6 +5,8 @@ kernels are checked against those references on these head shapes in tests/kerne
 in the interpreter the 30-layer model would take minutes).
 """
 
+import math
+
 import pytest
 import torch
 
@@ -58,5 +60,10 @@ def test_fused_decoder_follows_transformers_on_smollm2(kv4):
             assert sqnr >= KV4_SQNR_DB, f"step {i}: logits SQNR {sqnr:.1f} dB"
         else:
             assert err <= LOGIT_TOL * r.float().abs().max().item(), f"step {i}: max |diff| {err:.3g}"
-        # the next token chosen is the same
-        assert g.argmax(-1).item() == r.argmax(-1).item(), f"step {i}: another next token"
+        # the next token chosen is the reference's, or one it scores within a bf16 ulp of its best: its logits
+        # can tie (step 1 here: two tokens at 10.8125 in BF16, argmax taking the lower index), and the CPU's
+        # bf16 kernels differ between machines in the last bit
+        best = r.float().max().item()
+        ulp = 2.0 ** (math.floor(math.log2(abs(best))) - 7)
+        pick = g.argmax(-1).item()
+        assert r.float()[0, pick].item() >= best - ulp, f"step {i}: another next token ({pick}, {r.argmax(-1).item()})"
