@@ -780,7 +780,8 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
     ``p·s`` rounded to ``DT`` for the dot. Returns the row maxima, sums and the value sums' two halves.
 
     ``BIASED``: the integers enter the dots as ``128 + u`` (:func:`_kv4_nibbles`) and the zero points as
-    ``128 + z`` (exact; the products of 16-bit values by 8-bit integers are exact in the fp32 sums).
+    ``128 + z`` (exact values, and each product with a 16-bit query or probability exact in fp32; the sums
+    round at 128 + u's scale, well inside the output's 16-bit tolerance).
     """
     HALF: tl.constexpr = D // 2
     dh = tl.arange(0, HALF)
