@@ -16,7 +16,7 @@ import torch
 from mosaicquant.harness.errors import UserInputError
 
 __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MIN_M", "SWAP_MIN_TILES_PER_SM",
-           "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "DP4A_WALK_MAX_M", "PARALLEL_MIN_M", "PARALLEL_MAX_M",
+           "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "GEMV_FUSED_QUANT", "DP4A_WALK_MAX_M", "PARALLEL_MIN_M", "PARALLEL_MAX_M",
            "PARALLEL_MAX_SPLIT", "PARALLEL_MAX_BLOCKS_PER_ROW", "PARALLEL_MAXNREG", "SWAP_DECODE_RESIDUAL_MIN_M",
            "DENSE_GATED_MAX_M", "DENSE_GATED_MAXNREG", "DENSE_PREFETCH_MIB", "ZIPPER_PREFETCH_MIB",
            "WIDE_K_DECODE_MIN_M", "TAIL_WIDE_K_MIN_M", "TAIL_WIDE_K_MAX_M", "WIDE_DECODE_MAX_M", "maxnreg_launch",
@@ -124,6 +124,14 @@ WIDE_DECODE_MAX_M = 32
 # M = 1 it was 1.77-3.05x BF16 against the tensor-core kernel's 1.64-2.30x; at M = 4 its dp4a work
 # (two instructions a word per token) made it slower on every shape but gate/up.
 GEMV_ROUTE_MAX_M = 1
+# QuantLinear's GEMV calls quantize their float activations in the GEMV's prologue (one launch,
+# mosaicquant.kernels.gemv.gemv_quantize_triton: the same integers, scales and output as the activation
+# quantizer's launch followed by the GEMV). Read at each call. Off: measured against the two launches on
+# every Llama-3 / Qwen3 linear in one run (v22, M = 1, us), it won only on o_proj (6.34 against 6.78) and
+# lost on the others (q/k/v 9.73 against 7.95, gate/up 23.50 against 19.26, down 17.27 against 12.95):
+# every program of a row of output tiles quantizes the same activations (N / 32 times the quantizer's
+# work, an IEEE division a value) and reads the whole row for its absmax.
+GEMV_FUSED_QUANT = False
 # ZipperEngine's tail walks its residual blocks on dp4a (mosaicquant.kernels.gemv.residual_dp4a) up to
 # this many tokens, on int8 tensor-core dots above. Measured against each other on every Llama-3 / Qwen3
 # linear in one run (v13): the dp4a walk was 1.01-1.14x faster at M = 1, 0.97-1.05x at M = 2, 0.99-1.08x

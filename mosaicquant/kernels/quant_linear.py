@@ -17,7 +17,9 @@ Layers without residual blocks also run decode calls of ``swap_decode`` tokens (
 at decode tiles (v10), but for those of ``_tiles.WIDE_K_DECODE_MIN_M`` to 16 tokens (v17); layers
 with them from ``_tiles.SWAP_DECODE_RESIDUAL_MIN_M`` tokens where that is set. Calls of at most
 ``gemv_max_m`` tokens run the decode GEMV on CUDA-core ``dp4a`` instead
-(:mod:`mosaicquant.kernels.gemv`, dense and with the residual; v13).
+(:mod:`mosaicquant.kernels.gemv`, dense and with the residual; v13); with
+``_tiles.GEMV_FUSED_QUANT`` set, that GEMV quantizes the activations in its own prologue (one launch,
+the same integers and scales; off by default: slower on three of four layer shapes, v22).
 
 It computes the function of the simulated layer
 ``fake_quantize(x, 4, clip_ratio) @ packed.dequantize().T (+ bias)`` up to float
@@ -44,7 +46,7 @@ from mosaicquant.kernels._tiles import (
     swapped_prefill,
 )
 from mosaicquant.kernels.act_quant import quantize_activations, quantize_activations_triton
-from mosaicquant.kernels.gemv import GEMV_MAX_M, gemv_reason, gemv_triton
+from mosaicquant.kernels.gemv import GEMV_MAX_M, gemv_quantize_triton, gemv_reason, gemv_triton
 from mosaicquant.kernels.residual_gemm import residual_add
 from mosaicquant.kernels.w4a4_gemm import (
     gated_shape_reason,
@@ -217,6 +219,9 @@ class QuantLinear(nn.Module):
         if self.uses_swapped(x2.shape[0], backend):
             a_split, a_scale = quantize_activations_triton(x2, self.act_clip_ratio, layout="split8")
             y = self.forward_split8(a_split, a_scale)
+        elif backend == "triton" and _tiles.GEMV_FUSED_QUANT and self.uses_gemv(x2.shape[0]):
+            y = gemv_quantize_triton(x2, self.qweight, self.w_scale, self.in_features, self.bias,
+                                     clip_ratio=self.act_clip_ratio, residual=self.residual)
         else:
             a_packed, a_scale = quantize_activations(x2, self.act_clip_ratio, kernel=backend)
             y = self.forward_quantized(a_packed, a_scale, backend)

@@ -85,6 +85,7 @@ from mosaicquant.kernels.act_quant import SPLIT_BLOCK, split8_width
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 
 __all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_swapped_triton", "w4a4_gemm_reference", "check_gemm_args",
+           "check_weight_args",
            "swapped_residual_reason", "gated_shape_reason", "silu_mul_halves", "RESIDUAL_WALKS"]
 
 FP8_TAIL_MAX_REGS = 128
@@ -276,14 +277,31 @@ def check_gemm_args(
         UserInputError: naming the wrong dtype, shape, stride, device or a group-wise scale.
     """
     check_tensor("a_packed", a_packed, dtypes=(torch.uint8,), dim=2)
+    n, kp = check_weight_args(qweight, w_scale, bias, k)
+    m = a_packed.shape[0]
+    check_tensor("a_packed", a_packed, dtypes=(torch.uint8,), shape=(None, kp))
+    check_tensor("a_scale", a_scale, dtypes=(torch.float32,), shape=(m,))
+    check_same_device(a_packed=a_packed, a_scale=a_scale, qweight=qweight, w_scale=w_scale, bias=bias)
+    return m, n, kp
+
+
+def check_weight_args(
+    qweight: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    k: int,
+) -> tuple[int, int]:
+    """Check the weight side of a 4-bit GEMM (as :func:`check_gemm_args`) and return ``(N, KP)``.
+
+    Raises:
+        UserInputError: naming the wrong dtype, shape, stride or a group-wise scale.
+    """
     check_tensor("qweight", qweight, dtypes=(torch.uint8,), dim=2)
     if not isinstance(k, int) or k < 1:
         raise UserInputError(f"k={k!r} must be a positive int (the unpacked K)")
     kp = (k + 1) // 2
-    m, n = a_packed.shape[0], qweight.shape[0]
-    check_tensor("a_packed", a_packed, dtypes=(torch.uint8,), shape=(None, kp))
+    n = qweight.shape[0]
     check_tensor("qweight", qweight, dtypes=(torch.uint8,), shape=(None, kp))
-    check_tensor("a_scale", a_scale, dtypes=(torch.float32,), shape=(m,))
     check_tensor("w_scale", w_scale, dtypes=(torch.float32, torch.float16), dim=None)
     if w_scale.dim() == 2 and w_scale.shape[1] != 1:
         raise UserInputError(
@@ -294,8 +312,7 @@ def check_gemm_args(
         raise UserInputError(f"w_scale must have {n} entries (one per output channel), got shape {list(w_scale.shape)}")
     if bias is not None:
         check_tensor("bias", bias, dtypes=(torch.float32,), shape=(n,))
-    check_same_device(a_packed=a_packed, a_scale=a_scale, qweight=qweight, w_scale=w_scale, bias=bias)
-    return m, n, kp
+    return n, kp
 
 
 def w4a4_gemm_triton(
