@@ -11,7 +11,11 @@ activation quantizer included (as ``benchmarks/zipper.py`` times them):
   residual (programmatic dependent launch on, the default); ``gemv_nopdl``: without it;
 - ``--explore``: a grid of GEMV tiles (channels per program, words per step, warps, split,
   stages) at M = 4 on three shapes, reported best first;
-- ``--explore-tc``: a grid of the tensor-core GEMM's tiles at M = 4 and 8 on three shapes.
+- ``--explore-tc``: a grid of the tensor-core GEMM's tiles at M = 4 and 8 on three shapes;
+- ``--explore-fq``: the GEMV that quantizes the activations in its prologue
+  (``gemv_quantize_triton``, one launch; ``gemv_fq``, ``gemv_zip10_fq`` at the default tiles) and a grid
+  of its tiles (wider output tiles quantize the activations fewer times) on every shape, each checked
+  bit for bit against the quantizer's launch + the GEMV.
 
 Each variant is checked against its PyTorch reference before it is timed (CUDA graphs, weights
 rotating through copies larger than 3× L2, medians). A short table is printed last; rows go
@@ -48,7 +52,7 @@ from zipper import (  # noqa: E402
 
 from mosaicquant.kernels._tiles import TileConfig, pick_config  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
-from mosaicquant.kernels.gemv import gemv_config, gemv_triton  # noqa: E402
+from mosaicquant.kernels.gemv import gemv_config, gemv_quantize_triton, gemv_triton  # noqa: E402
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_triton  # noqa: E402
 from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm_reference, zipper_gemm_triton  # noqa: E402
 
@@ -60,12 +64,16 @@ EXPLORE_SHAPES = ("o", "gate_up", "down")
 GRID = [(bn, bkw, w, f, s) for bn, bkw, w in [(16, 64, 4), (32, 32, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4),
                                                (64, 64, 8), (64, 128, 8), (128, 32, 4), (16, 128, 4)]
         for f in (0.5, 1, 2) for s in (1,)] + [(32, 64, 4, 1, 3), (64, 64, 8, 1, 3)]
+# tiles of the fused-quantization GEMV: (block_n, block_kw, num_warps, split factor over the default's
+# programs at block_n = 32, scaled by block_n / 32)
+FQ_GRID = [(32, 64, 4, 1), (64, 64, 4, 1), (64, 32, 4, 1), (128, 64, 8, 1), (128, 32, 4, 1), (256, 32, 8, 1),
+           (128, 64, 8, 0.5), (256, 64, 8, 1)]
 # tensor-core GEMM tiles at M = 4, 8: (block_n, block_kp, split factor over the default, num_warps, num_stages)
 TC_GRID = [(64, 64, 1, 4, 4), (128, 64, 1, 4, 4), (64, 128, 1, 4, 3), (128, 128, 1, 8, 3), (32, 64, 1, 4, 6),
            (64, 64, 1, 4, 6), (64, 64, 2, 4, 4), (64, 64, 0.5, 4, 4), (128, 64, 1, 8, 4), (256, 64, 1, 8, 3)]
 
 
-def bench(name, n, k, ms, device, rows, explore, explore_tc=False):
+def bench(name, n, k, ms, device, rows, explore, explore_tc=False, explore_fq=False):
     kp = k // 2
     w_bf16 = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)
     w_bf16s = [w_bf16] + [w_bf16.clone() for _ in range(max(2, math.ceil(ROTATE_BYTES / w_bf16.numel() / 2)) - 1)]
@@ -112,6 +120,24 @@ def bench(name, n, k, ms, device, rows, explore, explore_tc=False):
             add(variant, [lambda i=i, g=g: g(i) for i in range(n_w4)], g(0), ref_dense)
         gz = quant_then(lambda a, s, i: gemv_triton(a, s, qws[i], wss[i], k, residual=ress[i]))
         add("gemv_zip10", [lambda i=i: gz(i) for i in range(n_w4)], gz(0), ref_zip)
+        if explore_fq:
+            default_split = gemv_config(m, n, k, device)["split_k"]
+            grid = [("gemv_fq", {}, None), ("gemv_zip10_fq", {}, ress)]
+            for bn, bkw, warps, f in FQ_GRID:
+                split = max(1, min(64, int(default_split * f * bn / 32)))
+                grid.append((f"fq_bn{bn}_kw{bkw}_w{warps}_s{split}",
+                             {"block_n": bn, "block_kw": bkw, "num_warps": warps, "split_k": split}, None))
+            for variant, opts, rs in grid:
+                two = gemv_triton(ap, a_s, qweight, w_scale, k, residual=rs and rs[0], **opts)
+                one = gemv_quantize_triton(x, qweight, w_scale, k, residual=rs and rs[0], **opts)
+                row = add(variant, [lambda i=i, o=opts, rs=rs: gemv_quantize_triton(x, qws[i], wss[i], k,
+                                                                                   residual=rs and rs[i], **o)
+                                    for i in range(n_w4)], one, ref_zip if rs else ref_dense, {"explore_fq": opts})
+                row["ok"] = row["ok"] and torch.equal(one, two)
+                if opts:  # the same tiles with the quantizer's own launch before the GEMV
+                    g = quant_then(lambda a, s, i, o=opts: gemv_triton(a, s, qws[i], wss[i], k, **o))
+                    add("two_" + variant[3:], [lambda i=i, g=g: g(i) for i in range(n_w4)], g(0), ref_dense,
+                        {"explore_fq": opts})
         if explore_tc and name in EXPLORE_SHAPES and m in (4, 8):
             base = pick_config(m, n, kp, device)
             zbase = pick_config(m, n, kp, device, res.block_shape)
@@ -143,8 +169,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--explore", action="store_true")
     ap.add_argument("--explore-tc", action="store_true")
+    ap.add_argument("--explore-fq", action="store_true")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
     args = ap.parse_args(argv)
+    ms = [int(v) for v in args.ms.split(",")]
     # GEMMs timed back to back: without the decode step's PDL chain a GEMM never lets the next timed one
     # start early, so each time is one GEMM's (set MOSAICQUANT_PDL_CHAIN=on to time them chained)
     os.environ.setdefault("MOSAICQUANT_PDL_CHAIN", "off")
@@ -153,7 +182,7 @@ def main(argv=None) -> int:
     info = {"versions": versions(device), "ceilings": measure_ceilings(device)}
     print(info, flush=True)
     for name in args.shapes.split(","):
-        bench(name, *SHAPES[name], MS, device, rows, args.explore, args.explore_tc)
+        bench(name, *SHAPES[name], ms, device, rows, args.explore, args.explore_tc, args.explore_fq)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     bad = [r for r in rows if not r["ok"]]
@@ -178,10 +207,24 @@ def main(argv=None) -> int:
                 for r in ex[:2]:
                     print(f"| {name} | {m} | {r['variant']} | {r['us']:.2f} | {r['x_bf16']:.2f} | "
                           f"{dflt['us'] if dflt else 0:.2f} |")
+    if args.explore_fq:
+        print("\n| shape | M | GEMV, quantizer launched | fused, default tiles | best fused tiles | µs | same tiles, "
+              "quantizer launched | (µs) |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name in args.shapes.split(","):
+            for m in ms:
+                sel = {r["variant"]: r for r in rows if r["shape"] == name and r["m"] == m}
+                ex = sorted((r for r in sel.values() if r["variant"].startswith("fq_")), key=lambda r: r["us"])
+                if not ex or "gemv" not in sel or "gemv_fq" not in sel:
+                    continue
+                best = ex[0]
+                two = sel.get("two_" + best["variant"][3:])
+                print(f"| {name} | {m} | {sel['gemv']['us']:.2f} | {sel['gemv_fq']['us']:.2f} | {best['variant']} | "
+                      f"{best['us']:.2f} | {two['us'] if two else float('nan'):.2f} | |")
     print("\n| shape | M | bf16 µs | w4a4 | zip10 | zip10_dot | gemv | gemv_nopdl | gemv_zip10 | (× BF16) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.shapes.split(","):
-        for m in MS:
+        for m in ms:
             sel = {r["variant"]: r for r in rows if r["shape"] == name and r["m"] == m}
             cells = " | ".join(f"{sel[v]['x_bf16']:.2f}" if v in sel else "-"
                                for v in ("w4a4", "zip10", "zip10_dot", "gemv", "gemv_nopdl", "gemv_zip10"))

@@ -17,7 +17,9 @@ M = 1 … 8192. Variants per (shape, M):
   ``DP4A_WALK_MAX_M`` tokens); ``zip10_inline`` / ``zip10_tail`` force a mode; ``zip10_dot``
   (M ≤ ``DP4A_WALK_MAX_M``): the tensor-core residual walk;
 - ``gemv`` / ``gemv_zip10`` (M ≤ 8): activation quantization + the dp4a decode GEMV, dense and
-  with the 10 % residual (what ``QuantLinear`` runs for single tokens);
+  with the 10 % residual; ``gemv_fq`` / ``gemv_zip10_fq``: the same GEMV quantizing the activations
+  in its prologue, one launch (what ``QuantLinear`` runs for single tokens where
+  ``_tiles.GEMV_FUSED_QUANT`` is set, off by default; checked bit for bit against the two launches);
 - ``unfused10``: activation quantization + dense GEMM (fp32 out) + residual kernel (+ add);
 - ``w4a4_nopdl``, ``w4a4_pdl_nopf``, ``w4a4_pdl_pf``: ``w4a4`` without programmatic dependent
   launch, with it but no L2 weight prefetch, with it and each program's whole weight slice
@@ -62,6 +64,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mosaicquant.harness.timing import time_calls as _time_calls  # noqa: E402
+from mosaicquant.kernels import _tiles  # noqa: E402
 from mosaicquant.kernels._tiles import (  # noqa: E402
     DP4A_WALK_MAX_M,
     GEMV_ROUTE_MAX_M,
@@ -72,7 +75,7 @@ from mosaicquant.kernels._tiles import (  # noqa: E402
     swapped_prefill,
 )
 from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton  # noqa: E402
-from mosaicquant.kernels.gemv import gemv_reason, gemv_triton  # noqa: E402
+from mosaicquant.kernels.gemv import gemv_quantize_triton, gemv_reason, gemv_triton  # noqa: E402
 from mosaicquant.kernels.residual_gemm import residual_add_triton  # noqa: E402
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_swapped_triton, w4a4_gemm_triton  # noqa: E402
 from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm_reference, zipper_gemm_triton  # noqa: E402
@@ -348,6 +351,16 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
                         return call
                     add(gname, [g_call(i) for i in range(n_w4)], gok and act_ok, grel,
                         w4_bytes + (res_bytes if gres else 0))
+                    # the same GEMV quantizing the activations in its prologue: one launch; checked
+                    # bit for bit against the two launches above (same integers, same scales)
+                    two = gemv_triton(ap, a_s, qweight, w_scale, k, residual=gres and gres[0])
+                    one = gemv_quantize_triton(x, qweight, w_scale, k, residual=gres and gres[0])
+                    fok, frel = check(one, gref)
+
+                    def f_call(i, gres=gres):
+                        return lambda: gemv_quantize_triton(x, qweights[i], w_scales[i], k, residual=gres and gres[i])
+                    add(f"{gname}_fq", [f_call(i) for i in range(n_w4)], fok and act_ok and torch.equal(one, two), frel,
+                        w4_bytes + (res_bytes if gres else 0))
         shown = [r for r in rows if r.get("n") == n and r.get("k") == k and r.get("m") == m and "us" in r]
         base = next((r["us"] for r in shown if r["variant"] == "bf16"), float("nan"))
         for r in shown:
@@ -363,7 +376,7 @@ def add_quantlinear_rows(rows, n, k, device) -> None:
     for m in sorted({r["m"] for r in rows if r.get("n") == n and r.get("k") == k}):
         sel = {r["variant"]: r for r in rows if r.get("n") == n and r.get("k") == k and r.get("m") == m and "us" in r}
         if m <= GEMV_ROUTE_MAX_M:
-            dense, zipped = "gemv", "gemv_zip10"
+            dense, zipped = ("gemv_fq", "gemv_zip10_fq") if _tiles.GEMV_FUSED_QUANT else ("gemv", "gemv_zip10")
         elif SWAP_DECODE_M[0] <= m <= SWAP_DECODE_M[1]:
             dense, zipped = "w4a4_swapdec", "zip10"
         else:
@@ -461,8 +474,8 @@ def main(argv=None) -> int:
     measured = [r for r in rows if "same_as" not in r]
     failed = [r for r in measured if r.get("check_ok") is False]
     print(f"\nchecks: {len(measured) - len(failed)} ok, {len(failed)} FAILED; {time.time() - t0:.0f}s")
-    cols = ["ql_dense", "gemv", "w4a4", "w4a4_x1", "w4a4_swapdec", "w4a4_swap", "w4a4_swap_x1", "zip0", "ql_zip10",
-            "gemv_zip10", "zip10", "zip10_dot", "zip10_x1", "zip10_swap", "zip10_swap_cc", "unfused10"]
+    cols = ["ql_dense", "gemv", "gemv_fq", "w4a4", "w4a4_x1", "w4a4_swapdec", "w4a4_swap", "w4a4_swap_x1", "zip0", "ql_zip10",
+            "gemv_zip10", "gemv_zip10_fq", "zip10", "zip10_dot", "zip10_x1", "zip10_swap", "zip10_swap_cc", "unfused10"]
     print("speedup vs bf16 (same run, median); bf16 us in first column")
     print(f"{'shape':>12} {'M':>5} {'bf16us':>8} " + " ".join(f"{c:>12}" for c in cols))
     for (n, k) in shapes:
