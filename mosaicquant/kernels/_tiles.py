@@ -128,9 +128,10 @@ GEMV_ROUTE_MAX_M = 1
 # mosaicquant.kernels.gemv.gemv_quantize_triton: the same integers, scales and output as the activation
 # quantizer's launch followed by the GEMV). Read at each call. Off: measured against the two launches on
 # every Llama-3 / Qwen3 linear in one run (v22, M = 1, us), it won only on o_proj (6.34 against 6.78) and
-# lost on the others (q/k/v 9.73 against 7.95, gate/up 23.50 against 19.26, down 17.27 against 12.95):
-# every program of a row of output tiles quantizes the same activations (N / 32 times the quantizer's
-# work, an IEEE division a value) and reads the whole row for its absmax.
+# lost on the others (q/k/v 9.73 against 7.95, gate/up 23.50 against 19.26, down 17.27 against 12.95); a
+# grid of its tiles found q/k/v 15 % faster on one of eight choices and left the wide and long layers
+# 4-24 % slower. Every output tile's programs quantize the same activations (N / 32 times the quantizer's
+# work, an IEEE division a value) and read the whole row for its absmax.
 GEMV_FUSED_QUANT = False
 # ZipperEngine's tail walks its residual blocks on dp4a (mosaicquant.kernels.gemv.residual_dp4a) up to
 # this many tokens, on int8 tensor-core dots above. Measured against each other on every Llama-3 / Qwen3
