@@ -282,7 +282,7 @@ def _gemv_kernel(
     M, N, KW, stride_am, stride_wn, stride_om, clip_ratio,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BN_RES: tl.constexpr, BKW_RES: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_ASM: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr = False, BK_SCALE: tl.constexpr = 1024,
+    USE_ASM: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr, BK_SCALE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
