@@ -253,7 +253,8 @@ def store_output(
     tile's counter; the split that arrives last adds the partials in split order (so the result
     does not depend on arrival order), adds the bias, writes the output and resets the counter
     to zero for the next launch. ``TRANS``: the tile is ``[BN, BM]`` (the operand-swapped GEMM's
-    ``Cᵀ``), written to the same ``[M, N]`` output.
+    ``Cᵀ``), written to the same ``[M, N]`` output. Returns whether this program wrote the tile's
+    output (the only split, or the last to arrive).
     """
     if TRANS:
         mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
@@ -271,6 +272,7 @@ def store_output(
             tl.store(out_ptr + out_offs, acc, mask=mask)
         else:
             tl.store(out_ptr + out_offs, acc.to(tl.bfloat16), mask=mask)
+        wrote = True
     else:
         # Launchers split K only when SPLIT_K * M * N < 2**31, so int32 offsets suffice here.
         if TRANS:
@@ -280,7 +282,8 @@ def store_output(
         plane = M * N
         tl.store(part_ptr + pid_k * plane + part_offs, acc, mask=mask, cache_modifier=".cg")
         arrived = tl.atomic_add(lock_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
+        wrote = arrived == SPLIT_K - 1
+        if wrote:
             total = tl.load(part_ptr + part_offs, mask=mask, other=0.0, cache_modifier=".cg")
             for s in range(1, SPLIT_K):
                 total += tl.load(part_ptr + s * plane + part_offs, mask=mask, other=0.0, cache_modifier=".cg")
@@ -291,6 +294,7 @@ def store_output(
             else:
                 tl.store(out_ptr + out_offs, total.to(tl.bfloat16), mask=mask)
             tl.atomic_xchg(lock_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+    return wrote
 
 
 @triton.jit

@@ -60,10 +60,12 @@ from mosaicquant.kernels._tl import round_to_bf16 as _round_to_bf16
 from mosaicquant.kernels.act_quant import (
     LAYOUTS,
     quantize_activations_reference,
-    quantize_store,
     split8_from_int,
     split8_width,
 )
+from mosaicquant.kernels.norm_fold import add_residual as _add_residual
+from mosaicquant.kernels.norm_fold import norm_quant_row
+from mosaicquant.kernels.norm_fold import rnd as _rnd
 from mosaicquant.methods.hadamard import _sylvester_on
 
 __all__ = [
@@ -134,24 +136,9 @@ def _bits(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16
 
 
-@triton.jit
-def _rnd(x, DT: tl.constexpr, BITS: tl.constexpr):
-    """``x`` rounded to the 16-bit dtype ``DT`` (nearest, ties to even), kept in fp32."""
-    if BITS:
-        return _round_to_bf16(x)
-    else:
-        return x.to(DT).to(tl.float32)
 
 
 # ---------------------------------------------------------------------------------------------- RMSNorm
-
-
-@triton.jit
-def _add_residual(x, r_ptrs, mask, DT: tl.constexpr, BITS: tl.constexpr):
-    """``x + residual`` rounded to ``DT`` (as the eager add rounds it), stored back as the new residual."""
-    x = _rnd(x + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32), DT, BITS)
-    tl.store(r_ptrs, x.to(DT), mask=mask)
-    return x
 
 
 @triton.jit
@@ -1277,21 +1264,8 @@ def _rmsnorm_quant_kernel(X, R, W, Q, SCALE, n, kp, eps, clip_ratio, stride_x, s
                           SPLIT8: tl.constexpr, CHAIN: tl.constexpr):
     chain_start(CHAIN)  # the GEMM reading our output may start its prologue (it waits before reading)
     row = tl.program_id(0).to(tl.int64)
-    pairs = tl.arange(0, HB)
-    k = pairs[:, None] * 2 + tl.arange(0, 2)[None, :]
-    mask = k < n
-    x = tl.load(X + row * stride_x + k, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        x = _add_residual(x, R + row * stride_r + k, mask, DT, BITS)
-    var = tl.sum(tl.sum(x * x, axis=1), axis=0) / n
-    y = _rnd(x * (1.0 / tl.sqrt(var + eps)), DT, BITS)
-    w = tl.load(W + k, mask=mask, other=0.0).to(tl.float32)
-    z = _rnd(w * y, DT, BITS)  # the normalized row exactly as rmsnorm() stores it
-    # then act_quant's quantizer on it (same operations, same integers)
-    scale = tl.math.div_rn(tl.max(tl.max(tl.abs(z), axis=1), axis=0) * clip_ratio, 7.0)
-    scale = tl.where(scale > 0.0, scale, 1.0)
-    tl.store(SCALE + row, scale)
-    quantize_store(z, scale, Q + row * stride_q, pairs, kp, SPLIT8)
+    norm_quant_row(X + row * stride_x, R + row * stride_r, W, Q + row * stride_q, SCALE + row, n, kp, eps, clip_ratio,
+                   HB, HAS_RES, DT, BITS, SPLIT8, False)
 
 
 def rmsnorm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,

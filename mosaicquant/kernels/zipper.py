@@ -110,6 +110,7 @@ from mosaicquant.kernels._tl import (
     wait_for_inputs,
 )
 from mosaicquant.kernels.gemv import gemv_reason, residual_dp4a, residual_dp4a_begin
+from mosaicquant.kernels.norm_fold import NormFold, fold_launch_args, fold_norm, fold_reason
 from mosaicquant.kernels.w4a4_gemm import X16_MAX_K, check_gemm_args, gated_shape_reason, int_matmul, silu_mul_halves
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 
@@ -133,11 +134,13 @@ def _zipper_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     block_map_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, a_words_ptr, res_words_ptr,
     M, N, KP, stride_am, stride_wn, stride_om, PF_ROW_BYTES, n_block_cols,
+    done_ptr, fr_ptr, fw_ptr, fq_ptr, fs_ptr, f_eps, f_clip, stride_fr, stride_fq, f_total,
     HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr, RKP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     X16: tl.constexpr = False, DP4A_TOKENS: tl.constexpr = 0,
+    FOLD: tl.constexpr = 0, FHB: tl.constexpr = 64, FSPLIT8: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -230,10 +233,13 @@ def _zipper_kernel(
     y = y * a_scale[:, None]
     if X16:  # every product was 256x: exact power-of-two rescale (the same rounding as without)
         y = y * 0.00390625
-    store_output(
+    wrote = store_output(
         out_ptr, part_ptr, lock_ptr, pid, pid_k, y, bias_ptr, offs_m, offs_n, M, N, stride_om,
         HAS_BIAS=HAS_BIAS, SPLIT_K=SPLIT_K, OUT_FP32=OUT_FP32,
     )
+    if FOLD > 0:  # the norm after this GEMM, by its last programs (mosaicquant.kernels.norm_fold)
+        fold_norm(wrote, out_ptr, stride_om, M, N, f_total, done_ptr, fr_ptr, stride_fr, fw_ptr, fq_ptr, stride_fq,
+                  fs_ptr, f_eps, f_clip, FOLD, FHB, tl.bfloat16, True, FSPLIT8)
 
 
 @triton.jit
@@ -433,6 +439,7 @@ def zipper_gemm_triton(
     x16: bool = True,
     residual_walk: str = "auto",
     gated: bool = False,
+    fold: NormFold | None = None,
 ) -> torch.Tensor:
     """Launch the fused dense + residual Triton GEMM.
 
@@ -461,13 +468,15 @@ def zipper_gemm_triton(
             ``[M, I]`` BF16, from the fix-up of each pair of tiles (the same bits as the GEMM then
             :func:`mosaicquant.kernels.decoder.silu_mul`); the parallel modes only, where
             :func:`gated_reason` finds nothing against it.
+        fold: the RMSNorm and quantizer after this GEMM, run by its last programs on its output
+            (:mod:`mosaicquant.kernels.norm_fold`); the inline and tail modes only.
 
     Returns:
         ``[M, N]`` BF16 (or fp32).
 
     Raises:
         UserInputError: bad operands, a residual of another shape, a block shape the kernel
-            cannot tile, or an unknown mode.
+            cannot tile, an unknown mode, or a fold this call cannot run.
     """
     m, n, kp = check_gemm_args(a_packed, a_scale, qweight, w_scale, bias, k)
     check_residual(residual, n, k)
@@ -512,6 +521,11 @@ def zipper_gemm_triton(
         pdl = False
     pdl = use_pdl(a_packed.device, pdl)
     pf_row = prefetch_row_bytes(n, kp, split, prefetch_mib, _tiles.ZIPPER_PREFETCH_MIB)
+    if fold is not None:
+        reason = "the parallel modes have no fold" if fuse in ("parallel", "parallel_rows") else \
+            fold_reason(fold, m, n, out_fp32, gated, out.device)
+        if reason is not None:
+            raise UserInputError(f"fold cannot run with this call: {reason}")
     if fuse in ("parallel", "parallel_rows"):
         if m > cfg.block_m or not cfg.use_dot:
             raise UserInputError(f"mode={fuse!r} runs one tensor-core tile of {cfg.block_m} tokens; this call has "
@@ -539,20 +553,21 @@ def zipper_gemm_triton(
             **maxnreg_launch(_tiles.PARALLEL_MAXNREG),
         )
         return out
+    fold_args, fold_consts = fold_launch_args(fold, m, tiles, out)
     _zipper_kernel[(tiles, split)](
         a_packed.view(torch.int8), a_scale, qweight.view(torch.int8), w_scale.reshape(-1),
         bias if bias is not None else a_scale, out, part, lock_buffer(out.device),
         block_map if block_map is not None else residual.row_ptr, residual.row_ptr, residual.coords,
         residual.values.view(torch.int8), residual.scales,
         *((a_packed.view(torch.int32), residual.values.view(torch.int32)) if dp4a_tokens else (a_scale, a_scale)),
-        m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), pf_row, residual.grid[1],
+        m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), pf_row, residual.grid[1], *fold_args,
         HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0, MODE=_MODE_ID[fuse],
         BN_RES=bn_res, BKP_RES=bk_res // 2, RKP=rkp,
         BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot,
         USE_ASM=not triton_interpreting(), PDL=gemm_pdl(a_packed.device, m, pdl),
         PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
         X16=bool(x16) and cfg.use_dot and k < X16_MAX_K, DP4A_TOKENS=dp4a_tokens,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl), **fold_consts,
     )
     return out
 
