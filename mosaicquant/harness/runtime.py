@@ -84,9 +84,10 @@ FUSED_ROPE_ATTENTION = True
 # quantizer) in that GEMM's last programs (mosaicquant.kernels.norm_fold) where the GEMM can
 # (QuantLinear.folds_norm; BF16 models, the next GEMM's quantizer fused into the norm); 0: never, the norm runs
 # as a kernel of its own. Off: measured slower (v23, Llama-3-8B shapes, CUDA-graph step, 3 interleaved rounds,
-# us at batch 4 / 8, off -> folded up to 8 tokens): RTN 2,211 / 2,497 -> 2,523 / 2,783, QuaRot (16-bit KV)
-# 2,386 / 2,617 -> 2,670 / 2,876, MosaicQuant 2,731 / 2,960 -> 3,082 / 3,347. The folded o_proj GEMM's
-# increment was 11.7 us against 5.4 for the GEMM and 3.1 for the norm kernel (benchmarks/NOTES.md v23).
+# us at batch 4 / 8, off -> folded up to 8 tokens): RTN 2,225 / 2,514 -> 2,537 / 2,712, QuaRot (16-bit KV)
+# 2,406 / 2,633 -> 2,653 / 2,853, MosaicQuant 2,774 / 2,983 -> 3,031 / 3,233. The folded o_proj GEMM's
+# increment was 12.0 us against 5.4 for the GEMM and 3.1 for the norm kernel: the row after the last tile
+# costs more than the launch boundary it removes (benchmarks/NOTES.md v23).
 NORM_FOLD_MAX_M = 0
 
 _STANDARD_ATTENTION = (None, "sdpa", "eager", "flash_attention_2", "flash_attention_3")
@@ -516,7 +517,7 @@ class FusedDecoder:
         folded = None  # the next q/k/v GEMM's quantized input, from the norm run by down_proj's GEMM
         for i, lay in enumerate(self.layers):
             if folded is not None:
-                qkv = self._gemm_after(*folded, lay.qkv, lay.qkv_quant)
+                qkv = self._gemm_after(*folded, lay.qkv_quant)
             else:  # the first layer's norm reads the embeddings (no residual sum yet)
                 qkv = self._norm_then(x if h is None else h, lay.input_norm, None if h is None else residual,
                                       lay.qkv, lay.qkv_quant)
@@ -524,7 +525,7 @@ class FusedDecoder:
             gated = self._gate_up_writes_silu(lay, x.shape[0])
             post = self._fold(lay.o_proj, a, lay.post_norm, residual, lay.gate_up_quant, gated)
             if post is not None:
-                gate_up = self._gemm_after(*post, lay.gate_up, lay.gate_up_quant, gated)
+                gate_up = self._gemm_after(*post, lay.gate_up_quant, gated)
             else:
                 gate_up = self._norm_then(lay.o_proj(a), lay.post_norm, residual, lay.gate_up, lay.gate_up_quant,
                                           gated)
@@ -575,7 +576,7 @@ class FusedDecoder:
         quant.forward_quantized(a, scale, "triton", fold=fold)
         return fold.q, fold.scale, layout
 
-    def _gemm_after(self, q: torch.Tensor, scale: torch.Tensor, layout: str, stacked: _Stacked, quant,
+    def _gemm_after(self, q: torch.Tensor, scale: torch.Tensor, layout: str, quant,
                     gated: bool = False) -> torch.Tensor:
         """The GEMM of :meth:`_norm_then` on activations its norm already quantized (``layout``)."""
         if gated:
@@ -645,7 +646,7 @@ class FusedDecoder:
         layout = "split8" if not gated and quant.uses_swapped(x.shape[0], "triton") else "packed"
         a, scale = rmsnorm_quant(x, norm.weight, norm.variance_epsilon, residual, quant.act_clip_ratio, layout,
                                  kernel="triton")
-        return self._gemm_after(a, scale, layout, stacked, quant, gated)
+        return self._gemm_after(a, scale, layout, quant, gated)
 
     def _head(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         from mosaicquant.kernels.decoder import rmsnorm

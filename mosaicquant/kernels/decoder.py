@@ -63,9 +63,7 @@ from mosaicquant.kernels.act_quant import (
     split8_from_int,
     split8_width,
 )
-from mosaicquant.kernels.norm_fold import add_residual as _add_residual
-from mosaicquant.kernels.norm_fold import norm_quant_row
-from mosaicquant.kernels.norm_fold import rnd as _rnd
+from mosaicquant.kernels.norm_fold import add_residual, norm_quant_row, rnd
 from mosaicquant.methods.hadamard import _sylvester_on
 
 __all__ = [
@@ -151,11 +149,11 @@ def _rmsnorm_kernel(X, R, W, OUT, n, eps, stride_x, stride_r, stride_o,
     mask = offs < n
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        x = _add_residual(x, R + row * stride_r + offs, mask, DT, BITS)
+        x = add_residual(x, R + row * stride_r + offs, mask, DT, BITS)
     var = tl.sum(x * x, axis=0) / n
-    y = _rnd(x * (1.0 / tl.sqrt(var + eps)), DT, BITS)
+    y = rnd(x * (1.0 / tl.sqrt(var + eps)), DT, BITS)
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + row * stride_o + offs, _rnd(w * y, DT, BITS).to(DT), mask=mask)
+    tl.store(OUT + row * stride_o + offs, rnd(w * y, DT, BITS).to(DT), mask=mask)
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -221,8 +219,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
 @triton.jit
 def _rope_half(x1, x2, c, s, DT: tl.constexpr, BITS: tl.constexpr):
     # transformers: q·cos + rotate_half(q)·sin, each product rounded to the 16-bit dtype
-    o1 = _rnd(_rnd(x1 * c, DT, BITS) - _rnd(x2 * s, DT, BITS), DT, BITS).to(DT)
-    o2 = _rnd(_rnd(x2 * c, DT, BITS) + _rnd(x1 * s, DT, BITS), DT, BITS).to(DT)
+    o1 = rnd(rnd(x1 * c, DT, BITS) - rnd(x2 * s, DT, BITS), DT, BITS).to(DT)
+    o2 = rnd(rnd(x2 * c, DT, BITS) + rnd(x1 * s, DT, BITS), DT, BITS).to(DT)
     return o1, o2
 
 
@@ -230,8 +228,8 @@ def _rope_half(x1, x2, c, s, DT: tl.constexpr, BITS: tl.constexpr):
 def _head_norm(x1, x2, w1, w2, eps, D: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr):
     var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D
     r = (1.0 / tl.sqrt(var + eps))[:, None]
-    y1 = _rnd(w1[None, :] * _rnd(x1 * r, DT, BITS), DT, BITS)
-    y2 = _rnd(w2[None, :] * _rnd(x2 * r, DT, BITS), DT, BITS)
+    y1 = rnd(w1[None, :] * rnd(x1 * r, DT, BITS), DT, BITS)
+    y2 = rnd(w2[None, :] * rnd(x2 * r, DT, BITS), DT, BITS)
     return y1, y2
 
 
@@ -279,7 +277,7 @@ def _hadamard_halves(x1, x2, D: tl.constexpr, DT: tl.constexpr, BITS: tl.constex
         a = _butterfly(a, R, HALF, 1 << i)
         b = _butterfly(b, R, HALF, 1 << i)
     norm = 1.0 / tl.sqrt(D * 1.0)
-    return _rnd(a * norm, DT, BITS), _rnd(b * norm, DT, BITS)
+    return rnd(a * norm, DT, BITS), rnd(b * norm, DT, BITS)
 
 
 @triton.jit
@@ -295,7 +293,7 @@ def _hadamard_halves_dot(x1, x2, HP, D: tl.constexpr, DT: tl.constexpr, BITS: tl
         a = tl.dot(x1.to(DT), h)
         b = tl.dot(x2.to(DT), h)
     norm = 1.0 / tl.sqrt(D * 1.0)
-    return _rnd((a + b) * norm, DT, BITS), _rnd((a - b) * norm, DT, BITS)
+    return rnd((a + b) * norm, DT, BITS), rnd((a - b) * norm, DT, BITS)
 
 
 @triton.jit
@@ -388,10 +386,10 @@ def _rope_kv_kernel(QKV, POS, COS, SIN, QN, KN, QOUT, KC, VC, KS, KZ, VS, VZ, KD
         vd1, vd2 = _kv4_store(v1.to(tl.float32), v2.to(tl.float32), VC, VS, VZ, at, sat, mk, clip, SYM)
         if DEQ:  # the dequantized keys and values in DT, as methods.kvcache's simulation rounds them
             deq = b * stride_db + hk * stride_dh + pos * stride_dl + d[None, :]
-            tl.store(KD + deq, _rnd(kd1, DT, BITS).to(DT), mask=mk)
-            tl.store(KD + deq + HALF, _rnd(kd2, DT, BITS).to(DT), mask=mk)
-            tl.store(VD + deq, _rnd(vd1, DT, BITS).to(DT), mask=mk)
-            tl.store(VD + deq + HALF, _rnd(vd2, DT, BITS).to(DT), mask=mk)
+            tl.store(KD + deq, rnd(kd1, DT, BITS).to(DT), mask=mk)
+            tl.store(KD + deq + HALF, rnd(kd2, DT, BITS).to(DT), mask=mk)
+            tl.store(VD + deq, rnd(vd1, DT, BITS).to(DT), mask=mk)
+            tl.store(VD + deq + HALF, rnd(vd2, DT, BITS).to(DT), mask=mk)
     else:
         cache = b * stride_cb + hk * stride_ch + pos * stride_cl + d[None, :]
         tl.store(KC + cache, k1.to(DT), mask=mk)
@@ -807,7 +805,7 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        pw = _rnd(p * vs[None, :], DT, BITS)
+        pw = rnd(p * vs[None, :], DT, BITS)
         corr = tl.sum(pw * vz[None, :], axis=1)[:, None]
         acc1 = acc1 * alpha[:, None] + (tl.dot(pw.to(KD), v_lo) - corr)
         acc2 = acc2 * alpha[:, None] + (tl.dot(pw.to(KD), v_hi) - corr)
@@ -876,7 +874,7 @@ def _attn_combine_kernel(PM, PL, PACC, OUT, stride_ob, HQ, NSPLIT, G: tl.constex
     hq = bq % HQ
     bh = b * (HQ // G) + hq // G
     o = _combine_head(PM, PL, PACC, (bh * NSPLIT).to(tl.int64) * GP + hq % G, NSPLIT, SP, GP, D)
-    tl.store(OUT + b.to(tl.int64) * stride_ob + hq * D + tl.arange(0, D), _rnd(o, DT, BITS).to(DT))
+    tl.store(OUT + b.to(tl.int64) * stride_ob + hq * D + tl.arange(0, D), rnd(o, DT, BITS).to(DT))
 
 
 @triton.jit
@@ -961,8 +959,8 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
             p = tl.exp2(s_new - m_new)
             alpha = tl.exp2(m - m_new)
             l_sum = l_sum * alpha + p
-            acc1 = acc1 * alpha[:, None] + _rnd(p, DT, BITS)[:, None] * vd1
-            acc2 = acc2 * alpha[:, None] + _rnd(p, DT, BITS)[:, None] * vd2
+            acc1 = acc1 * alpha[:, None] + rnd(p, DT, BITS)[:, None] * vd1
+            acc2 = acc2 * alpha[:, None] + rnd(p, DT, BITS)[:, None] * vd2
             m = m_new
         acc = _cat_halves(acc1, acc2)
     else:
@@ -987,12 +985,12 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
             p = tl.exp2(s_new - m_new)
             alpha = tl.exp2(m - m_new)
             l_sum = l_sum * alpha + p
-            acc = acc * alpha[:, None] + _rnd(p, DT, BITS)[:, None] * v_new.to(tl.float32)[None, :]
+            acc = acc * alpha[:, None] + rnd(p, DT, BITS)[:, None] * v_new.to(tl.float32)[None, :]
             m = m_new
     if DIRECT:  # the head's only chunk: its output, as _combine_head gives it for one chunk (weight exp2(0) = 1)
         g1 = tl.arange(0, GP)
         o = acc / l_sum[:, None]
-        tl.store(OUT + b * stride_ob + (h * G + g1)[:, None] * D + d[None, :], _rnd(o, DT, BITS).to(DT),
+        tl.store(OUT + b * stride_ob + (h * G + g1)[:, None] * D + d[None, :], rnd(o, DT, BITS).to(DT),
                  mask=(g1 < G)[:, None])
     else:
         _store_partial(PM, PL, PACC, (bh * NSPLIT + split).to(tl.int64) * GP, m, l_sum, acc, G, GP, D)

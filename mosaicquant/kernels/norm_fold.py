@@ -4,12 +4,12 @@ In the decode step the outputs of ``o_proj`` and ``down_proj`` go to an RMSNorm 
 into the residual stream and quantizes the normalized row for the next GEMM
 (:func:`mosaicquant.kernels.decoder.rmsnorm_quant`). As a kernel of its own that norm costs a
 launch boundary: it waits for the whole GEMM grid to finish, loads the rows, and the next GEMM
-waits for it in turn. Folded, the GEMM does it itself: every program counts itself done after
-its output store (:func:`fold_norm`; with split K, the split that writes the tile), and the
-last programs to finish normalize and quantize the rows.
+waits for it in turn. Folded, the GEMM does it itself: every program that writes an output tile
+(the only split, or the split-K fix-up) counts it done after its store (:func:`fold_norm`), and
+the last ones to finish normalize and quantize the rows.
 
 - ``FOLD == 2`` (the GPU): the last ``M`` tiles' writers to arrive take a row each. Each waits until
-  the counter reaches the grid's size (every tile written), then runs the row. A waiting
+  the counter reaches the launch's tiles (every tile written), then runs the row. A waiting
   program only waits for programs that have already arrived or that can still be scheduled
   (at most ``M`` programs wait; every other slot frees as its program ends), so the grid
   cannot deadlock.
@@ -21,6 +21,9 @@ The row is :func:`norm_quant_row`, the body of the standalone kernel. With the G
 sums of squares and the absmax may be reduced in another order than the standalone kernel's;
 the integers and scales agree with it up to that order (tests check both against the reference).
 The two counters reset themselves, so the buffer is zero between launches.
+
+Measured slower than the norm's own kernel on the H200 (``benchmarks/NOTES.md`` v23): the fused
+decoder leaves it off (``mosaicquant.harness.runtime.NORM_FOLD_MAX_M``).
 """
 
 from __future__ import annotations
@@ -36,10 +39,14 @@ from mosaicquant.kernels._common import check_tensor, triton_interpreting
 from mosaicquant.kernels._tl import round_to_bf16
 from mosaicquant.kernels.act_quant import LAYOUTS, quantize_store, split8_width
 
-__all__ = ["NormFold", "norm_fold", "fold_reason", "fold_launch_args", "FOLD_SPIN"]
+__all__ = ["NormFold", "norm_fold", "fold_reason", "fold_launch_args", "fold_pdl", "FOLD_SPIN", "FOLD_LATE_SIGNAL"]
 
-# The last M programs take a row each (waiting for the count), rather than the last program taking every row.
+# The last M tile writers take a row each (waiting for the count), rather than the last one taking every row.
 FOLD_SPIN = True
+# In the decode step's PDL chain, a folding GEMM lets the kernel after it launch once each program has stored
+# its tile (before the fold's tail) instead of as it starts: the next GEMM's weight prefetch then overlaps the
+# tail, as it overlapped the norm's kernel, rather than the GEMM's own weight stream.
+FOLD_LATE_SIGNAL = True
 
 
 @triton.jit
@@ -205,3 +212,11 @@ def fold_launch_args(fold: NormFold | None, m: int, tiles: int, out: torch.Tenso
             fold.residual.stride(0), fold.q.stride(0), tiles)
     return args, {"FOLD": 2 if FOLD_SPIN and not triton_interpreting() and tiles >= m else 1, "FHB": max(64, triton.next_power_of_2((n + 1) // 2)),
                   "FSPLIT8": fold.layout == "split8"}
+
+
+def fold_pdl(fold: NormFold | None, pdl: int) -> tuple[int, bool]:
+    """A GEMM launch's ``(PDL, LATE_SIGNAL)`` constexprs from its ``PDL`` (``_common.gemm_pdl``): with a fold in
+    the step's chain (``PDL == 2``) and :data:`FOLD_LATE_SIGNAL`, wait as before but signal after the store."""
+    if fold is not None and pdl == 2 and FOLD_LATE_SIGNAL:
+        return 1, True
+    return pdl, False

@@ -82,7 +82,7 @@ from mosaicquant.kernels._tl import (
     wait_for_inputs,
 )
 from mosaicquant.kernels.act_quant import SPLIT_BLOCK, split8_width
-from mosaicquant.kernels.norm_fold import NormFold, fold_launch_args, fold_norm, fold_reason
+from mosaicquant.kernels.norm_fold import NormFold, fold_launch_args, fold_norm, fold_pdl, fold_reason
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 
 __all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_swapped_triton", "w4a4_gemm_reference", "check_gemm_args",
@@ -104,7 +104,7 @@ def _w4a4_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     X16: tl.constexpr = False, GATED: tl.constexpr = False,
-    FOLD: tl.constexpr = 0, FHB: tl.constexpr = 64, FSPLIT8: tl.constexpr = False,
+    FOLD: tl.constexpr = 0, FHB: tl.constexpr = 64, FSPLIT8: tl.constexpr = False, LATE_SIGNAL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -131,6 +131,8 @@ def _w4a4_gemm_kernel(
             out_ptr, part_ptr, lock_ptr, pid, pid_k, y, bias_ptr, offs_m, offs_n, M, N, stride_om,
             HAS_BIAS=HAS_BIAS, SPLIT_K=SPLIT_K, OUT_FP32=OUT_FP32,
         )
+        if LATE_SIGNAL:  # the kernel after us may launch now (norm_fold.fold_pdl)
+            tl.extra.cuda.gdc_launch_dependents()
         if FOLD > 0:  # the norm after this GEMM, by its last programs (mosaicquant.kernels.norm_fold)
             fold_norm(wrote, out_ptr, stride_om, M, N, f_total, done_ptr, fr_ptr, stride_fr, fw_ptr, fq_ptr, stride_fq,
                       fs_ptr, f_eps, f_clip, FOLD, FHB, tl.bfloat16, True, FSPLIT8)
@@ -406,13 +408,14 @@ def w4a4_gemm_triton(
         pdl = False
     pdl = use_pdl(a_packed.device, pdl)
     pf_row = prefetch_row_bytes(n, kp, split, prefetch_mib, DENSE_PREFETCH_MIB)
+    pdl_c, late_signal = fold_pdl(fold, gemm_pdl(a_packed.device, m, pdl))
     _w4a4_gemm_kernel[(tiles, split)](
         a_packed.view(torch.int8), a_scale, qweight.view(torch.int8), w_scale,
         bias if bias is not None else a_scale, out, part, lock_buffer(out.device),
         m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), pf_row, *fold_args,
         HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0,
         BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot,
-        USE_ASM=not triton_interpreting(), PDL=gemm_pdl(a_packed.device, m, pdl),
+        USE_ASM=not triton_interpreting(), PDL=pdl_c, LATE_SIGNAL=late_signal,
         PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
         X16=bool(x16) and cfg.use_dot and k < X16_MAX_K, GATED=bool(gated),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
