@@ -94,6 +94,12 @@ ATTN_BLOCK_N = 64  # keys a step of the attention kernels
 # 3,292 / 4,342 at batch 4 / 8 / 16 / 32 (8 KV heads: 32 pairs at batch 4).
 ATTN_PROGRAMS_PER_SM = 1
 ATTN_FEW_PAIRS = 64
+# From this many pairs an SM the default cut is one chunk a head (the chunks' programs then write the output
+# themselves: ATTN_DIRECT_ONE_CHUNK), rather than two chunks and their combine where pairs fall just short of the
+# SMs (128 pairs on 132 SMs at batch 16). Measured (v23, Llama-3-8B shapes, context 512, CUDA-graph step at batch
+# 16, 3 interleaved rounds, µs): BF16 5,070 -> 5,024, QuaRot (16-bit KV) 2,898 -> 2,867, MosaicQuant 3,259 -> 3,233;
+# one chunk at batch 4 / 8 (32 / 64 pairs) was 6-11 % slower for the W4A4 methods.
+ATTN_ONE_CHUNK_PAIRS_PER_SM = 0.95
 # Where the cache is one chunk (nsplit == 1: from ~132 sequence x KV-head pairs), decode_rope_attention's programs
 # write the output themselves, as the combining kernel would, and that kernel is not launched.
 ATTN_DIRECT_ONE_CHUNK = True
@@ -999,8 +1005,11 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
 def attention_splits(batch: int, kv_heads: int, cache_len: int, sms: int = 132, block_n: int = 64,
                      per_sm: int | None = None) -> int:
     """Keys per program of :func:`decode_attention`: a multiple of ``block_n`` giving ~``per_sm`` programs per SM
-    (default :data:`ATTN_PROGRAMS_PER_SM`, doubled below :data:`ATTN_FEW_PAIRS` sequence × KV-head pairs)."""
+    (default :data:`ATTN_PROGRAMS_PER_SM`, doubled below :data:`ATTN_FEW_PAIRS` sequence × KV-head pairs; one
+    chunk a head from :data:`ATTN_ONE_CHUNK_PAIRS_PER_SM` pairs an SM)."""
     if per_sm is None:
+        if batch * kv_heads >= ATTN_ONE_CHUNK_PAIRS_PER_SM * sms:
+            return max(block_n, math.ceil(cache_len / block_n) * block_n)
         per_sm = ATTN_PROGRAMS_PER_SM * (2 if batch * kv_heads < ATTN_FEW_PAIRS else 1)
     want = max(1, math.ceil(per_sm * sms / max(batch * kv_heads, 1)))
     return max(block_n, math.ceil(math.ceil(cache_len / want) / block_n) * block_n)

@@ -478,6 +478,9 @@ def test_attention_splits_fill_the_gpu():
     assert chunk % 64 == 0 and 32 * 8 * math.ceil(520 / chunk) >= 132
     assert attention_splits(8, 8, 520, 132, per_sm=2) == 128
     assert attention_splits(1, 1, 10, 132) == 64
+    # from 0.95 pairs an SM one chunk a head (128 pairs on 132 SMs), unless programs an SM are given
+    assert attention_splits(16, 8, 520, 132) == 576 and attention_splits(15, 8, 520, 132) == 320
+    assert attention_splits(16, 8, 520, 132, per_sm=1) == 320
 
 
 @pytest.mark.parametrize("t,i", [(1, 96), (13, 4100), (67, 33)])
