@@ -288,6 +288,17 @@ def _quantize_new_kv(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return q.contiguous()
 
 
+def _quantize_input(x: torch.Tensor, quant, transform, layout: str, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant``'s activation quantizer on ``x`` (Triton), inside ``transform``'s fused online Hadamard when given;
+    ``gated``: ``x`` is ``[gate | up]`` and SiLU·mul runs inside it."""
+    from mosaicquant.kernels.act_quant import quantize_activations_triton
+    from mosaicquant.kernels.hadamard_quant import hadamard_quantize_triton
+
+    if transform is not None:
+        return hadamard_quantize_triton(x, transform, quant.act_clip_ratio, layout=layout, gated=gated)
+    return quantize_activations_triton(x, quant.act_clip_ratio, layout=layout, gated=gated)
+
+
 @dataclass
 class _Layer:
     input_norm: nn.Module
@@ -549,9 +560,8 @@ class FusedDecoder:
         the GEMM's last programs (:data:`NORM_FOLD_MAX_M`); ``(q, scale, layout)`` for the next GEMM, or ``None``
         where the call cannot fold (the caller then runs the module and the norm as kernels of their own).
         ``silu``: ``x`` is ``[gate | up]`` and ``module``'s quantizer takes SiLU·mul (:meth:`_silu_down`)."""
-        from mosaicquant.kernels.act_quant import quantize_activations_triton
         from mosaicquant.kernels.convert import KernelLinear
-        from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason, hadamard_quantize_triton
+        from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason
         from mosaicquant.kernels.norm_fold import norm_fold
         from mosaicquant.kernels.quant_linear import QuantLinear
 
@@ -568,10 +578,7 @@ class FusedDecoder:
             return None
         layout = "split8" if not next_gated and next_quant.uses_swapped(m, "triton") else "packed"
         x2 = x.reshape(m, quant.in_features * (2 if silu else 1)).contiguous()
-        if transform is not None:
-            a, scale = hadamard_quantize_triton(x2, transform, quant.act_clip_ratio, gated=silu)
-        else:
-            a, scale = quantize_activations_triton(x2, quant.act_clip_ratio, gated=silu)
+        a, scale = _quantize_input(x2, quant, transform, "packed", silu)
         fold = norm_fold(norm.weight, norm.variance_epsilon, residual, next_quant.act_clip_ratio, layout)
         quant.forward_quantized(a, scale, "triton", fold=fold)
         return fold.q, fold.scale, layout
@@ -620,18 +627,12 @@ class FusedDecoder:
     def _silu_down(self, gate_up: torch.Tensor, down: nn.Module, quant, transform=None) -> torch.Tensor:
         """``down(silu_mul(gate_up))``; with ``quant`` (see :meth:`_gated_input`) SiLU·mul runs inside its
         quantizer, or inside the fused online Hadamard + quantizer with ``transform``."""
-        from mosaicquant.kernels.act_quant import quantize_activations_triton
         from mosaicquant.kernels.decoder import silu_mul
-        from mosaicquant.kernels.hadamard_quant import hadamard_quantize_triton
 
         if quant is None:
             return down(silu_mul(gate_up, kernel=self.kernel))
         swapped = quant.uses_swapped(gate_up.shape[0], "triton")
-        layout = "split8" if swapped else "packed"
-        if transform is not None:
-            a, scale = hadamard_quantize_triton(gate_up, transform, quant.act_clip_ratio, layout=layout, gated=True)
-        else:
-            a, scale = quantize_activations_triton(gate_up, quant.act_clip_ratio, layout=layout, gated=True)
+        a, scale = _quantize_input(gate_up, quant, transform, "split8" if swapped else "packed", True)
         y = quant.forward_split8(a, scale) if swapped else quant.forward_quantized(a, scale, "triton")
         return y.to(gate_up.dtype)
 

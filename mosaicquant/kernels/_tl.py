@@ -460,6 +460,16 @@ def round_to_bf16(z):
 
 
 @triton.jit
+def rnd(x, DT: tl.constexpr, BITS: tl.constexpr):
+    """``x`` rounded to the 16-bit dtype ``DT`` (nearest, ties to even), kept in fp32; ``BITS``: by
+    :func:`round_to_bf16` (BF16), else by the dtype conversion."""
+    if BITS:
+        return round_to_bf16(x)
+    else:
+        return x.to(DT).to(tl.float32)
+
+
+@triton.jit
 def silu_mul_rounded(g, u, IS_BF16: tl.constexpr):
     """``silu(g) · u`` of fp32 values from a 16-bit tensor, rounded as transformers' eager ops round.
 

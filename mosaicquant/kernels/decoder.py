@@ -55,7 +55,7 @@ from mosaicquant.kernels._common import (
     resolve_kernel,
     triton_interpreting,
 )
-from mosaicquant.kernels._tl import chain_start, round_half_even, silu_mul_rounded
+from mosaicquant.kernels._tl import chain_start, rnd, round_half_even, silu_mul_rounded
 from mosaicquant.kernels._tl import round_to_bf16 as _round_to_bf16
 from mosaicquant.kernels.act_quant import (
     LAYOUTS,
@@ -63,7 +63,7 @@ from mosaicquant.kernels.act_quant import (
     split8_from_int,
     split8_width,
 )
-from mosaicquant.kernels.norm_fold import add_residual, norm_quant_row, rnd
+from mosaicquant.kernels.norm_fold import add_residual, norm_quant_row
 from mosaicquant.methods.hadamard import _sylvester_on
 
 __all__ = [
@@ -138,8 +138,6 @@ def _bits(dtype: torch.dtype) -> bool:
     # the H200 the compiled ``.to(bf16).to(fp32)`` pairs did not round every RoPE product (15% of the
     # outputs off by up to 2 ulps of the inputs); integer ops are kept as written everywhere
     return dtype == torch.bfloat16
-
-
 
 
 # ---------------------------------------------------------------------------------------------- RMSNorm

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels._common import check_tensor, triton_interpreting
-from mosaicquant.kernels._tl import round_to_bf16
+from mosaicquant.kernels._tl import rnd
 from mosaicquant.kernels.act_quant import LAYOUTS, quantize_store, split8_width
 
 __all__ = ["NormFold", "norm_fold", "fold_reason", "fold_launch_args", "fold_pdl", "FOLD_SPIN", "FOLD_LATE_SIGNAL"]
@@ -47,15 +47,6 @@ FOLD_SPIN = True
 # its tile (before the fold's tail) instead of as it starts: the next GEMM's weight prefetch then overlaps the
 # tail, as it overlapped the norm's kernel, rather than the GEMM's own weight stream.
 FOLD_LATE_SIGNAL = True
-
-
-@triton.jit
-def rnd(x, DT: tl.constexpr, BITS: tl.constexpr):
-    """``x`` rounded to the 16-bit dtype ``DT`` (nearest, ties to even), kept in fp32."""
-    if BITS:
-        return round_to_bf16(x)
-    else:
-        return x.to(DT).to(tl.float32)
 
 
 @triton.jit
