@@ -26,6 +26,8 @@ a GEMM signals once it has waited, so every launch gap of the step overlaps the 
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -233,6 +235,56 @@ def prefetch_rows_l2(base_ptr, rows, stride, byte_begin, byte_end, LINES: tl.con
         ptrs = row_ptr + tl.where(at < byte_end, at, byte_begin)
         tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [ptrs.to(tl.int64, bitcast=False)], dtype=tl.int32,
                                   is_pure=False, pack=1)
+
+
+# How the quantizers divide by a row's scale (``MOSAICQUANT_QUANT_DIV``, read at import): every way gives
+# the IEEE quotient, so the same integers (:func:`quant_div`). "fma" (the default): a reciprocal per row and
+# a two-FMA correction per value; "ieee": ``div_rn`` per value; "fp64": a float64 product per value.
+QUANT_DIV_MODES = ("fma", "ieee", "fp64")
+QUANT_DIV = os.environ.get("MOSAICQUANT_QUANT_DIV", "fma")
+if QUANT_DIV not in QUANT_DIV_MODES:
+    raise ValueError(f"MOSAICQUANT_QUANT_DIV={QUANT_DIV!r}: expected one of {', '.join(QUANT_DIV_MODES)}")
+# Triton's interpreter evaluates fma as a product and a sum, each rounded: its "fma" mode runs the float64 product.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_QDIV = tl.constexpr({"ieee": 0, "fma": 2 if _INTERPRETING else 1, "fp64": 2}[QUANT_DIV])
+
+
+@triton.jit
+def quant_div(x, scale):
+    """``x / scale`` (fp32) rounded as the IEEE division ``div_rn`` rounds it, for the quantizers.
+
+    ``scale`` (positive, finite) is one value per row, shaped to broadcast against ``x``; its reciprocal is
+    taken once. The IEEE division per value (``div_rn``: a reciprocal, a correction, a range check) cost the
+    quantizers ~1.2 µs a 4096-wide row on 4 warps (``benchmarks/NOTES.md`` v23); the default mode avoids it:
+
+    - "fma" (GPU): ``r = div_rn(1, s)``, ``q0 = x·r``, ``e = fma(-q0, s, x)``, ``q = fma(e, r, q0)``. With ``r``
+      the correctly rounded reciprocal and ``q0`` within an ulp of ``x / s``, ``e`` is exact and ``q`` is the
+      correctly rounded quotient (Markstein's theorem), provided ``x``, ``s`` and ``e`` stay in fp32's normal
+      range: scales below ``2**-60`` or above ``2**60`` are first multiplied, with ``x``, by ``2**64`` or
+      ``2**-64`` (exact), which holds it for every quotient of ``1/4`` or more. Smaller quotients may differ in
+      their last bits, and stay below ``1/2``: the integer 0 either way.
+    - "fp64" (and the interpreter, whose fma is not fused): ``fp32(fp64(x) · fp64(1 / s))``. The product is
+      within ``2**-52`` relative of ``x / s``, and a quotient of two fp32 values is never an fp32 rounding
+      midpoint and lies at least ``2**-49`` relative from every one, so rounding to fp32 gives ``div_rn``'s
+      value wherever it is normal.
+    - "ieee": ``div_rn`` per value.
+
+    ``tests/kernels/test_quant_div.py`` checks each against torch's division at quotients within a few ulps
+    of every half-integer, and the "fma" sequence in exact rational arithmetic.
+    """
+    if _QDIV == 0:
+        return tl.math.div_rn(x, scale)
+    elif _QDIV == 2:
+        return (x.to(tl.float64) * (1.0 / scale.to(tl.float64))).to(tl.float32)
+    else:
+        f = tl.where(scale < 8.673617379884035e-19, 1.8446744073709552e19,
+                     tl.where(scale > 1.152921504606847e18, 5.421010862427522e-20, 1.0))
+        s = scale * f
+        xs = x * f
+        r = tl.math.div_rn(1.0, s)
+        q0 = xs * r
+        e = tl.math.fma(-q0, s, xs)
+        return tl.math.fma(e, r, q0)
 
 
 @triton.jit

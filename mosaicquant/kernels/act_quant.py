@@ -7,8 +7,9 @@ per token, ``scale_dtype=None``):
     scale  = (absmax * clip_ratio) / 7          (fp32; an all-zero row gets scale 1)
     q      = clamp(round_half_even(x / scale), -8, 7)
 
-``x / scale`` is an IEEE division (``div_rn``) and the rounding is ties-to-even, so the
-integers and scales are bit-identical to the shared quantizer's.
+``x / scale`` is rounded as the IEEE division rounds it (:func:`mosaicquant.kernels._tl.quant_div`: one
+reciprocal a row, an exact two-FMA correction a value) and the rounding to integers is ties-to-even, so
+the integers and scales are bit-identical to the shared quantizer's.
 
 Packed layout (the one of :func:`mosaicquant.methods.format.pack_int4`): byte ``j`` of a row
 holds ``q[2j]`` in its low nibble and ``q[2j+1]`` in its high nibble; an odd K pads the last
@@ -45,7 +46,7 @@ from mosaicquant.kernels._common import (
     check_triton_device,
     resolve_kernel,
 )
-from mosaicquant.kernels._tl import chain_start, round_half_even, silu_mul_rounded
+from mosaicquant.kernels._tl import chain_start, quant_div, round_half_even, silu_mul_rounded
 from mosaicquant.kernels._token_split import (
     barrier_buffer,
     check_num_warps,
@@ -76,7 +77,7 @@ def quantize_store(x, scale, q_row, kp, KP, SPLIT8: tl.constexpr):
     """Quantize pairs ``x [len(kp), 2]`` (fp32) of one row with ``scale``; store them packed or split8."""
     # Clamping to [-9, 9] before rounding does not change clamp(round(v), -8, 7) and keeps
     # the magic-number rounding in its exact range for any clip ratio.
-    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -9.0), 9.0)
+    v = tl.minimum(tl.maximum(quant_div(x, scale), -9.0), 9.0)
     q = tl.minimum(tl.maximum(round_half_even(v), -8.0), 7.0).to(tl.int8)
     q_even, q_odd = tl.split(q)
     if SPLIT8:

@@ -55,7 +55,7 @@ from mosaicquant.kernels._common import (
     resolve_kernel,
     triton_interpreting,
 )
-from mosaicquant.kernels._tl import chain_start, rnd, round_half_even, silu_mul_rounded
+from mosaicquant.kernels._tl import chain_start, quant_div, rnd, round_half_even, silu_mul_rounded
 from mosaicquant.kernels._tl import round_to_bf16 as _round_to_bf16
 from mosaicquant.kernels.act_quant import (
     LAYOUTS,
@@ -315,9 +315,9 @@ def _kv4_quantize(x1, x2, clip, SYM: tl.constexpr):
         zero = scale * 0.0 + 8.0
         # clamping to [-9, 9] first keeps the magic-number rounding exact and clamp(round(v), -8, 7) unchanged
         u1 = tl.minimum(tl.maximum(round_half_even(tl.minimum(tl.maximum(
-            tl.math.div_rn(x1, scale[:, None]), -9.0), 9.0)), -8.0), 7.0) + 8.0
+            quant_div(x1, scale[:, None]), -9.0), 9.0)), -8.0), 7.0) + 8.0
         u2 = tl.minimum(tl.maximum(round_half_even(tl.minimum(tl.maximum(
-            tl.math.div_rn(x2, scale[:, None]), -9.0), 9.0)), -8.0), 7.0) + 8.0
+            quant_div(x2, scale[:, None]), -9.0), 9.0)), -8.0), 7.0) + 8.0
     else:
         lo = tl.minimum(tl.minimum(tl.min(x1, axis=1), tl.min(x2, axis=1)), 0.0) * clip
         hi = tl.maximum(tl.maximum(tl.max(x1, axis=1), tl.max(x2, axis=1)), 0.0) * clip
@@ -326,9 +326,9 @@ def _kv4_quantize(x1, x2, clip, SYM: tl.constexpr):
         zero = round_half_even(tl.math.div_rn(-lo, scale))
         # |v| > 32 lands outside [0, 15] after the zero point either way
         u1 = tl.minimum(tl.maximum(round_half_even(tl.minimum(tl.maximum(
-            tl.math.div_rn(x1, scale[:, None]), -32.0), 32.0)) + zero[:, None], 0.0), 15.0)
+            quant_div(x1, scale[:, None]), -32.0), 32.0)) + zero[:, None], 0.0), 15.0)
         u2 = tl.minimum(tl.maximum(round_half_even(tl.minimum(tl.maximum(
-            tl.math.div_rn(x2, scale[:, None]), -32.0), 32.0)) + zero[:, None], 0.0), 15.0)
+            quant_div(x2, scale[:, None]), -32.0), 32.0)) + zero[:, None], 0.0), 15.0)
     packed = u1.to(tl.uint8) | (u2.to(tl.uint8) << 4)
     return packed, scale, zero
 
@@ -1328,5 +1328,5 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
             x, res, weight, q.view(torch.int8), scale, n, kp, float(eps), float(clip_ratio), x.stride(0),
             res.stride(0), q.stride(0), HB=hb, HAS_RES=residual is not None, DT=_tl_dtype(x.dtype),
             BITS=_bits(x.dtype), SPLIT8=layout == "split8", CHAIN=chain, **chain_launch(chain),
-            num_warps=4 if hb <= 1024 else (8 if hb <= 4096 else 16))  # act_quant's rule (per-element div_rn)
+            num_warps=4 if hb <= 1024 else (8 if hb <= 4096 else 16))  # act_quant's rule
     return q, scale

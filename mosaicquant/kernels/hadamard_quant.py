@@ -62,7 +62,7 @@ from mosaicquant.kernels._common import (
     resolve_kernel,
     triton_interpreting,
 )
-from mosaicquant.kernels._tl import chain_start, round_half_even, silu_mul_rounded
+from mosaicquant.kernels._tl import chain_start, quant_div, round_half_even, silu_mul_rounded
 from mosaicquant.kernels._tl import round_to_bf16 as _round_to_bf16
 from mosaicquant.kernels._token_split import (
     barrier_buffer,
@@ -167,7 +167,7 @@ def _hadamard_quant_kernel(
     scale = token_scale(absmax, clip_ratio, sync_ptr, row, slice_id, tag, P, SYNC)
     if c0 == 0:
         tl.store(scale_ptr + row, scale)
-    v = tl.minimum(tl.maximum(tl.math.div_rn(z, scale), -9.0), 9.0)
+    v = tl.minimum(tl.maximum(quant_div(z, scale), -9.0), 9.0)
     q = tl.minimum(tl.maximum(round_half_even(v), -8.0), 7.0).to(tl.int8)
     half = c0 // 2 + tl.arange(0, DS // 2)  # the slice's pairs within a row of the view
     if SPLIT8:

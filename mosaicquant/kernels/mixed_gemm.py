@@ -74,7 +74,7 @@ from mosaicquant.kernels._common import (
     triton_interpreting,
 )
 from mosaicquant.kernels._tiles import LOCK_SLOTS, lock_buffer
-from mosaicquant.kernels._tl import mac_int4, round_half_even, store_output, tile_indices
+from mosaicquant.kernels._tl import mac_int4, quant_div, round_half_even, store_output, tile_indices
 from mosaicquant.kernels.w4a4_gemm import int_matmul
 from mosaicquant.methods.format import pack_int4, unpack_int4
 from mosaicquant.methods.quant import quantize
@@ -368,7 +368,7 @@ def _quantize(x, scale, zero, QMIN: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl
     Clamping ``x / scale`` to ``±VCLAMP`` (one past the grid's width) first changes no result
     and keeps the magic-number rounding in its exact range for any clip ratio.
     """
-    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -VCLAMP), VCLAMP)
+    v = tl.minimum(tl.maximum(quant_div(x, scale), -VCLAMP), VCLAMP)
     q = tl.minimum(tl.maximum(round_half_even(v) + zero, QMIN), QMAX)
     return q - OFFSET
 
