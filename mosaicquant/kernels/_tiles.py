@@ -19,7 +19,7 @@ __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MI
            "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "GEMV_FUSED_QUANT", "DP4A_WALK_MAX_M", "PARALLEL_MIN_M", "PARALLEL_MAX_M",
            "PARALLEL_MAX_SPLIT", "PARALLEL_MAX_BLOCKS_PER_ROW", "PARALLEL_MAXNREG", "SWAP_DECODE_RESIDUAL_MIN_M",
            "DENSE_GATED_MAX_M", "DENSE_GATED_MAXNREG", "DENSE_PREFETCH_MIB", "ZIPPER_PREFETCH_MIB",
-           "WIDE_K_DECODE_MIN_M", "TAIL_WIDE_K_MIN_M", "TAIL_WIDE_K_MAX_M", "WIDE_DECODE_MAX_M", "maxnreg_launch",
+           "WIDE_K_DECODE_MIN_M", "TAIL_WIDE_K_MIN_M", "WALK_STAGES", "WALK_STAGES_MIN_M", "walk_stages", "TAIL_WIDE_K_MAX_M", "WIDE_DECODE_MAX_M", "maxnreg_launch",
            "parallel_mode", "parallel_residual",
            "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
            "swapped_prefill"]
@@ -140,6 +140,20 @@ GEMV_FUSED_QUANT = False
 DP4A_WALK_MAX_M = 4
 
 
+# Software-pipelining depth of ZipperEngine's walks over a block row's kept blocks on tensor-core dots (the
+# tail walk, the parallel mode's row walk; ``tl.range(num_stages=...)``; 0: the launch's num_stages), for
+# calls of WALK_STAGES_MIN_M tokens or more. A block's column comes from a load, so its activation tile
+# hangs on a load chain: compiled for sm_90 (the row walk on gate/up's wide tiles, 8 warps, 3 stages) up to
+# 4 stages leave its tiles in one buffer, and a block's loads start only after the block before was
+# multiplied; from 5 two buffers let the next block load during the product. MosaicQuant's decode step
+# (Llama-3-8B shapes, CUDA graph, 3 interleaved rounds, us, at batch 4 / 8 / 16 / 32; benchmarks/NOTES.md
+# v24): the default 2,723 / 2,916 / 3,163 / 4,104, 4 stages 2,723 / 2,918 / 3,148 / 4,087, 5 stages
+# 2,715 / 2,938 / 3,152 / 3,999: -2.6 % at 32 (its 32-row tiles walk on every layer), +0.8 % at 8. From 17
+# tokens only (another run, batch 8 / 24 / 32): 2,931 / 3,883 / 4,090 with none, 2,929 / 3,793 / 3,990 with
+# 5 stages, 2,930 / 3,783 / 3,988 with 6.
+WALK_STAGES = 5
+WALK_STAGES_MIN_M = 17
+
 # ZipperEngine's "auto" mode runs the kept blocks in programs of their own ("parallel": one per block
 # and 64- or 128-row slice, summed into the dense tiles' counted fix-up) for calls of PARALLEL_MIN_M to
 # PARALLEL_MAX_M tokens in one tile of tokens, on layers whose tiles split K at most PARALLEL_MAX_SPLIT
@@ -186,6 +200,11 @@ DENSE_GATED_MAX_M = 16
 # 80 under the cap, with no spills. GEMM alone (v17, M = 4 / 16, us): 21.31 / 21.63 capped at 80 against
 # 21.07 / 21.60: not capped.
 DENSE_GATED_MAXNREG = 0
+
+
+def walk_stages(m: int) -> int | None:
+    """The ``WALK_STAGES`` constexpr of a ZipperEngine call of ``m`` tokens (``None``: the launch's ``num_stages``)."""
+    return (WALK_STAGES or None) if m >= WALK_STAGES_MIN_M else None
 
 
 def maxnreg_launch(cap: int) -> dict:

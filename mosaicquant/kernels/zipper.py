@@ -97,6 +97,7 @@ from mosaicquant.kernels._tiles import (
     pdl_launch,
     pick_config,
     prefetch_row_bytes,
+    walk_stages,
 )
 from mosaicquant.kernels._tl import (
     dense_split_k,
@@ -141,6 +142,7 @@ def _zipper_kernel(
     USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     X16: tl.constexpr = False, DP4A_TOKENS: tl.constexpr = 0,
     FOLD: tl.constexpr = 0, FHB: tl.constexpr = 64, FSPLIT8: tl.constexpr = False, LATE_SIGNAL: tl.constexpr = False,
+    WALK_STAGES: tl.constexpr = None,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -217,7 +219,7 @@ def _zipper_kernel(
         # int64 bounds keep the block offsets below in 64-bit arithmetic.
         first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
         last = tl.load(row_ptr_ptr + block_row + 1).to(tl.int64)
-        for p in range(first + pid_k, last, SPLIT_K):
+        for p in tl.range(first + pid_k, last, SPLIT_K, num_stages=WALK_STAGES):
             block_col = tl.load(coords_ptr + 2 * p + 1)
             r_acc = tl.zeros([BM, BN], dtype=tl.int32)
             for chunk in tl.static_range(0, BKP_RES, RKP):
@@ -277,7 +279,7 @@ def _zipper_parallel_kernel(
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr, RKP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, X16: tl.constexpr,
-    ROWS: tl.constexpr = False, GATED: tl.constexpr = False,
+    ROWS: tl.constexpr = False, GATED: tl.constexpr = False, WALK_STAGES: tl.constexpr = None,
 ):
     # Programs [0, N_DENSE): the dense GEMM, SPLIT_K per output tile (one tile of M rows). Programs
     # from N_DENSE: one per (kept block, BN-row slice of it), or with ROWS one per (block row,
@@ -310,7 +312,7 @@ def _zipper_parallel_kernel(
         slot = pid * 0 + SPLIT_K
         wait_for_inputs(PDL)
         y = tl.zeros([BM, BN], dtype=tl.float32)
-        for p in range(p_first, p_last):
+        for p in tl.range(p_first, p_last, num_stages=WALK_STAGES):
             r = _block_chunk(res_val_ptr, p, res_rows, 0, BN_RES, BKP_RES, RKP)
             y += _block_product(r, a_ptr, res_val_ptr, res_scale_ptr, p, tl.load(coords_ptr + 2 * p + 1), res_rows,
                                 safe_m, stride_am, KP, BM, BN, BN_RES, BKP_RES, RKP, USE_ASM, X16)
@@ -550,7 +552,7 @@ def zipper_gemm_triton(
             BN_RES=bn_res, BKP_RES=bk_res // 2, RKP=rkp, BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp,
             SPLIT_K=cfg.split_k, USE_ASM=not triton_interpreting(), PDL=gemm_pdl(a_packed.device, m, pdl),
             PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0, X16=bool(x16) and k < X16_MAX_K, ROWS=rows,
-            GATED=bool(gated),
+            GATED=bool(gated), WALK_STAGES=walk_stages(m),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
             **maxnreg_launch(_tiles.PARALLEL_MAXNREG),
         )
@@ -570,6 +572,7 @@ def zipper_gemm_triton(
         USE_ASM=not triton_interpreting(), PDL=pdl_c, LATE_SIGNAL=late_signal,
         PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
         X16=bool(x16) and cfg.use_dot and k < X16_MAX_K, DP4A_TOKENS=dp4a_tokens,
+        WALK_STAGES=walk_stages(m) if fuse == "tail" and not dp4a_tokens else None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl), **fold_consts,
     )
     return out

@@ -321,3 +321,28 @@ def test_parallel_kernel_under_a_register_cap_writes_the_same_bits(monkeypatch, 
         monkeypatch.setattr(_tiles, "PARALLEL_MAXNREG", cap)
         outs[cap] = zipper_gemm_triton(*args, mode="parallel_rows", config=wide, gated=gated)
     assert torch.equal(outs[0], outs[64]), f"{(outs[0] != outs[64]).sum()} of {outs[0].numel()} differ"
+
+
+@needs_triton()
+@pytest.mark.parametrize("mode,m", [("tail", 8), ("tail", 24), ("parallel_rows", 8)])
+def test_walk_pipelining_depth_writes_the_same_bits(monkeypatch, mode, m):
+    # WALK_STAGES only changes how the kept blocks' loads are buffered, never a result; heavy rows
+    # (several blocks each) so the walk loops more than once per program
+    from mosaicquant.kernels import _tiles
+
+    assert _tiles.walk_stages(_tiles.WALK_STAGES_MIN_M - 1) is None
+    n, k, block = 256, 1024, (128, 128)
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, 0.5, seed=43)
+    assert torch.diff(residual.row_ptr.long()).max() >= 3
+    args = (a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k, _dev(residual),
+            bias.to(DEVICE))
+    config = (TileConfig(block_m=16, block_n=128, block_kp=128, num_warps=8, num_stages=3) if mode == "parallel_rows"
+              else TileConfig(block_m=16 if m <= 16 else 32, block_n=64, block_kp=128, split_k=2, num_stages=3))
+    ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
+    monkeypatch.setattr(_tiles, "WALK_STAGES_MIN_M", 1)
+    outs = {}
+    for stages in (0, 5):
+        monkeypatch.setattr(_tiles, "WALK_STAGES", stages)
+        outs[stages] = zipper_gemm_triton(*args, mode=mode, config=config, residual_walk="dot")
+        assert_close_bf16(outs[stages], ref, f"zipper {mode}, WALK_STAGES={stages}")
+    assert torch.equal(outs[0], outs[5]), f"{(outs[0] != outs[5]).sum()} of {outs[0].numel()} differ"
