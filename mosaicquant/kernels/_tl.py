@@ -31,6 +31,8 @@ import os
 import triton
 import triton.language as tl
 
+from mosaicquant.harness.errors import UserInputError
+
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 |v| < 2**22 to the nearest integer,
 # ties to even (IEEE round-to-nearest-even), the rounding torch.round uses.
 ROUND_MAGIC = 12582912.0
@@ -243,10 +245,16 @@ def prefetch_rows_l2(base_ptr, rows, stride, byte_begin, byte_end, LINES: tl.con
 QUANT_DIV_MODES = ("fma", "ieee", "fp64")
 QUANT_DIV = os.environ.get("MOSAICQUANT_QUANT_DIV", "fma")
 if QUANT_DIV not in QUANT_DIV_MODES:
-    raise ValueError(f"MOSAICQUANT_QUANT_DIV={QUANT_DIV!r}: expected one of {', '.join(QUANT_DIV_MODES)}")
+    raise UserInputError(f"MOSAICQUANT_QUANT_DIV={QUANT_DIV!r} is not allowed: choose one of "
+                         f"{', '.join(QUANT_DIV_MODES)}")
 # Triton's interpreter evaluates fma as a product and a sum, each rounded: its "fma" mode runs the float64 product.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _QDIV = tl.constexpr({"ieee": 0, "fma": 2 if _INTERPRETING else 1, "fp64": 2}[QUANT_DIV])
+# The "fma" mode's range guard: scales outside [2**-60, 2**60] are multiplied (with x) by 2**64 or 2**-64.
+_GUARD_LO = tl.constexpr(2.0**-60)
+_GUARD_HI = tl.constexpr(2.0**60)
+_GUARD_UP = tl.constexpr(2.0**64)
+_GUARD_DOWN = tl.constexpr(2.0**-64)
 
 
 @triton.jit
@@ -277,8 +285,7 @@ def quant_div(x, scale):
     elif _QDIV == 2:
         return (x.to(tl.float64) * (1.0 / scale.to(tl.float64))).to(tl.float32)
     else:
-        f = tl.where(scale < 8.673617379884035e-19, 1.8446744073709552e19,
-                     tl.where(scale > 1.152921504606847e18, 5.421010862427522e-20, 1.0))
+        f = tl.where(scale < _GUARD_LO, _GUARD_UP, tl.where(scale > _GUARD_HI, _GUARD_DOWN, 1.0))
         s = scale * f
         xs = x * f
         r = tl.math.div_rn(1.0, s)
