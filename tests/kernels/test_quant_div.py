@@ -17,7 +17,9 @@ from mosaicquant.kernels._tl import quant_div
 
 from ._helpers import DEVICE, needs_triton
 
-GUARD_LO, GUARD_HI, GUARD_F = 2.0**-60, 2.0**60, 2.0**64  # quant_div's range guard in its "fma" mode
+# quant_div's range guard in its "fma" mode
+GUARD_LO, GUARD_HI, GUARD_F = (float(c.value) for c in (_tl._GUARD_LO, _tl._GUARD_HI, _tl._GUARD_UP))
+assert _tl._GUARD_DOWN.value == 1 / GUARD_F
 
 
 @triton.jit
