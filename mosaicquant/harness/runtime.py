@@ -59,15 +59,23 @@ __all__ = ["RUNTIMES", "FUSED_DESCRIPTION", "FusedDecoder", "DecodeCache", "fuse
 RUNTIMES = ("auto", "fused", "transformers")
 FUSED_DESCRIPTION = ("fused decoder (Triton add+RMSNorm, fused with the 4-bit activation quantizer where a W4A4 "
                      "GEMM reads the norm directly; q/k norm + RoPE + KV write; split-KV decode attention; SiLU*mul, "
-                     "inside down_proj's quantizer for W4A4 layers without an online Hadamard, else written by "
-                     "gate/up's GEMM where its fix-up can (ZipperEngine at 4-16 tokens, the dense W4A4 GEMM at "
-                     "2-16), else a kernel of its own; SDPA flash attention for prefill; q/k/v and gate/up as one "
+                     "inside down_proj's quantizer for W4A4 layers without an online Hadamard (with one: inside "
+                     "its fused Hadamard + quantizer at 17-32 tokens), else written by gate/up's GEMM where its "
+                     "fix-up can (ZipperEngine at 4-16 tokens, the dense W4A4 GEMM at 2-16), else a kernel of its "
+                     "own; SDPA flash attention for prefill; q/k/v and gate/up as one "
                      "GEMM each; 16-bit KV unless noted)")
 TRANSFORMERS_DESCRIPTION = "transformers eager decoder (static KV cache, 16-bit unless the method quantizes it)"
 
-# SiLU·mul inside down_proj's fused online Hadamard + quantizer (methods with that Hadamard: QuaRot,
-# SpinQuant, MosaicQuant) instead of a kernel of its own.
-SILU_IN_HADAMARD = False
+# Calls of this many tokens (first, last) run SiLU·mul inside down_proj's fused online Hadamard + quantizer
+# (methods with that Hadamard: QuaRot, SpinQuant, MosaicQuant) instead of in a kernel of its own, where the
+# FusedDecoder leaves it to this rule (silu_in_hadamard=None). Measured (v25, Llama-3-8B shapes, context 512,
+# CUDA-graph step, µs, its own kernel / inside / its own kernel again): at batch 24 QuaRot 3,618 / 3,548 / 3,619
+# (16-bit KV), 3,592 / 3,540 / 3,576 (4-bit KV), MosaicQuant 3,770 / 3,720 / 3,782; at batch 32 QuaRot 3,593 /
+# 3,528 / 3,587 and 3,501 / 3,440 / 3,480, MosaicQuant 4,003 / 3,930 / 3,991; at batch 4 and 16 inside was
+# 3-6 % slower (the gated Hadamard kernel runs longer, and gate/up's GEMM writes SiLU·mul itself up to 16
+# tokens). Prefill (2048 tokens, the throughput suite, rule from 17 tokens up): QuaRot 58.1k against 57.7k tok/s,
+# MosaicQuant 49.7k against 49.6k, within the runs' spread: left out of the rule.
+SILU_IN_HADAMARD_M = (17, 32)
 # SiLU·mul written by gate/up's own GEMM where it can (ZipperEngine's parallel modes and the dense W4A4 GEMM at
 # decode sizes, BF16 models, down_proj's quantizer not taking it: QuantLinear.writes_gated) instead of a kernel
 # of its own.
@@ -316,7 +324,7 @@ class _Layer:
     # the W4A4 layers whose activation quantizer runs inside the kernel before them (decided once)
     qkv_quant: object = None
     gate_up_quant: object = None
-    down_quant: object = None
+    down_quant: object = None  # down_proj's quantizer where it can take SiLU·mul (FusedDecoder._down_gated says when)
     down_transform: object = None  # down_proj's online Hadamard, run with SiLU·mul inside its quantizer
 
 
@@ -369,7 +377,8 @@ class FusedDecoder:
             SiLU·mul inside ``down_proj``'s quantizer (``gated=True`` of the act_quant launcher, or
             of the fused online Hadamard's where ``silu_in_hadamard``).
         silu_in_hadamard: where ``down_proj`` has an online Hadamard the fused kernel runs, compute
-            SiLU·mul inside it too instead of in a kernel of its own.
+            SiLU·mul inside it too instead of in a kernel of its own: ``True`` on every call, ``False``
+            never, ``None`` on calls of :data:`SILU_IN_HADAMARD_M` tokens.
 
     Raises:
         UserInputError: the model cannot run here (:func:`fused_reason`).
@@ -382,14 +391,14 @@ class FusedDecoder:
     """
 
     def __init__(self, model: nn.Module, kernel: str | None = None, fuse_quant: bool = True,
-                 silu_in_hadamard: bool = SILU_IN_HADAMARD):
+                 silu_in_hadamard: bool | None = None):
         reason = fused_reason(model)
         if reason is not None:
             raise UserInputError(f"the fused decoder cannot run this model: {reason}")
         self.model = model
         self.kernel = kernel
         self.fuse_quant = bool(fuse_quant)
-        self.silu_in_hadamard = bool(silu_in_hadamard)
+        self.silu_in_hadamard = None if silu_in_hadamard is None else bool(silu_in_hadamard)
         inner = model.model
         cfg = model.config
         self.heads = int(cfg.num_attention_heads)
@@ -439,7 +448,8 @@ class FusedDecoder:
         """``(quant, transform)`` when ``down``'s quantizer can take SiLU·mul inside it, else ``(None, None)``.
 
         A kernel layer with no hooks takes it: with no online transform inside the plain quantizer,
-        with an online Hadamard that the fused kernel runs inside that kernel (``silu_in_hadamard``).
+        with an online Hadamard that the fused kernel runs inside that kernel (unless ``silu_in_hadamard``
+        is ``False``; which calls do is :meth:`_down_gated`'s rule).
         """
         from mosaicquant.kernels.convert import KernelLinear
         from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason
@@ -451,7 +461,8 @@ class FusedDecoder:
         transform = down.input_transform
         if transform is None:
             return quant, None
-        if self.silu_in_hadamard and down.fuse_transform and fused_hadamard_reason(transform, self.dtype) is None:
+        if (self.silu_in_hadamard is not False and down.fuse_transform
+                and fused_hadamard_reason(transform, self.dtype) is None):
             return quant, transform
         return None, None
 
@@ -547,11 +558,12 @@ class FusedDecoder:
                     folded = self._fold(lay.down_proj, gate_up, nxt.input_norm, residual, nxt.qkv_quant, False)
                 h = lay.down_proj(gate_up) if folded is None else None
             else:
-                if nxt is not None and lay.down_quant is not None:  # SiLU·mul inside down_proj's quantizer
+                down_quant, down_transform = self._down_gated(lay, x.shape[0])
+                if nxt is not None and down_quant is not None:  # SiLU·mul inside down_proj's quantizer
                     folded = self._fold(lay.down_proj, gate_up, nxt.input_norm, residual, nxt.qkv_quant, False,
                                         silu=True)
-                h = None if folded is not None else self._silu_down(gate_up, lay.down_proj, lay.down_quant,
-                                                                    lay.down_transform)
+                h = None if folded is not None else self._silu_down(gate_up, lay.down_proj, down_quant,
+                                                                    down_transform)
         return h, residual
 
     def _fold(self, module: nn.Module, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor, next_quant,
@@ -616,12 +628,23 @@ class FusedDecoder:
 
         return attend_qkv
 
+    def _down_gated(self, lay: _Layer, m: int) -> tuple[object, object]:
+        """``(quant, transform)`` of ``down_proj`` taking SiLU·mul inside its quantizer on a call of ``m`` tokens
+        (:meth:`_gated_input`), else ``(None, None)``: with an online Hadamard only where ``silu_in_hadamard`` says
+        so, or for ``None`` where ``m`` lies in :data:`SILU_IN_HADAMARD_M`."""
+        if lay.down_transform is None:
+            return lay.down_quant, None
+        inside = self.silu_in_hadamard
+        if inside is None:
+            inside = SILU_IN_HADAMARD_M[0] <= m <= SILU_IN_HADAMARD_M[1]
+        return (lay.down_quant, lay.down_transform) if inside else (None, None)
+
     def _gate_up_writes_silu(self, lay: _Layer, m: int) -> bool:
         """Whether gate/up's GEMM writes SiLU·mul itself for ``m`` tokens (:data:`SILU_IN_GATE_UP`)."""
         from mosaicquant.kernels.quant_linear import QuantLinear
 
         quant = lay.gate_up_quant
-        return (SILU_IN_GATE_UP and lay.down_quant is None and self.dtype == torch.bfloat16
+        return (SILU_IN_GATE_UP and self._down_gated(lay, m)[0] is None and self.dtype == torch.bfloat16
                 and isinstance(quant, QuantLinear) and quant.writes_gated(m))
 
     def _silu_down(self, gate_up: torch.Tensor, down: nn.Module, quant, transform=None) -> torch.Tensor:

@@ -138,6 +138,45 @@ def test_quantized_models_run_their_kernel_layers_in_the_fused_decoder(tiny, met
         assert torch.equal(inside.prefill(prompt[:, :4]), apart.prefill(prompt[:, :4]))
 
 
+def test_silu_mul_goes_inside_down_projs_hadamard_by_the_calls_tokens(tiny, monkeypatch):
+    # runtime.SILU_IN_HADAMARD_M: calls of that many tokens run SiLU·mul inside down_proj's fused online Hadamard +
+    # quantizer (no SiLU·mul kernel), others in its own kernel; the same integers either way
+    from mosaicquant.harness import runtime
+    from mosaicquant.kernels import _tiles, decoder
+
+    model = _model(TINY.name)
+    ctx = QuantContext(calibration=lambda: None, seed=0, device=DEVICE)
+    speed_form("quarot", model, get_method("quarot").config(kvbits=16), ctx)
+    executable(model, ctx.info)
+    dec = FusedDecoder(model)
+    lay = dec.layers[0]
+    lo, hi = runtime.SILU_IN_HADAMARD_M
+    assert lay.down_transform is not None
+    for m in (lo - 1, hi + 1):
+        assert dec._down_gated(lay, m) == (None, None), m
+    for m in (lo, hi):
+        assert dec._down_gated(lay, m) == (lay.down_quant, lay.down_transform), m
+    assert not dec._gate_up_writes_silu(lay, lo)
+    assert FusedDecoder(model, silu_in_hadamard=True)._down_gated(lay, 1)[1] is not None
+    monkeypatch.setattr(_tiles, "DENSE_GATED_MAX_M", 0)  # outside the rule, SiLU·mul in its own kernel (not gate/up's)
+    kernel_calls = []
+    plain_silu_mul = decoder.silu_mul
+
+    def counting(*args, **kwargs):
+        kernel_calls.append(1)
+        return plain_silu_mul(*args, **kwargs)
+
+    monkeypatch.setattr(decoder, "silu_mul", counting)
+    prompt = torch.randint(0, 256, (2, 4), device=DEVICE)  # 8 tokens a call
+    outs = {}
+    for inside in (True, False):
+        monkeypatch.setattr(runtime, "SILU_IN_HADAMARD_M", (8, 8) if inside else (lo, hi))
+        kernel_calls.clear()
+        outs[inside] = dec.prefill(prompt)
+        assert len(kernel_calls) == (0 if inside else len(dec.layers)), kernel_calls
+    assert torch.equal(outs[True], outs[False])
+
+
 @pytest.mark.parametrize("method", ["mosaicquant", "quarot"])
 def test_gate_up_gemm_writes_silu_mul_at_decode_sizes(tiny, monkeypatch, method):
     # MosaicQuant's gate/up runs ZipperEngine's parallel mode at 4-16 tokens, QuaRot's the dense GEMM
@@ -155,7 +194,7 @@ def test_gate_up_gemm_writes_silu_mul_at_decode_sizes(tiny, monkeypatch, method)
     executable(model, ctx.info)
     dec = FusedDecoder(model)
     lay = dec.layers[0]
-    assert lay.down_quant is None  # down_proj's online Hadamard runs in its own quantizer
+    assert dec._down_gated(lay, 4) == (None, None)  # at 4 tokens down_proj's online Hadamard runs in its own quantizer
     # 2 tokens: MosaicQuant's tail walk; 1 token: the GEMV
     assert dec._gate_up_writes_silu(lay, 4) and not dec._gate_up_writes_silu(lay, 1)
     assert dec._gate_up_writes_silu(lay, 2) == (method == "quarot")
