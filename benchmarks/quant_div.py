@@ -46,6 +46,7 @@ def _digest(*tensors: torch.Tensor) -> str:
 def measure(tokens: tuple[int, ...], kernels: tuple[str, ...]) -> list[dict]:
     from mosaicquant.kernels import _tl, act_quant, decoder, hadamard_quant
     from mosaicquant.methods.hadamard import OnlineHadamard, random_signs
+    from quant_split import activations
 
     device = torch.device("cuda")
     rows = []
@@ -56,10 +57,7 @@ def measure(tokens: tuple[int, ...], kernels: tuple[str, ...]) -> list[dict]:
         gen = torch.Generator(device=device).manual_seed(n)
         weight = (1 + 0.2 * torch.randn(n, device=device, generator=gen)).to(torch.bfloat16)
         for m in tokens:
-            gen = torch.Generator(device=device).manual_seed(n + m)
-            x = torch.randn(m, 2 * n if name == "quant gated" else n, device=device, generator=gen)
-            x[:, ::97] *= 10  # a few outlier channels, as activations have
-            x = x.to(torch.bfloat16)
+            x, gen = activations(name, n, m, device)
             if name == "hadamard":
                 def run(x=x, had=had):
                     return hadamard_quant.hadamard_quantize_triton(x, had)

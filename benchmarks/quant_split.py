@@ -39,6 +39,15 @@ SPLITS = (2, 4, 8, 16)
 WARPS = (4, 8)
 
 
+def activations(name: str, n: int, m: int, device: torch.device) -> tuple[torch.Tensor, torch.Generator]:
+    """Seeded BF16 inputs of a quantizer case: ``m`` tokens of ``n`` channels (``2n`` for the gated quantizer's
+    ``[gate | up]``), a few outlier channels among them, as activations have; and the generator, for more."""
+    gen = torch.Generator(device=device).manual_seed(n + m)
+    x = torch.randn(m, 2 * n if name == "quant gated" else n, device=device, generator=gen)
+    x[:, ::97] *= 10
+    return x.to(torch.bfloat16), gen
+
+
 def _allowed(p: int, m: int, sms: int, most: int | None) -> bool:
     try:
         check_programs_per_token(p, m, sms, most)
@@ -78,10 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         for n in (int(v) for v in args.sizes.split(",")):
             had = OnlineHadamard(n, signs=random_signs(n, seed=1)).to(device)
             for m in TOKENS:
-                gen = torch.Generator(device=device).manual_seed(n + m)
-                x = torch.randn(m, 2 * n if name == "quant gated" else n, device=device, generator=gen)
-                x[:, ::97] *= 10  # a few outlier channels, as activations have
-                x = x.to(torch.bfloat16)
+                x, _ = activations(name, n, m, device)
                 if name == "hadamard":
                     def run(p, w, x=x, had=had):
                         return hadamard_quant.hadamard_quantize_triton(x, had, programs_per_token=p, num_warps=w)
