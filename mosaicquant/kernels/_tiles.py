@@ -18,6 +18,7 @@ from mosaicquant.harness.errors import UserInputError
 __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MIN_M", "SWAP_MIN_TILES_PER_SM",
            "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "GEMV_FUSED_QUANT", "DP4A_WALK_MAX_M", "PARALLEL_MIN_M", "PARALLEL_MAX_M",
            "PARALLEL_MAX_SPLIT", "PARALLEL_MAX_BLOCKS_PER_ROW", "PARALLEL_MAXNREG", "SWAP_DECODE_RESIDUAL_MIN_M",
+           "SWAP_DECODE_SPLIT_MIN_STEPS", "DECODE_SPLIT_MIN_STEPS", "DECODE_SPLIT_MIN_STEPS_17",
            "DENSE_GATED_MAX_M", "DENSE_GATED_MAXNREG", "DENSE_PREFETCH_MIB", "ZIPPER_PREFETCH_MIB",
            "WIDE_K_DECODE_MIN_M", "TAIL_WIDE_K_MIN_M", "TAIL_WIDE_K_MAX_M", "WIDE_DECODE_MAX_M", "WALK_STAGES",
            "WALK_STAGES_MIN_M", "maxnreg_launch", "walk_stages",
@@ -107,6 +108,18 @@ TAIL_WIDE_K_MAX_M = 16
 # 13.27 against ZipperEngine's 9.59 / 11.69, o 9.43 / 13.50 against 8.67 / 12.23, gate/up 29.11 / 32.77
 # against 25.34 / 32.18, down 16.76 / 22.55 against 15.63 / 19.28.
 SWAP_DECODE_RESIDUAL_MIN_M = 0
+# Split-K at decode doubles the split while the programs cover the SMs less than twice and each program would keep
+# at least this many K steps: the swapped GEMM's decode tiles (256 K values a step), the packed kernel's calls of
+# 17-64 tokens (128 a step) and its other calls (DECODE_SPLIT_MIN_STEPS: v14 measured its splits fastest at 1-16
+# tokens; in v26's step at batch 4 / 8 / 16, 8 was level and 16 4-9 % slower for RTN, QuaRot and MosaicQuant). On the
+# Llama-3-8B linears at 17-32 tokens, 8 rather than 2 takes the swapped GEMM's q/k/v from split 4 to 2, o from 8 to
+# 2 and down from 8 to 4; 8 rather than 4 takes ZipperEngine's o from split 8 to 4 (its q/k/v, down and gate/up keep
+# theirs). Decode step (v26, CUDA graph, 2 interleaved rounds, us at batch 17 / 24 / 32): QuaRot 3,522 / 3,570 /
+# 3,456 at 2, 3,450 / 3,483 / 3,382 at 4, 3,296 / 3,302 / 3,280 at 8; MosaicQuant 3,569 / 3,695 / 3,900 at 4,
+# 3,503 / 3,626 / 3,815 at 8.
+SWAP_DECODE_SPLIT_MIN_STEPS = 8
+DECODE_SPLIT_MIN_STEPS = 4
+DECODE_SPLIT_MIN_STEPS_17 = 8
 # A layer of at least this many 64-channel tiles per SM runs its calls of 2-16 tokens (one 16-row
 # tile) on 128 x 128-byte tiles, 8 warps, 3 stages, unsplit. Measured against the default tiles (64 x 64
 # bytes, 4 warps, 4 stages, split-K to two programs per SM) on o, gate/up and down at M = 4 and 8 in one
@@ -245,14 +258,15 @@ def swapped_decode_config(m: int, n: int, kp: int, device: torch.device) -> dict
     """Tiles (keyword arguments of ``w4a4_gemm_swapped_triton``) for a decode-sized swapped GEMM.
 
     64 weight rows (one warpgroup's ``wgmma`` M) x 16 or 32 tokens, 256 K values a step, 4 stages,
-    K split until every SM has about two programs (at least two K steps each).
+    K split until every SM has about two programs, each keeping at least :data:`SWAP_DECODE_SPLIT_MIN_STEPS`
+    K steps.
     """
     block_m = 16 if m <= 16 else 32
     tiles = -(-n // 64) * -(-m // block_m)
     k_steps = -(-kp // 128)
     sms = _sm_count(device)
     split = 1
-    while tiles * split < 2 * sms and k_steps // (2 * split) >= 2 and split < 16:
+    while tiles * split < 2 * sms and k_steps // (2 * split) >= SWAP_DECODE_SPLIT_MIN_STEPS and split < 16:
         split *= 2
     return {"block_n": 64, "block_m": block_m, "block_kp": 128, "split_k": split, "num_warps": 4, "num_stages": 4,
             "pdl": pdl_default(m, n, kp)}
@@ -406,8 +420,10 @@ def pick_config(
         k_steps = -(-kp // cfg.block_kp)
         sms = _sm_count(device)
         split = 1
-        # Enough programs to cover every SM about twice, at least 4 K steps per split.
-        while tiles * split < 2 * sms and k_steps // (2 * split) >= 4 and split < 16:
+        # Enough programs to cover every SM about twice, each keeping DECODE_SPLIT_MIN_STEPS K steps
+        # (DECODE_SPLIT_MIN_STEPS_17 at 17-64 tokens).
+        min_steps = DECODE_SPLIT_MIN_STEPS_17 if 16 < m <= 64 else DECODE_SPLIT_MIN_STEPS
+        while tiles * split < 2 * sms and k_steps // (2 * split) >= min_steps and split < 16:
             split *= 2
         cfg = replace(cfg, split_k=split)
     if wide_k:  # as many K steps a program, four times the bytes a step

@@ -171,6 +171,26 @@ def test_dense_64_channel_layers_take_wide_k_steps_at_16_tokens(monkeypatch):
 
 
 
+def test_decode_split_k_keeps_enough_k_steps_a_program(monkeypatch):
+    # from 17 tokens split-K stops before a program would keep fewer than DECODE_SPLIT_MIN_STEPS_17 (packed
+    # kernel, 17-64 tokens) or SWAP_DECODE_SPLIT_MIN_STEPS (swapped GEMM's decode tiles) K steps
+    from mosaicquant.kernels import _tiles
+
+    monkeypatch.setattr(_tiles, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    res = (128, 128)
+    layers = {"qkv": (6144, 2048), "o": (4096, 2048), "down": (4096, 7168)}
+    # the defaults (8 and 8): ZipperEngine's o at 17-64 tokens from 8 ways to 4, the others kept; 16 tokens and
+    # fewer keep the 4-step rule
+    assert [pick_config(m, *layers["o"], cuda, res).split_k for m in (16, 17, 32, 64)] == [8, 4, 4, 4]
+    assert [pick_config(32, *layers[x], cuda, res).split_k for x in ("qkv", "down")] == [4, 8]
+    assert [_tiles.swapped_decode_config(32, *layers[x], cuda)["split_k"] for x in ("qkv", "o", "down")] == [2, 2, 4]
+    monkeypatch.setattr(_tiles, "DECODE_SPLIT_MIN_STEPS_17", 4)
+    monkeypatch.setattr(_tiles, "SWAP_DECODE_SPLIT_MIN_STEPS", 2)
+    assert pick_config(32, *layers["o"], cuda, res).split_k == 8
+    assert [_tiles.swapped_decode_config(32, *layers[x], cuda)["split_k"] for x in ("qkv", "o", "down")] == [4, 8, 8]
+
+
 @needs_triton()
 @pytest.mark.parametrize("config", [
     TileConfig(block_m=16, block_n=64, block_kp=64, num_stages=2),  # unsplit: a partial a tile all the same
