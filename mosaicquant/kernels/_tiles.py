@@ -18,7 +18,8 @@ from mosaicquant.harness.errors import UserInputError
 __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MIN_M", "SWAP_MIN_TILES_PER_SM",
            "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "GEMV_FUSED_QUANT", "DP4A_WALK_MAX_M", "PARALLEL_MIN_M", "PARALLEL_MAX_M",
            "PARALLEL_MAX_SPLIT", "PARALLEL_MAX_BLOCKS_PER_ROW", "PARALLEL_MAXNREG", "SWAP_DECODE_RESIDUAL_MIN_M",
-           "SWAP_DECODE_SPLIT_MIN_STEPS", "DECODE_SPLIT_MIN_STEPS", "DECODE_SPLIT_MIN_STEPS_17",
+           "SWAP_DECODE_SPLIT_MIN_STEPS", "SWAP_DECODE_BLOCK_KP",
+           "SWAP_DECODE_STAGES", "DECODE_SPLIT_MIN_STEPS", "DECODE_SPLIT_MIN_STEPS_17",
            "DENSE_GATED_MAX_M", "DENSE_GATED_MAXNREG", "DENSE_PREFETCH_MIB", "ZIPPER_PREFETCH_MIB",
            "WIDE_K_DECODE_MIN_M", "TAIL_WIDE_K_MIN_M", "TAIL_WIDE_K_MAX_M", "WIDE_DECODE_MAX_M", "WALK_STAGES",
            "WALK_STAGES_MIN_M", "maxnreg_launch", "walk_stages",
@@ -118,6 +119,12 @@ SWAP_DECODE_RESIDUAL_MIN_M = 0
 # 3,456 at 2, 3,450 / 3,483 / 3,382 at 4, 3,296 / 3,302 / 3,280 at 8; MosaicQuant 3,569 / 3,695 / 3,900 at 4,
 # 3,503 / 3,626 / 3,815 at 8.
 SWAP_DECODE_SPLIT_MIN_STEPS = 8
+# The swapped GEMM's decode tiles: packed K bytes a step and software-pipeline stages. With the 8-step split, RTN's and
+# QuaRot's step at batch 24 / 32 (v26, 2 interleaved rounds, us): 128 bytes and 4 stages 3,077 / 3,150 and 3,336 /
+# 3,296; 3 or 5 stages 1-3 % slower; 64 bytes (16 steps) 11-13 % slower; 256 bytes (4 steps) level to 1.5 % slower,
+# with 3 stages level.
+SWAP_DECODE_BLOCK_KP = 128
+SWAP_DECODE_STAGES = 4
 DECODE_SPLIT_MIN_STEPS = 4
 DECODE_SPLIT_MIN_STEPS_17 = 8
 # A layer of at least this many 64-channel tiles per SM runs its calls of 2-16 tokens (one 16-row
@@ -257,19 +264,20 @@ def swapped_prefill(m: int, n: int, device: torch.device, residual: bool, min_m:
 def swapped_decode_config(m: int, n: int, kp: int, device: torch.device) -> dict:
     """Tiles (keyword arguments of ``w4a4_gemm_swapped_triton``) for a decode-sized swapped GEMM.
 
-    64 weight rows (one warpgroup's ``wgmma`` M) x 16 or 32 tokens, 256 K values a step, 4 stages,
-    K split until every SM has about two programs, each keeping at least :data:`SWAP_DECODE_SPLIT_MIN_STEPS`
-    K steps.
+    64 weight rows (one warpgroup's ``wgmma`` M) x 16 or 32 tokens, :data:`SWAP_DECODE_BLOCK_KP` packed bytes
+    a step (128: 256 K values), :data:`SWAP_DECODE_STAGES` stages, K split until every SM has about two
+    programs, each keeping at least :data:`SWAP_DECODE_SPLIT_MIN_STEPS` K steps.
     """
     block_m = 16 if m <= 16 else 32
+    block_kp = int(SWAP_DECODE_BLOCK_KP)
     tiles = -(-n // 64) * -(-m // block_m)
-    k_steps = -(-kp // 128)
+    k_steps = -(-kp // block_kp)
     sms = _sm_count(device)
     split = 1
     while tiles * split < 2 * sms and k_steps // (2 * split) >= SWAP_DECODE_SPLIT_MIN_STEPS and split < 16:
         split *= 2
-    return {"block_n": 64, "block_m": block_m, "block_kp": 128, "split_k": split, "num_warps": 4, "num_stages": 4,
-            "pdl": pdl_default(m, n, kp)}
+    return {"block_n": 64, "block_m": block_m, "block_kp": block_kp, "split_k": split, "num_warps": 4,
+            "num_stages": int(SWAP_DECODE_STAGES), "pdl": pdl_default(m, n, kp)}
 
 
 def prefetch_env_mib() -> float | None:
