@@ -119,14 +119,14 @@ SWAP_DECODE_RESIDUAL_MIN_M = 0
 # 3,456 at 2, 3,450 / 3,483 / 3,382 at 4, 3,296 / 3,302 / 3,280 at 8; MosaicQuant 3,569 / 3,695 / 3,900 at 4,
 # 3,503 / 3,626 / 3,815 at 8.
 SWAP_DECODE_SPLIT_MIN_STEPS = 8
+DECODE_SPLIT_MIN_STEPS = 4
+DECODE_SPLIT_MIN_STEPS_17 = 8
 # The swapped GEMM's decode tiles: packed K bytes a step and software-pipeline stages. With the 8-step split, RTN's and
 # QuaRot's step at batch 24 / 32 (v26, 2 interleaved rounds, us): 128 bytes and 4 stages 3,077 / 3,150 and 3,336 /
 # 3,296; 3 or 5 stages 1-3 % slower; 64 bytes (16 steps) 11-13 % slower; 256 bytes (4 steps) level to 1.5 % slower,
 # with 3 stages level.
 SWAP_DECODE_BLOCK_KP = 128
 SWAP_DECODE_STAGES = 4
-DECODE_SPLIT_MIN_STEPS = 4
-DECODE_SPLIT_MIN_STEPS_17 = 8
 # A layer of at least this many 64-channel tiles per SM runs its calls of 2-16 tokens (one 16-row
 # tile) on 128 x 128-byte tiles, 8 warps, 3 stages, unsplit. Measured against the default tiles (64 x 64
 # bytes, 4 warps, 4 stages, split-K to two programs per SM) on o, gate/up and down at M = 4 and 8 in one

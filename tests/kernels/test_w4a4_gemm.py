@@ -170,7 +170,6 @@ def test_dense_64_channel_layers_take_wide_k_steps_at_16_tokens(monkeypatch):
     assert pick_config(16, 4096, 7168, cuda).block_kp == 64
 
 
-
 def test_decode_split_k_keeps_enough_k_steps_a_program(monkeypatch):
     # from 17 tokens split-K stops before a program would keep fewer than DECODE_SPLIT_MIN_STEPS_17 (packed
     # kernel, 17-64 tokens) or SWAP_DECODE_SPLIT_MIN_STEPS (swapped GEMM's decode tiles) K steps
