@@ -269,15 +269,20 @@ def swapped_decode_config(m: int, n: int, kp: int, device: torch.device) -> dict
     programs, each keeping at least :data:`SWAP_DECODE_SPLIT_MIN_STEPS` K steps.
     """
     block_m = 16 if m <= 16 else 32
-    block_kp = int(SWAP_DECODE_BLOCK_KP)
     tiles = -(-n // 64) * -(-m // block_m)
-    k_steps = -(-kp // block_kp)
+    split = _decode_split(tiles, -(-kp // SWAP_DECODE_BLOCK_KP), device, SWAP_DECODE_SPLIT_MIN_STEPS)
+    return {"block_n": 64, "block_m": block_m, "block_kp": SWAP_DECODE_BLOCK_KP, "split_k": split, "num_warps": 4,
+            "num_stages": SWAP_DECODE_STAGES, "pdl": pdl_default(m, n, kp)}
+
+
+def _decode_split(tiles: int, k_steps: int, device: torch.device, min_steps: int) -> int:
+    """Split-K of a decode-sized GEMM: doubled (up to 16) while ``tiles`` programs a split cover the SMs less than
+    twice and each program would keep at least ``min_steps`` of the ``k_steps`` K steps."""
     sms = _sm_count(device)
     split = 1
-    while tiles * split < 2 * sms and k_steps // (2 * split) >= SWAP_DECODE_SPLIT_MIN_STEPS and split < 16:
+    while tiles * split < 2 * sms and k_steps // (2 * split) >= min_steps and split < 16:
         split *= 2
-    return {"block_n": 64, "block_m": block_m, "block_kp": block_kp, "split_k": split, "num_warps": 4,
-            "num_stages": int(SWAP_DECODE_STAGES), "pdl": pdl_default(m, n, kp)}
+    return split
 
 
 def prefetch_env_mib() -> float | None:
@@ -425,15 +430,8 @@ def pick_config(
     wide_k = narrow and residual_block is None and 0 < WIDE_K_DECODE_MIN_M <= m <= 16
     if device.type == "cuda" and m <= 256 and not wide:
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-        k_steps = -(-kp // cfg.block_kp)
-        sms = _sm_count(device)
-        split = 1
-        # Enough programs to cover every SM about twice, each keeping DECODE_SPLIT_MIN_STEPS K steps
-        # (DECODE_SPLIT_MIN_STEPS_17 at 17-64 tokens).
         min_steps = DECODE_SPLIT_MIN_STEPS_17 if 16 < m <= 64 else DECODE_SPLIT_MIN_STEPS
-        while tiles * split < 2 * sms and k_steps // (2 * split) >= min_steps and split < 16:
-            split *= 2
-        cfg = replace(cfg, split_k=split)
+        cfg = replace(cfg, split_k=_decode_split(tiles, -(-kp // cfg.block_kp), device, min_steps))
     if wide_k:  # as many K steps a program, four times the bytes a step
         cfg = replace(cfg, block_kp=4 * cfg.block_kp, split_k=max(1, cfg.split_k // 4))
     elif (narrow and residual_block is not None and 0 < TAIL_WIDE_K_MIN_M <= m <= max(16, TAIL_WIDE_K_MAX_M)
