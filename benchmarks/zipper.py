@@ -29,11 +29,16 @@ M = 1 … 8192. Variants per (shape, M):
 - ``w4a4_swap`` (M ≥ 128): activation quantization to the ``split8`` int8 layout + the
   operand-swapped dense GEMM (``Cᵀ = W Aᵀ``, 128 weight rows × 128 tokens per program, 8 warps,
   3 stages; ``_s4``: 4 stages, ``_bm64``: 64 tokens per program); ``zip{p}_swap``: the same with
-  the ``p`` % residual fused in its tail (what ``QuantLinear`` runs at M ≥ ``SWAP_MIN_M``: FP8
-  dots accumulating into the output tile), ``zip10_swap_int8`` with int8 dots into a second
-  accumulator; ``zip10_swap_x1`` / ``w4a4_swap_x1`` / ``zip10_x1``: the plain sign-extending
-  unpacking instead of ``16 q`` (the default everywhere); ``zip10_swap_cc``: the FP8 walk with the
-  compiler's element-wise e4m3 conversions instead of the inline-PTX ones (the default).
+  the ``p`` % residual fused in its tail (what ``QuantLinear`` runs at M ≥ ``SWAP_MIN_M``: the
+  ``"shared"`` walk, the kept blocks' int8 dots into the dense accumulator), ``zip10_swap_fp8`` with
+  FP8 dots accumulating into the output tile (the walk for free residual scales),
+  ``zip10_swap_int8`` with int8 dots into a second accumulator; ``zip10_swap_x1`` / ``w4a4_swap_x1``
+  / ``zip10_x1``: the plain sign-extending unpacking instead of ``16 q`` (the default everywhere;
+  the swapped one on the FP8 walk); ``zip10_swap_cc``: the FP8 walk with the compiler's element-wise
+  e4m3 conversions instead of the inline-PTX ones (the default).
+
+The residuals' scales are the base rows' scales times ``2^-j`` (random ``j`` in 0..4), MosaicQuant's
+default format (``rscale=pow2``); the packed kernels and the FP8 / int8 walks run it as any other.
 
 Each variant is checked against its PyTorch reference before it is timed. Timing: CUDA
 graphs of back-to-back calls whose weights rotate through copies larger than 3× L2
@@ -79,7 +84,7 @@ from mosaicquant.kernels.gemv import gemv_quantize_triton, gemv_reason, gemv_tri
 from mosaicquant.kernels.residual_gemm import residual_add_triton  # noqa: E402
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_swapped_triton, w4a4_gemm_triton  # noqa: E402
 from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm_reference, zipper_gemm_triton  # noqa: E402
-from mosaicquant.methods.format import ResidualBlocks  # noqa: E402
+from mosaicquant.methods.format import ResidualBlocks, residual_shifts  # noqa: E402
 
 MODELS = {
     "llama3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
@@ -95,8 +100,10 @@ CHECK_RTOL = 2.0**-7
 CHECK_ATOL_FRAC = 1e-3
 
 
-def random_residual(n: int, k: int, budget: float, device, gen: torch.Generator) -> ResidualBlocks:
-    """Random kept blocks (budget = fraction of all blocks), random 4-bit values and scales."""
+def random_residual(n: int, k: int, budget: float, device, gen: torch.Generator,
+                    w_scale: torch.Tensor | None = None) -> ResidualBlocks:
+    """Random kept blocks (budget = fraction of all blocks), random 4-bit values and scales (with ``w_scale``:
+    each row's base scale times ``2^-j``, ``j`` random in 0..4, MosaicQuant's ``rscale=pow2``)."""
     bn, bk = BLOCK
     nbr, nbc = -(-n // bn), -(-k // bk)
     total = nbr * nbc
@@ -110,6 +117,10 @@ def random_residual(n: int, k: int, budget: float, device, gen: torch.Generator)
     row_ptr[1:] = torch.cumsum(counts, 0).to(torch.int32)
     values = torch.randint(0, 256, (nb, bn, bk // 2), dtype=torch.uint8, device=device, generator=None)
     scales = (torch.rand(nb, bn, device=device) * 0.02 + 0.001).to(torch.float16)
+    if w_scale is not None:
+        rows = (coords[:, 0].long().unsqueeze(1) * bn + torch.arange(bn, device=device)).clamp(max=n - 1)
+        shifts = torch.randint(0, 5, (nb, bn), device=device)
+        scales = (w_scale.float()[rows] * 2.0 ** -shifts).to(torch.float16)
     return ResidualBlocks((n, k), BLOCK, coords, row_ptr, values, scales)
 
 
@@ -171,11 +182,12 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
     qweights, w_scales = random_w4_copies(n, kp, device)
     qweight, w_scale, n_w4 = qweights[0], w_scales[0], len(qweights)
     w4_bytes = qweight.numel() + 2 * n
-    residuals = {}
+    residuals, shifts = {}, {}
     for b in sorted(set(budgets) | {10}):
-        r = random_residual(n, k, b / 100, device, gen)
+        r = random_residual(n, k, b / 100, device, gen, w_scale=w_scale)
         rs = [r] + [clone_residual(r) for _ in range(n_w4 - 1)]
         residuals[b] = (rs, [residual_block_map(x) for x in rs])
+        shifts[b] = [residual_shifts(x, w_scales[i]) for i, x in enumerate(rs)]
     w_i8 = torch.randint(-8, 8, (k, n), dtype=torch.int8, device=device)
     n_i8 = max(2, math.ceil(ROTATE_BYTES / w_i8.numel()))
     w_i8s = [w_i8] + [w_i8.clone() for _ in range(n_i8 - 1)]
@@ -284,14 +296,20 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
             name = f"zip{b}" if mode == "auto" else f"zip{b}_{mode}"
             add(name, [z_call(i) for i in range(n_w4)], zok and act_ok, zrel, w4_bytes + res_bytes,
                 {"blocks": rs[0].num_blocks})
-            walks = [("", {})] + ([("_int8", {"residual_walk": "int8"}), ("_x1", {"x16": False}),
-                                   ("_cc", {"e4m3_asm": False})] if b == 10 else [])
+            walks = [("", {"residual_walk": "shared"})] + (
+                [("_fp8", {"residual_walk": "fp8"}), ("_int8", {"residual_walk": "int8"}),
+                 ("_x1", {"residual_walk": "fp8", "x16": False}),
+                 ("_cc", {"residual_walk": "fp8", "e4m3_asm": False})] if b == 10 else [])
             for suffix, wopts in walks if m >= SWAP_MIN_M and mode == "auto" and b > 0 else []:
                 def zs_call(i, b=b, wopts=wopts):
                     rs_ = residuals[b][0]
+                    # the shared walk's shifts come with the layer (QuantLinear derives them once): deriving
+                    # them in the call would synchronise with the host inside the graph capture
+                    sh = {"residual_shifts": shifts[b][i]} if wopts.get("residual_walk") == "shared" else {}
                     def call():
                         q8, s8 = quantize_activations_triton(x, layout="split8")
-                        return w4a4_gemm_swapped_triton(q8, s8, qweights[i], w_scales[i], k, residual=rs_[i], **wopts)
+                        return w4a4_gemm_swapped_triton(q8, s8, qweights[i], w_scales[i], k, residual=rs_[i], **wopts,
+                                                        **sh)
                     return call
                 q8, s8 = quantize_activations_triton(x, layout="split8")
                 sok, srel = check(w4a4_gemm_swapped_triton(q8, s8, qweight, w_scale, k, residual=rs[0], **wopts), zref)
@@ -475,7 +493,7 @@ def main(argv=None) -> int:
     failed = [r for r in measured if r.get("check_ok") is False]
     print(f"\nchecks: {len(measured) - len(failed)} ok, {len(failed)} FAILED; {time.time() - t0:.0f}s")
     cols = ["ql_dense", "gemv", "gemv_fq", "w4a4", "w4a4_x1", "w4a4_swapdec", "w4a4_swap", "w4a4_swap_x1", "zip0", "ql_zip10",
-            "gemv_zip10", "gemv_zip10_fq", "zip10", "zip10_dot", "zip10_x1", "zip10_swap", "zip10_swap_cc", "unfused10"]
+            "gemv_zip10", "gemv_zip10_fq", "zip10", "zip10_dot", "zip10_x1", "zip10_swap", "zip10_swap_fp8", "zip10_swap_cc", "unfused10"]
     print("speedup vs bf16 (same run, median); bf16 us in first column")
     print(f"{'shape':>12} {'M':>5} {'bf16us':>8} " + " ".join(f"{c:>12}" for c in cols))
     for (n, k) in shapes:

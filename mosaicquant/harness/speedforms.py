@@ -191,6 +191,7 @@ def _rotated(online_o: Callable[[object], bool]):
 
 def _mosaicquant(model, config, ctx):
     from mosaicquant.methods.format import PackedW4, ResidualBlocks
+    from mosaicquant.methods.mosaicquant import residual_base_scale
     from mosaicquant.methods.quant import quantize
     from mosaicquant.methods.residual import select_residual
     from mosaicquant.methods.rotation import rotate_model
@@ -208,7 +209,8 @@ def _mosaicquant(model, config, ctx):
         packed = PackedW4.from_quantized(qt, bias=None if linear.bias is None else linear.bias.data)
         if config.budget > 0:
             coords, q, scales = select_residual("random", w - packed.dequantize_base(torch.float32), block_shape,
-                                                config.budget, seed=ctx.seed * 7919 + next(counter))
+                                                config.budget, seed=ctx.seed * 7919 + next(counter),
+                                                base_scale=residual_base_scale(packed, config))
             packed.residual = ResidualBlocks.from_blocks(tuple(w.shape), block_shape, coords, q, scales)
         else:
             packed.residual = ResidualBlocks.empty(tuple(w.shape), block_shape)
@@ -218,7 +220,7 @@ def _mosaicquant(model, config, ctx):
 
     n = len(replace_linears(model, make))
     return n, {"transform": config.transform, "residual_selection": "random (data-free speed form)",
-               "budget": config.budget, "block": list(block_shape)}
+               "budget": config.budget, "block": list(block_shape), "rscale": config.rscale}
 
 
 def _atom(model, config, ctx):

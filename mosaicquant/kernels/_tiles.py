@@ -18,6 +18,7 @@ from mosaicquant.harness.errors import UserInputError
 __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MIN_M", "SWAP_MIN_TILES_PER_SM",
            "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "GEMV_FUSED_QUANT", "DP4A_WALK_MAX_M", "PARALLEL_MIN_M", "PARALLEL_MAX_M",
            "PARALLEL_MAX_SPLIT", "PARALLEL_MAX_BLOCKS_PER_ROW", "PARALLEL_MAXNREG", "SWAP_DECODE_RESIDUAL_MIN_M",
+           "SWAP_DECODE_SHARED_MIN_M",
            "SWAP_DECODE_SPLIT_MIN_STEPS", "SWAP_DECODE_BLOCK_KP",
            "SWAP_DECODE_STAGES", "DECODE_SPLIT_MIN_STEPS", "DECODE_SPLIT_MIN_STEPS_17",
            "DENSE_GATED_MAX_M", "DENSE_GATED_MAXNREG", "DENSE_PREFETCH_MIB", "ZIPPER_PREFETCH_MIB",
@@ -109,6 +110,9 @@ TAIL_WIDE_K_MAX_M = 16
 # 13.27 against ZipperEngine's 9.59 / 11.69, o 9.43 / 13.50 against 8.67 / 12.23, gate/up 29.11 / 32.77
 # against 25.34 / 32.18, down 16.76 / 22.55 against 15.63 / 19.28.
 SWAP_DECODE_RESIDUAL_MIN_M = 0
+# ... and layers whose residual scales are powers of two of the base's (rscale=pow2: the swapped GEMM's
+# "shared" walk, the kept blocks' int8 dots into the dense accumulator) from this many tokens (0: never).
+SWAP_DECODE_SHARED_MIN_M = 0
 # Split-K at decode doubles the split while the programs cover the SMs less than twice and each program would keep
 # at least this many K steps: the swapped GEMM's decode tiles (256 K values a step), the packed kernel's calls of
 # 17-64 tokens (128 a step) and its other calls (DECODE_SPLIT_MIN_STEPS: v14 measured its splits fastest at 1-16

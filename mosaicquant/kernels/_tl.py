@@ -108,6 +108,48 @@ def unpack_hi16(packed, USE_ASM: tl.constexpr = False):
         return (packed & -16).to(tl.int8)
 
 
+# Nibbles as q * 2^(4 - j) (int8), j in 0..4 the same for the four bytes of a register (one row's K run):
+# t holds 16 q a byte (the x16 unpacking); a right shift of the word by j keeps each byte's bits in the
+# byte (they sit at bits 4-7); the sign is filled in as (sign bits >> j) * (2^(j+1) - 2), bits 8-j .. 7 of
+# each negative byte (the top byte's carry falls off the word). $2's low byte holds j.
+_SHIFT16_TAIL = """and.b32 j, $2, 0xFF;
+and.b32 s, t, 0x80808080;
+shr.u32 s, s, j;
+shl.b32 f, 2, j;
+sub.u32 f, f, 2;
+mul.lo.u32 f, s, f;
+shr.u32 t, t, j;
+or.b32 $0, t, f;
+}"""
+_ASM_LO_SHIFT16 = tl.constexpr("""{
+.reg .b32 t, s, j, f;
+shl.b32 t, $1, 4;
+and.b32 t, t, 0xF0F0F0F0;
+""" + _SHIFT16_TAIL)
+_ASM_HI_SHIFT16 = tl.constexpr("""{
+.reg .b32 t, s, j, f;
+and.b32 t, $1, 0xF0F0F0F0;
+""" + _SHIFT16_TAIL)
+
+
+@triton.jit
+def unpack_shift16(packed, shift, HI: tl.constexpr, USE_ASM: tl.constexpr = False):
+    """The low (or, with ``HI``, high) nibbles of an ``int8 [R, C]`` tensor as ``q * 2^(4 - j)`` (``int8``, exact).
+
+    ``shift``: ``int8 [R]``, ``j`` in 0..4 a row (a residual block row's scale ``s_w · 2^-j``: these
+    integers then count in the ``s_w / 16`` units of the base unpacked as ``16 q``).
+    """
+    if USE_ASM:
+        sh = tl.broadcast_to(shift[:, None], packed.shape)
+        if HI:
+            return tl.inline_asm_elementwise(_ASM_HI_SHIFT16, "=r,r,r", [packed, sh], dtype=tl.int8, is_pure=True,
+                                             pack=4)
+        return tl.inline_asm_elementwise(_ASM_LO_SHIFT16, "=r,r,r", [packed, sh], dtype=tl.int8, is_pure=True, pack=4)
+    if HI:
+        return unpack_hi16(packed) >> shift[:, None]
+    return unpack_lo16(packed) >> shift[:, None]
+
+
 # Small integers to FP8 e4m3 (exact for |q| <= 16), four bytes a register: each byte is biased to
 # an unsigned b (q + 8 for a nibble, q + 128 for an int8), placed under 0x64 to form the fp16
 # 1024 + b (two a register, prmt), the bias subtracted in fp16x2, and each pair converted to e4m3

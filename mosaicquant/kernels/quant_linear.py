@@ -11,11 +11,14 @@ Prefill-sized calls (``M >= swap_min_m`` tokens on the Triton path, when the GEM
 output tiles fill the GPU: :func:`mosaicquant.kernels._tiles.swapped_prefill`) quantize the
 activations to the ``"split8"`` int8 layout instead and run the operand-swapped GEMM
 (:func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_swapped_triton`; the residual blocks, if any,
-fused in its tail): the same integers and scales, the same result up to float rounding
+fused in its tail: the ``"shared"`` walk into the dense accumulator where the residual's scales are
+the base's times powers of two, :func:`mosaicquant.methods.format.residual_shifts`, else the FP8
+walk): the same integers and scales, the same result up to float rounding
 (``benchmarks/NOTES.md``, v7, v8, v10). The unfused pipeline always keeps the packed path.
 Layers without residual blocks also run decode calls of ``swap_decode`` tokens (16-32) that way,
 at decode tiles (v10), but for those of ``_tiles.WIDE_K_DECODE_MIN_M`` to 16 tokens (v17); layers
-with them from ``_tiles.SWAP_DECODE_RESIDUAL_MIN_M`` tokens where that is set. Calls of at most
+with them from ``_tiles.SWAP_DECODE_RESIDUAL_MIN_M`` (``SWAP_DECODE_SHARED_MIN_M`` for power-of-two
+residual scales) tokens where that is set. Calls of at most
 ``gemv_max_m`` tokens run the decode GEMV on CUDA-core ``dp4a`` instead
 (:mod:`mosaicquant.kernels.gemv`, dense and with the residual; v13); with
 ``_tiles.GEMV_FUSED_QUANT`` set, that GEMV quantizes the activations in its own prologue (one launch,
@@ -65,7 +68,7 @@ from mosaicquant.kernels.zipper import (
     zipper_gemm,
     zipper_gemm_triton,
 )
-from mosaicquant.methods.format import PackedW4, ResidualBlocks
+from mosaicquant.methods.format import PackedW4, ResidualBlocks, residual_shifts
 
 __all__ = ["QuantLinear"]
 
@@ -178,6 +181,9 @@ class QuantLinear(nn.Module):
             self.register_buffer("res_values", residual.values.contiguous())
             self.register_buffer("res_scales", residual.scales.contiguous())
             self.register_buffer("res_block_map", residual_block_map(residual))
+            # power-of-two residual scales (MosaicQuant's rscale=pow2): the swapped GEMM adds the kept
+            # blocks into its dense accumulator (residual_walk="shared")
+            self.register_buffer("res_shifts", residual_shifts(residual, self.w_scale))
         self.swap_ok = residual is None or (self.fused and swapped_residual_reason(self.block_shape) is None)
         # the layer's side of gemv_reason (K, block shape) is fixed: decided once; the route then checks M only
         self.gemv_ok = (residual is None or self.fused) and gemv_reason(1, k, residual) is None
@@ -301,8 +307,10 @@ class QuantLinear(nn.Module):
         if self.swap_decode is not None and self.swap_decode[0] <= m <= self.swap_decode[1]:
             if self.block_shape is None and not 0 < _tiles.WIDE_K_DECODE_MIN_M <= m <= 16:
                 return "decode"
-            if self.block_shape is not None and 0 < _tiles.SWAP_DECODE_RESIDUAL_MIN_M <= m:
-                return "decode"
+            if self.block_shape is not None:
+                min_m = _tiles.SWAP_DECODE_SHARED_MIN_M if self.res_shifts is not None else _tiles.SWAP_DECODE_RESIDUAL_MIN_M
+                if 0 < min_m <= m:
+                    return "decode"
         return None
 
     def forward_split8(self, a_split: torch.Tensor, a_scale: torch.Tensor) -> torch.Tensor:
@@ -310,8 +318,10 @@ class QuantLinear(nn.Module):
         m = a_split.shape[0]
         tiles = swapped_decode_config(m, self.out_features, (self.in_features + 1) // 2, a_split.device) \
             if self.swap_route(m) == "decode" else {}
+        shared = self.block_shape is not None and self.res_shifts is not None
         return w4a4_gemm_swapped_triton(a_split, a_scale, self.qweight, self.w_scale, self.in_features, self.bias,
-                                        residual=self.residual, **tiles)
+                                        residual=self.residual, **tiles,
+                                        **({"residual_walk": "shared", "residual_shifts": self.res_shifts} if shared else {}))
 
     def forward_quantized(self, a_packed: torch.Tensor, a_scale: torch.Tensor, backend: str,
                           gated: bool = False, fold: NormFold | None = None) -> torch.Tensor:

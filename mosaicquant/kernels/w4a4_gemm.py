@@ -79,20 +79,25 @@ from mosaicquant.kernels._tl import (
     unpack_hi16,
     unpack_lo,
     unpack_lo16,
+    unpack_shift16,
     wait_for_inputs,
 )
 from mosaicquant.kernels.act_quant import SPLIT_BLOCK, split8_width
 from mosaicquant.kernels.norm_fold import NormFold, fold_launch_args, fold_norm, fold_pdl, fold_reason
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
+from mosaicquant.methods.format import residual_shifts as residual_shifts_of
 
 __all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_swapped_triton", "w4a4_gemm_reference", "check_gemm_args",
            "check_weight_args",
            "swapped_residual_reason", "gated_shape_reason", "silu_mul_halves", "RESIDUAL_WALKS"]
 
 FP8_TAIL_MAX_REGS = 128
+# the "shared" walk's register cap at prefill tiles (None: the compiler's choice)
+SHARED_TAIL_MAX_REGS: int | None = 128
 # Both operands unpacked as 16 q: |acc| <= 64 * 256 * K stays below 2**31 up to this K.
 X16_MAX_K = 2**17
-RESIDUAL_WALKS = ("int8", "fp8")  # how the swapped GEMM multiplies residual blocks (RES_MODE 1, 2)
+# how the swapped GEMM multiplies residual blocks (RES_MODE 1, 2, 3); "shared" needs power-of-two scales
+RESIDUAL_WALKS = ("int8", "fp8", "shared")
 
 
 @triton.jit
@@ -163,7 +168,7 @@ def _residual_unit(a_ptr, res_val_ptr, res_scale_ptr, first, u, units, k0, safe_
     a_odd = tl.load(a_blk + 64, mask=inside, other=0)
     r = tl.load(res_val_ptr + p * (BN_RES * BKP_RES) + res_rows[:, None] * BKP_RES + chunk + half[None, :],
                 mask=valid, other=0)
-    r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows, mask=valid, other=0.0).to(tl.float32)
+    r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows, mask=valid, other=0)  # scales (or shifts) as stored
     return a_even, a_odd, r, r_scale
 
 
@@ -172,13 +177,13 @@ def _residual_mac(y, a_even, a_odd, r, r_scale, BN: tl.constexpr, BM: tl.constex
     """``y += (R_lo · A_even + R_hi · A_odd) ⊙ s_r`` for one residual unit (exact int32 product, fp32 scaling)."""
     r_acc = tl.dot(unpack_lo(r, USE_ASM), a_even, tl.zeros([BN, BM], dtype=tl.int32), out_dtype=tl.int32)
     r_acc = tl.dot(unpack_hi(r, USE_ASM), a_odd, r_acc, out_dtype=tl.int32)
-    return y + r_acc.to(tl.float32) * r_scale[:, None]
+    return y + r_acc.to(tl.float32) * r_scale.to(tl.float32)[:, None]
 
 
 @triton.jit
 def _w4a4_swapped_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
-    row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
+    row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
     M, N, KP, KS, stride_am, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, RES_MODE: tl.constexpr,
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr,
@@ -228,10 +233,6 @@ def _w4a4_swapped_kernel(
             acc = tl.dot(unpack_hi(w, USE_ASM), a_odd, acc, out_dtype=tl.int32)
         w_ptrs += BKP
         a_ptrs += 2 * BKP
-    # the dense int32 accumulator dies here; residual blocks accumulate into y
-    y = acc.to(tl.float32) * w_scale[:, None]
-    if X16:  # the weights were 16x: exact power-of-two rescale
-        y = y * 0.0625
     if RES_MODE > 0:
         # Tail walk over the kept residual blocks of this tile's block row (CSR), in units of one
         # 128-value split8 block (a block column of Bk = 2 * BKP_RES values has Bk / 128 of them;
@@ -241,6 +242,21 @@ def _w4a4_swapped_kernel(
         res_rows = (offs_n - block_row * BN_RES).to(tl.int64)  # storage is padded to full blocks
         first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
         units = (tl.load(row_ptr_ptr + block_row + 1).to(tl.int64) - first) * (BKP_RES // 64)
+    if RES_MODE == 3:
+        # "shared" walk: the kept blocks' scales are s_w * 2^-j (residual_shifts), so a block's integers
+        # shifted left by 4 - j count in the s_w / 16 units of the base unpacked as 16 q (X16), and its
+        # int8 dots go into the dense accumulator itself: no second accumulator, conversion or rescale.
+        for u in tl.range(unit_begin, units, SPLIT_K, num_stages=TAIL_STAGES):
+            k0 = _unit_k0(coords_ptr, first, u, units, BKP_RES)
+            a_even, a_odd, r, shift = _residual_unit(
+                a_ptr, res_val_ptr, res_shift_ptr, first, u, units, k0, safe_m, res_rows, stride_am, KS, BN_RES, BKP_RES)
+            acc = tl.dot(unpack_shift16(r, shift, False, USE_ASM), a_even, acc, out_dtype=tl.int32)
+            acc = tl.dot(unpack_shift16(r, shift, True, USE_ASM), a_odd, acc, out_dtype=tl.int32)
+    # the dense int32 accumulator dies here; residual blocks of the other walks accumulate into y
+    y = acc.to(tl.float32) * w_scale[:, None]
+    if X16:  # the weights were 16x: exact power-of-two rescale
+        y = y * 0.0625
+    if RES_MODE == 1 or RES_MODE == 2:
         for u in tl.range(unit_begin, units, SPLIT_K, num_stages=TAIL_STAGES):
             k0 = _unit_k0(coords_ptr, first, u, units, BKP_RES)
             a_even, a_odd, r, r_scale = _residual_unit(
@@ -254,6 +270,7 @@ def _w4a4_swapped_kernel(
                 # divided by the unit's row scales, the product added, and multiplied back, so
                 # no second [BN, BM] accumulator is live (registers, hence two programs per SM)
                 # (a zero row scale only comes with zero integers: 1 there adds the same nothing)
+                r_scale = r_scale.to(tl.float32)
                 r_scale = tl.where(r_scale == 0.0, 1.0, r_scale)
                 y = y * (1.0 / r_scale)[:, None]
                 if E4M3_ASM:
@@ -457,6 +474,7 @@ def w4a4_gemm_swapped_triton(
     *,
     residual: ResidualBlocks | None = None,
     residual_walk: str = "fp8",
+    residual_shifts: torch.Tensor | None = None,
     tail_stages: int | None = None,
     block_n: int = 128,
     block_m: int = 128,
@@ -487,7 +505,12 @@ def w4a4_gemm_swapped_triton(
             tiles read again) are multiplied: ``"fp8"``, FP8 tensor-core dots accumulating into
             the output tile itself (rescaled by each block's row scales around them; on the
             GPU, int8 dots in the interpreter), or ``"int8"``, int8 dots into a second
-            accumulator; the same result up to fp32 rounding.
+            accumulator; the same result up to fp32 rounding. ``"shared"``: for residual scales
+            that are the base's row scales times ``2^-j`` (:func:`mosaicquant.methods.format.residual_shifts`,
+            MosaicQuant's ``rscale=pow2``), int8 dots of the integers shifted left by ``4 - j`` into the
+            dense int32 accumulator itself (needs ``x16``); the exact integer sum, the walk of a dense step.
+        residual_shifts: ``int8 [nb, Bn]`` shifts of the ``"shared"`` walk (derived from ``residual``
+            and ``w_scale`` when not given: a host synchronisation).
         tail_stages: software-pipelining depth of the residual walk (``None``: the compiler's
             default from ``num_stages``; 5 compiles to double-buffered tiles but measured no
             faster on the H200, ``benchmarks/NOTES.md`` v9).
@@ -541,6 +564,19 @@ def w4a4_gemm_swapped_triton(
         check_same_device(a_split=a_split, residual_values=residual.values)
         if residual.num_blocks == 0:
             residual = None
+    if residual is not None and residual_walk == "shared":
+        if not x16:
+            raise UserInputError("residual_walk='shared' needs x16=True (the residual counts in the s_w / 16 units "
+                                 "of the base unpacked as 16 q)")
+        if residual_shifts is None:
+            residual_shifts = residual_shifts_of(residual, w_scale)
+            if residual_shifts is None:
+                raise UserInputError(
+                    "residual_walk='shared' needs residual scales equal to the base's row scales times 2^-j, "
+                    "j in 0..4 (MosaicQuant's rscale=pow2); these are not: use residual_walk='fp8' or 'int8'")
+        check_tensor("residual_shifts", residual_shifts, dtypes=(torch.int8,),
+                     shape=(residual.num_blocks, residual.block_shape[0]))
+        check_same_device(a_split=a_split, residual_shifts=residual_shifts)
     bn_res, bk_res = residual.block_shape if residual is not None else (block_n, SPLIT_BLOCK)
     while bn_res % block_n:
         block_n //= 2
@@ -554,12 +590,19 @@ def w4a4_gemm_swapped_triton(
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=out.device) if split_k > 1 else out
     pdl = use_pdl(a_split.device, pdl)
     # Triton's interpreter has no FP8 dot: there the fp8 walk runs the int8 one
-    res_mode = 0 if residual is None else (2 if residual_walk == "fp8" and not triton_interpreting() else 1)
+    if residual is None:
+        res_mode = 0
+    elif residual_walk == "shared":
+        res_mode = 3
+    else:
+        res_mode = 2 if residual_walk == "fp8" and not triton_interpreting() else 1
     # the fp8 walk keeps one [BN, BM] accumulator: capped at 128 registers a thread, two programs
     # of 8 warps share an SM as in the dense kernel (uncapped it took 172 and ran one per SM)
     launch = {"maxnreg": FP8_TAIL_MAX_REGS} if res_mode == 2 else {}
-    res = (residual.row_ptr, residual.coords, residual.values.view(torch.int8), residual.scales) \
-        if residual is not None else (a_scale,) * 4
+    if res_mode == 3 and SHARED_TAIL_MAX_REGS is not None and num_warps == 8:
+        launch = {"maxnreg": SHARED_TAIL_MAX_REGS}
+    res = (residual.row_ptr, residual.coords, residual.values.view(torch.int8), residual.scales,
+           residual_shifts if res_mode == 3 else residual.scales) if residual is not None else (a_scale,) * 5
     _w4a4_swapped_kernel[grid](
         a_split, a_scale, qweight.view(torch.int8), w_scale.reshape(-1), bias if bias is not None else a_scale, out,
         part, lock_buffer(out.device),

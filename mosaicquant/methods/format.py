@@ -29,6 +29,12 @@ Sparse residual (:class:`ResidualBlocks`)
     Value: ``W[n, k] += values[b, n - i*Bn, k - j*Bk] * scales[b, n - i*Bn]`` for the kept
     block ``b = (i, j)`` containing ``(n, k)``.
 
+Power-of-two residual scales (:func:`residual_shifts`)
+    Where every kept row's scale is its base row's scale times ``2^-j`` (``j`` in 0..4, MosaicQuant's
+    ``rscale=pow2``), ``values · scale = (values · 2^(4 - j)) · s_w / 16`` exactly: the kernels add
+    ``values << (4 - j)`` (int8) into the int32 accumulator of the base unpacked as ``16 q``. The
+    format is unchanged; the shifts are derived from it.
+
 Activations are quantized per token, symmetric, 4-bit (``mosaicquant.methods.quant``
 conventions), once; the base and every residual block multiply the same integers::
 
@@ -43,7 +49,11 @@ import torch
 
 from mosaicquant.methods.quant import Quantized
 
-__all__ = ["pack_int4", "unpack_int4", "PackedW4", "ResidualBlocks", "parse_block_shape"]
+__all__ = ["pack_int4", "unpack_int4", "PackedW4", "ResidualBlocks", "parse_block_shape", "residual_shifts",
+           "POW2_SHIFT_RANGE"]
+
+# residual scales s_w * 2^-j, j in this range, run in the base's accumulator (see residual_shifts)
+POW2_SHIFT_RANGE = (0, 4)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -208,6 +218,40 @@ class ResidualBlocks:
             self.shape, self.block_shape, self.coords.to(device), self.row_ptr.to(device),
             self.values.to(device), self.scales.to(device),
         )
+
+
+def residual_shifts(residual: "ResidualBlocks", base_scales: torch.Tensor) -> torch.Tensor | None:
+    """``int8 [nb, Bn]`` shifts ``j`` with ``scales == base_scales[row] · 2^-j`` exactly, or ``None``.
+
+    ``None`` unless every row of every kept block inside the layer has such a ``j`` in
+    :data:`POW2_SHIFT_RANGE` (a zero scale qualifies only with zero values, shift 0); rows in the
+    padding of a ragged last block row get 0 (their values are zero). The kernels then add the
+    block's integers shifted left by ``4 - j`` into the int32 accumulator of the base unpacked as
+    ``16 q`` (:mod:`mosaicquant.kernels.w4a4_gemm`, ``residual_walk="shared"``).
+
+    Args:
+        residual: the layer's kept blocks.
+        base_scales: the base's per-output-channel scales (``[N]`` or ``[N, 1]``).
+    """
+    n = residual.shape[0]
+    if base_scales.numel() != n:
+        return None  # group-wise base scales: no single row scale to share
+    bn, _ = residual.block_shape
+    nb = residual.num_blocks
+    if nb == 0:
+        return torch.zeros(0, bn, dtype=torch.int8, device=residual.scales.device)
+    rows = residual.coords[:, 0].long().unsqueeze(1) * bn + torch.arange(bn, device=residual.coords.device)
+    inside = rows < n
+    base = base_scales.reshape(-1).to(torch.float32)[rows.clamp(max=n - 1)]
+    scale = residual.scales.to(torch.float32)
+    shifts = torch.zeros(nb, bn, dtype=torch.int8, device=scale.device)
+    found = ~inside | ((scale == 0) & (residual.values == 0).all(-1))
+    lo, hi = POW2_SHIFT_RANGE
+    for j in range(lo, hi + 1):
+        hit = ~found & (scale > 0) & (scale * 2.0 ** j == base)
+        shifts[hit] = j
+        found |= hit
+    return shifts if bool(found.all()) else None
 
 
 @dataclass

@@ -25,6 +25,13 @@ Conventions:
   ``m`` picks at a budget are exactly the picks at the smaller budget that keeps ``m``.
 - Selection math runs in float64; the residual integers and FP16-rounded scales come from
   :func:`mosaicquant.methods.quant.quantize` (``scale_dtype=torch.float16``).
+- Scales ``"free"`` (default): each block row's own absmax scale. ``"pow2"`` (``base_scale=``
+  given): each block row's scale is its base row's scale times ``2^-j``, ``j = 0 …``
+  :data:`POW2_MAX_SHIFT`, the ``j`` of least error (:func:`quantize_pow2_rows`). The format is the
+  same (FP16 scales per row of a block); the kernels can then add a kept block's integers, shifted
+  left by ``4 - j`` bits, into the dense product's int32 accumulator (the base unpacked as
+  ``16 q``), so the residual costs no second accumulator, no conversion and no rescale
+  (:func:`mosaicquant.methods.format.residual_shifts`).
 
 Selection methods (:func:`select_residual`):
 
@@ -63,6 +70,8 @@ __all__ = [
     "tile_blocks",
     "untile_blocks",
     "quantize_residual_blocks",
+    "quantize_pow2_rows",
+    "POW2_MAX_SHIFT",
     "dequantize_residual_blocks",
     "selected_dense",
     "delta_scores",
@@ -81,6 +90,9 @@ __all__ = [
 SELECTION_METHODS = ("hessian", "delta", "exact-greedy", "frobenius", "random")
 DEFAULT_SELECTION = "hessian"
 RESIDUAL_SCALE_DTYPE = torch.float16
+# "pow2" residual scales: a block row's scale is its base row's scale times 2^-j, j = 0 .. POW2_MAX_SHIFT
+# (the kernels add r * 2^(4 - j) into the accumulator of the base unpacked as 16 q: int8 for j >= 0)
+POW2_MAX_SHIFT = 4
 CHANNEL_AXES = ("input", "output")
 
 
@@ -156,7 +168,7 @@ def untile_blocks(blocks: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
 
 
 def quantize_residual_blocks(
-    residual: torch.Tensor, block_shape, bits: int = 4
+    residual: torch.Tensor, block_shape, bits: int = 4, base_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize every block of a residual: 4-bit symmetric, one FP16 scale per block row.
 
@@ -164,6 +176,8 @@ def quantize_residual_blocks(
         residual: ``E`` (or any correction) ``[N, K]``.
         block_shape: ``(Bn, Bk)``.
         bits: must be 4 (the packed residual format).
+        base_scale: ``[N]`` per-output-channel scales of the dense base for ``"pow2"`` scales
+            (:func:`quantize_pow2_rows`), or ``None`` for each row's own absmax scale.
 
     Returns:
         ``(q, scales)``: ``q`` int8 ``[nbr, nbc, Bn, Bk]`` (0 in the padding);
@@ -171,7 +185,7 @@ def quantize_residual_blocks(
         all-zero row, as :mod:`~mosaicquant.methods.quant` does).
 
     Raises:
-        ValueError: not 2-D, non-finite values, ``bits != 4`` or a bad block shape.
+        ValueError: not 2-D, non-finite values, ``bits != 4``, a bad block shape or base scale.
 
     Example:
         >>> q, s = quantize_residual_blocks(torch.randn(5, 6), (4, 4))
@@ -181,8 +195,66 @@ def quantize_residual_blocks(
     _check_matrix(residual, "residual")
     _check_bits4(bits)
     blocks = tile_blocks(residual.to(torch.float32), block_shape)
+    if base_scale is not None:
+        return quantize_pow2_rows(blocks, _base_rows(base_scale, residual.shape[0], block_shape).unsqueeze(1))
     qt = quantize(blocks, bits, symmetric=True, scale_dtype=RESIDUAL_SCALE_DTYPE)
     return qt.q, qt.scale[..., 0]
+
+
+def _base_rows(base_scale: torch.Tensor, n: int, block_shape) -> torch.Tensor:
+    """``[N]`` base scales as ``[nbr, Bn]`` block rows (1 in the padding rows), float32."""
+    bn, _ = parse_block_shape(block_shape)
+    base = base_scale.reshape(-1).to(torch.float32)
+    if base.numel() != n:
+        raise ValueError(f"base_scale must hold one scale per output channel ({n}), got shape "
+                         f"{tuple(base_scale.shape)} (pow2 residual scales need per-channel base scales)")
+    if not torch.isfinite(base).all() or (base < 0).any():
+        raise ValueError("base_scale must hold finite values >= 0")
+    nbr = -(-n // bn)
+    return torch.nn.functional.pad(base, (0, nbr * bn - n), value=1.0).reshape(nbr, bn)
+
+
+def quantize_pow2_rows(
+    x: torch.Tensor, base_rows: torch.Tensor, hessian_blocks: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit symmetric rows whose scales are the base's row scales times ``2^-j``, ``j = 0 …`` :data:`POW2_MAX_SHIFT`.
+
+    Each row of ``x [..., Bn, Bk]`` takes the ``j`` of least error ``Σ (x - q·s)²`` (with
+    ``hessian_blocks [..., Bk, Bk]``: ``(x - q·s) H (x - q·s)ᵀ``, the output distortion); ties go
+    to the smaller ``j``. Scales that FP16 cannot hold exactly (``s_w · 2^-j`` below FP16's
+    subnormal grid) are not candidates; ``j = 0`` (the base scale, FP16 already) always is. A row
+    whose base scale is 0 gets ``q = 0`` and scale 0.
+
+    Args:
+        x: float ``[..., Bn, Bk]``.
+        base_rows: ``[..., Bn]`` base scales, broadcastable against ``x``'s rows.
+        hessian_blocks: optional ``[..., Bk, Bk]`` (broadcastable) weighting of the error.
+
+    Returns:
+        ``(q, scales)``: int8 ``[..., Bn, Bk]`` in [-8, 7], float32 ``[..., Bn]`` (FP16-exact).
+
+    Example:
+        >>> q, s = quantize_pow2_rows(torch.tensor([[0.30, -0.05, 0.11]]), torch.tensor([0.5]))
+        >>> q.tolist(), s.tolist()
+        ([[5, -1, 2]], [0.0625])
+    """
+    xf = x.to(torch.float64)
+    base = torch.broadcast_to(base_rows.to(torch.float64), xf.shape[:-1])
+    best_err = torch.full(base.shape, math.inf, dtype=torch.float64, device=xf.device)
+    best_q = torch.zeros(xf.shape, dtype=torch.int8, device=xf.device)
+    best_s = torch.zeros(base.shape, dtype=torch.float64, device=xf.device)
+    for j in range(POW2_MAX_SHIFT + 1):
+        s = base * 2.0 ** -j
+        exact = s.to(RESIDUAL_SCALE_DTYPE).to(torch.float64) == s
+        live = s > 0
+        q = torch.where(live.unsqueeze(-1), torch.round(xf / torch.where(live, s, 1.0).unsqueeze(-1)), 0.0).clamp(-8, 7)
+        d = xf - q * s.unsqueeze(-1)
+        err = (d * d).sum(-1) if hessian_blocks is None else (torch.matmul(d, hessian_blocks.to(torch.float64)) * d).sum(-1)
+        take = exact & (err < best_err)
+        best_err = torch.where(take, err, best_err)
+        best_q = torch.where(take.unsqueeze(-1), q.to(torch.int8), best_q)
+        best_s = torch.where(take, s, best_s)
+    return best_q, best_s.to(torch.float32)
 
 
 def dequantize_residual_blocks(
@@ -247,7 +319,8 @@ def selected_dense(
 # ------------------------------------------------------------------------- scores
 
 
-def delta_scores(residual: torch.Tensor, h_diag: torch.Tensor, block_shape) -> torch.Tensor:
+def delta_scores(residual: torch.Tensor, h_diag: torch.Tensor, block_shape,
+                 base_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The paper's Δ-score of every block (SPEC §1.4).
 
     ``Δ_b = Σ_{(n,k)∈b} h_k (E[n,k]² − (E[n,k] − deq(R)[n,k])²)`` with ``R = Q4(E)`` per block
@@ -257,6 +330,7 @@ def delta_scores(residual: torch.Tensor, h_diag: torch.Tensor, block_shape) -> t
         residual: ``E [N, K]``.
         h_diag: ``[K]``, ``h_k = mean_t X̂[t, k]²`` (the Hessian diagonal).
         block_shape: ``(Bn, Bk)``.
+        base_scale: ``[N]`` base scales for ``"pow2"`` residual scales (``None``: free scales).
 
     Returns:
         float64 ``[nbr, nbc]``.
@@ -270,7 +344,7 @@ def delta_scores(residual: torch.Tensor, h_diag: torch.Tensor, block_shape) -> t
         raise ValueError(f"h_diag must be [K] = [{k}], got shape {tuple(h_diag.shape)}")
     if not torch.isfinite(h_diag).all() or (h_diag < 0).any():
         raise ValueError("h_diag must hold finite values >= 0 (a Hessian diagonal)")
-    q, s = quantize_residual_blocks(residual, block_shape)
+    q, s = quantize_residual_blocks(residual, block_shape, base_scale=base_scale)
     r = dequantize_residual_blocks(q, s, residual.shape).to(torch.float64)
     e = residual.to(torch.float64)
     contrib = h_diag.to(torch.float64).unsqueeze(0) * (e * e - (e - r) ** 2)
@@ -482,6 +556,7 @@ def hessian_fit_select(
     budget: float,
     damp: float = 0.01,
     bits: int = 4,
+    base_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Hessian-aware residual (SPEC §1.9): least-squares block corrections, chosen greedily.
 
@@ -502,6 +577,8 @@ def hessian_fit_select(
         budget: fraction of blocks ``ρ`` in [0, 1].
         damp: relative ridge ``>= 0`` of each column block's solve.
         bits: must be 4 (the packed residual format).
+        base_scale: ``[N]`` base scales for ``"pow2"`` residual scales (each row's ``j`` of least
+            output distortion, :func:`quantize_pow2_rows` with ``H[J, J]``), or ``None``.
 
     Returns:
         ``(coords, q, scales)``: int64 ``[nb, 2]`` in pick order, int8 ``[nb, Bn, Bk]``
@@ -545,6 +622,7 @@ def hessian_fit_select(
             "(singular, or not a Hessian); use damp > 0"
         )
     hinv = torch.cholesky_inverse(chol)
+    base_rows = None if base_scale is None else _base_rows(base_scale, n, (bn, bk))
 
     e = tile_blocks(residual.to(torch.float64), (bn, bk))
     p = untile_blocks(e, (nbr * bn, kp)) @ h
@@ -552,10 +630,14 @@ def hessian_fit_select(
     def fit_row(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         row_p = p[i * bn:(i + 1) * bn].reshape(bn, nbc, bk).permute(1, 0, 2)
         corr = torch.matmul(row_p, hinv)
-        qt = quantize(corr.to(torch.float32), bits, symmetric=True, scale_dtype=RESIDUAL_SCALE_DTYPE)
-        cq = qt.dequantize().to(torch.float64)
+        if base_rows is None:
+            qt = quantize(corr.to(torch.float32), bits, symmetric=True, scale_dtype=RESIDUAL_SCALE_DTYPE)
+            q, sc = qt.q, qt.scale[..., 0]
+        else:
+            q, sc = quantize_pow2_rows(corr.to(torch.float32), base_rows[i].unsqueeze(0), hjj)
+        cq = q.to(torch.float64) * sc.to(torch.float64).unsqueeze(-1)
         gain = 2.0 * (row_p * cq).sum(dim=(-1, -2)) - (torch.matmul(cq, hjj) * cq).sum(dim=(-1, -2))
-        return gain, qt.q, qt.scale[..., 0]
+        return gain, q, sc
 
     dev = h.device
     gains = torch.empty(nbr, nbc, dtype=torch.float64, device=dev)
@@ -677,6 +759,7 @@ def select_residual(
     h_diag: torch.Tensor | None = None,
     seed: int = 0,
     damp: float = 0.01,
+    base_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Select and quantize the residual blocks of one layer.
 
@@ -690,6 +773,8 @@ def select_residual(
         h_diag: ``[K]`` Hessian diagonal for ``"delta"``.
         seed: for ``"random"``.
         damp: ridge of the ``"hessian"`` fit.
+        base_scale: ``[N]`` per-channel base scales: ``"pow2"`` residual scales (base row scale
+            times ``2^-j``, see the module docstring); ``None``: each block row's own scale.
 
     Returns:
         ``(coords, q, scales)``: int64 ``[nb, 2]`` (selection order), int8 ``[nb, Bn, Bk]``,
@@ -712,14 +797,14 @@ def select_residual(
     if method in ("hessian", "exact-greedy") and hessian is None:
         raise ValueError(f"residual selection '{method}' needs the input Hessian (hessian=)")
     if method == "hessian":
-        return hessian_fit_select(residual, hessian, (bn, bk), budget, damp=damp)
-    q_all, s_all = quantize_residual_blocks(residual, (bn, bk))
+        return hessian_fit_select(residual, hessian, (bn, bk), budget, damp=damp, base_scale=base_scale)
+    q_all, s_all = quantize_residual_blocks(residual, (bn, bk), base_scale=base_scale)
     if method == "delta":
         if h_diag is None:
             if hessian is None:
                 raise ValueError("residual selection 'delta' needs h_diag= or hessian=")
             h_diag = torch.diagonal(hessian)
-        coords = select_top_blocks(delta_scores(residual, h_diag, (bn, bk)), budget)
+        coords = select_top_blocks(delta_scores(residual, h_diag, (bn, bk), base_scale=base_scale), budget)
     elif method == "frobenius":
         coords = select_top_blocks(frobenius_scores(residual, (bn, bk)), budget)
     elif method == "random":

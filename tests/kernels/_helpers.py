@@ -81,3 +81,14 @@ def random_residual(n: int, k: int, block: tuple[int, int], fraction: float, gen
         q[b, :, max(0, k - j * bk):] = 0
     scales = torch.rand(nb, bn, generator=gen) * 0.02 + 0.002
     return ResidualBlocks.from_blocks((n, k), block, coords, q, scales)
+
+
+def pow2_residual(residual: ResidualBlocks, w_scale: torch.Tensor, gen: torch.Generator) -> ResidualBlocks:
+    """``residual`` with every kept row's scale set to its base row's scale times ``2^-j`` (random ``j`` in 0..4)."""
+    bn = residual.block_shape[0]
+    n = residual.shape[0]
+    rows = (residual.coords[:, 0].long().unsqueeze(1) * bn + torch.arange(bn)).clamp(max=n - 1)
+    j = torch.randint(0, 5, (residual.num_blocks, bn), generator=gen)
+    scales = (w_scale.float()[rows] * 2.0 ** -j).to(torch.float16)
+    return ResidualBlocks(residual.shape, residual.block_shape, residual.coords, residual.row_ptr, residual.values,
+                          scales)

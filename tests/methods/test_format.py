@@ -69,3 +69,26 @@ def test_parse_block_shape():
     for bad in ("0", "64x63", "axb", "1x2x3"):
         with pytest.raises(ValueError, match="block"):
             parse_block_shape(bad)
+
+
+def test_residual_shifts_need_every_kept_row_on_the_base_scale_times_a_power_of_two():
+    from mosaicquant.methods.format import residual_shifts
+
+    base = torch.tensor([0.5, 0.25, 1.0], dtype=torch.float16)
+    q = torch.ones(1, 4, 4, dtype=torch.int8)  # one 4x4 block at (0, 0); rows 3 is padding (N = 3)
+    q[0, 3] = 0
+    scales = torch.tensor([[0.5 / 16, 0.25, 1.0 / 4, 7.0]])  # shifts 4, 0, 2; the padding row's scale is ignored
+    res = ResidualBlocks.from_blocks((3, 4), (4, 4), torch.tensor([[0, 0]]), q, scales)
+    assert residual_shifts(res, base).tolist() == [[4, 0, 2, 0]]
+    for bad in (0.5 / 32, 0.5 * 2, 0.3):  # j = 5, j = -1, not a power of two
+        s = scales.clone()
+        s[0, 0] = bad
+        assert residual_shifts(ResidualBlocks.from_blocks((3, 4), (4, 4), torch.tensor([[0, 0]]), q, s), base) is None
+    # a zero scale qualifies only with zero integers (the shared walk would add them otherwise)
+    s = scales.clone()
+    s[0, 1] = 0.0
+    assert residual_shifts(ResidualBlocks.from_blocks((3, 4), (4, 4), torch.tensor([[0, 0]]), q, s), base) is None
+    q0 = q.clone()
+    q0[0, 1] = 0
+    assert residual_shifts(ResidualBlocks.from_blocks((3, 4), (4, 4), torch.tensor([[0, 0]]), q0, s), base) is not None
+    assert residual_shifts(res, torch.ones(3, 2, dtype=torch.float16)) is None  # group-wise base scales

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.methods.format import unpack_int4
+from mosaicquant.methods.format import residual_shifts, unpack_int4
 from mosaicquant.methods.mosaicquant import MosaicQuantConfig, quantize_linear_mosaic
 from mosaicquant.methods.quant import quantize
 
@@ -22,10 +22,12 @@ def _layer_and_hessian(n=45, k=70, t=300, seed=0):
     return lin, x, x.T @ x / t
 
 
-@pytest.mark.parametrize("base, score", [("rtn", "delta"), ("gptq", "hessian"), ("rtn", "hessian")])
-def test_simulated_layer_equals_spec_formula(base, score):
+@pytest.mark.parametrize("base, score, rscale", [("rtn", "delta", "free"), ("gptq", "hessian", "free"),
+                                                 ("rtn", "hessian", "free"), ("gptq", "hessian", "pow2"),
+                                                 ("rtn", "delta", "pow2")])
+def test_simulated_layer_equals_spec_formula(base, score, rscale):
     lin, x, h = _layer_and_hessian()
-    cfg = MosaicQuantConfig(budget=0.3, block="16x32", base=base, score=score, a_clip=0.9)
+    cfg = MosaicQuantConfig(budget=0.3, block="16x32", base=base, score=score, a_clip=0.9, rscale=rscale)
     layer, stats = quantize_linear_mosaic(lin, h, cfg, seed=0)
     packed = layer.packed
     assert packed.residual.num_blocks > 0
@@ -49,6 +51,20 @@ def test_simulated_layer_equals_spec_formula(base, score):
     err = (out - y).norm() / y.norm()
     assert err < FORMULA_RTOL, f"simulated layer deviates from the formula: rel err {err:.2e}"
     assert 0 < stats["recovered"] <= 1
+    shifts = residual_shifts(res, packed.scales)
+    assert (shifts is not None) == (rscale == "pow2")
+
+
+def test_pow2_residual_scales_recover_about_what_free_scales_do():
+    # the residual's 4-bit step is a small part of its error: a power-of-two step (up to 2x the free one)
+    # changes the distortion the kept blocks recover by little
+    lin, _, h = _layer_and_hessian(n=64, k=128, t=600)
+    got = {}
+    for rscale in ("free", "pow2"):
+        cfg = MosaicQuantConfig(budget=0.25, block="16x32", base="gptq", rscale=rscale)
+        layer, stats = quantize_linear_mosaic(lin, h, cfg, seed=0)
+        got[rscale] = stats["recovered"]
+    assert got["pow2"] > 0.9 * got["free"], got
 
 
 def test_budget_zero_and_block_counts():
@@ -84,6 +100,8 @@ def test_residual_reduces_calibration_distortion():
         ({"block": "0"}, "block"),
         ({"kvbits": 1}, "kvbits=1 is out of range"),
         ({"kv_clip": 0.0}, "kv_clip=0.0 is out of range"),
+        ({"rscale": "exp2"}, "rscale='exp2' is not allowed"),
+        ({"w_group_size": 32}, r"rscale=pow2 \(the default\) needs per-channel base scales: with w_group_size=32 set rscale=free"),
     ],
 )
 def test_config_errors(options, match):

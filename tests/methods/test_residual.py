@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.methods.format import ResidualBlocks
+from mosaicquant.methods.format import ResidualBlocks, residual_shifts
 from mosaicquant.methods.gptq import gptq_quantize
 from mosaicquant.methods.quant import quantize, quantize_with_clip_search
 from mosaicquant.methods.residual import (
+    POW2_MAX_SHIFT,
     SELECTION_METHODS,
     block_grid,
     channel_residual,
@@ -23,6 +24,7 @@ from mosaicquant.methods.residual import (
     hessian_fit_select,
     num_kept_blocks,
     output_distortion,
+    quantize_pow2_rows,
     quantize_residual_blocks,
     random_scores,
     select_residual,
@@ -328,3 +330,46 @@ def test_distortion_recovered_bounds_and_errors():
         distortion_recovered(weight, weight, e, h_cal)
     with pytest.raises(ValueError, match="correction_dense"):
         distortion_recovered(weight, base, e[:, :5], h_cal)
+
+
+def test_pow2_rows_take_the_base_scale_times_a_power_of_two_of_least_error():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 8, 32, generator=gen) * torch.rand(6, 8, 1, generator=gen)
+    base = (torch.rand(8, generator=gen) * 0.5 + 0.05).to(torch.float16).float()
+    q, s = quantize_pow2_rows(x, base)
+    j = torch.log2(base / s)
+    assert torch.equal(j, j.round()) and j.min() >= 0 and j.max() <= POW2_MAX_SHIFT
+    assert torch.equal(s.half().float(), s) and q.min() >= -8 and q.max() <= 7
+    err = ((x - q * s.unsqueeze(-1)) ** 2).sum(-1)
+    for jj in range(POW2_MAX_SHIFT + 1):  # no other shift does better on any row
+        sj = base * 2.0 ** -jj
+        qj = torch.round(x / sj.unsqueeze(-1)).clamp(-8, 7)
+        assert (err <= ((x - qj * sj.unsqueeze(-1)) ** 2).sum(-1) + 1e-12).all()
+    # a base scale too small for FP16 to hold s_w / 16 keeps the shifts it can hold
+    q2, s2 = quantize_pow2_rows(torch.full((1, 4), 1e-7), torch.tensor([2.0 ** -22]))
+    assert torch.equal(s2.half().float(), s2) and s2.item() >= 2.0 ** -24
+    # a zero base scale: zero integers, zero scale
+    q3, s3 = quantize_pow2_rows(torch.ones(1, 4), torch.zeros(1))
+    assert not q3.any() and s3.item() == 0.0
+
+
+@pytest.mark.parametrize("method", ["hessian", "delta", "random"])
+def test_pow2_selection_gives_shifts_the_kernels_take(method):
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 96, generator=gen)
+    qt = quantize(w, 4, scale_dtype=torch.float16)
+    base = qt.dequantize()
+    x = torch.randn(300, 96, generator=gen)
+    h = x.T @ x / 300
+    coords, q, s = select_residual(method, w - base, (16, 32), 0.4, hessian=h, base_scale=qt.scale[:, 0])
+    res = ResidualBlocks.from_blocks((40, 96), (16, 32), coords, q, s)
+    shifts = residual_shifts(res, qt.scale)
+    assert shifts is not None and shifts.dtype == torch.int8
+    rows = (res.coords[:, 0].long().unsqueeze(1) * 16 + torch.arange(16)).clamp(max=39)
+    inside = res.coords[:, 0].long().unsqueeze(1) * 16 + torch.arange(16) < 40
+    want = qt.scale[:, 0][rows] * 2.0 ** -shifts.float()
+    assert torch.equal(res.scales.float()[inside], want[inside])
+    free = ResidualBlocks.from_blocks((40, 96), (16, 32), *select_residual(method, w - base, (16, 32), 0.4, hessian=h))
+    assert residual_shifts(free, qt.scale) is None
+    with pytest.raises(ValueError, match="base_scale must hold one scale per output channel"):
+        select_residual(method, w - base, (16, 32), 0.4, hessian=h, base_scale=torch.ones(7))

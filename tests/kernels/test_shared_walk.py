@@ -1,0 +1,152 @@
+"""The swapped GEMM's "shared" residual walk: power-of-two residual scales added into the dense accumulator."""
+
+import re
+
+import pytest
+import torch
+
+from mosaicquant.harness.errors import UserInputError
+from mosaicquant.kernels import _tiles
+from mosaicquant.kernels._tl import _ASM_HI_SHIFT16, _ASM_LO_SHIFT16
+from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton
+from mosaicquant.kernels.quant_linear import QuantLinear
+from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_swapped_triton
+from mosaicquant.kernels.zipper import zipper_gemm_reference
+from mosaicquant.methods.format import PackedW4, residual_shifts
+from mosaicquant.methods.quant import quantize
+
+from ._helpers import (
+    DEVICE,
+    assert_close_bf16,
+    assert_residual_matters,
+    needs_triton,
+    pow2_residual,
+    random_activations,
+    random_layer,
+    random_residual,
+)
+
+
+def _case(m, n, k, block, fraction, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = random_activations(m, k, gen)
+    _, qweight, w_scale = random_layer(n, k, gen)
+    residual = pow2_residual(random_residual(n, k, block, fraction, gen), w_scale, gen)
+    bias = torch.randn(n, generator=gen)
+    packed, scale = quantize_activations_reference(x)
+    ref = zipper_gemm_reference(packed, scale, qweight, w_scale, k, residual, bias, out_fp32=True)
+    assert_residual_matters(packed, scale, qweight, w_scale, k, bias, ref)
+    a8, s8 = quantize_activations_triton(x.to(DEVICE), layout="split8")
+    return a8, s8, qweight.to(DEVICE), w_scale.to(DEVICE), bias.to(DEVICE), residual.to(DEVICE), ref
+
+
+@needs_triton()
+@pytest.mark.parametrize("m,n,k,block,fraction,opts", [
+    (13, 200, 300, (128, 128), 0.5, dict(block_n=128, block_m=64)),     # ragged N and K, prefill tiles
+    (67, 130, 640, (64, 256), 0.4, dict(block_n=128, block_m=64)),      # block rows of 64: the tile shrinks
+    (5, 96, 1000, (32, 128), 1.0, dict(block_n=128, block_m=64)),       # every block kept, K not a multiple of 128
+    (29, 130, 1000, (64, 256), 0.5, dict(block_n=64, block_m=32, block_kp=128, split_k=3, num_warps=4)),  # decode tiles
+])
+def test_shared_walk_matches_zipper_reference(m, n, k, block, fraction, opts):
+    a8, s8, qweight, w_scale, bias, residual, ref = _case(m, n, k, block, fraction, seed=m * n)
+    shifts = residual_shifts(residual, w_scale)
+    assert shifts is not None and int(shifts.min()) >= 0 and int(shifts.max()) <= 4
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    w4a4_gemm_swapped_triton(a8, s8, qweight, w_scale, k, bias, residual=residual, residual_walk="shared",
+                             residual_shifts=shifts, out=out, **opts)
+    assert_close_bf16(out, ref, f"shared walk M={m} N={n} K={k} blocks {block} {opts}")
+    # the shifts derived by the launcher give the same bits
+    again = w4a4_gemm_swapped_triton(a8, s8, qweight, w_scale, k, bias, residual=residual, residual_walk="shared",
+                                     **opts)
+    assert torch.equal(again, out)
+
+
+@needs_triton()
+def test_shared_walk_refuses_free_scales_and_unscaled_weights():
+    a8, s8, qweight, w_scale, bias, residual, _ = _case(13, 200, 300, (128, 128), 0.5, seed=7)
+    free = random_residual(200, 300, (128, 128), 0.5, torch.Generator().manual_seed(1)).to(DEVICE)
+    with pytest.raises(UserInputError, match=r"residual_walk='shared' needs residual scales equal to the base's row "
+                                             r"scales times 2\^-j"):
+        w4a4_gemm_swapped_triton(a8, s8, qweight, w_scale, 300, residual=free, residual_walk="shared")
+    with pytest.raises(UserInputError, match="residual_walk='shared' needs x16=True"):
+        w4a4_gemm_swapped_triton(a8, s8, qweight, w_scale, 300, residual=residual, residual_walk="shared", x16=False)
+    with pytest.raises(UserInputError, match="residual_shifts"):
+        w4a4_gemm_swapped_triton(a8, s8, qweight, w_scale, 300, residual=residual, residual_walk="shared",
+                                 residual_shifts=torch.zeros(1, 128, dtype=torch.int8, device=DEVICE))
+
+
+def _run_ptx(text: str, word: int, j: int) -> int:
+    """Run the b32 PTX sequence of a shift-unpack string on one register (the few instructions it uses)."""
+    regs = {"$1": word, "$2": j * 0x01010101}
+    mask = 0xFFFFFFFF
+
+    def val(tok):
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        a = [val(s) for s in src]
+        if op == "shl.b32":
+            r = a[0] << a[1]
+        elif op == "shr.u32":
+            r = a[0] >> a[1]
+        elif op == "and.b32":
+            r = a[0] & a[1]
+        elif op == "or.b32":
+            r = a[0] | a[1]
+        elif op == "sub.u32":
+            r = a[0] - a[1]
+        elif op == "mul.lo.u32":
+            r = a[0] * a[1]
+        else:
+            raise AssertionError(f"instruction {op!r} is not emulated")
+        regs[dst] = r & mask
+    return regs["$0"]
+
+
+@pytest.mark.parametrize("hi", [False, True])
+def test_shift_unpack_ptx_gives_each_nibble_times_two_to_the_four_minus_j(hi):
+    # every nibble pattern of a byte, in every byte position, at every shift
+    text = (_ASM_HI_SHIFT16 if hi else _ASM_LO_SHIFT16).value
+    assert re.search(r"mul\.lo\.u32", text)
+    gen = torch.Generator().manual_seed(0)
+    words = [b * 0x01010101 for b in range(256)] + torch.randint(0, 2**32, (2000,), generator=gen,
+                                                                 dtype=torch.int64).tolist()
+    for j in range(5):
+        for w in words:
+            got = _run_ptx(text, w, j)
+            for byte in range(4):
+                b = (w >> (8 * byte)) & 0xFF
+                nib = (b >> 4) if hi else (b & 0xF)
+                q = nib - 16 if nib >= 8 else nib
+                want = (q * 2 ** (4 - j)) & 0xFF
+                assert (got >> (8 * byte)) & 0xFF == want, (hex(w), j, byte)
+
+
+@needs_triton()
+def test_quant_linear_runs_pow2_residual_layers_on_the_shared_walk(monkeypatch):
+    gen = torch.Generator().manual_seed(11)
+    n, k = 256, 512
+    q, _, w_scale = random_layer(n, k, gen)
+    qt = quantize(q.float() * w_scale.float().unsqueeze(1), 4, symmetric=True, scale_dtype=torch.float16)
+    base = PackedW4.from_quantized(qt)
+    res = pow2_residual(random_residual(n, k, (64, 128), 0.3, gen), base.scales.reshape(-1), gen)
+    layer = QuantLinear(PackedW4.from_quantized(qt, residual=res)).to(DEVICE)
+    free = QuantLinear(PackedW4.from_quantized(qt, residual=random_residual(n, k, (64, 128), 0.3, gen))).to(DEVICE)
+    assert layer.res_shifts is not None and free.res_shifts is None
+    x = random_activations(24, k, gen).to(DEVICE)
+    packed_route = layer(x)  # 24 tokens: ZipperEngine's packed kernel
+    monkeypatch.setattr(_tiles, "SWAP_DECODE_SHARED_MIN_M", 17)
+    assert layer.swap_route(24) == "decode" and free.swap_route(24) is None
+    calls = []
+    import mosaicquant.kernels.quant_linear as ql
+    real = ql.w4a4_gemm_swapped_triton
+    monkeypatch.setattr(ql, "w4a4_gemm_swapped_triton", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    swapped = layer(x)
+    assert calls and calls[0]["residual_walk"] == "shared"
+    assert_close_bf16(swapped, packed_route.float(), "QuantLinear, shared walk at decode tiles vs packed route")
