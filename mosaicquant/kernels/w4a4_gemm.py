@@ -94,6 +94,10 @@ __all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_swapped_triton", "w4a4_ge
 FP8_TAIL_MAX_REGS = 128
 # the "shared" walk's register cap at prefill tiles (None: the compiler's choice)
 SHARED_TAIL_MAX_REGS: int | None = 128
+# ... and its tail's software-pipelining depth there (when tail_stages is not given): 2 against the kernel's 3
+# stages measured -0.2 to -3.0 % on the Llama-3-8B linears at M = 2048 / 8192 (medians of three interleaved
+# pairs, the same bits; 1 and 4 slower; benchmarks/NOTES.md v27)
+SHARED_TAIL_STAGES: int | None = 2
 # Both operands unpacked as 16 q: |acc| <= 64 * 256 * K stays below 2**31 up to this K.
 X16_MAX_K = 2**17
 # how the swapped GEMM multiplies residual blocks (RES_MODE 1, 2, 3); "shared" needs power-of-two scales
@@ -512,8 +516,9 @@ def w4a4_gemm_swapped_triton(
         residual_shifts: ``int8 [nb, Bn]`` shifts of the ``"shared"`` walk (derived from ``residual``
             and ``w_scale`` when not given: a host synchronisation).
         tail_stages: software-pipelining depth of the residual walk (``None``: the compiler's
-            default from ``num_stages``; 5 compiles to double-buffered tiles but measured no
-            faster on the H200, ``benchmarks/NOTES.md`` v9).
+            default from ``num_stages``, but :data:`SHARED_TAIL_STAGES` for the shared walk at
+            8-warp tiles; 5 compiles to double-buffered tiles but measured no faster on the H200
+            with the FP8 walk, ``benchmarks/NOTES.md`` v9).
         block_n, block_m: weight rows and tokens per program (powers of two, >= 16).
         block_kp: packed K bytes per step (64, 128 or 256: one, two or four split8 blocks).
         split_k: programs sharing an output tile along K (fp32 partials summed in split order
@@ -599,8 +604,11 @@ def w4a4_gemm_swapped_triton(
     # the fp8 walk keeps one [BN, BM] accumulator: capped at 128 registers a thread, two programs
     # of 8 warps share an SM as in the dense kernel (uncapped it took 172 and ran one per SM)
     launch = {"maxnreg": FP8_TAIL_MAX_REGS} if res_mode == 2 else {}
-    if res_mode == 3 and SHARED_TAIL_MAX_REGS is not None and num_warps == 8:
-        launch = {"maxnreg": SHARED_TAIL_MAX_REGS}
+    if res_mode == 3 and num_warps == 8:  # prefill tiles
+        if SHARED_TAIL_MAX_REGS is not None:
+            launch = {"maxnreg": SHARED_TAIL_MAX_REGS}
+        if tail_stages is None:
+            tail_stages = SHARED_TAIL_STAGES
     res = (residual.row_ptr, residual.coords, residual.values.view(torch.int8), residual.scales,
            residual_shifts if res_mode == 3 else residual.scales) if residual is not None else (a_scale,) * 5
     _w4a4_swapped_kernel[grid](
