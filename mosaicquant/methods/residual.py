@@ -60,7 +60,7 @@ import math
 import torch
 
 from mosaicquant.harness.errors import unknown_name
-from mosaicquant.methods.format import parse_block_shape
+from mosaicquant.methods.format import POW2_SHIFT_RANGE, parse_block_shape
 from mosaicquant.methods.quant import quantize
 
 __all__ = [
@@ -92,7 +92,7 @@ DEFAULT_SELECTION = "hessian"
 RESIDUAL_SCALE_DTYPE = torch.float16
 # "pow2" residual scales: a block row's scale is its base row's scale times 2^-j, j = 0 .. POW2_MAX_SHIFT
 # (the kernels add r * 2^(4 - j) into the accumulator of the base unpacked as 16 q: int8 for j >= 0)
-POW2_MAX_SHIFT = 4
+POW2_MAX_SHIFT = POW2_SHIFT_RANGE[1]
 CHANNEL_AXES = ("input", "output")
 
 
