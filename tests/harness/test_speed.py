@@ -141,9 +141,11 @@ def test_speed_forms_build_the_methods_format_and_run_on_the_kernels(tiny_shapes
     assert (gated in path) == (method in ("mosaicquant", "quarot"))
     # the kernels compute the simulated model's function up to BF16 outputs (which can move a later
     # 4-bit activation to the next level): far closer to it than quantization is to the float model
+    # (MosaicQuant here: 0.40 with free residual scales, 0.55 with power-of-two ones; a wiring error is ~1x,
+    # tests/kernels/test_convert.py)
     kernel_err = (kernels.float() - simulated).norm()
     quant_err = (simulated - reference).norm()
-    assert kernel_err < 0.5 * quant_err, (kernel_err, quant_err)
+    assert kernel_err < 0.7 * quant_err, (kernel_err, quant_err)
 
 
 def test_methods_without_a_fast_path_are_unavailable_never_stand_ins(tiny_shapes):

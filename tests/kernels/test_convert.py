@@ -17,10 +17,12 @@ from ._helpers import DEVICE, assert_close_bf16, needs_triton
 TORCH_MODEL_REL_TOL = 1e-2
 # The Triton path sums in another order (split-K, int32 tiles): a BF16 output one ulp apart
 # can move the next layer's 4-bit activation across a rounding boundary, so through a model
-# the kernel-vs-simulated distance is a fraction of the quantization error itself (measured
-# 0.40 on this model, with every argmax equal); layer-level equality is tested at 1e-2 in
-# test_quant_linear.py. A wiring error (a lost online Hadamard, dropped residual) is ~1x.
-TRITON_FRACTION_OF_QUANT_ERROR = 0.5
+# the kernel-vs-simulated distance is a fraction of the quantization error itself; layer-level
+# equality is tested at 1e-2 in test_quant_linear.py. Over five model seeds and two inputs it
+# measured 0.36-0.50 with free residual scales and 0.38-0.54 with power-of-two ones (0.54 on this
+# seed and input), whose layers match the simulation as closely (0.32-0.41 % relative error at
+# M = 1-38 either way). A wiring error is ~1x: with the residual dropped, 1.08-1.09.
+TRITON_FRACTION_OF_QUANT_ERROR = 0.7
 MIN_ARGMAX_AGREEMENT = 0.95
 
 
