@@ -35,7 +35,10 @@ also take a layer's residual blocks, walked after its dense loop (``residual_wal
 accumulating into the output tile itself (default on the GPU; the tile is divided by the
 block's row scales before and multiplied back after, exact integer products, one fp32
 accumulator: capped at 128 registers, two programs share an SM), or int8 dots into a second
-accumulator. ``benchmarks/NOTES.md`` (v7, v8) has the measurements.
+accumulator. ``benchmarks/NOTES.md`` (v7, v8) has the measurements. Where the blocks' scales are
+the base's row scales times ``2^-j`` (MosaicQuant's default ``rscale=pow2``), the ``"shared"`` walk
+runs their int8 dots into the dense int32 accumulator itself, the integers shifted left by
+``4 - j`` (what ``QuantLinear`` runs for such layers; v27).
 """
 
 from __future__ import annotations
