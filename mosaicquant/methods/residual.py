@@ -25,7 +25,8 @@ Conventions:
   ``m`` picks at a budget are exactly the picks at the smaller budget that keeps ``m``.
 - Selection math runs in float64; the residual integers and FP16-rounded scales come from
   :func:`mosaicquant.methods.quant.quantize` (``scale_dtype=torch.float16``).
-- Scales ``"free"`` (default): each block row's own absmax scale. ``"pow2"`` (``base_scale=``
+- Scales ``"free"`` (these functions' default, ``base_scale=None``): each block row's own absmax scale
+  (MosaicQuant itself defaults to ``"pow2"``, :class:`mosaicquant.methods.mosaicquant.MosaicQuantConfig`). ``"pow2"`` (``base_scale=``
   given): each block row's scale is its base row's scale times ``2^-j``, ``j = 0 …``
   :data:`POW2_MAX_SHIFT`, the ``j`` of least error (:func:`quantize_pow2_rows`). The format is the
   same (FP16 scales per row of a block); the kernels can then add a kept block's integers, shifted
