@@ -12,6 +12,9 @@ M = 1 … 8192. Variants per (shape, M):
   default); ``w4a4_x1``: the same with the plain sign-extending unpacking;
 - ``w4a4_swapdec`` (M = 16 … 32): split8 activation quantization + the swapped GEMM at decode
   tiles (what ``QuantLinear`` runs for a layer without residual at these M);
+- ``w4a4_swapmid`` / ``zip10_swapmid`` (mid-sized M where ``_tiles.swapped_mid_config`` gives tiles):
+  split8 activation quantization + the swapped GEMM at its mid tiles, dense / with the 10 % residual on
+  the shared walk (what ``QuantLinear`` runs there);
 - ``zip{p}``: activation quantization + ZipperEngine with a ``p`` % residual budget (random
   block selection, 128×128 blocks), fusion mode ``auto`` (its residual walk on dp4a up to
   ``DP4A_WALK_MAX_M`` tokens); ``zip10_inline`` / ``zip10_tail`` force a mode; ``zip10_dot``
@@ -77,6 +80,7 @@ from mosaicquant.kernels._tiles import (  # noqa: E402
     TileConfig,
     pick_config,
     swapped_decode_config,
+    swapped_mid_config,
     swapped_prefill,
 )
 from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton  # noqa: E402
@@ -260,6 +264,9 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
         swap_variants = []
         if SWAP_DECODE_M[0] <= m <= SWAP_DECODE_M[1] or DRY:
             swap_variants.append(("swapdec", swapped_decode_config(m, n, kp, device)))
+        mid = swapped_mid_config(m, n, kp, device, residual=False)
+        if mid is not None:
+            swap_variants.append(("swapmid", mid))
         if m >= SWAP_MIN_M:
             swap_variants += [("swap", {}), ("swap_x1", {"x16": False}), ("swap_s4", {"num_stages": 4}),
                               ("swap_bm64", {"block_m": 64})]
@@ -300,7 +307,11 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
                 [("_fp8", {"residual_walk": "fp8"}), ("_int8", {"residual_walk": "int8"}),
                  ("_x1", {"residual_walk": "fp8", "x16": False}),
                  ("_cc", {"residual_walk": "fp8", "e4m3_asm": False})] if b == 10 else [])
-            for suffix, wopts in walks if m >= SWAP_MIN_M and mode == "auto" and b > 0 else []:
+            walks = walks if m >= SWAP_MIN_M else []
+            mid = swapped_mid_config(m, n, kp, device, residual=True) if b == 10 else None
+            if mid is not None:
+                walks = walks + [("mid", dict(mid, residual_walk="shared"))]
+            for suffix, wopts in walks if mode == "auto" and b > 0 else []:
                 def zs_call(i, b=b, wopts=wopts):
                     rs_ = residuals[b][0]
                     # the shared walk's shifts come with the layer (QuantLinear derives them once): deriving
@@ -398,8 +409,11 @@ def add_quantlinear_rows(rows, n, k, device) -> None:
         elif SWAP_DECODE_M[0] <= m <= SWAP_DECODE_M[1]:
             dense, zipped = "w4a4_swapdec", "zip10"
         else:
-            dense = "w4a4_swap" if swapped_prefill(m, n, device, residual=False) else "w4a4"
-            zipped = "zip10_swap" if swapped_prefill(m, n, device, residual=True) else "zip10"
+            kp = (k + 1) // 2
+            dense = "w4a4_swap" if swapped_prefill(m, n, device, residual=False) else (
+                "w4a4_swapmid" if swapped_mid_config(m, n, kp, device, residual=False) is not None else "w4a4")
+            zipped = "zip10_swap" if swapped_prefill(m, n, device, residual=True) else (
+                "zip10_swapmid" if swapped_mid_config(m, n, kp, device, residual=True) is not None else "zip10")
         for label, src in (("ql_dense", dense), ("ql_zip10", zipped)):
             if src in sel:
                 rows.append(dict(sel[src], variant=label, same_as=src))
@@ -492,8 +506,9 @@ def main(argv=None) -> int:
     measured = [r for r in rows if "same_as" not in r]
     failed = [r for r in measured if r.get("check_ok") is False]
     print(f"\nchecks: {len(measured) - len(failed)} ok, {len(failed)} FAILED; {time.time() - t0:.0f}s")
-    cols = ["ql_dense", "gemv", "gemv_fq", "w4a4", "w4a4_x1", "w4a4_swapdec", "w4a4_swap", "w4a4_swap_x1", "zip0", "ql_zip10",
-            "gemv_zip10", "gemv_zip10_fq", "zip10", "zip10_dot", "zip10_x1", "zip10_swap", "zip10_swap_fp8", "zip10_swap_cc", "unfused10"]
+    cols = ["ql_dense", "gemv", "gemv_fq", "w4a4", "w4a4_x1", "w4a4_swapdec", "w4a4_swapmid", "w4a4_swap", "w4a4_swap_x1",
+            "zip0", "ql_zip10", "gemv_zip10", "gemv_zip10_fq", "zip10", "zip10_dot", "zip10_x1", "zip10_swapmid",
+            "zip10_swap", "zip10_swap_fp8", "zip10_swap_cc", "unfused10"]
     print("speedup vs bf16 (same run, median); bf16 us in first column")
     print(f"{'shape':>12} {'M':>5} {'bf16us':>8} " + " ".join(f"{c:>12}" for c in cols))
     for (n, k) in shapes:

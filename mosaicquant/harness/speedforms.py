@@ -48,6 +48,8 @@ from mosaicquant.methods.qlinear import (
 __all__ = ["executable", "speed_form", "SPEED_FORMS", "DATA_FREE_METHODS", "FLOAT_PATH"]
 
 FLOAT_PATH = "torch BF16 (cuBLAS)"
+# token counts at which the execution path looks for QuantLinear's mid route (33 tokens to the prefill tiles)
+MID_PROBE_M = (33, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2047)
 
 
 def _has_kernel_layers(model: nn.Module) -> bool:
@@ -108,6 +110,12 @@ def executable(model: nn.Module, info: dict) -> str:
             if decode:
                 part += (f"; {who} of {decode[0]}-{decode[-1]} tokens: the swapped GEMM at decode tiles"
                          + (" with the residual blocks in its tail" if res else ""))
+        mid = [m for m in w4 if any(m.quant.swap_route(m_) == "mid" for m_ in MID_PROBE_M)]
+        if mid:
+            part += (f"; mid-sized calls on {len(mid)} of {len(w4)} linears, where they are short of output tiles: "
+                     f"the swapped GEMM on mid tiles with split-K"
+                     + (" (residual blocks of power-of-two scales in its int32 accumulator)"
+                        if any(m.quant.block_shape is not None for m in mid) else ""))
         parallel = sorted(m_ for m_ in range(2, 33) if any(m.quant.uses_parallel_residual(m_) for m in w4))
         if parallel:
             part += (f"; calls of {parallel[0]}-{parallel[-1]} tokens on "

@@ -26,7 +26,7 @@ __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MI
            "WALK_STAGES_MIN_M", "maxnreg_launch", "walk_stages",
            "parallel_mode", "parallel_residual",
            "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
-           "swapped_prefill"]
+           "swapped_prefill", "swapped_mid_config", "SWAP_MID_MIN_M", "SWAP_MID_RESIDUAL_MIN_M", "SWAP_MID_TILES"]
 
 # Up to this many rows the GEMMs use CUDA-core multiply-adds instead of tensor-core dots
 # (0: never; measured ALU-bound and no faster than the dot path, benchmarks/NOTES.md v2).
@@ -78,7 +78,10 @@ def prefetch_default(n: int, kp: int) -> bool:
 # GEMM on every Llama-3 / Qwen3 linear at M = 128 ... 8192 in one run (v10): with 96 or more tiles
 # (0.7 per SM of the H200) the dense swapped GEMM was 1.07-1.63x faster, with 64 or fewer 0.55-0.97x;
 # with residual blocks in its tail it needs 192 or more (1.03-1.30x faster; 0.48-0.87x at <= 128).
-SWAP_MIN_M = 128
+# From 65 tokens (v28): only the wide layers (gate/up) have that many tiles below 128 tokens, where the packed
+# kernel's two 64-row token tiles read their 48-56 MiB of weights twice (Llama-3-8B gate/up at 96 tokens
+# 1.10x BF16 against 1.69x at 64 and 1.72x at 128; benchmarks/NOTES.md v28).
+SWAP_MIN_M = 65
 SWAP_MIN_TILES_PER_SM = {"dense": 0.7, "residual": 1.2}
 # Dense layers (no residual) also run calls of this many tokens on the swapped GEMM, at decode
 # tiles (swapped_decode_config): measured against the packed kernel with the same unpacking on
@@ -125,6 +128,51 @@ SWAP_DECODE_SHARED_MIN_M = 0
 SWAP_DECODE_SPLIT_MIN_STEPS = 8
 DECODE_SPLIT_MIN_STEPS = 4
 DECODE_SPLIT_MIN_STEPS_17 = 8
+# Mid-sized calls, between the decode tiles and the swapped prefill GEMM's 128 x 128 tiles: a call of at least
+# SWAP_MID_MIN_M tokens (a dense layer) or SWAP_MID_RESIDUAL_MIN_M (residual blocks with power-of-two scales, the
+# shared walk; 0: never) that swapped_prefill does not take runs the swapped GEMM on the tiles of
+# swapped_mid_config where the layer is short of output tiles (fewer than SWAP_MID_TILES' max_tiles_per_sm a SM);
+# the other calls keep the packed kernels. Chosen from a grid of tiles and splits timed on every Llama-3 / Qwen3
+# linear at M = 64 / 128 / 256 / 512 / 1024 (benchmarks/NOTES.md v28, benchmarks/mid_m.py), where the packed
+# kernels had left q/k/v, o and down_proj at 0.73-0.98x BF16 (dense, 64-256 tokens) and 0.50-0.73x (10 %
+# residual, 128-512). Against the routes before, on the same linears at 40-1024 tokens: 0.68-0.97x the time
+# (dense), 0.65-1.01x (residual).
+SWAP_MID_MIN_M = 33
+SWAP_MID_RESIDUAL_MIN_M = 65
+# Per kind of layer: the tiles' weight rows, packed K bytes a step, warps and stages; the output tiles per SM from
+# which a call keeps its other route; the programs per SM that split-K aims at; the K steps a program keeps.
+SWAP_MID_TILES = {
+    "dense": {"block_n": 64, "block_kp": 128, "num_warps": 4, "num_stages": 4, "max_tiles_per_sm": 2.9,
+              "cover": 1.5, "min_steps": 16},
+    "residual": {"block_n": 128, "block_kp": 64, "num_warps": 8, "num_stages": 3, "max_tiles_per_sm": 1.0,
+                 "cover": 1.0, "min_steps": 8},
+}
+
+
+def swapped_mid_config(m: int, n: int, kp: int, device: torch.device, residual: bool) -> dict | None:
+    """Tiles (keyword arguments of ``w4a4_gemm_swapped_triton``) of a mid-sized swapped GEMM, or ``None`` where
+    the call keeps its other route (too few tokens, or enough output tiles for the packed kernels).
+
+    Dense layers: 64 weight rows x 32 tokens (up to 64 tokens) or 64, 256 K values a step, 4 warps, 4 stages.
+    Layers with residual blocks (the shared walk): 128 weight rows x 64 tokens (up to 256) or 128, 128 K values
+    a step, 8 warps, 3 stages. K split while the programs cover the SMs less than ``cover`` times and each keeps
+    ``min_steps`` K steps.
+    """
+    kind = "residual" if residual else "dense"
+    min_m = SWAP_MID_RESIDUAL_MIN_M if residual else SWAP_MID_MIN_M
+    if not 0 < min_m <= m:
+        return None
+    t = SWAP_MID_TILES[kind]
+    block_m = (64 if m <= 256 else 128) if residual else (32 if m <= 64 else 64)
+    tiles = -(-n // t["block_n"]) * -(-m // block_m)
+    sms = _sm_count(device)
+    if tiles >= t["max_tiles_per_sm"] * sms:
+        return None
+    split = _decode_split(tiles, -(-kp // t["block_kp"]), device, t["min_steps"], cover=t["cover"], max_split=8)
+    return {"block_n": t["block_n"], "block_m": block_m, "block_kp": t["block_kp"], "split_k": split,
+            "num_warps": t["num_warps"], "num_stages": t["num_stages"]}
+
+
 # The swapped GEMM's decode tiles: packed K bytes a step and software-pipeline stages. With the 8-step split, RTN's and
 # QuaRot's step at batch 24 / 32 (v26, 2 interleaved rounds, us): 128 bytes and 4 stages 3,077 / 3,150 and 3,336 /
 # 3,296; 3 or 5 stages 1-3 % slower; 64 bytes (16 steps) 11-13 % slower; 256 bytes (4 steps) level to 1.5 % slower,
@@ -279,12 +327,13 @@ def swapped_decode_config(m: int, n: int, kp: int, device: torch.device) -> dict
             "num_stages": SWAP_DECODE_STAGES, "pdl": pdl_default(m, n, kp)}
 
 
-def _decode_split(tiles: int, k_steps: int, device: torch.device, min_steps: int) -> int:
-    """Split-K of a decode-sized GEMM: doubled (up to 16) while ``tiles`` programs a split cover the SMs less than
-    twice and each program would keep at least ``min_steps`` of the ``k_steps`` K steps."""
+def _decode_split(tiles: int, k_steps: int, device: torch.device, min_steps: int, cover: float = 2.0,
+                  max_split: int = 16) -> int:
+    """Split-K of a decode-sized GEMM: doubled (up to ``max_split``) while ``tiles`` programs a split cover the SMs
+    less than ``cover`` times and each program would keep at least ``min_steps`` of the ``k_steps`` K steps."""
     sms = _sm_count(device)
     split = 1
-    while tiles * split < 2 * sms and k_steps // (2 * split) >= min_steps and split < 16:
+    while tiles * split < cover * sms and k_steps // (2 * split) >= min_steps and split < max_split:
         split *= 2
     return split
 

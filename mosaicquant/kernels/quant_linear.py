@@ -46,6 +46,7 @@ from mosaicquant.kernels._tiles import (
     parallel_residual,
     pick_config,
     swapped_decode_config,
+    swapped_mid_config,
     swapped_prefill,
 )
 from mosaicquant.kernels.act_quant import quantize_activations, quantize_activations_triton
@@ -104,6 +105,11 @@ class QuantLinear(nn.Module):
         gemv_max_m: calls of up to this many tokens on the Triton path run the decode GEMV where it
             takes them (:func:`mosaicquant.kernels.gemv.gemv_reason`; the fused residual only);
             default :data:`mosaicquant.kernels._tiles.GEMV_ROUTE_MAX_M`, ``0`` never.
+        swap_mid: mid-sized calls (from :data:`mosaicquant.kernels._tiles.SWAP_MID_MIN_M` tokens, or
+            :data:`~mosaicquant.kernels._tiles.SWAP_MID_RESIDUAL_MIN_M` with residual blocks of power-of-two
+            scales; read at each call) that neither the prefill nor the decode tiles take run the swapped GEMM
+            on the tiles of :func:`mosaicquant.kernels._tiles.swapped_mid_config` where it gives them
+            (layers short of output tiles); ``False`` keeps them on the packed kernels.
 
     Raises:
         UserInputError: group-wise base scales, a bad clip ratio, mode, kernel
@@ -128,6 +134,7 @@ class QuantLinear(nn.Module):
         swap_decode: tuple[int, int] | None = SWAP_DECODE_M,
         swap_min_tiles_per_sm: float | None = None,
         gemv_max_m: int = GEMV_ROUTE_MAX_M,
+        swap_mid: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(packed, PackedW4):
@@ -166,6 +173,7 @@ class QuantLinear(nn.Module):
         self.swap_decode = swap_decode
         self.swap_min_tiles_per_sm = swap_min_tiles_per_sm
         self.gemv_max_m = gemv_max_m
+        self.swap_mid = bool(swap_mid)
         self.register_buffer("qweight", packed.qweight.contiguous())
         self.register_buffer("w_scale", packed.scales.reshape(n).to(torch.float16).contiguous())
         self.register_buffer("bias", None if packed.bias is None else packed.bias.to(torch.float32).reshape(n).contiguous())
@@ -293,11 +301,12 @@ class QuantLinear(nn.Module):
         return self.block_shape is None or (self.fused and self._parallel_call(m) is None)
 
     def uses_swapped(self, m: int, backend: str) -> bool:
-        """Whether a call of ``m`` tokens on ``backend`` runs the operand-swapped GEMM (prefill, or decode tiles)."""
+        """Whether a call of ``m`` tokens on ``backend`` runs the operand-swapped GEMM (prefill, mid or decode tiles)."""
         return backend == "triton" and self.swap_route(m) is not None
 
     def swap_route(self, m: int) -> str | None:
-        """``"prefill"``, ``"decode"`` (the swapped GEMM at decode tiles) or ``None`` for a call of ``m`` tokens."""
+        """``"prefill"``, ``"decode"`` (the swapped GEMM at decode tiles), ``"mid"`` (at :meth:`mid_tiles`) or ``None``
+        (the packed kernels) for a call of ``m`` tokens."""
         if not self.swap_ok:
             return None
         if self.swap_min_m is not None and swapped_prefill(
@@ -311,13 +320,32 @@ class QuantLinear(nn.Module):
                 min_m = _tiles.SWAP_DECODE_SHARED_MIN_M if self.res_shifts is not None else _tiles.SWAP_DECODE_RESIDUAL_MIN_M
                 if 0 < min_m <= m:
                     return "decode"
+            return None
+        if self.mid_tiles(m) is not None:
+            return "mid"
         return None
+
+    def mid_tiles(self, m: int) -> dict | None:
+        """Tiles of the swapped GEMM for a mid-sized call of ``m`` tokens
+        (:func:`mosaicquant.kernels._tiles.swapped_mid_config`: dense layers, and residual blocks with
+        power-of-two scales on the shared walk), or ``None`` where the call takes another route."""
+        if not self.swap_mid:
+            return None
+        if self.block_shape is not None and self.res_shifts is None:
+            return None
+        return swapped_mid_config(m, self.out_features, (self.in_features + 1) // 2, self.qweight.device,
+                                  residual=self.block_shape is not None)
 
     def forward_split8(self, a_split: torch.Tensor, a_scale: torch.Tensor) -> torch.Tensor:
         """The swapped GEMM on ``"split8"`` activations ``int8 [M, split8_width(K)]`` + ``[M]`` scales → BF16 ``[M, N]``."""
         m = a_split.shape[0]
-        tiles = swapped_decode_config(m, self.out_features, (self.in_features + 1) // 2, a_split.device) \
-            if self.swap_route(m) == "decode" else {}
+        route = self.swap_route(m)
+        if route == "decode":
+            tiles = swapped_decode_config(m, self.out_features, (self.in_features + 1) // 2, a_split.device)
+        elif route == "mid":
+            tiles = self.mid_tiles(m)
+        else:
+            tiles = {}
         shared = self.block_shape is not None and self.res_shifts is not None
         return w4a4_gemm_swapped_triton(a_split, a_scale, self.qweight, self.w_scale, self.in_features, self.bias,
                                         residual=self.residual, **tiles,

@@ -133,6 +133,9 @@ def test_speed_forms_build_the_methods_format_and_run_on_the_kernels(tiny_shapes
     assert ("of 17-32 tokens: the swapped GEMM at decode tiles" in path) == (method != "mosaicquant")
     assert "calls of 1 token: the dp4a decode GEMV" in path
     assert ("(residual included)" in path) == (method == "mosaicquant")
+    # mid-sized calls of the small dense layers take the swapped GEMM's mid tiles (the 16x64 residual blocks
+    # are narrower than its 128-value steps: not claimed for MosaicQuant)
+    assert ("the swapped GEMM on mid tiles with split-K" in path) == (method != "mosaicquant")
     # ZipperEngine's "auto" mode runs a few tokens' kept blocks in programs of their own
     assert ("the residual blocks in programs of their own" in path) == (method == "mosaicquant")
     # whose fix-up writes gate/up's SiLU·mul (one stacked gate/up per decoder layer)

@@ -92,3 +92,18 @@ def pow2_residual(residual: ResidualBlocks, w_scale: torch.Tensor, gen: torch.Ge
     scales = (w_scale.float()[rows] * 2.0 ** -j).to(torch.float16)
     return ResidualBlocks(residual.shape, residual.block_shape, residual.coords, residual.row_ptr, residual.values,
                           scales)
+
+
+def pow2_layers(n: int, k: int, block: tuple[int, int], fraction: float, gen: torch.Generator, bias: bool = False):
+    """A random quantized layer with a power-of-two residual and the same base with a free-scale one:
+    ``(qt, with_pow2, with_free)`` (``PackedW4``; with a random bias if ``bias``)."""
+    from mosaicquant.methods.format import PackedW4
+    from mosaicquant.methods.quant import quantize
+
+    q, _, w_scale = random_layer(n, k, gen)
+    qt = quantize(q.float() * w_scale.float().unsqueeze(1), 4, symmetric=True, scale_dtype=torch.float16)
+    b = torch.randn(n, generator=gen) if bias else None
+    base = PackedW4.from_quantized(qt)
+    res = pow2_residual(random_residual(n, k, block, fraction, gen), base.scales.reshape(-1), gen)
+    return (qt, PackedW4.from_quantized(qt, residual=res, bias=b),
+            PackedW4.from_quantized(qt, residual=random_residual(n, k, block, fraction, gen), bias=b))

@@ -12,14 +12,14 @@ from mosaicquant.kernels.act_quant import quantize_activations_reference, quanti
 from mosaicquant.kernels.quant_linear import QuantLinear
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_swapped_triton
 from mosaicquant.kernels.zipper import zipper_gemm_reference
-from mosaicquant.methods.format import PackedW4, residual_shifts
-from mosaicquant.methods.quant import quantize
+from mosaicquant.methods.format import residual_shifts
 
 from ._helpers import (
     DEVICE,
     assert_close_bf16,
     assert_residual_matters,
     needs_triton,
+    pow2_layers,
     pow2_residual,
     random_activations,
     random_layer,
@@ -132,12 +132,9 @@ def test_shift_unpack_ptx_gives_each_nibble_times_two_to_the_four_minus_j(hi):
 def test_quant_linear_runs_pow2_residual_layers_on_the_shared_walk(monkeypatch):
     gen = torch.Generator().manual_seed(11)
     n, k = 256, 512
-    q, _, w_scale = random_layer(n, k, gen)
-    qt = quantize(q.float() * w_scale.float().unsqueeze(1), 4, symmetric=True, scale_dtype=torch.float16)
-    base = PackedW4.from_quantized(qt)
-    res = pow2_residual(random_residual(n, k, (64, 128), 0.3, gen), base.scales.reshape(-1), gen)
-    layer = QuantLinear(PackedW4.from_quantized(qt, residual=res)).to(DEVICE)
-    free = QuantLinear(PackedW4.from_quantized(qt, residual=random_residual(n, k, (64, 128), 0.3, gen))).to(DEVICE)
+    _, packed, free_packed = pow2_layers(n, k, (64, 128), 0.3, gen)
+    layer = QuantLinear(packed).to(DEVICE)
+    free = QuantLinear(free_packed).to(DEVICE)
     assert layer.res_shifts is not None and free.res_shifts is None
     x = random_activations(24, k, gen).to(DEVICE)
     packed_route = layer(x)  # 24 tokens: ZipperEngine's packed kernel

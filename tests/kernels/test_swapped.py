@@ -139,8 +139,10 @@ def test_quant_linear_prefill_route_gives_the_packed_route_result(residual):
     res = random_residual(n, k, (32, 128), 0.3, gen) if residual else None
     packed = PackedW4.from_quantized(qt, residual=res, bias=torch.randn(n, generator=gen))
     x = random_activations(70, k, gen).to(DEVICE)
-    swapped = QuantLinear(packed, act_clip_ratio=0.9, kernel="triton", swap_min_m=64, swap_min_tiles_per_sm=0).to(DEVICE)
-    plain = QuantLinear(packed, act_clip_ratio=0.9, kernel="triton", swap_min_m=None).to(DEVICE)
+    # (swap_mid=False: this small layer's mid-sized calls would take the mid tiles, tested on their own)
+    swapped = QuantLinear(packed, act_clip_ratio=0.9, kernel="triton", swap_min_m=64, swap_min_tiles_per_sm=0,
+                          swap_mid=False).to(DEVICE)
+    plain = QuantLinear(packed, act_clip_ratio=0.9, kernel="triton", swap_min_m=None, swap_mid=False).to(DEVICE)
     assert swapped.uses_swapped(70, "triton") and not swapped.uses_swapped(63, "triton")
     assert not plain.uses_swapped(70, "triton") and not swapped.uses_swapped(70, "torch")
     ref = QuantLinear(packed, act_clip_ratio=0.9, kernel="torch")(x.cpu()).float()
@@ -193,7 +195,7 @@ def test_quant_linear_decode_route_runs_dense_layers_swapped_at_17_to_32_tokens(
     n, k = 130, 640
     qt = quantize(torch.randn(n, k, generator=gen), 4, scale_dtype=torch.float16)
     dense = QuantLinear(PackedW4.from_quantized(qt, bias=torch.randn(n, generator=gen)), act_clip_ratio=0.9,
-                        kernel="triton", swap_min_m=512, swap_min_tiles_per_sm=0).to(DEVICE)
+                        kernel="triton", swap_min_m=512, swap_min_tiles_per_sm=0, swap_mid=False).to(DEVICE)
     with_res = QuantLinear(PackedW4.from_quantized(qt, residual=random_residual(n, k, (32, 128), 0.3, gen)),
                            kernel="triton", swap_min_m=512, swap_min_tiles_per_sm=0).to(DEVICE)
     # 16 tokens stay on the packed kernel (its wide K steps, _tiles.WIDE_K_DECODE_MIN_M)
@@ -237,7 +239,8 @@ def test_prefill_route_needs_enough_output_tiles_to_fill_the_gpu():
     # 128 x 128 output tiles per SM: 0.7 for a dense layer, 1.2 with residual blocks (v10 measurements)
     sms = _sm_count(torch.device("cpu"))
     assert swapped_prefill(4096, 128, torch.device("cpu"), residual=False)
-    assert not swapped_prefill(127, 10**6, torch.device("cpu"), residual=False)  # below SWAP_MIN_M
+    assert not swapped_prefill(_tiles.SWAP_MIN_M - 1, 10**6, torch.device("cpu"), residual=False)  # below SWAP_MIN_M
+    assert swapped_prefill(_tiles.SWAP_MIN_M, 10**6, torch.device("cpu"), residual=False)
     assert [swapped_prefill(128 * t, 128, torch.device("cpu"), residual=False) for t in range(1, 8)] == \
         [t >= SWAP_MIN_TILES_PER_SM["dense"] * sms for t in range(1, 8)]
     assert [swapped_prefill(128 * t, 128, torch.device("cpu"), residual=True) for t in range(1, 8)] == \
