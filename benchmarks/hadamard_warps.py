@@ -1,16 +1,24 @@
-"""The online Hadamard + 4-bit quantizer at decode sizes: warps per program (GPU).
+"""The activation quantizers' warps per program (GPU): the online Hadamard + 4-bit quantizer, and the plain one.
 
 One program per token: at batch 4 only 4 SMs work, so the kernel's latency is what a decode
-step pays (64 calls a step on Llama-3-8B: o_proj's 4096 and down_proj's 14336 inputs). Times
-the fused kernel (CUDA graphs, median) at M = 1, 4, 16, 32 with 4, 8 and 16 warps, checks
-each against the default, and prints a table; the plain quantizer of the same sizes is the
-floor.
+step pays (64 calls a step on Llama-3-8B: o_proj's 4096 and down_proj's 14336 inputs); at
+prefill sizes thousands of programs share the SMs, and the warps set how many run at once.
+Times each kernel (CUDA graphs, median) at every M and warp count asked for, checks each
+against the default (integers and scales bit-equal), and prints a table. Kernels: ``hadamard``
+(the fused Hadamard + quantizer, random signs), ``quant`` (the plain quantizer, packed layout),
+``split8`` (the plain quantizer, the swapped GEMM's int8 layout). ``--rotate`` cycles the
+input through copies larger than L2 (a prefill layer's input is mostly not in L2).
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/hadamard_warps.py
+    PYTHONUNBUFFERED=1 python3 benchmarks/hadamard_warps.py   # decode sizes, as in v12
+    PYTHONUNBUFFERED=1 python3 benchmarks/hadamard_warps.py --ms 256,2048,8192 --warps 2,4,8,16 \\
+        --kernels hadamard,quant,split8 --rotate --out OUT
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
 import os
 import sys
 
@@ -23,29 +31,61 @@ from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E
 from mosaicquant.kernels.hadamard_quant import hadamard_quantize_triton  # noqa: E402
 from mosaicquant.methods.hadamard import OnlineHadamard, random_signs  # noqa: E402
 
+ROTATE_BYTES = 3 * 60 * 2**20
 
-def main() -> None:
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ms", default="1,4,16,32")
+    ap.add_argument("--sizes", default="4096,14336")
+    ap.add_argument("--warps", default="4,8,16")
+    ap.add_argument("--kernels", default="hadamard", help="comma-separated: hadamard, quant, split8")
+    ap.add_argument("--rotate", action="store_true", help="cycle the input through copies larger than L2")
+    ap.add_argument("--out", default=None, help="directory for results.json")
+    args = ap.parse_args(argv)
     device = torch.device("cuda")
+    warps_list = [int(w) for w in args.warps.split(",")]
     rows = []
-    for n in (4096, 14336):
+    for n in (int(v) for v in args.sizes.split(",")):
         had = OnlineHadamard(n, signs=random_signs(n, seed=1)).to(device)
-        for m in (1, 4, 16, 32):
-            x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
-            ref = hadamard_quantize_triton(x, had)
-            times = {}
-            for warps in (4, 8, 16):
-                got = hadamard_quantize_triton(x, had, num_warps=warps)
-                assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (n, m, warps)
-                times[warps] = time_calls([lambda w=warps: hadamard_quantize_triton(x, had, num_warps=w)],
-                                          min_us=2000.0, replays=15).median_us
-            plain = time_calls([lambda: quantize_activations_triton(x)], min_us=2000.0, replays=15).median_us
-            rows.append((n, m, times, plain))
-            print(n, m, times, plain, flush=True)
-    print("\n| n | M | 4 warps µs | 8 warps µs | 16 warps µs | plain quantizer µs |")
-    print("|---|---|---|---|---|---|")
-    for n, m, t, plain in rows:
-        print(f"| {n} | {m} | {t[4]:.2f} | {t[8]:.2f} | {t[16]:.2f} | {plain:.2f} |")
+        kernels = {
+            "hadamard": lambda x, w=None: hadamard_quantize_triton(x, had, num_warps=w),
+            "quant": lambda x, w=None: quantize_activations_triton(x, num_warps=w),
+            "split8": lambda x, w=None: quantize_activations_triton(x, layout="split8", num_warps=w),
+        }
+        for m in (int(v) for v in args.ms.split(",")):
+            copies = max(1, math.ceil(ROTATE_BYTES / (2 * m * n))) if args.rotate else 1
+            xs = [torch.randn(m, n, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+            for name in args.kernels.split(","):
+                fn = kernels[name]
+                ref = fn(xs[0])
+                times = {}
+                default = time_calls([lambda x=x: fn(x) for x in xs], min_us=2000.0, replays=15).median_us
+                for warps in warps_list:
+                    got = fn(xs[0], warps)
+                    ok = torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+                    t = time_calls([lambda x=x, w=warps: fn(x, w) for x in xs], min_us=2000.0, replays=15).median_us
+                    times[warps] = (t, ok)
+                moved = m * n * 2 + m * (n if name == "split8" else n // 2)
+                rows.append(dict(kernel=name, n=n, m=m, default_us=default, warps={w: t for w, (t, _) in times.items()},
+                                 ok=all(ok for _, ok in times.values()), bytes=moved))
+                print(name, n, m, f"default {default:.2f}",
+                      {w: f"{t:.2f}{'' if ok else ' FAILED'}" for w, (t, ok) in times.items()}, flush=True)
+    head = " | ".join(f"{w} warps µs" for w in warps_list)
+    print(f"\n| kernel | n | M | default µs (TB/s) | {head} |")
+    print("|---|---|---|---|" + "---|" * len(warps_list))
+    for r in rows:
+        cells = " | ".join(f"{r['warps'][w]:.2f}" for w in warps_list)
+        print(f"| {r['kernel']} | {r['n']} | {r['m']} | {r['default_us']:.2f} ({r['bytes'] / r['default_us'] / 1e6:.2f}) "
+              f"| {cells} |")
+    failed = [r for r in rows if not r["ok"]]
+    print(f"checks: {len(rows) - len(failed)} ok, {len(failed)} FAILED")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as fh:
+            json.dump({"rotate": args.rotate, "rows": rows}, fh, indent=1)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

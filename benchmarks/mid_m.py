@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from zipper import check, random_residual  # noqa: E402
 
 from mosaicquant.harness.timing import time_calls  # noqa: E402
+from mosaicquant.kernels import _tiles  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton  # noqa: E402
 from mosaicquant.kernels.quant_linear import QuantLinear  # noqa: E402
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_swapped_triton  # noqa: E402
@@ -141,17 +142,20 @@ VALIDATE_MS = (40, 48, 64, 80, 96, 112, 128, 160, 192, 256, 320, 384, 512, 768, 
 BEFORE = dict(swap_min_m=128, swap_mid=False)
 
 
-def validate(name: str, n: int, k: int, ms, device, gen, rounds: int = 2) -> list[dict]:
-    """``QuantLinear`` as routed now (``ql_*``) and with the routes before the mid tiles (``ql_*_off``:
-    :data:`BEFORE`), interleaved ``rounds`` times, with BF16, dense and with the residual."""
+def validate(name: str, n: int, k: int, ms, device, gen, rounds: int = 2, before: str = "v27") -> list[dict]:
+    """``QuantLinear`` as routed now (``ql_*``) and with the routes before (``ql_*_off``), interleaved ``rounds``
+    times, with BF16, dense and with the residual. ``before``: ``"v27"`` (:data:`BEFORE`: no mid route, prefill
+    tiles from 128 tokens) or ``"nowide"`` (the mid route without its dense wide tier, ``SWAP_MID_WIDE_MIN_M`` = 0)."""
     rows = []
     layers = layer_copies(n, k, device, gen)
     w_bf16 = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
               for _ in range(max(2, math.ceil(ROTATE_BYTES / (2 * n * k))))]
+    off_kw = BEFORE if before == "v27" else {}
     qls = {"ql_dense": [QuantLinear(d).to(device) for d, _, _ in layers],
-           "ql_dense_off": [QuantLinear(d, **BEFORE).to(device) for d, _, _ in layers],
+           "ql_dense_off": [QuantLinear(d, **off_kw).to(device) for d, _, _ in layers],
            "ql_pow2": [QuantLinear(r).to(device) for _, r, _ in layers],
-           "ql_pow2_off": [QuantLinear(r, **BEFORE).to(device) for _, r, _ in layers]}
+           "ql_pow2_off": [QuantLinear(r, **off_kw).to(device) for _, r, _ in layers]}
+    wide = _tiles.SWAP_MID_WIDE_MIN_M
     for m in ms:
         x = (torch.randn(m, k, generator=gen) * 2).to(torch.bfloat16).to(device)
         pa, sa = quantize_activations_reference(x)
@@ -162,10 +166,17 @@ def validate(name: str, n: int, k: int, ms, device, gen, rounds: int = 2) -> lis
             t = time_calls([lambda w=w: F.linear(x, w) for w in w_bf16])
             rows.append(dict(layer=name, n=n, k=k, m=m, variant="bf16", round=rnd, us=t.median_us, ok=True))
             for key, mods in qls.items():
-                ok, rel = check(mods[0](x).float(), ref_pow2 if "pow2" in key else ref_dense)
-                t = time_calls([lambda q=q: q(x) for q in mods])
+                if key.endswith("_off") and before == "nowide":
+                    _tiles.SWAP_MID_WIDE_MIN_M = 0
+                try:
+                    ok, rel = check(mods[0](x).float(), ref_pow2 if "pow2" in key else ref_dense)
+                    t = time_calls([lambda q=q: q(x) for q in mods])
+                    route = mods[0].swap_route(m)
+                    tiles = mods[0].mid_tiles(m) if route == "mid" else None
+                finally:
+                    _tiles.SWAP_MID_WIDE_MIN_M = wide
                 rows.append(dict(layer=name, n=n, k=k, m=m, variant=key, round=rnd, us=t.median_us, ok=ok,
-                                 rel_err=rel, route=mods[0].swap_route(m)))
+                                 rel_err=rel, route=route, tiles=tiles))
             print(f"{name:14s} M={m:5d} round {rnd}: " + "  ".join(
                 f"{r['variant']}={r['us']:.1f}" for r in rows if r["m"] == m and r["round"] == rnd), flush=True)
     return rows
@@ -216,6 +227,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", default=",".join(LAYERS))
     parser.add_argument("--validate", action="store_true",
                         help="QuantLinear as routed against the routes before the mid tiles (default M: VALIDATE_MS)")
+    parser.add_argument("--before", choices=("v27", "nowide"), default="v27",
+                        help="--validate's other routes: v27's, or the mid route without its dense wide tier")
     parser.add_argument("--dry", action="store_true", help="CPU (TRITON_INTERPRET=1): one tiny layer, checks only")
     args = parser.parse_args(argv)
     if args.dry:
@@ -234,7 +247,8 @@ def main(argv=None) -> int:
     rows = []
     for name in args.layers.split(","):
         n, k = LAYERS[name]
-        rows += validate(name, n, k, ms, device, gen) if args.validate else bench(name, n, k, ms, device, gen, sms)
+        rows += (validate(name, n, k, ms, device, gen, before=args.before) if args.validate
+                 else bench(name, n, k, ms, device, gen, sms))
         if args.out is not None:  # what is done so far survives a time limit
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "results.json").write_text(json.dumps({"rows": rows}))

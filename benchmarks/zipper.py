@@ -410,8 +410,8 @@ def add_quantlinear_rows(rows, n, k, device) -> None:
             dense, zipped = "w4a4_swapdec", "zip10"
         else:
             kp = (k + 1) // 2
-            dense = "w4a4_swap" if swapped_prefill(m, n, device, residual=False) else (
-                "w4a4_swapmid" if swapped_mid_config(m, n, kp, device, residual=False) is not None else "w4a4")
+            dense = "w4a4_swapmid" if swapped_mid_config(m, n, kp, device, residual=False) is not None else (
+                "w4a4_swap" if swapped_prefill(m, n, device, residual=False) else "w4a4")
             zipped = "zip10_swap" if swapped_prefill(m, n, device, residual=True) else (
                 "zip10_swapmid" if swapped_mid_config(m, n, kp, device, residual=True) is not None else "zip10")
         for label, src in (("ql_dense", dense), ("ql_zip10", zipped)):

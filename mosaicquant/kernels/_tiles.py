@@ -26,7 +26,8 @@ __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MI
            "WALK_STAGES_MIN_M", "maxnreg_launch", "walk_stages",
            "parallel_mode", "parallel_residual",
            "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
-           "swapped_prefill", "swapped_mid_config", "SWAP_MID_MIN_M", "SWAP_MID_RESIDUAL_MIN_M", "SWAP_MID_TILES"]
+           "swapped_prefill", "swapped_mid_config", "SWAP_MID_MIN_M", "SWAP_MID_RESIDUAL_MIN_M", "SWAP_MID_WIDE_MIN_M",
+           "SWAP_MID_TILES"]
 
 # Up to this many rows the GEMMs use CUDA-core multiply-adds instead of tensor-core dots
 # (0: never; measured ALU-bound and no faster than the dot path, benchmarks/NOTES.md v2).
@@ -129,9 +130,9 @@ SWAP_DECODE_SPLIT_MIN_STEPS = 8
 DECODE_SPLIT_MIN_STEPS = 4
 DECODE_SPLIT_MIN_STEPS_17 = 8
 # Mid-sized calls, between the decode tiles and the swapped prefill GEMM's 128 x 128 tiles: a call of at least
-# SWAP_MID_MIN_M tokens (a dense layer) or SWAP_MID_RESIDUAL_MIN_M (residual blocks with power-of-two scales, the
-# shared walk; 0: never) that swapped_prefill does not take runs the swapped GEMM on the tiles of
-# swapped_mid_config where the layer is short of output tiles (fewer than SWAP_MID_TILES' max_tiles_per_sm a SM);
+# SWAP_MID_MIN_M tokens (a dense layer, ahead of swapped_prefill) or SWAP_MID_RESIDUAL_MIN_M (residual blocks with
+# power-of-two scales, the shared walk, where swapped_prefill does not take it; 0: never) runs the swapped GEMM on
+# the tiles of swapped_mid_config where the layer is short of output tiles (fewer than SWAP_MID_TILES' max_tiles_per_sm a SM);
 # the other calls keep the packed kernels. Chosen from a grid of tiles and splits timed on every Llama-3 / Qwen3
 # linear at M = 64 / 128 / 256 / 512 / 1024 (benchmarks/NOTES.md v28, benchmarks/mid_m.py), where the packed
 # kernels had left q/k/v, o and down_proj at 0.73-0.98x BF16 (dense, 64-256 tokens) and 0.50-0.73x (10 %
@@ -139,11 +140,19 @@ DECODE_SPLIT_MIN_STEPS_17 = 8
 # (dense), 0.65-1.01x (residual).
 SWAP_MID_MIN_M = 33
 SWAP_MID_RESIDUAL_MIN_M = 65
+# Dense layers' calls of at least this many tokens take the mid route's wide tier (128 weight rows x 64 tokens; 0:
+# never), ahead of the prefill tiles, where it gives fewer than its max_tiles_per_sm. Grid at 160-768 tokens (v28,
+# GEMM alone, against the prefill tiles' 128 x 128): down_proj at 320 / 384 tokens 49.4 / 52.0 us (split 2) against
+# 72.9 / 74.4, q/k/v at 320 22.3 against 27.7, o at 320-768 3-8 % less; at 1024 tokens (512 tiles) o and down
+# were 1.45-1.56x slower on it, hence the bound.
+SWAP_MID_WIDE_MIN_M = 257
 # Per kind of layer: the tiles' weight rows, packed K bytes a step, warps and stages; the output tiles per SM from
 # which a call keeps its other route; the programs per SM that split-K aims at; the K steps a program keeps.
 SWAP_MID_TILES = {
     "dense": {"block_n": 64, "block_kp": 128, "num_warps": 4, "num_stages": 4, "max_tiles_per_sm": 2.9,
               "cover": 1.5, "min_steps": 16},
+    "dense_wide": {"block_n": 128, "block_kp": 64, "num_warps": 8, "num_stages": 3, "max_tiles_per_sm": 3.0,
+                   "cover": 1.5, "min_steps": 16},
     "residual": {"block_n": 128, "block_kp": 64, "num_warps": 8, "num_stages": 3, "max_tiles_per_sm": 1.0,
                  "cover": 1.0, "min_steps": 8},
 }
@@ -153,17 +162,22 @@ def swapped_mid_config(m: int, n: int, kp: int, device: torch.device, residual: 
     """Tiles (keyword arguments of ``w4a4_gemm_swapped_triton``) of a mid-sized swapped GEMM, or ``None`` where
     the call keeps its other route (too few tokens, or enough output tiles for the packed kernels).
 
-    Dense layers: 64 weight rows x 32 tokens (up to 64 tokens) or 64, 256 K values a step, 4 warps, 4 stages.
+    Dense layers: 64 weight rows x 32 tokens (up to 64 tokens) or 64, 256 K values a step, 4 warps, 4 stages; from
+    :data:`SWAP_MID_WIDE_MIN_M` tokens 128 weight rows x 64 tokens, 128 K values a step, 8 warps, 3 stages.
     Layers with residual blocks (the shared walk): 128 weight rows x 64 tokens (up to 256) or 128, 128 K values
     a step, 8 warps, 3 stages. K split while the programs cover the SMs less than ``cover`` times and each keeps
     ``min_steps`` K steps.
     """
-    kind = "residual" if residual else "dense"
     min_m = SWAP_MID_RESIDUAL_MIN_M if residual else SWAP_MID_MIN_M
     if not 0 < min_m <= m:
         return None
+    if residual:
+        kind, block_m = "residual", 64 if m <= 256 else 128
+    elif 0 < SWAP_MID_WIDE_MIN_M <= m:
+        kind, block_m = "dense_wide", 64
+    else:
+        kind, block_m = "dense", 32 if m <= 64 else 64
     t = SWAP_MID_TILES[kind]
-    block_m = (64 if m <= 256 else 128) if residual else (32 if m <= 64 else 64)
     tiles = -(-n // t["block_n"]) * -(-m // block_m)
     sms = _sm_count(device)
     if tiles >= t["max_tiles_per_sm"] * sms:

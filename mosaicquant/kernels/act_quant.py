@@ -246,15 +246,26 @@ def quantize_activations_triton(
     return q, scale
 
 
-def _warps(block_kp: int, p: int) -> int:
-    """Warps per program for tiles of ``block_kp`` pairs, ``p`` programs per token.
+# Calls of at least this many tokens (one program a token) take fewer warps a program: more programs share an SM.
+PREFILL_WARPS_MIN_M = 1024
 
-    Each element takes an IEEE division, so long rows want many warps. Split programs take at
-    least 8: on the H200 a 14336-wide row split 8 ways (896 pairs a program) took 3.5-4.2 µs with
-    8 warps against 4.7-5.4 with 4 (``benchmarks/quant_split.py``).
+
+def _warps(block_kp: int, p: int, m: int = 1) -> int:
+    """Warps per program for tiles of ``block_kp`` pairs, ``p`` programs per token, ``m`` tokens.
+
+    At decode sizes a token's row is all a program has, so long rows want many warps. Split programs
+    take at least 8: on the H200 a 14336-wide row split 8 ways (896 pairs a program) took 3.5-4.2 µs
+    with 8 warps against 4.7-5.4 with 4 (``benchmarks/quant_split.py``). From
+    :data:`PREFILL_WARPS_MIN_M` tokens, 4 warps up to 2048 pairs and 8 above: at 1024 / 2048 / 8192
+    tokens (``benchmarks/hadamard_warps.py``, inputs rotated through more than L2, ``benchmarks/NOTES.md``
+    v28) a 4096-wide row took 6.63 / 10.21 / 31.09 µs (packed) and 6.87 / 10.66 / 34.52 (split8) on 4
+    warps against 6.70 / 10.64 / 34.76 and 7.51 / 11.92 / 40.51 on 8; a 14336-wide row 17.79 / 32.18 /
+    114.08 and 20.31 / 37.32 / 132.23 on 8 against 18.17 / 33.41 / 121.41 and 21.41 / 39.10 / 147.55 on 16.
     """
     if p > 1 and block_kp <= 4096:
         return 8
+    if m >= PREFILL_WARPS_MIN_M:
+        return 4 if block_kp <= 2048 else 8
     return 4 if block_kp <= 1024 else (8 if block_kp <= 4096 else 16)
 
 
@@ -283,7 +294,7 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, k: int, clip_
         else:
             sync, wait = given_absmax.to(device=x.device, dtype=torch.float32).contiguous(), False
     if num_warps is None:
-        num_warps = _warps(block_kp, p)
+        num_warps = _warps(block_kp, p, m)
     _act_quant_kernel[(m * p,)](
         x, q, scale, sync, k, kp, slice_kp, x.stride(0), q.stride(0), float(clip_ratio),
         BLOCK_KP=block_kp, ONE_PASS=slice_kp <= block_kp, CHAIN=chain, SPLIT8=split8,

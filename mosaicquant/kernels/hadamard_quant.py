@@ -194,14 +194,17 @@ def _warps(m: int, padded: int) -> int:
     At decode sizes (``m <= 32``) one program per token is all the kernel has, and more warps
     shorten it: on the H200, 4096 values took 4.5 µs with 8 warps against 4.8 with 4, and
     14336 (16384 padded) 17.2 µs with 16 against 18.3 with 8 (``benchmarks/hadamard_warps.py``).
-    Larger calls keep 4 warps up to 4096 values and 8 above (not re-measured). Split programs
-    follow the same rule by their slice: 4096 values split 8 ways (512 a program) took 3.6-4.3 µs
-    with 4 warps against 4.4-4.6 with 8, and 14336 split 2 ways (8192 padded) 10.5-11.2 with 8
-    against 12.1-12.6 with 4 (``benchmarks/quant_split.py``).
+    Larger calls keep 4 warps up to 4096 values and 8 above, but 4 from 256 tokens: 14336 values
+    (16384 padded) at 256 / 1024 / 2048 / 8192 tokens took 17.98 / 64.39 / 125.54 / 481.03 µs on 4
+    warps against 18.81 / 70.24 / 139.20 / 526.06 on 8 (at 64 tokens 13.03 against 9.66;
+    ``benchmarks/hadamard_warps.py``, inputs rotated through more than L2, ``benchmarks/NOTES.md`` v28).
+    Split programs follow the same rule by their slice: 4096 values split 8 ways (512 a program) took
+    3.6-4.3 µs with 4 warps against 4.4-4.6 with 8, and 14336 split 2 ways (8192 padded) 10.5-11.2 with
+    8 against 12.1-12.6 with 4 (``benchmarks/quant_split.py``).
     """
     if m <= 32 and padded >= 4096:
         return 8 if padded <= 8192 else 16
-    return 4 if padded <= 4096 else 8
+    return 4 if padded <= 4096 or m >= 256 else 8
 
 
 def _view_of(transform: OnlineHadamard) -> tuple[int, int, int]:

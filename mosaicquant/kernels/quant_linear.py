@@ -107,9 +107,10 @@ class QuantLinear(nn.Module):
             default :data:`mosaicquant.kernels._tiles.GEMV_ROUTE_MAX_M`, ``0`` never.
         swap_mid: mid-sized calls (from :data:`mosaicquant.kernels._tiles.SWAP_MID_MIN_M` tokens, or
             :data:`~mosaicquant.kernels._tiles.SWAP_MID_RESIDUAL_MIN_M` with residual blocks of power-of-two
-            scales; read at each call) that neither the prefill nor the decode tiles take run the swapped GEMM
-            on the tiles of :func:`mosaicquant.kernels._tiles.swapped_mid_config` where it gives them
-            (layers short of output tiles); ``False`` keeps them on the packed kernels.
+            scales; read at each call) run the swapped GEMM on the tiles of
+            :func:`mosaicquant.kernels._tiles.swapped_mid_config` where it gives them (layers short of output
+            tiles): a dense layer's ahead of the prefill tiles, a residual layer's where neither the prefill nor
+            the decode tiles take them. ``False`` keeps those calls on the other routes.
 
     Raises:
         UserInputError: group-wise base scales, a bad clip ratio, mode, kernel
@@ -309,6 +310,8 @@ class QuantLinear(nn.Module):
         (the packed kernels) for a call of ``m`` tokens."""
         if not self.swap_ok:
             return None
+        if self.block_shape is None and self.mid_tiles(m) is not None:  # dense layers: ahead of the prefill tiles
+            return "mid"
         if self.swap_min_m is not None and swapped_prefill(
                 m, self.out_features, self.qweight.device, self.block_shape is not None, self.swap_min_m,
                 self.swap_min_tiles_per_sm):

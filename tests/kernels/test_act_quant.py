@@ -163,3 +163,12 @@ def test_split_tokens_replay_in_a_cuda_graph():
         scale.fill_(float("nan"))
         graph.replay()
         assert torch.equal(q, ref_q) and torch.equal(scale, ref_s)
+
+
+def test_default_warps_follow_the_measured_rule():
+    # decode sizes: long rows many warps; from PREFILL_WARPS_MIN_M tokens fewer, so more programs share an SM
+    from mosaicquant.kernels.act_quant import PREFILL_WARPS_MIN_M, _warps
+    assert [_warps(kp, 1, 4) for kp in (1024, 2048, 8192)] == [4, 8, 16]
+    assert [_warps(kp, 1, PREFILL_WARPS_MIN_M) for kp in (1024, 2048, 8192)] == [4, 4, 8]
+    assert _warps(2048, 1, PREFILL_WARPS_MIN_M - 1) == 8
+    assert _warps(512, 8, 4) == 8  # split programs

@@ -195,3 +195,10 @@ def test_split_tokens_give_the_same_integers_and_scales(n, signs, transpose, lay
                 assert runs[0][1][1].item() == 1.0
         q, scale = hadamard_quantize_triton(x, had, layout=layout, gated=gated)  # the default rule
         assert torch.equal(q, ref_q) and torch.equal(scale, ref_s), m
+
+
+def test_default_warps_follow_the_measured_rule():
+    from mosaicquant.kernels.hadamard_quant import _warps
+    assert [_warps(4, p) for p in (4096, 8192, 16384)] == [8, 8, 16]  # decode: one program a token
+    assert [_warps(64, p) for p in (4096, 16384)] == [4, 8]
+    assert [_warps(256, p) for p in (4096, 16384)] == [4, 4]  # from 256 tokens 4 warps on long rows too

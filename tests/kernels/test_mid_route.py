@@ -22,8 +22,13 @@ def test_mid_tiles_follow_the_rule():
     assert cfg == dict(block_n=64, block_m=32, block_kp=128, split_k=2, num_warps=4, num_stages=4)
     assert swapped_mid_config(33, 128, 2048, CPU, residual=False)["split_k"] == 1  # 8 steps a program at split 2
     assert swapped_mid_config(65, 128, 2048, CPU, residual=False)["block_m"] == 64
-    # enough output tiles (2.9 a SM) keep the packed kernels
+    # enough output tiles (2.9 a SM) keep the other routes
     assert swapped_mid_config(64, 1024, 2048, CPU, residual=False) is None
+    # from SWAP_MID_WIDE_MIN_M tokens the wide tier: 128 weight rows x 64 tokens, below 3 tiles a SM
+    cfg = swapped_mid_config(300, 160, 2048, CPU, residual=False)
+    assert cfg == dict(block_n=128, block_m=64, block_kp=64, split_k=1, num_warps=8, num_stages=3)
+    assert swapped_mid_config(300, 128, 1 << 16, CPU, residual=False)["split_k"] == 2  # 5 tiles, 6 wanted
+    assert swapped_mid_config(300, 640, 2048, CPU, residual=False) is None  # 25 tiles on 4 SMs
     # residual blocks: 128 weight rows x 64 tokens up to 256, then x 128; from 65 tokens; below 1 tile a SM
     assert swapped_mid_config(64, 128, 2048, CPU, residual=True) is None
     cfg = swapped_mid_config(300, 128, 2048, CPU, residual=True)
@@ -33,6 +38,8 @@ def test_mid_tiles_follow_the_rule():
 
 
 def test_mid_route_can_be_switched_off(monkeypatch):
+    monkeypatch.setattr(_tiles, "SWAP_MID_WIDE_MIN_M", 0)  # the narrow tier then: 15 tiles of 64 rows
+    assert swapped_mid_config(300, 160, 2048, CPU, residual=False) is None
     monkeypatch.setattr(_tiles, "SWAP_MID_MIN_M", 0)
     monkeypatch.setattr(_tiles, "SWAP_MID_RESIDUAL_MIN_M", 0)
     assert swapped_mid_config(100, 128, 2048, CPU, residual=False) is None
@@ -56,13 +63,13 @@ def test_quant_linear_runs_mid_sized_calls_of_dense_layers_on_the_mid_tiles(monk
     layer = QuantLinear(packed, act_clip_ratio=0.9, kernel="triton").to(DEVICE)
     off = QuantLinear(packed, act_clip_ratio=0.9, kernel="triton", swap_mid=False).to(DEVICE)
     ref_layer = QuantLinear(packed, act_clip_ratio=0.9, kernel="torch")
-    assert [m for m in (17, 32, 33, 40, 70) if layer.swap_route(m) == "mid"] == [33, 40, 70]
-    assert off.swap_route(40) is None and off.swap_route(70) is None
+    assert [m for m in (17, 32, 33, 40, 70, 300) if layer.swap_route(m) == "mid"] == [33, 40, 70, 300]
+    assert off.swap_route(40) is None and off.swap_route(70) is None and off.swap_route(300) == "prefill"
     calls = _spy(monkeypatch)
-    for m, block_m in ((40, 32), (70, 64)):
+    for m, block_m, block_n in ((40, 32, 64), (70, 64, 64), (300, 64, 128)):  # 300: the wide tier, ahead of prefill
         x = random_activations(m, k, gen)
         out = layer(x.to(DEVICE))
-        assert calls[-1]["block_m"] == block_m and calls[-1]["block_n"] == 64
+        assert calls[-1]["block_m"] == block_m and calls[-1]["block_n"] == block_n
         assert_close_bf16(out, ref_layer(x).float(), f"QuantLinear, mid tiles, M={m}")
         assert_close_bf16(off(x.to(DEVICE)), ref_layer(x).float(), f"QuantLinear, packed kernel, M={m}")
 
