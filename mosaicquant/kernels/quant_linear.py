@@ -308,25 +308,32 @@ class QuantLinear(nn.Module):
     def swap_route(self, m: int) -> str | None:
         """``"prefill"``, ``"decode"`` (the swapped GEMM at decode tiles), ``"mid"`` (at :meth:`mid_tiles`) or ``None``
         (the packed kernels) for a call of ``m`` tokens."""
+        return self._swap_call(m)[0]
+
+    def _swap_call(self, m: int) -> tuple[str | None, dict]:
+        """:meth:`swap_route` of a call of ``m`` tokens and the swapped GEMM's tile arguments for it (``{}``: its
+        prefill defaults)."""
         if not self.swap_ok:
-            return None
-        if self.block_shape is None and self.mid_tiles(m) is not None:  # dense layers: ahead of the prefill tiles
-            return "mid"
+            return None, {}
+        mid = self.mid_tiles(m)
+        if mid is not None and self.block_shape is None:  # dense layers: ahead of the prefill tiles
+            return "mid", mid
         if self.swap_min_m is not None and swapped_prefill(
                 m, self.out_features, self.qweight.device, self.block_shape is not None, self.swap_min_m,
                 self.swap_min_tiles_per_sm):
-            return "prefill"
+            return "prefill", {}
         if self.swap_decode is not None and self.swap_decode[0] <= m <= self.swap_decode[1]:
-            if self.block_shape is None and not 0 < _tiles.WIDE_K_DECODE_MIN_M <= m <= 16:
-                return "decode"
+            decode = self.block_shape is None and not 0 < _tiles.WIDE_K_DECODE_MIN_M <= m <= 16
             if self.block_shape is not None:
                 min_m = _tiles.SWAP_DECODE_SHARED_MIN_M if self.res_shifts is not None else _tiles.SWAP_DECODE_RESIDUAL_MIN_M
-                if 0 < min_m <= m:
-                    return "decode"
-            return None
-        if self.mid_tiles(m) is not None:
-            return "mid"
-        return None
+                decode = 0 < min_m <= m
+            if decode:
+                return "decode", swapped_decode_config(m, self.out_features, (self.in_features + 1) // 2,
+                                                       self.qweight.device)
+            return None, {}
+        if mid is not None:
+            return "mid", mid
+        return None, {}
 
     def mid_tiles(self, m: int) -> dict | None:
         """Tiles of the swapped GEMM for a mid-sized call of ``m`` tokens
@@ -341,14 +348,7 @@ class QuantLinear(nn.Module):
 
     def forward_split8(self, a_split: torch.Tensor, a_scale: torch.Tensor) -> torch.Tensor:
         """The swapped GEMM on ``"split8"`` activations ``int8 [M, split8_width(K)]`` + ``[M]`` scales → BF16 ``[M, N]``."""
-        m = a_split.shape[0]
-        route = self.swap_route(m)
-        if route == "decode":
-            tiles = swapped_decode_config(m, self.out_features, (self.in_features + 1) // 2, a_split.device)
-        elif route == "mid":
-            tiles = self.mid_tiles(m)
-        else:
-            tiles = {}
+        _, tiles = self._swap_call(a_split.shape[0])
         shared = self.block_shape is not None and self.res_shifts is not None
         return w4a4_gemm_swapped_triton(a_split, a_scale, self.qweight, self.w_scale, self.in_features, self.bias,
                                         residual=self.residual, **tiles,
