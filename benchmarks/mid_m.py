@@ -15,7 +15,8 @@ those calls at 0.5-0.9x BF16 on most Llama-3 / Qwen3 linears. This script times,
 
 ``--validate`` then times ``QuantLinear`` as routed (the mid route, ``_tiles.swapped_mid_config``, and the swapped
 prefill GEMM from ``_tiles.SWAP_MIN_M`` tokens) against the same layers on the routes before (``ql_dense_off`` /
-``ql_pow2_off``: prefill tiles from 128 tokens, no mid route), interleaved, at more M than the grid saw.
+``ql_pow2_off``: prefill tiles from 128 tokens, no mid route; ``--before nowide`` / ``notail``: the mid route without
+its dense wide tier / the swapped GEMM without its narrower last token tile), interleaved, at more M than the grid saw.
 
 Every candidate is checked against the PyTorch reference (computed on the GPU) before it is
 timed. Weights rotate through more than L2; medians of CUDA-graph replays. The table last gives,
@@ -145,12 +146,13 @@ BEFORE = dict(swap_min_m=128, swap_mid=False)
 def validate(name: str, n: int, k: int, ms, device, gen, rounds: int = 2, before: str = "v27") -> list[dict]:
     """``QuantLinear`` as routed now (``ql_*``) and with the routes before (``ql_*_off``), interleaved ``rounds``
     times, with BF16, dense and with the residual. ``before``: ``"v27"`` (:data:`BEFORE`: no mid route, prefill
-    tiles from 128 tokens) or ``"nowide"`` (the mid route without its dense wide tier, ``SWAP_MID_WIDE_MIN_M`` = 0)."""
+    tiles from 128 tokens), ``"nowide"`` (the mid route without its dense wide tier, ``SWAP_MID_WIDE_MIN_M`` = 0) or
+    ``"notail"`` (every token tile full size, ``QuantLinear(swap_tail=False)``)."""
     rows = []
     layers = layer_copies(n, k, device, gen)
     w_bf16 = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
               for _ in range(max(2, math.ceil(ROTATE_BYTES / (2 * n * k))))]
-    off_kw = BEFORE if before == "v27" else {}
+    off_kw = {"v27": BEFORE, "nowide": {}, "notail": {"swap_tail": False}}[before]
     qls = {"ql_dense": [QuantLinear(d).to(device) for d, _, _ in layers],
            "ql_dense_off": [QuantLinear(d, **off_kw).to(device) for d, _, _ in layers],
            "ql_pow2": [QuantLinear(r).to(device) for _, r, _ in layers],
@@ -172,7 +174,7 @@ def validate(name: str, n: int, k: int, ms, device, gen, rounds: int = 2, before
                     ok, rel = check(mods[0](x).float(), ref_pow2 if "pow2" in key else ref_dense)
                     t = time_calls([lambda q=q: q(x) for q in mods])
                     route = mods[0].swap_route(m)
-                    tiles = mods[0].mid_tiles(m) if route == "mid" else None
+                    tiles = mods[0].swap_tiles(m) if route in ("mid", "prefill") else None
                 finally:
                     _tiles.SWAP_MID_WIDE_MIN_M = wide
                 rows.append(dict(layer=name, n=n, k=k, m=m, variant=key, round=rnd, us=t.median_us, ok=ok,
@@ -227,8 +229,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", default=",".join(LAYERS))
     parser.add_argument("--validate", action="store_true",
                         help="QuantLinear as routed against the routes before the mid tiles (default M: VALIDATE_MS)")
-    parser.add_argument("--before", choices=("v27", "nowide"), default="v27",
-                        help="--validate's other routes: v27's, or the mid route without its dense wide tier")
+    parser.add_argument("--before", choices=("v27", "nowide", "notail"), default="v27",
+                        help="--validate's other routes: v27's, the mid route without its dense wide tier, or "
+                             "without the narrower last token tile")
     parser.add_argument("--dry", action="store_true", help="CPU (TRITON_INTERPRET=1): one tiny layer, checks only")
     args = parser.parse_args(argv)
     if args.dry:

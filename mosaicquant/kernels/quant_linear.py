@@ -111,6 +111,10 @@ class QuantLinear(nn.Module):
             :func:`mosaicquant.kernels._tiles.swapped_mid_config` where it gives them (layers short of output
             tiles): a dense layer's ahead of the prefill tiles, a residual layer's where neither the prefill nor
             the decode tiles take them. ``False`` keeps those calls on the other routes.
+        swap_tail: calls on the swapped GEMM's prefill or mid tiles whose tokens leave a small remainder over a
+            whole number of token tiles run the last token tile narrower
+            (:func:`mosaicquant.kernels._tiles.swapped_tail`, read at each call); ``False``: every token tile full
+            size.
 
     Raises:
         UserInputError: group-wise base scales, a bad clip ratio, mode, kernel
@@ -136,6 +140,7 @@ class QuantLinear(nn.Module):
         swap_min_tiles_per_sm: float | None = None,
         gemv_max_m: int = GEMV_ROUTE_MAX_M,
         swap_mid: bool = True,
+        swap_tail: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(packed, PackedW4):
@@ -175,6 +180,7 @@ class QuantLinear(nn.Module):
         self.swap_min_tiles_per_sm = swap_min_tiles_per_sm
         self.gemv_max_m = gemv_max_m
         self.swap_mid = bool(swap_mid)
+        self.swap_tail = bool(swap_tail)
         self.register_buffer("qweight", packed.qweight.contiguous())
         self.register_buffer("w_scale", packed.scales.reshape(n).to(torch.float16).contiguous())
         self.register_buffer("bias", None if packed.bias is None else packed.bias.to(torch.float32).reshape(n).contiguous())
@@ -310,9 +316,23 @@ class QuantLinear(nn.Module):
         (the packed kernels) for a call of ``m`` tokens."""
         return self._swap_call(m)[0]
 
+    def swap_tiles(self, m: int) -> dict:
+        """The swapped GEMM's tile arguments for a call of ``m`` tokens (``{}``: its prefill defaults, or a call
+        that does not run it)."""
+        return self._swap_call(m)[1]
+
     def _swap_call(self, m: int) -> tuple[str | None, dict]:
         """:meth:`swap_route` of a call of ``m`` tokens and the swapped GEMM's tile arguments for it (``{}``: its
-        prefill defaults)."""
+        prefill defaults), with the narrower last token tile where :func:`mosaicquant.kernels._tiles.swapped_tail`
+        gives one (prefill and mid routes)."""
+        route, tiles = self._swap_route_tiles(m)
+        if self.swap_tail and route in ("prefill", "mid"):
+            tail = _tiles.swapped_tail(m, tiles.get("block_m", 128))  # 128: the launcher's default
+            if tail is not None:
+                tiles = {**tiles, "block_m_tail": tail}
+        return route, tiles
+
+    def _swap_route_tiles(self, m: int) -> tuple[str | None, dict]:
         if not self.swap_ok:
             return None, {}
         mid = self.mid_tiles(m)

@@ -38,7 +38,8 @@ accumulator: capped at 128 registers, two programs share an SM), or int8 dots in
 accumulator. ``benchmarks/NOTES.md`` (v7, v8) has the measurements. Where the blocks' scales are
 the base's row scales times ``2^-j`` (MosaicQuant's default ``rscale=pow2``), the ``"shared"`` walk
 runs their int8 dots into the dense int32 accumulator itself, the integers shifted left by
-``4 - j`` (what ``QuantLinear`` runs for such layers; v27).
+``4 - j`` (what ``QuantLinear`` runs for such layers; v27). Where ``M`` leaves a small remainder over a
+multiple of the token tile, ``block_m_tail`` runs the last token tile narrower in the same launch (v29).
 """
 
 from __future__ import annotations
@@ -73,8 +74,10 @@ from mosaicquant.kernels._tiles import (
 )
 from mosaicquant.kernels._tl import (
     dense_split_k,
+    in_range,
     store_counted_gated,
     store_output,
+    tile_coords,
     tile_indices,
     to_e4m3,
     unpack_e4m3,
@@ -191,21 +194,61 @@ def _residual_mac(y, a_even, a_odd, r, r_scale, BN: tl.constexpr, BM: tl.constex
 def _w4a4_swapped_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
-    M, N, KP, KS, stride_am, stride_wn, stride_om,
+    M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, RES_MODE: tl.constexpr,
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
     BKP: tl.constexpr = 64, SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, X16: tl.constexpr = False,
-    E4M3_ASM: tl.constexpr = False,
+    E4M3_ASM: tl.constexpr = False, TAIL_BM: tl.constexpr = 0,
 ):
     # Cᵀ = W Aᵀ: weight rows are the dot's first operand (unpacked in registers, where the
     # tensor-core instruction can read them), the "split8" activations its second (int8 tiles
     # loaded as stored, no unpacking). A packed K step of BKP bytes meets BKP / 64 split8 blocks
     # of 128 values: packed byte j of the step pairs with the block's even value j % 64 (and odd
     # value j % 64 + 64). Decode-sized M splits K over SPLIT_K programs (fp32 partials).
+    # TAIL_BM > 0: the tokens are N_FULL tiles of BM and a last tile of TAIL_BM (ragged M just above a
+    # multiple of BM); in grouped order a weight tile's narrow last tile follows its full ones. A tile's token count
+    # is a compile-time constant of the code that runs it, hence a call of _swapped_tile per tile size.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_n, pid_m, offs_n, offs_m, safe_n, safe_m = tile_indices(pid, N, M, BN, BM, GROUP_N)
+    if TAIL_BM > 0:
+        pid_n, slot = tile_coords(pid, N, N_FULL + 1, BN, 1, GROUP_N)
+        if slot < N_FULL:
+            _swapped_tile(
+                pid, pid_k, pid_n, slot * BM, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
+                lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+                M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
+                TAIL_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM)
+        else:
+            _swapped_tile(
+                pid, pid_k, pid_n, N_FULL * BM, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
+                lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+                M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
+                TAIL_STAGES, BN, TAIL_BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM)
+    else:
+        pid_n, pid_m = tile_coords(pid, N, M, BN, BM, GROUP_N)
+        _swapped_tile(
+            pid, pid_k, pid_n, pid_m * BM, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
+            lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+            M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
+            TAIL_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM)
+
+
+@triton.jit
+def _swapped_tile(
+    pid, pid_k, pid_n, m0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+    M, N, KP, KS, stride_am, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, RES_MODE: tl.constexpr,
+    BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr,
+    BN: tl.constexpr, BM: tl.constexpr, USE_ASM: tl.constexpr,
+    BKP: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, X16: tl.constexpr, E4M3_ASM: tl.constexpr,
+):
+    """One program's ``[BN, BM]`` tile of the swapped GEMM: weight rows from ``pid_n * BN``, tokens from ``m0``."""
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = m0 + tl.arange(0, BM)
+    safe_n = in_range(offs_n, N)
+    safe_m = in_range(offs_m, M)
     kk = tl.arange(0, BKP)
     k_steps = tl.cdiv(KP, BKP)
     if SPLIT_K == 1:
@@ -485,6 +528,7 @@ def w4a4_gemm_swapped_triton(
     tail_stages: int | None = None,
     block_n: int = 128,
     block_m: int = 128,
+    block_m_tail: int | None = None,
     block_kp: int = 64,
     split_k: int = 1,
     num_warps: int = 8,
@@ -523,6 +567,11 @@ def w4a4_gemm_swapped_triton(
             8-warp tiles; 5 compiles to double-buffered tiles but measured no faster on the H200
             with the FP8 walk, ``benchmarks/NOTES.md`` v9).
         block_n, block_m: weight rows and tokens per program (powers of two, >= 16).
+        block_m_tail: tokens of the last token tile where ``M`` leaves at most that many over a multiple of
+            ``block_m`` (a power of two, >= 16, below ``block_m``; ``None``: every tile ``block_m``). At 160
+            tokens on 128-token tiles the programs of the second token tile would multiply 96 padding rows;
+            with ``block_m_tail=32`` they run 32-token tiles, after their weight tile's full ones (its
+            weights then mostly from L2). The same result.
         block_kp: packed K bytes per step (64, 128 or 256: one, two or four split8 blocks).
         split_k: programs sharing an output tile along K (fp32 partials summed in split order
             by the last to arrive, as :func:`w4a4_gemm_triton`; the residual units are dealt
@@ -556,6 +605,10 @@ def w4a4_gemm_swapped_triton(
     for name, v in (("block_n", block_n), ("block_m", block_m)):
         if v < 16 or v & (v - 1):
             raise UserInputError(f"{name}={v} must be a power of two >= 16 (tl.dot tiles)")
+    if block_m_tail is not None and (not isinstance(block_m_tail, int) or block_m_tail < 16
+                                     or block_m_tail & (block_m_tail - 1) or block_m_tail >= block_m):
+        raise UserInputError(f"block_m_tail={block_m_tail!r} must be None or a power of two >= 16 below "
+                             f"block_m={block_m}")
     if block_kp not in (64, 128, 256):
         raise UserInputError(f"block_kp={block_kp!r} must be 64, 128 or 256 (whole split8 blocks of 128 values)")
     if not isinstance(split_k, int) or not 1 <= split_k <= 64:
@@ -591,7 +644,10 @@ def w4a4_gemm_swapped_triton(
     out = output_buffer(out, (m, n), torch.bfloat16, a_split.device)
     if m == 0 or n == 0:
         return out
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    n_full, tail_bm = m // block_m, 0
+    if block_m_tail is not None and 0 < m - n_full * block_m <= block_m_tail:
+        tail_bm = block_m_tail  # the last token tile narrower
+    tiles = triton.cdiv(n, block_n) * (n_full + 1 if tail_bm else triton.cdiv(m, block_m))
     if split_k > 1 and (tiles > LOCK_SLOTS or split_k * m * n >= 2**31):
         split_k = 1  # the same result: the partial buffer and counters cover this size only unsplit
     grid = (tiles, split_k)
@@ -618,11 +674,12 @@ def w4a4_gemm_swapped_triton(
         a_split, a_scale, qweight.view(torch.int8), w_scale.reshape(-1), bias if bias is not None else a_scale, out,
         part, lock_buffer(out.device),
         *res, m, n, kp, a_split.shape[1], a_split.stride(0), qweight.stride(0), out.stride(0),
+        n_full if tail_bm else 0,  # (a constant where unused: no kernel specialised per M)
         HAS_BIAS=bias is not None, EVEN_K=kp % block_kp == 0, RES_MODE=res_mode, TAIL_STAGES=tail_stages,
         BN_RES=bn_res, BKP_RES=bk_res // 2, BN=block_n, BM=block_m, GROUP_N=8,
         USE_ASM=not triton_interpreting(), BKP=block_kp, SPLIT_K=split_k, PDL=gemm_pdl(a_split.device, m, pdl),
         X16=bool(x16),
-        E4M3_ASM=bool(e4m3_asm),
+        E4M3_ASM=bool(e4m3_asm), TAIL_BM=tail_bm,
         num_warps=num_warps, num_stages=num_stages, **launch, **pdl_launch(pdl),
     )
     return out

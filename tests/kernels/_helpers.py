@@ -107,3 +107,19 @@ def pow2_layers(n: int, k: int, block: tuple[int, int], fraction: float, gen: to
     res = pow2_residual(random_residual(n, k, block, fraction, gen), base.scales.reshape(-1), gen)
     return (qt, PackedW4.from_quantized(qt, residual=res, bias=b),
             PackedW4.from_quantized(qt, residual=random_residual(n, k, block, fraction, gen), bias=b))
+
+
+def swapped_dense_case(m: int, n: int, k: int, seed: int):
+    """Random operands of the swapped GEMM on DEVICE (split8 activations, weights, scales, bias) and the fp32
+    reference: ``((a8, s8, qweight, w_scale, k, bias), ref)``."""
+    from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton
+    from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference
+
+    gen = torch.Generator().manual_seed(seed)
+    x = random_activations(m, k, gen)
+    _, qweight, w_scale = random_layer(n, k, gen)
+    bias = torch.randn(n, generator=gen)
+    packed, scale = quantize_activations_reference(x)
+    ref = w4a4_gemm_reference(packed, scale, qweight, w_scale, k, bias, out_fp32=True)
+    a8, s8 = quantize_activations_triton(x.to(DEVICE), layout="split8")
+    return (a8, s8, qweight.to(DEVICE), w_scale.to(DEVICE), k, bias.to(DEVICE)), ref

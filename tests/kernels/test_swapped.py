@@ -20,7 +20,15 @@ from mosaicquant.methods.format import PackedW4, unpack_int4
 from mosaicquant.methods.hadamard import OnlineHadamard, random_signs
 from mosaicquant.methods.quant import quantize
 
-from ._helpers import DEVICE, assert_close_bf16, needs_triton, random_activations, random_layer, random_residual
+from ._helpers import (
+    DEVICE,
+    assert_close_bf16,
+    needs_triton,
+    random_activations,
+    random_layer,
+    random_residual,
+    swapped_dense_case,
+)
 
 
 def test_split8_layout_puts_even_then_odd_values_of_each_block():
@@ -42,22 +50,10 @@ def test_act_quant_split8_matches_packed_integers(m, k):
     assert torch.equal(s.cpu(), scale)
 
 
-def _dense_case(m, n, k, seed):
-    """Random operands on DEVICE (split8 activations, weights, scales, bias) and the fp32 reference."""
-    gen = torch.Generator().manual_seed(seed)
-    x = random_activations(m, k, gen)
-    _, qweight, w_scale = random_layer(n, k, gen)
-    bias = torch.randn(n, generator=gen)
-    packed, scale = quantize_activations_reference(x)
-    ref = w4a4_gemm_reference(packed, scale, qweight, w_scale, k, bias, out_fp32=True)
-    a8, s8 = quantize_activations_triton(x.to(DEVICE), layout="split8")
-    return (a8, s8, qweight.to(DEVICE), w_scale.to(DEVICE), k, bias.to(DEVICE)), ref
-
-
 @needs_triton()
 @pytest.mark.parametrize("m,n,k", [(1, 200, 300), (13, 77, 257), (67, 130, 1000), (300, 256, 640)])
 def test_swapped_gemm_matches_reference(m, n, k):
-    args, ref = _dense_case(m, n, k, seed=m + n)
+    args, ref = swapped_dense_case(m, n, k, seed=m + n)
     out = w4a4_gemm_swapped_triton(*args, block_n=64, block_m=64)
     assert_close_bf16(out, ref, f"swapped M={m} N={n} K={k}")
 
@@ -164,7 +160,7 @@ def test_quant_linear_prefill_route_gives_the_packed_route_result(residual):
 ])
 def test_swapped_gemm_at_decode_tiles_matches_reference(m, n, k, opts):
     # decode tiles: several split8 blocks a step (ragged K masks the last), K split across programs
-    args, ref = _dense_case(m, n, k, seed=m + k)
+    args, ref = swapped_dense_case(m, n, k, seed=m + k)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     w4a4_gemm_swapped_triton(*args, out=out, **opts)
     assert_close_bf16(out, ref, f"swapped decode tiles M={m} N={n} K={k} {opts}")
