@@ -187,16 +187,15 @@ def swapped_mid_config(m: int, n: int, kp: int, device: torch.device, residual: 
             "num_warps": t["num_warps"], "num_stages": t["num_stages"]}
 
 
-
 # A swapped GEMM call on the prefill or mid tiles whose tokens leave a remainder of at most SWAP_TAIL_MAX_FRACTION of a
 # token tile over a whole number of tiles (at least one), where full-size tiles would pad the call by at least
 # SWAP_TAIL_MIN_PADDING of their tokens, runs its last token tile narrower (w4a4_gemm_swapped_triton's block_m_tail:
 # the remainder rounded up to a power of two, at least 16; SWAP_TAIL_MAX_FRACTION 0: never). At 160 tokens on
 # 128-token tiles the second tile's programs would otherwise multiply 96 padding rows (Llama-3-8B gate/up, v28: 1.11x
-# BF16 at 160 tokens against 1.72x at 128). Measured with and without it (benchmarks/NOTES.md v29, QuantLinear on the
-# six Llama-3 / Qwen3 linears, 40-2080 tokens): 0.87-0.96x the time where it pads 15-44 % (gate/up at 144-544, the
-# down_proj mid tiles at 40-160, the 10 % residual's layers), level on o; where full tiles pad 4-11 % it was mixed
-# (q/k/v at 800 tokens 1.05x, gate/up at 2080 1.05-1.18x): hence the padding bound.
+# BF16 at 160 tokens against 1.72x at 128). QuantLinear with and without it on the six Llama-3 / Qwen3 linears at
+# 40-800 tokens (benchmarks/NOTES.md v29): 0.87-1.00x the time where it applies, dense and with the 10 % residual
+# (gate/up at 144-160 tokens 0.87-0.93x, down_proj's mid tiles at 80 0.87-0.94x), the other calls 0.99-1.01x. Where
+# full tiles pad only 4-11 % a tail was mixed (q/k/v at 800 tokens 1.05x, gate/up at 2080 1.05-1.18x): hence the bound.
 SWAP_TAIL_MAX_FRACTION = 0.5
 SWAP_TAIL_MIN_PADDING = 0.125
 
@@ -211,6 +210,7 @@ def swapped_tail(m: int, block_m: int) -> int | None:
         return None  # full-size tiles pad the call by little
     tail = max(16, 1 << (r - 1).bit_length())
     return tail if tail < block_m and tail <= SWAP_TAIL_MAX_FRACTION * block_m else None
+
 
 # The swapped GEMM's decode tiles: packed K bytes a step and software-pipeline stages. With the 8-step split, RTN's and
 # QuaRot's step at batch 24 / 32 (v26, 2 interleaved rounds, us): 128 bytes and 4 stages 3,077 / 3,150 and 3,336 /
