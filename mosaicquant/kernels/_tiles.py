@@ -265,6 +265,11 @@ DP4A_WALK_MAX_M = 4
 # 5 stages, 2,930 / 3,783 / 3,988 with 6.
 WALK_STAGES = 5
 WALK_STAGES_MIN_M = 17
+# ZipperEngine's tail walk on tensor-core dots (calls of 5+ tokens) loads the first kept block a program walks (its
+# coordinates, integers, scales and activation tile) before the dense loop, where a block is one step of the walk
+# (read at each launch; the same bits). Off: not measured yet (benchmarks/walk_preload.py; benchmarks/NOTES.md v29
+# found the residual's decode cost the same on evenly spread blocks, so a per-program cost of the walk).
+WALK_PRELOAD = False
 
 # ZipperEngine's "auto" mode runs the kept blocks in programs of their own ("parallel": one per block
 # and 64- or 128-row slice, summed into the dense tiles' counted fix-up) for calls of PARALLEL_MIN_M to

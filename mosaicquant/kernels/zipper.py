@@ -142,10 +142,12 @@ def _zipper_kernel(
     USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     X16: tl.constexpr = False, DP4A_TOKENS: tl.constexpr = 0,
     FOLD: tl.constexpr = 0, FHB: tl.constexpr = 64, FSPLIT8: tl.constexpr = False, LATE_SIGNAL: tl.constexpr = False,
-    WALK_STAGES: tl.constexpr = None,
+    WALK_STAGES: tl.constexpr = None, WALK_PRELOAD: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
+    # the tail walk's first block loaded before the dense loop (one chunk a block: RKP == BKP_RES)
+    PRE: tl.constexpr = MODE == 2 and DP4A_TOKENS == 0 and WALK_PRELOAD and RKP == BKP_RES
     # out-of-range rows/channels read wrapped indices instead (safe_*, _tl.in_range; their results are never stored)
     pid_m, pid_n, offs_m, offs_n, safe_m, safe_n = tile_indices(pid, M, N, BM, BN, GROUP_M)
     block_row = (pid_n * BN) // BN_RES
@@ -169,7 +171,18 @@ def _zipper_kernel(
     if MODE == 2 and DP4A_TOKENS > 0:
         res_first, res_last, res_col, res_r, res_s = residual_dp4a_begin(
             row_ptr_ptr, coords_ptr, res_words_ptr, res_scale_ptr, pid_n, pid_k, offs_n, BN, BN_RES, BKP_RES // 4)
+    if PRE:  # the block's coordinates, integers and scales do not depend on the kernel before us
+        p0 = tl.load(row_ptr_ptr + block_row).to(tl.int64) + pid_k
+        has0 = p0 < tl.load(row_ptr_ptr + block_row + 1).to(tl.int64)
+        p0 = tl.where(has0, p0, 0)
+        col0 = tl.load(coords_ptr + 2 * p0 + 1, mask=has0, other=0)
+        r0 = tl.load(res_val_ptr + p0 * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES + tl.arange(0, RKP)[:, None],
+                     mask=has0, other=0)
+        s0 = tl.load(res_scale_ptr + p0 * BN_RES + res_rows, mask=has0, other=0.0).to(tl.float32)
     wait_for_inputs(PDL)
+    if PRE:
+        kp0 = col0 * BKP_RES + tl.arange(0, RKP)
+        a0 = tl.load(a_ptr + safe_m[:, None] * stride_am + kp0[None, :], mask=has0 & (kp0[None, :] < KP), other=0)
     offs_kp = step_begin * BKP + tl.arange(0, BKP)
     a_ptrs = a_ptr + safe_m[:, None] * stride_am + offs_kp[None, :]
     w_ptrs = w_ptr + safe_n[None, :] * stride_wn + offs_kp[:, None]
@@ -219,7 +232,12 @@ def _zipper_kernel(
         # int64 bounds keep the block offsets below in 64-bit arithmetic.
         first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
         last = tl.load(row_ptr_ptr + block_row + 1).to(tl.int64)
-        for p in tl.range(first + pid_k, last, SPLIT_K, num_stages=WALK_STAGES):
+        p_begin = first + pid_k
+        if PRE:  # its loads were issued before the dense loop (an absent block: zeros, adding nothing)
+            r_acc = mac_int4(tl.zeros([BM, BN], dtype=tl.int32), a0, r0, USE_DOT, USE_ASM, X16)
+            y += r_acc.to(tl.float32) * s0[None, :]
+            p_begin += SPLIT_K
+        for p in tl.range(p_begin, last, SPLIT_K, num_stages=WALK_STAGES):
             block_col = tl.load(coords_ptr + 2 * p + 1)
             r_acc = tl.zeros([BM, BN], dtype=tl.int32)
             for chunk in tl.static_range(0, BKP_RES, RKP):
@@ -573,6 +591,7 @@ def zipper_gemm_triton(
         PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
         X16=bool(x16) and cfg.use_dot and k < X16_MAX_K, DP4A_TOKENS=dp4a_tokens,
         WALK_STAGES=walk_stages(m) if fuse == "tail" and not dp4a_tokens else None,
+        WALK_PRELOAD=bool(_tiles.WALK_PRELOAD),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl), **fold_consts,
     )
     return out

@@ -346,3 +346,26 @@ def test_walk_pipelining_depth_writes_the_same_bits(monkeypatch, mode, m):
         outs[stages] = zipper_gemm_triton(*args, mode=mode, config=config, residual_walk="dot")
         assert_close_bf16(outs[stages], ref, f"zipper {mode}, WALK_STAGES={stages}")
     assert torch.equal(outs[0], outs[5]), f"{(outs[0] != outs[5]).sum()} of {outs[0].numel()} differ"
+
+
+@needs_triton()
+@pytest.mark.parametrize("m,split", [(8, 2), (24, 3)])
+def test_walk_preload_writes_the_same_bits(monkeypatch, m, split):
+    # WALK_PRELOAD loads each program's first kept block before the dense loop; rows with none, one or several
+    # blocks, a ragged K (the last block column ends early) and more splits than some rows have blocks
+    from mosaicquant.kernels import _tiles
+
+    n, k, block = 384, 1000, (128, 128)
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, 0.3, seed=47)
+    per_row = torch.diff(residual.row_ptr.long())
+    assert per_row.max() >= split and per_row.min() < split
+    args = (a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k, _dev(residual),
+            bias.to(DEVICE))
+    config = TileConfig(block_m=16 if m <= 16 else 32, block_n=64, block_kp=128, split_k=split, num_stages=3)
+    ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
+    outs = {}
+    for preload in (False, True):
+        monkeypatch.setattr(_tiles, "WALK_PRELOAD", preload)
+        outs[preload] = zipper_gemm_triton(*args, mode="tail", config=config, residual_walk="dot")
+        assert_close_bf16(outs[preload], ref, f"zipper tail, WALK_PRELOAD={preload}")
+    assert torch.equal(outs[False], outs[True]), f"{(outs[False] != outs[True]).sum()} differ"

@@ -1,0 +1,87 @@
+"""ZipperEngine's tail walk with its first kept block loaded before the dense loop (``_tiles.WALK_PRELOAD``), against
+the walk as it runs by default, at decode sizes.
+
+A program reaches its residual walk after its dense loop, and the walk's first block is a chain of dependent loads
+(its coordinates, then its integers and activation tile). With ``WALK_PRELOAD`` those loads are issued before the
+dense loop. This script times, on the Llama-3-8B linears (GEMM alone, activations quantized outside the timing,
+weights and residual blocks rotated through more than L2, medians of interleaved rounds):
+
+- ``w4a4``: the dense GEMM (budget 0);
+- ``zip10_off`` / ``zip10_pre``: ZipperEngine with 10 % of the blocks kept at random, ``mode="auto"`` (the walk runs
+  where auto picks the tail mode: o and down from 5 tokens, every layer from 17), preload off / on.
+
+Each ZipperEngine call is checked against the PyTorch reference before it is timed.
+
+    PYTHONPATH=. python3 benchmarks/walk_preload.py [--ms 8,16,32] [--rounds 3] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from residual_balance import capped  # noqa: E402
+from zipper import check, clone_residual, random_residual, random_w4_copies, time_calls  # noqa: E402
+
+from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
+from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_triton  # noqa: E402
+from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm_reference, zipper_gemm_triton  # noqa: E402
+
+SHAPES = {"o": (4096, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "gate_up": (28672, 4096)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ms", default="8,16,32")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("walk_preload.py times GPU kernels: no CUDA device here", file=sys.stderr)
+        return 2
+    os.environ.setdefault("MOSAICQUANT_PDL_CHAIN", "off")  # each time one GEMM's, as residual_balance.py
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        qws, wss = random_w4_copies(n, k // 2, device)
+        r = random_residual(n, k, 0.10, device, gen)
+        rs = [r] + [clone_residual(r) for _ in range(len(qws) - 1)]
+        maps = [residual_block_map(x) for x in rs]
+        for m in (int(v) for v in args.ms.split(",")):
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            ap, a_s = quantize_activations_triton(x)
+            zref = zipper_gemm_reference(ap, a_s, qws[0], wss[0], k, rs[0], out_fp32=True)
+            calls = {"w4a4": [lambda i=i: w4a4_gemm_triton(ap, a_s, qws[i], wss[i], k) for i in range(len(qws))]}
+            for tag, pre in (("off", False), ("pre", True)):
+                calls[f"zip10_{tag}"] = [capped(("WALK_PRELOAD", pre), lambda i=i: zipper_gemm_triton(
+                    ap, a_s, qws[i], wss[i], k, rs[i], block_map=maps[i])) for i in range(len(qws))]
+            med = {}
+            for rnd in range(args.rounds):
+                for variant, fns in calls.items():
+                    ok = variant == "w4a4" or check(fns[0](), zref)[0]
+                    us = time_calls(fns)[0]
+                    med.setdefault(variant, []).append(us)
+                    rows.append(dict(layer=name, n=n, k=k, m=m, variant=variant, round=rnd, us=us, ok=ok))
+            med = {v: sorted(u)[len(u) // 2] for v, u in med.items()}
+            print(f"{name:8s} M={m:3d}  w4a4 {med['w4a4']:7.2f}  zip10 off {med['zip10_off']:7.2f}  "
+                  f"pre {med['zip10_pre']:7.2f}  pre/off {med['zip10_pre'] / med['zip10_off']:.3f}", flush=True)
+            if args.out is not None:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "results.json").write_text(json.dumps(rows, indent=1))
+    failed = [r for r in rows if not r["ok"]]
+    print(f"checks: {len(rows) - len(failed)} ok, {len(failed)} FAILED")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
