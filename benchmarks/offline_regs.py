@@ -1,5 +1,5 @@
 """Registers and shared memory of ZipperEngine's tail-walk kernel compiled for sm_90 on a machine without a GPU,
-with the walk's first-block preload off and on (``_tiles.WALK_PRELOAD``).
+with the walk's first-block preload off and on (``_tiles.WALK_PRELOAD_MAX_M``).
 
 The launcher runs on CPU tensors with the tiles and splits it picks for the H200 (132 SMs; PDL and the L2 prefetch
 off, as for calls of more than 8 tokens there); the launch is replaced by a
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
             cfg = pick_config(m, n, k // 2, torch.device("cuda"), res.block_shape)  # the H200's tiles
             cells = []
             for preload in (False, True):
-                _tiles.WALK_PRELOAD = preload
+                _tiles.WALK_PRELOAD_MAX_M = m if preload else 0
                 zmod.zipper_gemm_triton(a_packed, a_scale, qweight, w_scale, k, res, mode="tail", residual_walk="dot",
                                         config=cfg)
                 ck = compiled[-1].result() if hasattr(compiled[-1], "result") else compiled[-1]

@@ -1,8 +1,8 @@
-"""ZipperEngine's tail walk with its first kept block loaded before the dense loop (``_tiles.WALK_PRELOAD``), against
-the walk as it runs by default, at decode sizes.
+"""ZipperEngine's tail walk with its first kept block loaded before the dense loop, off and on at every size
+(``_tiles.WALK_PRELOAD_MAX_M``: by default on up to 8 tokens), at decode sizes.
 
 A program reaches its residual walk after its dense loop, and the walk's first block is a chain of dependent loads
-(its coordinates, then its integers and activation tile). With ``WALK_PRELOAD`` those loads are issued before the
+(its coordinates, then its integers and activation tile). With the preload those loads are issued before the
 dense loop. This script times, on the Llama-3-8B linears (GEMM alone, activations quantized outside the timing,
 weights and residual blocks rotated through more than L2, medians of interleaved rounds):
 
@@ -38,19 +38,29 @@ from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm_reference
 SHAPES = {"o": (4096, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "gate_up": (28672, 4096)}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def decode_gemm_args(argv, doc: str, script: str) -> argparse.Namespace | None:
+    """``--ms`` / ``--rounds`` / ``--out`` of a script timing decode GEMMs alone; ``None`` (having said why) without a
+    CUDA device. Sets ``MOSAICQUANT_PDL_CHAIN=off`` unless set (each time is one GEMM's, as in residual_balance.py)
+    and seeds torch; ``args.gen`` is a seeded CPU generator."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--ms", default="8,16,32")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("walk_preload.py times GPU kernels: no CUDA device here", file=sys.stderr)
-        return 2
-    os.environ.setdefault("MOSAICQUANT_PDL_CHAIN", "off")  # each time one GEMM's, as residual_balance.py
-    device = torch.device("cuda")
-    gen = torch.Generator().manual_seed(0)
+        print(f"{script} times GPU kernels: no CUDA device here", file=sys.stderr)
+        return None
+    os.environ.setdefault("MOSAICQUANT_PDL_CHAIN", "off")
     torch.manual_seed(0)
+    args.gen = torch.Generator().manual_seed(0)
+    return args
+
+
+def main(argv=None) -> int:
+    args = decode_gemm_args(argv, __doc__, "walk_preload.py")
+    if args is None:
+        return 2
+    device, gen = torch.device("cuda"), args.gen
     rows = []
     for name, (n, k) in SHAPES.items():
         qws, wss = random_w4_copies(n, k // 2, device)
@@ -63,8 +73,9 @@ def main(argv=None) -> int:
             zref = zipper_gemm_reference(ap, a_s, qws[0], wss[0], k, rs[0], out_fp32=True)
             calls = {"w4a4": [lambda i=i: w4a4_gemm_triton(ap, a_s, qws[i], wss[i], k) for i in range(len(qws))]}
             for tag, pre in (("off", False), ("pre", True)):
-                calls[f"zip10_{tag}"] = [capped(("WALK_PRELOAD", pre), lambda i=i: zipper_gemm_triton(
-                    ap, a_s, qws[i], wss[i], k, rs[i], block_map=maps[i])) for i in range(len(qws))]
+                calls[f"zip10_{tag}"] = [capped(("WALK_PRELOAD_MAX_M", m if pre else 0), lambda i=i: zipper_gemm_triton(
+                    ap, a_s, qws[i], wss[i], k, rs[i], block_map=maps[i]))
+                    for i in range(len(qws))]
             med = {}
             for rnd in range(args.rounds):
                 for variant, fns in calls.items():

@@ -265,11 +265,15 @@ DP4A_WALK_MAX_M = 4
 # 5 stages, 2,930 / 3,783 / 3,988 with 6.
 WALK_STAGES = 5
 WALK_STAGES_MIN_M = 17
-# ZipperEngine's tail walk on tensor-core dots (calls of 5+ tokens) loads the first kept block a program walks (its
-# coordinates, integers, scales and activation tile) before the dense loop, where a block is one step of the walk
-# (read at each launch; the same bits). Off: not measured yet (benchmarks/walk_preload.py; benchmarks/NOTES.md v29
-# found the residual's decode cost the same on evenly spread blocks, so a per-program cost of the walk).
-WALK_PRELOAD = False
+# ZipperEngine's tail walk on tensor-core dots loads the first kept block a program walks (its coordinates, integers,
+# scales and activation tile) before the dense loop in calls of at most this many tokens (0: never), where a block is
+# one step of the walk (read at each launch; the same bits). Under programmatic dependent launch all but the
+# activation tile load before the wait on the kernel before. MosaicQuant's decode step (Llama-3-8B shapes, CUDA graph,
+# 3 interleaved rounds, us; benchmarks/NOTES.md v30): at batch 4 / 8 / 16 2,744 / 2,905 / 3,164 without, 2,733 /
+# 2,845 / 3,163 up to 8 tokens, 2,742 / 2,849 / 3,173 up to 16; at every size (another run) batch 32 3,812 -> 4,126
+# (gate/up's 8-warp tiles at 32 tokens: 128 -> 172 registers a thread, two waves). Its tail calls at 5-8 tokens are
+# o_proj and down_proj. GEMM alone, without PDL, it was level to 5 % slower at 8-32 tokens.
+WALK_PRELOAD_MAX_M = 8
 
 # ZipperEngine's "auto" mode runs the kept blocks in programs of their own ("parallel": one per block
 # and 64- or 128-row slice, summed into the dense tiles' counted fix-up) for calls of PARALLEL_MIN_M to

@@ -351,7 +351,7 @@ def test_walk_pipelining_depth_writes_the_same_bits(monkeypatch, mode, m):
 @needs_triton()
 @pytest.mark.parametrize("m,split", [(8, 2), (24, 3)])
 def test_walk_preload_writes_the_same_bits(monkeypatch, m, split):
-    # WALK_PRELOAD loads each program's first kept block before the dense loop; rows with none, one or several
+    # WALK_PRELOAD_MAX_M loads each program's first kept block before the dense loop; rows with none, one or several
     # blocks, a ragged K (the last block column ends early) and more splits than some rows have blocks
     from mosaicquant.kernels import _tiles
 
@@ -365,7 +365,36 @@ def test_walk_preload_writes_the_same_bits(monkeypatch, m, split):
     ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
     outs = {}
     for preload in (False, True):
-        monkeypatch.setattr(_tiles, "WALK_PRELOAD", preload)
+        monkeypatch.setattr(_tiles, "WALK_PRELOAD_MAX_M", m if preload else 0)
         outs[preload] = zipper_gemm_triton(*args, mode="tail", config=config, residual_walk="dot")
-        assert_close_bf16(outs[preload], ref, f"zipper tail, WALK_PRELOAD={preload}")
+        assert_close_bf16(outs[preload], ref, f"zipper tail, preload={preload}")
     assert torch.equal(outs[False], outs[True]), f"{(outs[False] != outs[True]).sum()} differ"
+
+
+@needs_triton()
+def test_walk_preload_applies_up_to_its_token_count(monkeypatch):
+    # the default rule: tail-walk calls of at most WALK_PRELOAD_MAX_M tokens preload, larger ones do not, and the
+    # dp4a walk (no tensor-core walk to preload) does not; 0 switches it off
+    import importlib
+
+    from mosaicquant.kernels import _tiles
+
+    zmod = importlib.import_module("mosaicquant.kernels.zipper")
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs["WALK_PRELOAD"])
+
+    monkeypatch.setattr(zmod, "_zipper_kernel", Spy())
+    n, k, block = 256, 512, (128, 128)
+    assert _tiles.WALK_PRELOAD_MAX_M == 8
+    for m, walk, expected in [(5, "dot", True), (8, "dot", True), (9, "dot", False), (4, "dp4a", False)]:
+        a_packed, a_scale, qweight, w_scale, residual, _ = _case(m, n, k, block, 0.3, seed=m)
+        zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
+                           _dev(residual), mode="tail", residual_walk=walk)
+        assert seen[-1] is expected, (m, walk, seen[-1])
+    monkeypatch.setattr(_tiles, "WALK_PRELOAD_MAX_M", 0)
+    zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
+                       _dev(residual), mode="tail", residual_walk="dot")
+    assert seen[-1] is False
