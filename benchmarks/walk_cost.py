@@ -36,9 +36,9 @@ from zipper import BLOCK, check, clone_residual, random_residual, random_w4_copi
 
 from mosaicquant.kernels._tiles import LOCK_SLOTS, fit_to_blocks, pick_config  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
-from mosaicquant.methods.format import ResidualBlocks  # noqa: E402
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_triton  # noqa: E402
 from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm_reference, zipper_gemm_triton  # noqa: E402
+from mosaicquant.methods.format import ResidualBlocks  # noqa: E402
 
 
 def layout_residual(n: int, k: int, per_row: int, device, first_only: bool = False) -> ResidualBlocks:
