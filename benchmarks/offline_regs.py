@@ -28,7 +28,6 @@ from triton.runtime.driver import driver
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SHAPES = {"o": (4096, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "gate_up": (28672, 4096)}
 H200_SMS = 132
 
 
@@ -62,6 +61,7 @@ def main(argv=None) -> int:
     from mosaicquant.kernels import _tiles
     from mosaicquant.kernels._tiles import pick_config
     from mosaicquant.kernels.act_quant import quantize_activations_reference
+    from residual_balance import SHAPES
     from zipper import random_residual
 
     _tiles._sm_count = lambda device: H200_SMS
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
                     usage = subprocess.run([cuobjdump, "--dump-resource-usage", fh.name], capture_output=True,
                                            text=True, check=True).stdout
                 regs = next((t.split(":")[1] for t in usage.split() if t.startswith("REG:")), "?")
-                cells.append(f"{'preload' if preload else 'default'}: {regs} registers, "
+                cells.append(f"{'preload' if preload else 'no preload'}: {regs} registers, "
                              f"{ck.metadata.shared} B shared, {ck.metadata.num_warps} warps")
             tiles = f"{cfg.block_m}x{cfg.block_n}, {cfg.block_kp} B a step, split {cfg.split_k}"
             print(f"{name:8s} M={m:3d} ({tiles})  " + " | ".join(cells), flush=True)

@@ -28,14 +28,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from residual_balance import capped  # noqa: E402
+from residual_balance import SHAPES, capped  # noqa: E402
 from zipper import check, clone_residual, random_residual, random_w4_copies, time_calls  # noqa: E402
 
 from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_triton  # noqa: E402
 from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm_reference, zipper_gemm_triton  # noqa: E402
-
-SHAPES = {"o": (4096, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "gate_up": (28672, 4096)}
 
 
 def decode_gemm_args(argv, doc: str, script: str) -> argparse.Namespace | None:
