@@ -22,8 +22,8 @@ __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MI
            "SWAP_DECODE_SPLIT_MIN_STEPS", "SWAP_DECODE_BLOCK_KP",
            "SWAP_DECODE_STAGES", "DECODE_SPLIT_MIN_STEPS", "DECODE_SPLIT_MIN_STEPS_17",
            "DENSE_GATED_MAX_M", "DENSE_GATED_MAXNREG", "DENSE_PREFETCH_MIB", "ZIPPER_PREFETCH_MIB",
-           "WIDE_K_DECODE_MIN_M", "TAIL_WIDE_K_MIN_M", "TAIL_WIDE_K_MAX_M", "WIDE_DECODE_MAX_M", "WALK_STAGES",
-           "WALK_STAGES_MIN_M", "maxnreg_launch", "walk_stages",
+           "WIDE_K_DECODE_MIN_M", "TAIL_WIDE_K_MIN_M", "TAIL_WIDE_K_MAX_M", "WIDE_DECODE_MAX_M", "DENSE_WIDE_MAX_M",
+           "WALK_STAGES", "WALK_STAGES_MIN_M", "maxnreg_launch", "walk_stages", "wide_decode",
            "parallel_mode", "parallel_residual",
            "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
            "swapped_prefill", "swapped_mid_config", "SWAP_MID_MIN_M", "SWAP_MID_RESIDUAL_MIN_M", "SWAP_MID_WIDE_MIN_M",
@@ -231,6 +231,9 @@ WIDE_DECODE_TILES_PER_SM = 2
 # 32-row tiles (dense layers run those calls on the swapped GEMM). Llama-3-8B gate/up at M = 32 (v17, GEMM
 # alone): 29.79 us against 32.83 on the 64-channel tiles; MosaicQuant's batch-32 step 4,487 -> 4,407 us.
 WIDE_DECODE_MAX_M = 32
+# Dense layers (no residual blocks) take them for calls of 17 to this many tokens (16: none; those calls then run
+# the swapped GEMM at decode tiles, SWAP_DECODE_M).
+DENSE_WIDE_MAX_M = 16
 # Calls of up to this many tokens run the decode GEMV (CUDA-core dp4a, mosaicquant.kernels.gemv)
 # instead of the tensor-core GEMMs. Measured on every Llama-3 / Qwen3 linear in one run (v13): at
 # M = 1 it was 1.77-3.05x BF16 against the tensor-core kernel's 1.64-2.30x; at M = 4 its dp4a work
@@ -482,6 +485,13 @@ def _sm_count(device: torch.device) -> int:
     return 4
 
 
+def wide_decode(m: int, n: int, device: torch.device, residual: bool) -> bool:
+    """Whether a call of ``m`` tokens on a layer of ``n`` channels (with residual blocks, or ``residual=False``
+    dense) runs the packed kernels' wide decode tiles (:data:`WIDE_DECODE_TILES_PER_SM`)."""
+    max_m = max(16, WIDE_DECODE_MAX_M if residual else DENSE_WIDE_MAX_M)
+    return device.type == "cuda" and m <= max_m and -(-n // 64) >= WIDE_DECODE_TILES_PER_SM * _sm_count(device)
+
+
 def pick_config(
     m: int,
     n: int,
@@ -505,8 +515,7 @@ def pick_config(
         UserInputError: a residual block shape the kernels cannot tile (``Bn`` not a
             multiple of 16 or ``Bk`` not a multiple of 32).
     """
-    wide = (device.type == "cuda" and (m <= 16 or (residual_block is not None and m <= WIDE_DECODE_MAX_M))
-            and -(-n // 64) >= WIDE_DECODE_TILES_PER_SM * _sm_count(device))
+    wide = wide_decode(m, n, device, residual_block is not None)
     if device.type != "cuda":
         cfg = TileConfig(block_m=64 if m > 16 else 16, block_n=64, block_kp=64, num_warps=4, num_stages=1)
     elif m <= FMA_MAX_M:

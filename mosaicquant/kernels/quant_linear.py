@@ -343,7 +343,8 @@ class QuantLinear(nn.Module):
                 self.swap_min_tiles_per_sm):
             return "prefill", {}
         if self.swap_decode is not None and self.swap_decode[0] <= m <= self.swap_decode[1]:
-            decode = self.block_shape is None and not 0 < _tiles.WIDE_K_DECODE_MIN_M <= m <= 16
+            decode = (self.block_shape is None and not 0 < _tiles.WIDE_K_DECODE_MIN_M <= m <= 16
+                      and not (m > 16 and _tiles.wide_decode(m, self.out_features, self.qweight.device, False)))
             if self.block_shape is not None:
                 min_m = _tiles.SWAP_DECODE_SHARED_MIN_M if self.res_shifts is not None else _tiles.SWAP_DECODE_RESIDUAL_MIN_M
                 decode = 0 < min_m <= m

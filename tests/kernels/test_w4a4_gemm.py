@@ -147,6 +147,33 @@ def test_wide_dense_layers_take_unsplit_wide_tiles_at_decode_sizes(monkeypatch):
     assert pick_config(32, 28672, 2048, cuda, residual_block=(128, 128)).block_n == 64
 
 
+def test_wide_dense_layers_keep_wide_tiles_up_to_the_dense_bound(monkeypatch):
+    # DENSE_WIDE_MAX_M: dense wide layers' calls of 17 tokens and more take the wide tiles (32-row tiles) up to it,
+    # and QuantLinear then keeps them on the packed kernel instead of the swapped GEMM's decode tiles
+    from mosaicquant.kernels import _tiles
+    from mosaicquant.kernels.quant_linear import QuantLinear
+    from mosaicquant.methods.format import PackedW4
+    from mosaicquant.methods.quant import quantize
+
+    monkeypatch.setattr(_tiles, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(_tiles, "DENSE_WIDE_MAX_M", 16)
+    assert [_tiles.wide_decode(m, 28672, cuda, False) for m in (16, 17, 32)] == [True, False, False]
+    assert pick_config(24, 28672, 2048, cuda).block_n == 64
+    monkeypatch.setattr(_tiles, "DENSE_WIDE_MAX_M", 32)
+    assert [_tiles.wide_decode(m, 28672, cuda, False) for m in (16, 17, 32, 33)] == [True, True, True, False]
+    assert not _tiles.wide_decode(24, 4096, cuda, False)  # o_proj: not wide
+    assert not _tiles.wide_decode(24, 28672, torch.device("cpu"), False)  # the interpreter's tiles
+    wide = pick_config(24, 28672, 2048, cuda)
+    assert (wide.block_m, wide.block_n, wide.block_kp, wide.split_k, wide.num_warps) == (32, 128, 128, 1, 8)
+    # the route: a dense layer's wide call leaves the swapped decode tiles; the others keep them
+    gen = torch.Generator().manual_seed(3)
+    layer = QuantLinear(PackedW4.from_quantized(quantize(torch.randn(256, 128, generator=gen), 4)), kernel="triton")
+    for on, routes in ((True, [None, None]), (False, ["decode", "decode"])):
+        monkeypatch.setattr(_tiles, "wide_decode", lambda m, n, device, residual, on=on: on and m <= 32)
+        assert [layer.swap_route(m) for m in (17, 32)] == routes, on
+
+
 def test_dense_64_channel_layers_take_wide_k_steps_at_16_tokens(monkeypatch):
     # as many K steps a program as the 64-byte tiles, four times the bytes a step (WIDE_K_DECODE_MIN_M)
     from mosaicquant.kernels import _tiles

@@ -1,0 +1,91 @@
+"""Dense W4A4 layers' wide decode calls (17-32 tokens) on the packed kernel's wide tiles against the swapped GEMM at
+decode tiles, which runs them by default (``_tiles.DENSE_WIDE_MAX_M``).
+
+Times, on the wide layers of Llama-3-8B and Qwen3-8B (gate/up; GEMM alone, activations quantized outside the timing
+in each kernel's layout, weights rotated through more than L2, medians of interleaved rounds):
+
+- ``swapped``: the operand-swapped GEMM at :func:`mosaicquant.kernels._tiles.swapped_decode_config`'s tiles (the
+  route of dense layers' calls of 17-32 tokens before this rule);
+- ``wide``: the packed kernel on the wide tiles (32 x 128 channels, 128-byte K steps, 8 warps, 3 stages, unsplit);
+- ``narrow``: the packed kernel on its 64-channel tiles (what :func:`pick_config` gives without the wide rule).
+
+Each call is checked against the PyTorch reference before it is timed.
+
+    PYTHONPATH=. python3 benchmarks/dense_wide.py [--ms 17,24,32] [--rounds 3] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from residual_balance import capped  # noqa: E402
+from walk_preload import decode_gemm_args  # noqa: E402
+from zipper import check, random_w4_copies, time_calls  # noqa: E402
+
+from mosaicquant.kernels._tiles import pick_config, swapped_decode_config  # noqa: E402
+from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
+from mosaicquant.kernels.w4a4_gemm import (  # noqa: E402
+    w4a4_gemm_reference,
+    w4a4_gemm_swapped_triton,
+    w4a4_gemm_triton,
+)
+
+SHAPES = {"llama_gate_up": (28672, 4096), "qwen_gate_up": (24576, 4096)}
+
+
+def main(argv=None) -> int:
+    args = decode_gemm_args(argv, __doc__, "dense_wide.py")
+    if args is None:
+        return 2
+    if args.ms == "8,16,32":  # the shared parser's default
+        args.ms = "17,24,32"
+    device = torch.device("cuda")
+    rows, table = [], []
+    for name, (n, k) in SHAPES.items():
+        qws, wss = random_w4_copies(n, k // 2, device)
+        for m in (int(v) for v in args.ms.split(",")):
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            ap, a_s = quantize_activations_triton(x)
+            a8, s8 = quantize_activations_triton(x, layout="split8")
+            ref = w4a4_gemm_reference(ap, a_s, qws[0], wss[0], k, out_fp32=True)
+            tiles = swapped_decode_config(m, n, k // 2, device)
+            with_wide = capped(("DENSE_WIDE_MAX_M", 32), lambda: pick_config(m, n, k // 2, device))()
+            narrow = capped(("DENSE_WIDE_MAX_M", 16), lambda: pick_config(m, n, k // 2, device))()
+            idx = range(len(qws))
+            calls = {
+                "swapped": [lambda i=i: w4a4_gemm_swapped_triton(a8, s8, qws[i], wss[i], k, **tiles) for i in idx],
+                "wide": [lambda i=i: w4a4_gemm_triton(ap, a_s, qws[i], wss[i], k, config=with_wide) for i in idx],
+                "narrow": [lambda i=i: w4a4_gemm_triton(ap, a_s, qws[i], wss[i], k, config=narrow) for i in idx],
+            }
+            med = {}
+            for rnd in range(args.rounds):
+                for variant, fns in calls.items():
+                    ok = check(fns[0](), ref)[0]
+                    us = time_calls(fns)[0]
+                    med.setdefault(variant, []).append(us)
+                    rows.append(dict(layer=name, n=n, k=k, m=m, variant=variant, round=rnd, us=us, ok=ok,
+                                     wide=str(with_wide), narrow=str(narrow), swapped=tiles))
+            med = {v: sorted(u)[len(u) // 2] for v, u in med.items()}
+            table.append((name, m, med))
+            print(f"{name:14s} M={m:3d}: " + "  ".join(f"{v} {u:.2f}" for v, u in med.items()), flush=True)
+            if args.out is not None:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "results.json").write_text(json.dumps(rows, indent=1))
+    failed = [r for r in rows if not r["ok"]]
+    print(f"checks: {len(rows) - len(failed)} ok, {len(failed)} FAILED")
+    print("| layer | M | swapped | wide | narrow | wide / swapped |")
+    for name, m, d in table:
+        print(f"| {name} | {m} | {d['swapped']:.2f} | {d['wide']:.2f} | {d['narrow']:.2f} | "
+              f"{d['wide'] / d['swapped']:.3f} |")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
