@@ -23,7 +23,8 @@ __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MI
            "SWAP_DECODE_STAGES", "DECODE_SPLIT_MIN_STEPS", "DECODE_SPLIT_MIN_STEPS_17",
            "DENSE_GATED_MAX_M", "DENSE_GATED_MAXNREG", "DENSE_PREFETCH_MIB", "ZIPPER_PREFETCH_MIB",
            "WIDE_K_DECODE_MIN_M", "TAIL_WIDE_K_MIN_M", "TAIL_WIDE_K_MAX_M", "WIDE_DECODE_MAX_M", "DENSE_WIDE_MAX_M",
-           "WALK_STAGES", "WALK_STAGES_MIN_M", "maxnreg_launch", "walk_stages", "wide_decode",
+           "DENSE_WIDE_MIN_TILES_PER_SM", "WALK_STAGES", "WALK_STAGES_MIN_M", "maxnreg_launch", "walk_stages",
+           "wide_decode",
            "parallel_mode", "parallel_residual",
            "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
            "swapped_prefill", "swapped_mid_config", "SWAP_MID_MIN_M", "SWAP_MID_RESIDUAL_MIN_M", "SWAP_MID_WIDE_MIN_M",
@@ -231,9 +232,16 @@ WIDE_DECODE_TILES_PER_SM = 2
 # 32-row tiles (dense layers run those calls on the swapped GEMM). Llama-3-8B gate/up at M = 32 (v17, GEMM
 # alone): 29.79 us against 32.83 on the 64-channel tiles; MosaicQuant's batch-32 step 4,487 -> 4,407 us.
 WIDE_DECODE_MAX_M = 32
-# Dense layers (no residual blocks) take them for calls of 17 to this many tokens (16: none; those calls then run
-# the swapped GEMM at decode tiles, SWAP_DECODE_M).
-DENSE_WIDE_MAX_M = 16
+# Dense layers (no residual blocks) take them for calls of 17 to DENSE_WIDE_MAX_M tokens (16: none; those calls then
+# run the swapped GEMM at decode tiles, SWAP_DECODE_M) where the layer has at least DENSE_WIDE_MIN_TILES_PER_SM of the
+# wide tiles' 128 channels a SM. GEMM alone (v31, 32-row wide tiles against the swapped GEMM, M = 17 / 24 / 32, us):
+# Llama-3-8B gate/up (28672 channels, 1.70 tiles a SM) 21.73 / 21.89 / 22.87 against 28.63 / 24.69 / 25.51, Qwen3-8B
+# gate/up (24576, 1.45) 21.10 / 21.21 / 21.46 against 24.10 / 20.80 / 21.06. Decode step (CUDA graph, 3 interleaved
+# rounds, batch 17 / 24 / 32, us): Llama-3-8B QuaRot 3,272 / 3,307 / 3,287 -> 3,178 / 3,226 / 3,265 and RTN 2,986 /
+# 3,076 / 3,149 -> 2,906 / 2,971 / 3,111; Qwen3-8B QuaRot 3,531 / 3,542 / 3,566 -> 3,545 / 3,571 / 3,634 and RTN
+# 3,202 / 3,261 / 3,337 -> 3,180 / 3,268 / 3,417, hence the bound between the two layers.
+DENSE_WIDE_MAX_M = 32
+DENSE_WIDE_MIN_TILES_PER_SM = 1.6
 # Calls of up to this many tokens run the decode GEMV (CUDA-core dp4a, mosaicquant.kernels.gemv)
 # instead of the tensor-core GEMMs. Measured on every Llama-3 / Qwen3 linear in one run (v13): at
 # M = 1 it was 1.77-3.05x BF16 against the tensor-core kernel's 1.64-2.30x; at M = 4 its dp4a work
@@ -489,7 +497,9 @@ def wide_decode(m: int, n: int, device: torch.device, residual: bool) -> bool:
     """Whether a call of ``m`` tokens on a layer of ``n`` channels (with residual blocks, or ``residual=False``
     dense) runs the packed kernels' wide decode tiles (:data:`WIDE_DECODE_TILES_PER_SM`)."""
     max_m = max(16, WIDE_DECODE_MAX_M if residual else DENSE_WIDE_MAX_M)
-    return device.type == "cuda" and m <= max_m and -(-n // 64) >= WIDE_DECODE_TILES_PER_SM * _sm_count(device)
+    if device.type != "cuda" or m > max_m or -(-n // 64) < WIDE_DECODE_TILES_PER_SM * _sm_count(device):
+        return False
+    return residual or m <= 16 or -(-n // 128) >= DENSE_WIDE_MIN_TILES_PER_SM * _sm_count(device)
 
 
 def pick_config(

@@ -139,6 +139,8 @@ def test_wide_dense_layers_take_unsplit_wide_tiles_at_decode_sizes(monkeypatch):
     zip_wide = pick_config(4, 28672, 2048, cuda, residual_block=(128, 128))  # ZipperEngine's tail walk: also wide
     assert (zip_wide.block_n, zip_wide.block_kp) == (128, 128)
     assert pick_config(4, 28672, 2048, cuda, residual_block=(64, 128)).block_n == 64  # rows nest in the blocks
+    assert pick_config(32, 28672, 2048, cuda).block_kp == 128  # dense: up to DENSE_WIDE_MAX_M (32)
+    monkeypatch.setattr(_tiles, "DENSE_WIDE_MAX_M", 16)
     assert pick_config(32, 28672, 2048, cuda).block_kp == 64
     # ZipperEngine's layers keep them up to 32 tokens, on 32-row tiles (WIDE_DECODE_MAX_M)
     zip32 = pick_config(32, 28672, 2048, cuda, residual_block=(128, 128))
@@ -163,6 +165,11 @@ def test_wide_dense_layers_keep_wide_tiles_up_to_the_dense_bound(monkeypatch):
     monkeypatch.setattr(_tiles, "DENSE_WIDE_MAX_M", 32)
     assert [_tiles.wide_decode(m, 28672, cuda, False) for m in (16, 17, 32, 33)] == [True, True, True, False]
     assert not _tiles.wide_decode(24, 4096, cuda, False)  # o_proj: not wide
+    # Qwen3-8B's gate/up: wide at 16 tokens, but too few 128-channel tiles a SM for the dense bound above 16
+    assert [_tiles.wide_decode(m, 24576, cuda, False) for m in (16, 17)] == [True, False]
+    assert _tiles.wide_decode(24, 24576, cuda, True)  # ZipperEngine's layers keep WIDE_DECODE_MAX_M's rule
+    monkeypatch.setattr(_tiles, "DENSE_WIDE_MIN_TILES_PER_SM", 1.4)
+    assert _tiles.wide_decode(17, 24576, cuda, False)
     assert not _tiles.wide_decode(24, 28672, torch.device("cpu"), False)  # the interpreter's tiles
     wide = pick_config(24, 28672, 2048, cuda)
     assert (wide.block_m, wide.block_n, wide.block_kp, wide.split_k, wide.num_warps) == (32, 128, 128, 1, 8)
