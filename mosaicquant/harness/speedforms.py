@@ -108,8 +108,14 @@ def executable(model: nn.Module, info: dict) -> str:
             decode = [m_ for m_ in range(1, top + 1) if any(
                 (m.quant.block_shape is not None) == res and m.quant.swap_route(m_) == "decode" for m in w4)]
             if decode:
-                part += (f"; {who} of {decode[0]}-{decode[-1]} tokens: the swapped GEMM at decode tiles"
-                         + (" with the residual blocks in its tail" if res else ""))
+                kind = [m for m in w4 if (m.quant.block_shape is not None) == res]
+                on = sum(1 for m in kind if m.quant.swap_route(decode[-1]) == "decode")
+                part += (f"; {who} of {decode[0]}-{decode[-1]} tokens"
+                         + (f" on {on} of {len(kind)} linears" if on < len(kind) else "")
+                         + ": the swapped GEMM at decode tiles"
+                         + (" with the residual blocks in its tail" if res else "")
+                         + (f" (the other {len(kind) - on} on the packed kernel's wide tiles)"
+                            if on < len(kind) and not res else ""))
         mid = [m for m in w4 if any(m.quant.swap_route(m_) == "mid" for m_ in MID_PROBE_M)]
         if mid:
             part += (f"; mid-sized calls on {len(mid)} of {len(w4)} linears, where they are short of output tiles: "

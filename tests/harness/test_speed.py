@@ -90,6 +90,22 @@ def test_speed_forms_install_the_methods_kv_cache(tiny_shapes, method, options, 
     assert ("after a Q/K Hadamard" in description) == rotate
 
 
+def test_exec_path_counts_the_dense_layers_that_keep_the_wide_tiles(tiny_shapes, monkeypatch):
+    # on the GPU a wide dense layer (Llama-3-8B's gate/up) keeps the packed kernel's wide tiles at 17-32 tokens
+    # (_tiles.wide_decode); the execution path then names how many linears run the swapped GEMM's decode tiles
+    from mosaicquant.kernels import _tiles
+
+    model = shapes.build_shape_model(tiny_shapes, dtype=torch.float32)
+    ctx = _form("rtn", model)
+    gate_up = 2 * model.config.intermediate_size
+    monkeypatch.setattr(_tiles, "wide_decode", lambda m, n, device, residual: not residual and n >= gate_up)
+    with torch.no_grad():
+        path = executable(model, ctx.info)
+    layers = len(model.model.layers)
+    assert (f"calls of 17-32 tokens on {3 * layers} of {4 * layers} linears: the swapped GEMM at decode tiles "
+            f"(the other {layers} on the packed kernel's wide tiles)") in path, path
+
+
 # the linears' kernels against the simulated linears, with 16-bit caches (a 4-bit cache's integers magnify
 # last-bit differences: test_speed_forms_install_the_methods_kv_cache and test_runtime cover those)
 @pytest.mark.parametrize("method, options", [("rtn", {}), ("smoothquant", {}), ("quarot", {"kvbits": 16}),
