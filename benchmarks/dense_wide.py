@@ -1,5 +1,6 @@
-"""Dense W4A4 layers' wide decode calls (17-32 tokens) on the packed kernel's wide tiles against the swapped GEMM at
-decode tiles, which runs them by default (``_tiles.DENSE_WIDE_MAX_M``).
+"""Dense W4A4 wide layers' 17-32-token calls: the packed kernel's wide tiles against the swapped GEMM's decode tiles.
+
+``_tiles.DENSE_WIDE_MAX_M`` and ``_tiles.DENSE_WIDE_MIN_TILES_PER_SM`` decide which of the two a layer runs.
 
 Times, on the wide layers of Llama-3-8B and Qwen3-8B (gate/up; GEMM alone, activations quantized outside the timing
 in each kernel's layout, weights rotated through more than L2, medians of interleaved rounds):
@@ -41,11 +42,9 @@ SHAPES = {"llama_gate_up": (28672, 4096), "qwen_gate_up": (24576, 4096)}
 
 
 def main(argv=None) -> int:
-    args = decode_gemm_args(argv, __doc__, "dense_wide.py")
+    args = decode_gemm_args(argv, __doc__, "dense_wide.py", ms="17,24,32")
     if args is None:
         return 2
-    if args.ms == "8,16,32":  # the shared parser's default
-        args.ms = "17,24,32"
     device = torch.device("cuda")
     rows, table = [], []
     for name, (n, k) in SHAPES.items():

@@ -36,12 +36,12 @@ from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_triton  # noqa: E402
 from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm_reference, zipper_gemm_triton  # noqa: E402
 
 
-def decode_gemm_args(argv, doc: str, script: str) -> argparse.Namespace | None:
+def decode_gemm_args(argv, doc: str, script: str, ms: str = "8,16,32") -> argparse.Namespace | None:
     """``--ms`` / ``--rounds`` / ``--out`` of a script timing decode GEMMs alone; ``None`` (having said why) without a
     CUDA device. Sets ``MOSAICQUANT_PDL_CHAIN=off`` unless set (each time is one GEMM's, as in residual_balance.py)
     and seeds torch; ``args.gen`` is a seeded CPU generator."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--ms", default="8,16,32")
+    parser.add_argument("--ms", default=ms)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
