@@ -17,7 +17,6 @@ Each call is checked against the PyTorch reference before it is timed.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -27,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from residual_balance import capped  # noqa: E402
-from walk_preload import decode_gemm_args  # noqa: E402
-from zipper import check, random_w4_copies, time_calls  # noqa: E402
+from walk_preload import decode_gemm_args, interleaved_medians, report_checks, save_rows  # noqa: E402
+from zipper import check, random_w4_copies  # noqa: E402
 
 from mosaicquant.kernels._tiles import pick_config, swapped_decode_config  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
@@ -63,22 +62,13 @@ def main(argv=None) -> int:
                 "wide": [lambda i=i: w4a4_gemm_triton(ap, a_s, qws[i], wss[i], k, config=with_wide) for i in idx],
                 "narrow": [lambda i=i: w4a4_gemm_triton(ap, a_s, qws[i], wss[i], k, config=narrow) for i in idx],
             }
-            med = {}
-            for rnd in range(args.rounds):
-                for variant, fns in calls.items():
-                    ok = check(fns[0](), ref)[0]
-                    us = time_calls(fns)[0]
-                    med.setdefault(variant, []).append(us)
-                    rows.append(dict(layer=name, n=n, k=k, m=m, variant=variant, round=rnd, us=us, ok=ok,
-                                     wide=str(with_wide), narrow=str(narrow), swapped=tiles))
-            med = {v: sorted(u)[len(u) // 2] for v, u in med.items()}
+            med = interleaved_medians(calls, args.rounds, lambda v, fn: check(fn(), ref)[0],
+                                      dict(layer=name, n=n, k=k, m=m, wide=str(with_wide), narrow=str(narrow),
+                                           swapped=tiles), rows)
             table.append((name, m, med))
             print(f"{name:14s} M={m:3d}: " + "  ".join(f"{v} {u:.2f}" for v, u in med.items()), flush=True)
-            if args.out is not None:
-                args.out.mkdir(parents=True, exist_ok=True)
-                (args.out / "results.json").write_text(json.dumps(rows, indent=1))
-    failed = [r for r in rows if not r["ok"]]
-    print(f"checks: {len(rows) - len(failed)} ok, {len(failed)} FAILED")
+            save_rows(args.out, rows)
+    failed = report_checks(rows)
     print("| layer | M | swapped | wide | narrow | wide / swapped |")
     for name, m, d in table:
         print(f"| {name} | {m} | {d['swapped']:.2f} | {d['wide']:.2f} | {d['narrow']:.2f} | "

@@ -21,7 +21,6 @@ Each zipper call is checked against the PyTorch reference before it is timed. Pr
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -31,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from residual_balance import capped  # noqa: E402
-from walk_preload import SHAPES, decode_gemm_args  # noqa: E402
-from zipper import BLOCK, check, clone_residual, random_residual, random_w4_copies, time_calls  # noqa: E402
+from walk_preload import SHAPES, decode_gemm_args, interleaved_medians, report_checks, save_rows  # noqa: E402
+from zipper import BLOCK, check, clone_residual, random_residual, random_w4_copies  # noqa: E402
 
 from mosaicquant.kernels._tiles import LOCK_SLOTS, fit_to_blocks, pick_config  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
@@ -95,22 +94,13 @@ def main(argv=None) -> int:
                     refs["zip10_auto"] = refs[label]
                     calls["zip10_auto"] = [lambda i=i, rs=rs, maps=maps: zipper_gemm_triton(
                         ap, a_s, qws[i], wss[i], k, rs[i], block_map=maps[i]) for i in range(len(qws))]
-            med = {}
-            for rnd in range(args.rounds):
-                for variant, fns in calls.items():
-                    ok = variant.startswith("w4a4") or check(fns[0](), refs[variant])[0]
-                    us = time_calls(fns)[0]
-                    med.setdefault(variant, []).append(us)
-                    rows.append(dict(layer=name, n=n, k=k, m=m, split=split, block_n=cfg.block_n,
-                                     block_m=cfg.block_m, variant=variant, round=rnd, us=us, ok=ok))
-            med = {v: sorted(u)[len(u) // 2] for v, u in med.items()}
+            med = interleaved_medians(
+                calls, args.rounds, lambda v, fn: v.startswith("w4a4") or check(fn(), refs[v])[0],
+                dict(layer=name, n=n, k=k, m=m, split=split, block_n=cfg.block_n, block_m=cfg.block_m), rows)
             table.append((name, m, split, med))
             print(f"{name:8s} M={m:3d} split {split}: " + "  ".join(f"{v} {u:.2f}" for v, u in med.items()), flush=True)
-            if args.out is not None:
-                args.out.mkdir(parents=True, exist_ok=True)
-                (args.out / "results.json").write_text(json.dumps(rows, indent=1))
-    failed = [r for r in rows if not r["ok"]]
-    print(f"checks: {len(rows) - len(failed)} ok, {len(failed)} FAILED")
+            save_rows(args.out, rows)
+    failed = report_checks(rows)
     print("| layer | M | split | w4a4 | w4a4_z | zipE | zip1 | zip2 | zip1_s0 | zip10 | zip10_auto | zipE-w4a4_z | "
           "zip1-zipE | zip2-zip1 |")
     for name, m, split, d in table:

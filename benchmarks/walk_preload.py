@@ -54,6 +54,34 @@ def decode_gemm_args(argv, doc: str, script: str, ms: str = "8,16,32") -> argpar
     return args
 
 
+def interleaved_medians(calls: dict, rounds: int, checked, base: dict, rows: list) -> dict[str, float]:
+    """Median µs of each variant's ``calls`` (closures cycled in order) over ``rounds`` interleaved rounds; each
+    round first runs ``checked(variant, fn)`` (bool) on the variant's first call and appends a row
+    (``base`` plus variant, round, us, ok) to ``rows``."""
+    times = {}
+    for rnd in range(rounds):
+        for variant, fns in calls.items():
+            ok = checked(variant, fns[0])
+            us = time_calls(fns)[0]
+            times.setdefault(variant, []).append(us)
+            rows.append(dict(base, variant=variant, round=rnd, us=us, ok=ok))
+    return {v: sorted(u)[len(u) // 2] for v, u in times.items()}
+
+
+def save_rows(out: Path | None, rows: list) -> None:
+    """``rows`` as ``OUT/results.json`` (rewritten after each cell, so an interrupted run keeps what it timed)."""
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(rows, indent=1))
+
+
+def report_checks(rows: list) -> bool:
+    """Print the checks' tally; whether any failed."""
+    failed = [r for r in rows if not r["ok"]]
+    print(f"checks: {len(rows) - len(failed)} ok, {len(failed)} FAILED")
+    return bool(failed)
+
+
 def main(argv=None) -> int:
     args = decode_gemm_args(argv, __doc__, "walk_preload.py")
     if args is None:
@@ -74,22 +102,12 @@ def main(argv=None) -> int:
                 calls[f"zip10_{tag}"] = [capped(("WALK_PRELOAD_MAX_M", m if pre else 0), lambda i=i: zipper_gemm_triton(
                     ap, a_s, qws[i], wss[i], k, rs[i], block_map=maps[i]))
                     for i in range(len(qws))]
-            med = {}
-            for rnd in range(args.rounds):
-                for variant, fns in calls.items():
-                    ok = variant == "w4a4" or check(fns[0](), zref)[0]
-                    us = time_calls(fns)[0]
-                    med.setdefault(variant, []).append(us)
-                    rows.append(dict(layer=name, n=n, k=k, m=m, variant=variant, round=rnd, us=us, ok=ok))
-            med = {v: sorted(u)[len(u) // 2] for v, u in med.items()}
+            med = interleaved_medians(calls, args.rounds, lambda v, fn: v == "w4a4" or check(fn(), zref)[0],
+                                      dict(layer=name, n=n, k=k, m=m), rows)
             print(f"{name:8s} M={m:3d}  w4a4 {med['w4a4']:7.2f}  zip10 off {med['zip10_off']:7.2f}  "
                   f"pre {med['zip10_pre']:7.2f}  pre/off {med['zip10_pre'] / med['zip10_off']:.3f}", flush=True)
-            if args.out is not None:
-                args.out.mkdir(parents=True, exist_ok=True)
-                (args.out / "results.json").write_text(json.dumps(rows, indent=1))
-    failed = [r for r in rows if not r["ok"]]
-    print(f"checks: {len(rows) - len(failed)} ok, {len(failed)} FAILED")
-    return 1 if failed else 0
+            save_rows(args.out, rows)
+    return 1 if report_checks(rows) else 0
 
 
 if __name__ == "__main__":
