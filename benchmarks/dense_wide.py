@@ -1,8 +1,10 @@
 """Dense W4A4 wide layers' 17-32-token calls: the packed kernel's wide tiles against the swapped GEMM's decode tiles.
 
-``_tiles.DENSE_WIDE_MAX_M`` and ``_tiles.DENSE_WIDE_MIN_TILES_PER_SM`` decide which of the two a layer runs.
+``_tiles.DENSE_WIDE_MAX_M``, ``_tiles.DENSE_WIDE_MIN_TILES_PER_SM`` and ``_tiles.DENSE_WIDE_MAX_TILES_PER_SM`` decide
+which of the two a layer runs (``wide`` below is timed on every layer, whatever they decide).
 
-Times, on the wide layers of Llama-3-8B and Qwen3-8B (gate/up; GEMM alone, activations quantized outside the timing
+Times, on the gate/up layers of Llama-3-8B, Qwen3-8B, Qwen3-14B and Qwen3-32B (1.70, 1.45, 2.06 and 3.03 wide tiles a SM
+of the H200's 132; GEMM alone, activations quantized outside the timing
 in each kernel's layout, weights rotated through more than L2, medians of interleaved rounds):
 
 - ``swapped``: the operand-swapped GEMM at :func:`mosaicquant.kernels._tiles.swapped_decode_config`'s tiles (the
@@ -37,7 +39,8 @@ from mosaicquant.kernels.w4a4_gemm import (  # noqa: E402
     w4a4_gemm_triton,
 )
 
-SHAPES = {"llama_gate_up": (28672, 4096), "qwen_gate_up": (24576, 4096)}
+SHAPES = {"llama_gate_up": (28672, 4096), "qwen_gate_up": (24576, 4096), "qwen14b_gate_up": (34816, 5120),
+          "qwen32b_gate_up": (51200, 5120)}
 
 
 def main(argv=None) -> int:
@@ -54,7 +57,8 @@ def main(argv=None) -> int:
             a8, s8 = quantize_activations_triton(x, layout="split8")
             ref = w4a4_gemm_reference(ap, a_s, qws[0], wss[0], k, out_fp32=True)
             tiles = swapped_decode_config(m, n, k // 2, device)
-            with_wide = capped(("DENSE_WIDE_MAX_M", 32), lambda: pick_config(m, n, k // 2, device))()
+            with_wide = capped(("DENSE_WIDE_MAX_M", 32), capped(("DENSE_WIDE_MIN_TILES_PER_SM", 0.0), capped(
+                ("DENSE_WIDE_MAX_TILES_PER_SM", float("inf")), lambda: pick_config(m, n, k // 2, device))))()
             narrow = capped(("DENSE_WIDE_MAX_M", 16), lambda: pick_config(m, n, k // 2, device))()
             idx = range(len(qws))
             calls = {

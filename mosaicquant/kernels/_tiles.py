@@ -23,7 +23,7 @@ __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MI
            "SWAP_DECODE_STAGES", "DECODE_SPLIT_MIN_STEPS", "DECODE_SPLIT_MIN_STEPS_17",
            "DENSE_GATED_MAX_M", "DENSE_GATED_MAXNREG", "DENSE_PREFETCH_MIB", "ZIPPER_PREFETCH_MIB",
            "WIDE_K_DECODE_MIN_M", "TAIL_WIDE_K_MIN_M", "TAIL_WIDE_K_MAX_M", "WIDE_DECODE_MAX_M", "DENSE_WIDE_MAX_M",
-           "DENSE_WIDE_MIN_TILES_PER_SM", "WALK_STAGES", "WALK_STAGES_MIN_M", "maxnreg_launch", "walk_stages",
+           "DENSE_WIDE_MIN_TILES_PER_SM", "DENSE_WIDE_MAX_TILES_PER_SM", "WALK_STAGES", "WALK_STAGES_MIN_M", "maxnreg_launch", "walk_stages",
            "wide_decode",
            "parallel_mode", "parallel_residual",
            "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
@@ -239,9 +239,14 @@ WIDE_DECODE_MAX_M = 32
 # gate/up (24576, 1.45) 21.10 / 21.21 / 21.46 against 24.10 / 20.80 / 21.06. Decode step (CUDA graph, 3 interleaved
 # rounds, batch 17 / 24 / 32, us): Llama-3-8B QuaRot 3,272 / 3,307 / 3,287 -> 3,178 / 3,226 / 3,265 and RTN 2,986 /
 # 3,076 / 3,149 -> 2,906 / 2,971 / 3,111; Qwen3-8B QuaRot 3,531 / 3,542 / 3,566 -> 3,545 / 3,571 / 3,634 and RTN
-# 3,202 / 3,261 / 3,337 -> 3,180 / 3,268 / 3,417, hence the bound between the two layers.
+# 3,202 / 3,261 / 3,337 -> 3,180 / 3,268 / 3,417, hence the bound between the two layers. And at most
+# DENSE_WIDE_MAX_TILES_PER_SM of them a SM: two of these 8-warp programs share an SM (128 registers a thread), so
+# above two tiles a SM the last ones run in a second wave. GEMM alone (v32, M = 17 / 24 / 32, us): Qwen3-14B gate/up
+# (34816 x 5120, 2.06 tiles a SM) 40.68 / 40.70 / 39.79 wide against 33.94 / 33.86 / 33.67 swapped, Qwen3-32B gate/up
+# (51200 x 5120, 3.03) 48.50 / 48.67 / 51.25 against 44.90 / 49.17 / 46.99.
 DENSE_WIDE_MAX_M = 32
 DENSE_WIDE_MIN_TILES_PER_SM = 1.6
+DENSE_WIDE_MAX_TILES_PER_SM = 2.0
 # Calls of up to this many tokens run the decode GEMV (CUDA-core dp4a, mosaicquant.kernels.gemv)
 # instead of the tensor-core GEMMs. Measured on every Llama-3 / Qwen3 linear in one run (v13): at
 # M = 1 it was 1.77-3.05x BF16 against the tensor-core kernel's 1.64-2.30x; at M = 4 its dp4a work
@@ -499,7 +504,10 @@ def wide_decode(m: int, n: int, device: torch.device, residual: bool) -> bool:
     max_m = max(16, WIDE_DECODE_MAX_M if residual else DENSE_WIDE_MAX_M)
     if device.type != "cuda" or m > max_m or -(-n // 64) < WIDE_DECODE_TILES_PER_SM * _sm_count(device):
         return False
-    return residual or m <= 16 or -(-n // 128) >= DENSE_WIDE_MIN_TILES_PER_SM * _sm_count(device)
+    if residual or m <= 16:
+        return True
+    sms = _sm_count(device)
+    return DENSE_WIDE_MIN_TILES_PER_SM * sms <= -(-n // 128) <= DENSE_WIDE_MAX_TILES_PER_SM * sms
 
 
 def pick_config(

@@ -168,6 +168,11 @@ def test_wide_dense_layers_keep_wide_tiles_up_to_the_dense_bound(monkeypatch):
     # Qwen3-8B's gate/up: wide at 16 tokens, but too few 128-channel tiles a SM for the dense bound above 16
     assert [_tiles.wide_decode(m, 24576, cuda, False) for m in (16, 17)] == [True, False]
     assert _tiles.wide_decode(24, 24576, cuda, True)  # ZipperEngine's layers keep WIDE_DECODE_MAX_M's rule
+    # Qwen3-14B's and Qwen3-32B's gate/up: more than two wide tiles a SM (a second wave) keep the swapped GEMM
+    assert [_tiles.wide_decode(m, n, cuda, False) for m in (16, 17) for n in (34816, 51200)] == [True, True, False, False]
+    assert _tiles.wide_decode(17, 34816, cuda, True)  # (not ZipperEngine's layers)
+    monkeypatch.setattr(_tiles, "DENSE_WIDE_MAX_TILES_PER_SM", 3.1)
+    assert _tiles.wide_decode(17, 51200, cuda, False)
     monkeypatch.setattr(_tiles, "DENSE_WIDE_MIN_TILES_PER_SM", 1.4)
     assert _tiles.wide_decode(17, 24576, cuda, False)
     assert not _tiles.wide_decode(24, 28672, torch.device("cpu"), False)  # the interpreter's tiles
