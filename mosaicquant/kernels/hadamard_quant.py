@@ -37,8 +37,15 @@ scales are the same (the tests check them bit for bit on the GPU). Narrow slices
 columns) of views of 64 rows or more are multiplied transposed (:func:`_transposed`: as they
 are, they hit a Triton bug).
 
-Taken: 16-bit inputs (BF16 / FP16), ``D ≥ 16`` (``2^k ≥ 16``) and ``R ≤ 256``
-(``n ≤ 32768`` for ``2^k ≥ 128``): every hidden and intermediate size of the SPEC models.
+Views of 256 padded rows (``R > 128``: Qwen3-14B's 17408 = 68 · 2^8, Qwen3-32B's 25600 = 100 · 2^8) fold the
+last Sylvester level of ``A`` into registers: ``A = A' ⊗ S_2`` (``2^k / D ≥ 2``), so ``Aᵀ Y`` is a butterfly of
+``Y``'s row pairs, ``(y_{2i} + y_{2i+1}, y_{2i} - y_{2i+1})``, viewed as ``[R/2, 2D]``, then ``A'ᵀ`` of half the
+size. Unfolded, the ``R_PAD × R_PAD`` operand and the two ``[R_PAD, D]`` parts of ``Y`` asked for 256 KiB of shared
+memory, more than a Hopper SM has (227 KiB): the kernel did not launch on the GPU. Folded views split into at most
+``D / 64`` programs a token (no transposed products).
+
+Taken: 16-bit inputs (BF16 / FP16), ``D ≥ 16`` (``2^k ≥ 16``) and ``R ≤ 256`` (``n ≤ 32768`` for ``2^k ≥ 128``),
+with a Sylvester level to fold above 128 rows: every hidden and intermediate size of the SPEC models.
 :func:`fused_hadamard_reason` says why anything else is not, and callers then run the
 transform and the quantizer separately (the same function, slower).
 """
@@ -84,6 +91,8 @@ __all__ = [
 
 #: largest padded row count ``R`` of the ``[R, D]`` view (the ``Aᵀ`` product is ``R × R``)
 MAX_ROWS = 256
+#: views of more padded rows than this fold a Sylvester level of ``A`` into registers (see the module docstring)
+FOLD_ABOVE_ROWS = 128
 _DENSE = 128  # the inner Sylvester block D (at most)
 _DTYPES = (torch.bfloat16, torch.float16)
 # The default rule's least slice (values per program) when tokens are split over several programs.
@@ -103,7 +112,7 @@ def _hadamard_quant_kernel(
     D: tl.constexpr, R_PAD: tl.constexpr,
     HAS_SIGNS: tl.constexpr, SIGNS_FIRST: tl.constexpr, DOT_F32: tl.constexpr, CHAIN: tl.constexpr,
     SPLIT8: tl.constexpr = False, GATED: tl.constexpr = False, up_offset=0,
-    P: tl.constexpr = 1, SYNC: tl.constexpr = True, TRANS: tl.constexpr = False,
+    P: tl.constexpr = 1, SYNC: tl.constexpr = True, TRANS: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):
     chain_start(CHAIN)  # the GEMM that reads our output may start (it waits for us before reading)
     DS: tl.constexpr = D // P  # columns of the [R, D] view this program transforms and quantizes
@@ -129,6 +138,10 @@ def _hadamard_quant_kernel(
         # M, which keeps a narrow slice of a tall view off wgmma (see _split_limit)
         syl = tl.load(syl_ptr + part[:, None] * D + cols[None, :])  # S_D[cols, :] = S_D[:, cols]ᵀ
         left = tl.load(left_ptr + rows[None, :] * R_PAD + rows[:, None])  # leftᵀ
+    elif FOLD:
+        syl = tl.load(syl_ptr + cols[:, None] * D + part[None, :])
+        half_rows = tl.arange(0, R_PAD // 2)
+        left = tl.load(left_ptr + half_rows[:, None] * (R_PAD // 2) + half_rows[None, :])  # A'ᵀ
     else:
         syl = tl.load(syl_ptr + cols[:, None] * D + part[None, :])
         left = tl.load(left_ptr + rows[:, None] * R_PAD + rows[None, :])
@@ -141,6 +154,12 @@ def _hadamard_quant_kernel(
         y = tl.dot(syl, tl.trans(x), out_dtype=tl.float32)  # (X S_D[:, cols])ᵀ
     else:
         y = tl.dot(x, syl, out_dtype=tl.float32)  # X S_D: ±1 weights, exact products
+    if FOLD:
+        # A = A' ⊗ S_2: rows 2i and 2i + 1 of Y become (y_2i + y_2i+1, y_2i - y_2i+1), side by side in row i of
+        # a [R_PAD / 2, 2 DS] view that A'ᵀ multiplies (column j · DS + c of it is row 2i + j, column c)
+        pairs = tl.permute(tl.reshape(y, [R_PAD // 2, 2, DS]), [0, 2, 1])
+        y_even, y_odd = tl.split(pairs)
+        y = tl.reshape(tl.permute(tl.join(y_even + y_odd, y_even - y_odd), [0, 2, 1]), [R_PAD // 2, 2 * DS])
     y_hi = y.to(x_ptr.dtype.element_ty)
     y_lo = (y - y_hi.to(tl.float32)).to(x_ptr.dtype.element_ty)
     if DOT_F32:
@@ -152,6 +171,8 @@ def _hadamard_quant_kernel(
     else:
         z = tl.dot(left, y_hi, out_dtype=tl.float32)
         z = tl.dot(left, y_lo, z, out_dtype=tl.float32)
+    if FOLD:
+        z = tl.reshape(z, [R_PAD, DS])  # row i's two halves are rows 2i, 2i + 1 of the view
     z = z * inv_sqrt_n
     if HAS_SIGNS:
         if not SIGNS_FIRST:
@@ -215,11 +236,18 @@ def _view_of(transform: OnlineHadamard) -> tuple[int, int, int]:
     return r, d, max(16, triton.next_power_of_2(r))
 
 
+def _folded(transform: OnlineHadamard) -> bool:
+    """Whether the kernel folds a Sylvester level of ``A`` into registers for ``transform`` (views of more than
+    :data:`FOLD_ABOVE_ROWS` padded rows)."""
+    return _view_of(transform)[2] > FOLD_ABOVE_ROWS
+
+
 def _split_limit(transform: OnlineHadamard) -> tuple[int, str]:
     """The most programs per token the kernel takes for ``transform``, and why: ``tl.dot`` needs slices
-    of at least 16 columns."""
+    of at least 16 columns (64 on folded views: they do not run the transposed products)."""
     r, d, r_pad = _view_of(transform)
-    return max(1, d // 16), f"slices of at least 16 of the {d} columns of the [{r}, {d}] view"
+    least = WGMMA_MIN_COLUMNS if _folded(transform) else 16
+    return max(1, d // least), f"slices of at least {least} of the {d} columns of the [{r}, {d}] view"
 
 
 def _transposed(r_pad: int, d: int, p: int) -> bool:
@@ -246,17 +274,22 @@ def fused_hadamard_reason(transform: object, dtype: torch.dtype) -> str | None:
                 f"kernel needs a power-of-two part of at least 16")
     if r_pad > MAX_ROWS:
         return f"size {transform.size} needs {r} rows of {d} (the fused kernel takes at most {MAX_ROWS})"
+    if r_pad > FOLD_ABOVE_ROWS and (1 << transform.log2_sylvester) < 2 * d:
+        return (f"size {transform.size} needs {r} rows of {d}: above {FOLD_ABOVE_ROWS} the fused kernel folds a "
+                f"Sylvester level into registers, and {transform.size} = {transform.factor_order}"
+                f"·2^{transform.log2_sylvester} has none past the {d} columns")
     return None
 
 
 @functools.cache
-def _operands(m: int, log2_p: int, transpose: bool, device: torch.device, dtype: torch.dtype):
-    """``(Aᵀ padded to [R_PAD, R_PAD], S_D)`` in ``dtype`` on ``device`` (one copy each)."""
+def _operands(m: int, log2_p: int, transpose: bool, device: torch.device, dtype: torch.dtype, fold: bool = False):
+    """``(Aᵀ padded to [R_PAD, R_PAD], S_D)`` in ``dtype`` on ``device`` (one copy each); with ``fold``, ``A'ᵀ``
+    (``A = A' ⊗ S_2``) padded to ``[R_PAD / 2, R_PAD / 2]``."""
     p = 1 << log2_p
     d = min(p, _DENSE)
-    a = torch.kron(hadamard_factor(m, torch.float64), _sylvester(p // d, torch.float64))
+    a = torch.kron(hadamard_factor(m, torch.float64), _sylvester(p // d // (2 if fold else 1), torch.float64))
     r = a.shape[0]
-    r_pad = max(16, triton.next_power_of_2(r))
+    r_pad = max(16, triton.next_power_of_2(2 * r) // 2 if fold else triton.next_power_of_2(r))
     left = torch.zeros(r_pad, r_pad, dtype=torch.float64)
     # x (A ⊗ S) = Aᵀ X S; transposed: x (A ⊗ S)ᵀ = A X S (Sylvester matrices are symmetric)
     left[:r, :r] = a if transpose else a.T
@@ -357,7 +390,9 @@ def _launch(x: torch.Tensor, transform: OnlineHadamard, q: torch.Tensor, scale: 
     m, n = x.shape[0], transform.size
     chain = chain_mode(x.device, m)
     r, d, r_pad = _view_of(transform)
-    left, syl = _operands(transform.factor_order, transform.log2_sylvester, transform.transpose, x.device, x.dtype)
+    fold = _folded(transform)
+    left, syl = _operands(transform.factor_order, transform.log2_sylvester, transform.transpose, x.device, x.dtype,
+                          fold)
     signs = transform.signs
     if p == 1:
         sync, wait = scale, True  # the kernel does not read it
@@ -370,7 +405,7 @@ def _launch(x: torch.Tensor, transform: OnlineHadamard, q: torch.Tensor, scale: 
         r, x.stride(0), q.stride(0), 1.0 / math.sqrt(n), float(clip_ratio),
         D=d, R_PAD=r_pad, HAS_SIGNS=signs is not None, SIGNS_FIRST=transform.transpose,
         DOT_F32=triton_interpreting(), CHAIN=chain, SPLIT8=split8,
-        GATED=gated, up_offset=n if gated else 0, P=p, SYNC=wait, TRANS=_transposed(r_pad, d, p),
+        GATED=gated, up_offset=n if gated else 0, P=p, SYNC=wait, TRANS=_transposed(r_pad, d, p), FOLD=fold,
         num_warps=num_warps if num_warps is not None else _warps(m, r_pad * d // p), **chain_launch(chain),
     )
 

@@ -49,6 +49,8 @@ def _compare(x, had, clip):
     (1536, True, False),    # 12 · 128 with random signs after the transform
     (14336, False, True),   # 28 · 512, transposed: [112, 128] padded to 128
     (12288, True, True),    # 12 · 1024, signs applied first (transposed)
+    (17408, True, False),   # 68 · 256: [136, 128] padded to 256, the last Sylvester level folded (Qwen3-14B)
+    (25600, False, True),   # 100 · 256: [200, 128] padded to 256, folded (Qwen3-32B)
 ])
 @pytest.mark.parametrize("m", [1, 13])
 def test_fused_kernel_matches_the_unfused_path(n, signs, transpose, m):
@@ -84,6 +86,11 @@ def test_what_the_fused_kernel_does_not_take_is_named():
     assert "float32" in fused_hadamard_reason(OnlineHadamard(4096), torch.float32)
     assert "at least 16" in fused_hadamard_reason(OnlineHadamard(20), torch.bfloat16)  # 20 = 20 · 2^0
     assert "at most 256" in fused_hadamard_reason(OnlineHadamard(40 * 1024), torch.bfloat16)  # 320 rows
+    # above 128 rows a Sylvester level past the 128 columns is folded into registers: 17408 = 68 · 2^8 has one,
+    # 140 · 2^7 (140 rows of 128) has none
+    assert fused_hadamard_reason(OnlineHadamard(17408), torch.bfloat16) is None
+    assert hadamard_quant._folded(OnlineHadamard(17408)) and not hadamard_quant._folded(OnlineHadamard(14336))
+    assert "has none past the 128 columns" in fused_hadamard_reason(OnlineHadamard(140 * 128), torch.bfloat16)
     assert "not an OnlineHadamard" in fused_hadamard_reason(torch.nn.Identity(), torch.bfloat16)
 
 
@@ -139,6 +146,7 @@ def _case(n, m, signs, transpose, gated, dtype, device):
     (1536, True, False, True, "split8", torch.float16),      # [12, 128] padded to 16 rows, signs after
     (14336, True, True, False, "split8", torch.bfloat16),    # [112, 128] padded to 128, signs first
     (1024, False, False, True, "packed", torch.float16),
+    (17408, True, True, True, "split8", torch.bfloat16),     # [136, 128] padded to 256: folded, 2 slices at most
 ])
 def test_each_column_slice_transforms_and_quantizes_like_one_program(n, signs, transpose, gated, layout, dtype):
     # the column slices without the barrier (the interpreter cannot wait): the rows' absmax is given,
@@ -164,6 +172,9 @@ def test_programs_per_token_is_checked():
     with pytest.raises(UserInputError, match=r"programs_per_token=16 is too large.*at most 8.*at least 16 of the 128"):
         hadamard_quantize_triton(random_activations(2, 14336, torch.Generator().manual_seed(7)).to(DEVICE),
                                  OnlineHadamard(14336).to(DEVICE), programs_per_token=16)  # [112, 128] padded to 128
+    with pytest.raises(UserInputError, match=r"programs_per_token=4 is too large.*at most 2.*at least 64 of the 128"):
+        hadamard_quantize_triton(random_activations(2, 17408, torch.Generator().manual_seed(7)).to(DEVICE),
+                                 OnlineHadamard(17408).to(DEVICE), programs_per_token=4)  # folded: no narrow slices
     with pytest.raises(UserInputError, match=r"programs_per_token=6 is not allowed"):
         hadamard_quantize_triton(x, OnlineHadamard(4096).to(DEVICE), programs_per_token=6)
     with pytest.raises(UserInputError, match="num_warps=5 is not allowed"):
@@ -175,7 +186,7 @@ def test_programs_per_token_is_checked():
 
 @needs_gpu
 @pytest.mark.parametrize("n,signs,transpose", [(4096, False, False), (14336, True, True), (576, False, False),
-                                               (1536, True, False)])
+                                               (1536, True, False), (25600, True, False)])
 @pytest.mark.parametrize("layout", ["packed", "split8"])
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
