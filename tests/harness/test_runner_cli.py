@@ -1,6 +1,8 @@
 """Runner and CLI end to end on a tiny random Llama: records, resume, failures, errors, report."""
 
+import gc
 import json
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -126,6 +128,42 @@ def test_failed_cell_recorded_and_interrupt_resumes(tmp_path, tiny_llama_dir, ti
                "--out", str(out2)])
     assert rc == 0 and "2 cells: 1 finished, 1 to run" in capsys.readouterr().out
     assert next(p for p in out2.glob("*fp16*.json")).stat().st_mtime_ns == first
+
+
+_GROUP_MODELS: list = []
+
+
+@dataclass(frozen=True)
+class _PlainConfig(Config):
+    pass
+
+
+def _cyclic(model, config, ctx):
+    model.held_by = [model]  # a reference cycle: freed only by the garbage collector
+    _GROUP_MODELS.append(weakref.ref(model))
+    return model
+
+
+def _probe(model, config, ctx):
+    _GROUP_MODELS.append(all(ref() is None for ref in _GROUP_MODELS if isinstance(ref, weakref.ref)))
+    return model
+
+
+def test_a_groups_model_is_freed_before_the_next_group_builds_its_own(tmp_path, tiny_llama_dir, tiny_corpus):
+    # on a GPU the next group's model needs the memory (a 32B model's BF16 weights are 64 GB); a model in a
+    # reference cycle outlives `del` until the collector runs
+    for name, fn in (("cycle-test", _cyclic), ("probe-test", _probe)):
+        if name not in METHODS._entries:
+            register_method(name, config=_PlainConfig)(fn)
+    _GROUP_MODELS.clear()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        assert _run(tmp_path, tiny_llama_dir, tiny_corpus, "cycle-test,probe-test") == 0
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert _GROUP_MODELS[1] is True, "the first group's model was still alive when the second group quantized"
 
 
 def test_yaml_spec_and_ls(tmp_path, tiny_llama_dir, tiny_corpus, capsys):

@@ -120,3 +120,21 @@ def test_clip_search_picks_the_brute_force_shrink(kwargs):
     agree = (got.scale == best.scale).float().mean().item()
     assert agree > 0.99, agree
     assert (got.q == best.q).float().mean().item() > 0.99
+
+
+def test_replace_linears_lets_each_original_go_once_replaced():
+    # a new module may hold a 16-bit weight of its own; the originals must not all stay alive until the end
+    import weakref
+
+    from mosaicquant.methods.qlinear import replace_linears
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    seen = []
+
+    def make(name, linear):
+        assert all(ref() is None for ref in seen), f"an original before {name} is still alive"
+        seen.append(weakref.ref(linear))
+        return torch.nn.Linear(8, 8)
+
+    assert replace_linears(model, make) == ["0", "1", "2"]
+    assert all(ref() is None for ref in seen)
