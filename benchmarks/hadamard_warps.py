@@ -7,11 +7,16 @@ Times each kernel (CUDA graphs, median) at every M and warp count asked for, che
 against the default (integers and scales bit-equal), and prints a table. Kernels: ``hadamard``
 (the fused Hadamard + quantizer, random signs), ``quant`` (the plain quantizer, packed layout),
 ``split8`` (the plain quantizer, the swapped GEMM's int8 layout). ``--rotate`` cycles the
-input through copies larger than L2 (a prefill layer's input is mostly not in L2).
+input through copies larger than L2 (a prefill layer's input is mostly not in L2). ``--blocks``
+also times the plain quantizers with ``act_quant.MAX_BLOCK_KP`` at each value (pairs a program
+loads at once; a longer row takes two passes, the second reloading it), and ``--ceiling`` a
+BF16 → int8 cast of the same input (``x.to(torch.int8)``: the split8 layout's bytes, no reduction).
 
     PYTHONUNBUFFERED=1 python3 benchmarks/hadamard_warps.py   # decode sizes, as in v12
     PYTHONUNBUFFERED=1 python3 benchmarks/hadamard_warps.py --ms 256,2048,8192 --warps 2,4,8,16 \\
         --kernels hadamard,quant,split8 --rotate --out OUT
+    PYTHONUNBUFFERED=1 python3 benchmarks/hadamard_warps.py --ms 2048,8192 --sizes 4096,14336 --warps 4,8 \
+        --kernels split8 --blocks 1024,2048,8192 --ceiling --rotate --out OUT
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mosaicquant.harness.timing import time_calls  # noqa: E402
+from mosaicquant.kernels import act_quant  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
 from mosaicquant.kernels.hadamard_quant import hadamard_quantize_triton  # noqa: E402
 from mosaicquant.methods.hadamard import OnlineHadamard, random_signs  # noqa: E402
@@ -41,8 +47,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", default="4,8,16")
     ap.add_argument("--kernels", default="hadamard", help="comma-separated: hadamard, quant, split8")
     ap.add_argument("--rotate", action="store_true", help="cycle the input through copies larger than L2")
+    ap.add_argument("--blocks", default="", help="comma-separated MAX_BLOCK_KP values for quant / split8")
+    ap.add_argument("--ceiling", action="store_true", help="also time x.to(torch.int8)")
     ap.add_argument("--out", default=None, help="directory for results.json")
     args = ap.parse_args(argv)
+    default_block = act_quant.MAX_BLOCK_KP
+    blocks = [int(b) for b in args.blocks.split(",") if b]
     device = torch.device("cuda")
     warps_list = [int(w) for w in args.warps.split(",")]
     rows = []
@@ -56,26 +66,35 @@ def main(argv=None) -> int:
         for m in (int(v) for v in args.ms.split(",")):
             copies = max(1, math.ceil(ROTATE_BYTES / (2 * m * n))) if args.rotate else 1
             xs = [torch.randn(m, n, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+            if args.ceiling:
+                t = time_calls([lambda x=x: x.to(torch.int8) for x in xs], min_us=2000.0, replays=15).median_us
+                rows.append(dict(kernel="cast_int8", n=n, m=m, default_us=t, warps={}, ok=True, bytes=3 * m * n))
+                print("cast_int8", n, m, f"{t:.2f}", flush=True)
             for name in args.kernels.split(","):
                 fn = kernels[name]
                 ref = fn(xs[0])
-                times = {}
-                default = time_calls([lambda x=x: fn(x) for x in xs], min_us=2000.0, replays=15).median_us
-                for warps in warps_list:
-                    got = fn(xs[0], warps)
-                    ok = torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-                    t = time_calls([lambda x=x, w=warps: fn(x, w) for x in xs], min_us=2000.0, replays=15).median_us
-                    times[warps] = (t, ok)
-                moved = m * n * 2 + m * (n if name == "split8" else n // 2)
-                rows.append(dict(kernel=name, n=n, m=m, default_us=default, warps={w: t for w, (t, _) in times.items()},
-                                 ok=all(ok for _, ok in times.values()), bytes=moved))
-                print(name, n, m, f"default {default:.2f}",
-                      {w: f"{t:.2f}{'' if ok else ' FAILED'}" for w, (t, ok) in times.items()}, flush=True)
+                for block in ([None] + blocks if name != "hadamard" else [None]):
+                    act_quant.MAX_BLOCK_KP = default_block if block is None else block
+                    times = {}
+                    default = time_calls([lambda x=x: fn(x) for x in xs], min_us=2000.0, replays=15).median_us
+                    for warps in warps_list:
+                        got = fn(xs[0], warps)
+                        ok = torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+                        t = time_calls([lambda x=x, w=warps: fn(x, w) for x in xs], min_us=2000.0, replays=15).median_us
+                        times[warps] = (t, ok)
+                    act_quant.MAX_BLOCK_KP = default_block
+                    moved = m * n * 2 + m * (n if name == "split8" else n // 2)
+                    label = name if block is None else f"{name}_b{block}"
+                    rows.append(dict(kernel=label, n=n, m=m, default_us=default,
+                                     warps={w: t for w, (t, _) in times.items()},
+                                     ok=all(ok for _, ok in times.values()), bytes=moved))
+                    print(label, n, m, f"default {default:.2f}",
+                          {w: f"{t:.2f}{'' if ok else ' FAILED'}" for w, (t, ok) in times.items()}, flush=True)
     head = " | ".join(f"{w} warps µs" for w in warps_list)
     print(f"\n| kernel | n | M | default µs (TB/s) | {head} |")
     print("|---|---|---|---|" + "---|" * len(warps_list))
     for r in rows:
-        cells = " | ".join(f"{r['warps'][w]:.2f}" for w in warps_list)
+        cells = " | ".join(f"{r['warps'][w]:.2f}" if w in r["warps"] else "–" for w in warps_list)
         print(f"| {r['kernel']} | {r['n']} | {r['m']} | {r['default_us']:.2f} ({r['bytes'] / r['default_us'] / 1e6:.2f}) "
               f"| {cells} |")
     failed = [r for r in rows if not r["ok"]]
