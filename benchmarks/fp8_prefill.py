@@ -16,8 +16,10 @@ int8 activations. Its FP8 form here:
 
 Variants (GEMM alone; activations quantized outside the timing; medians of interleaved rounds, µs): ``bf16``
 (``F.linear``), ``int8`` (the swapped GEMM as ``QuantLinear`` runs it at prefill, dense), ``fp8``, ``fp8_acc64``,
-``fp8_kp128`` (128-byte K steps), and the ceilings without unpacking (both operands one byte a value, same tiles): ``plain_int8``, ``plain_fp8``.
+``fp8_kp128`` (128-byte K steps), and the ceilings without unpacking (both operands one byte a value, same
+tiles): ``plain_int8``, ``plain_fp8``.
 Each 4-bit variant is checked against the INT8 kernel's output (exact integer products).
+Measured on the H200: FP8 0.62-0.74x the INT8 kernel's speed (``benchmarks/NOTES.md`` v32).
 
     PYTHONPATH=. python3 benchmarks/fp8_prefill.py [--ms 2048,8192] [--rounds 2] [--out DIR]
 """

@@ -37,15 +37,17 @@ scales are the same (the tests check them bit for bit on the GPU). Narrow slices
 columns) of views of 64 rows or more are multiplied transposed (:func:`_transposed`: as they
 are, they hit a Triton bug).
 
-Views of 256 padded rows (``R > 128``: Qwen3-14B's 17408 = 68 · 2^8, Qwen3-32B's 25600 = 100 · 2^8) fold the
-last Sylvester level of ``A`` into registers: ``A = A' ⊗ S_2`` (``2^k / D ≥ 2``), so ``Aᵀ Y`` is a butterfly of
-``Y``'s row pairs, ``(y_{2i} + y_{2i+1}, y_{2i} - y_{2i+1})``, viewed as ``[R/2, 2D]``, then ``A'ᵀ`` of half the
-size. Unfolded, the ``R_PAD × R_PAD`` operand and the two ``[R_PAD, D]`` parts of ``Y`` asked for 256 KiB of shared
-memory, more than a Hopper SM has (227 KiB): the kernel did not launch on the GPU. Folded views split into at most
-``D / 64`` programs a token (no transposed products).
+Views of more than 128 padded rows (``R_PAD = 256``: Qwen3-14B's 17408 = 68 · 2^8, Qwen3-32B's 25600 =
+100 · 2^8) fold the last Sylvester level of ``A`` into registers: ``A = A' ⊗ S_2`` (``2^k / D ≥ 2``), so
+``Aᵀ Y`` is a butterfly of ``Y``'s row pairs, ``(y_{2i} + y_{2i+1}, y_{2i} - y_{2i+1})``, viewed as
+``[R/2, 2D]``, then ``A'ᵀ`` of half the size. Unfolded, the ``R_PAD × R_PAD`` operand and the two
+``[R_PAD, D]`` parts of ``Y`` asked for 256 KiB of shared memory, more than a Hopper SM has (227 KiB): the
+kernel did not launch on the GPU. Folded views split into at most ``D / 64`` programs a token (no transposed
+products).
 
-Taken: 16-bit inputs (BF16 / FP16), ``D ≥ 16`` (``2^k ≥ 16``) and ``R ≤ 256`` (``n ≤ 32768`` for ``2^k ≥ 128``),
-with a Sylvester level to fold above 128 rows: every hidden and intermediate size of the SPEC models.
+Taken: 16-bit inputs (BF16 / FP16), ``D ≥ 16`` (``2^k ≥ 16``) and ``R ≤ 256`` (``n ≤ 32768`` for
+``2^k ≥ 128``), with a Sylvester level to fold above 128 rows: every hidden and intermediate size of the SPEC
+models.
 :func:`fused_hadamard_reason` says why anything else is not, and callers then run the
 transform and the quantizer separately (the same function, slower).
 """

@@ -140,8 +140,8 @@ def replace_linears(
     The online input transform a linear carries (attribute ``input_transform``) must be
     taken over by the new module; ``make`` receives the original to read it from. Each
     original is let go once replaced, so a model whose new modules hold a 16-bit weight of
-    their own (a fake-quant weight) never holds both copies of every layer: Qwen3-32B's
-    shapes took 64 GB more than that on the GPU when all originals were kept to the end.
+    their own (a fake-quant weight) never holds both copies of every layer: kept to the end,
+    Qwen3-32B-shapes' originals (62 GB in BF16) ran the H200 out of memory.
     """
     chosen = dict(quantizable_linears(model))
     if names is not None:

@@ -169,7 +169,8 @@ def test_wide_dense_layers_keep_wide_tiles_up_to_the_dense_bound(monkeypatch):
     assert [_tiles.wide_decode(m, 24576, cuda, False) for m in (16, 17)] == [True, False]
     assert _tiles.wide_decode(24, 24576, cuda, True)  # ZipperEngine's layers keep WIDE_DECODE_MAX_M's rule
     # Qwen3-14B's and Qwen3-32B's gate/up: more than two wide tiles a SM (a second wave) keep the swapped GEMM
-    assert [_tiles.wide_decode(m, n, cuda, False) for m in (16, 17) for n in (34816, 51200)] == [True, True, False, False]
+    widths = (34816, 51200)
+    assert [_tiles.wide_decode(m, n, cuda, False) for m in (16, 17) for n in widths] == [True, True, False, False]
     assert _tiles.wide_decode(17, 34816, cuda, True)  # (not ZipperEngine's layers)
     monkeypatch.setattr(_tiles, "DENSE_WIDE_MAX_TILES_PER_SM", 3.1)
     assert _tiles.wide_decode(17, 51200, cuda, False)
