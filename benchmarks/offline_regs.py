@@ -50,6 +50,20 @@ class _CompileOnlyDriver:
         return True
 
 
+def compile_only(module, name: str) -> list:
+    """Replace ``module.<name>``, a Triton kernel launched as ``kernel[grid](...)``, by a compile-only ``warmup`` for
+    the active driver's target; returns the list the compiled kernels are appended to."""
+    kernel = getattr(module, name)
+    compiled = []
+
+    class CompileOnly:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: compiled.append(kernel.run(*a, grid=grid, warmup=True, **kw))
+
+    setattr(module, name, CompileOnly())
+    return compiled
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ms", default="8,16,32")
@@ -67,14 +81,7 @@ def main(argv=None) -> int:
     _tiles._sm_count = lambda device: H200_SMS
     zmod = importlib.import_module("mosaicquant.kernels.zipper")
     zmod.check_triton_device = lambda device: None
-    kernel = zmod._zipper_kernel
-    compiled = []
-
-    class CompileOnly:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: compiled.append(kernel.run(*a, grid=grid, warmup=True, **kw))
-
-    zmod._zipper_kernel = CompileOnly()
+    compiled = compile_only(zmod, "_zipper_kernel")
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     gen = torch.Generator().manual_seed(0)
     for name, (n, k) in SHAPES.items():
