@@ -503,12 +503,12 @@ def wide_decode(m: int, n: int, device: torch.device, residual: bool) -> bool:
     """Whether a call of ``m`` tokens on a layer of ``n`` channels (with residual blocks, or ``residual=False``
     dense) runs the packed kernels' wide decode tiles (:data:`WIDE_DECODE_TILES_PER_SM`)."""
     max_m = max(16, WIDE_DECODE_MAX_M if residual else DENSE_WIDE_MAX_M)
-    if device.type != "cuda" or m > max_m or -(-n // 64) < WIDE_DECODE_TILES_PER_SM * _sm_count(device):
+    if device.type != "cuda" or m > max_m:
         return False
-    if residual or m <= 16:
-        return True
     sms = _sm_count(device)
-    return DENSE_WIDE_MIN_TILES_PER_SM * sms <= -(-n // 128) <= DENSE_WIDE_MAX_TILES_PER_SM * sms
+    if -(-n // 64) < WIDE_DECODE_TILES_PER_SM * sms:
+        return False
+    return residual or m <= 16 or DENSE_WIDE_MIN_TILES_PER_SM * sms <= -(-n // 128) <= DENSE_WIDE_MAX_TILES_PER_SM * sms
 
 
 def pick_config(

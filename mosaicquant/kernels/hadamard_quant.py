@@ -248,7 +248,7 @@ def _split_limit(transform: OnlineHadamard) -> tuple[int, str]:
     """The most programs per token the kernel takes for ``transform``, and why: ``tl.dot`` needs slices
     of at least 16 columns (64 on folded views: they do not run the transposed products)."""
     r, d, r_pad = _view_of(transform)
-    least = WGMMA_MIN_COLUMNS if _folded(transform) else 16
+    least = WGMMA_MIN_COLUMNS if r_pad > FOLD_ABOVE_ROWS else 16  # folded views (_folded)
     return max(1, d // least), f"slices of at least {least} of the {d} columns of the [{r}, {d}] view"
 
 
@@ -392,7 +392,7 @@ def _launch(x: torch.Tensor, transform: OnlineHadamard, q: torch.Tensor, scale: 
     m, n = x.shape[0], transform.size
     chain = chain_mode(x.device, m)
     r, d, r_pad = _view_of(transform)
-    fold = _folded(transform)
+    fold = r_pad > FOLD_ABOVE_ROWS  # _folded(transform)
     left, syl = _operands(transform.factor_order, transform.log2_sylvester, transform.transpose, x.device, x.dtype,
                           fold)
     signs = transform.signs
