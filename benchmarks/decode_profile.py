@@ -32,6 +32,13 @@ graph's own schedule, with programmatic dependent launch overlapping neighbours:
     PYTHONUNBUFFERED=1 python3 benchmarks/decode_profile.py --out OUT --methods quarot,mosaicquant \
         --batches 4,32 --runtimes fused --no-profile --timeline
 
+``--prefill LEN`` profiles a prefill of one ``LEN``-token sequence instead of the decode steps (the
+throughput suite's prefill: its graph median, then the same kernels by category), e.g. to see where a
+model's prefill ratio goes:
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/decode_profile.py --out OUT --model qwen3-14b-shapes \
+        --methods fp16,quarot,mosaicquant --runtimes fused --prefill 2048
+
 Methods take their options as on the command line (``--methods quarot:kvbits=16,quarot`` times QuaRot
 with a 16-bit and with its default 4-bit KV cache).
 
@@ -173,6 +180,16 @@ def layer_slots(timeline: list[dict]) -> list[tuple[str, float, float]]:
     return slots
 
 
+def prefill_call(decoder: FusedDecoder, length: int):
+    """A closure running the decoder's prefill of one ``length``-token sequence of random ids (static inputs,
+    as graph capture needs; the last position's logits, as the throughput suite measures it)."""
+    ids = torch.randint(0, decoder.embed.num_embeddings, (1, length), device=decoder.device)
+
+    def call():
+        decoder.prefill(ids)
+    return call
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     """``LABEL:VAR=VALUE[,VAR=VALUE]`` → ``(label, {VAR: VALUE})``."""
     label, sep, rest = text.partition(":")
@@ -237,9 +254,16 @@ def main() -> None:
                     help="LABEL:VAR=VALUE[,VAR=VALUE]: environment for the kernels' launches (repeatable)")
     ap.add_argument("--rounds", type=int, default=1, help="times each variant is timed, interleaved")
     ap.add_argument("--no-profile", action="store_true", help="graph steps only (no profiler pass)")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="profile a prefill of this many tokens (one sequence) instead of the decode steps")
     ap.add_argument("--timeline", action="store_true",
                     help="also profile graph replays: each kernel's duration and increment of the step's end")
     args = ap.parse_args()
+    if args.prefill < 0:
+        raise SystemExit(f"--prefill {args.prefill}: expected a token count >= 1 (0: decode steps)")
+    fused = ("fused", "fused_nq", "fused_sh", "fused_nsh")
+    if args.prefill and any(r not in fused for r in args.runtimes.split(",")):
+        raise SystemExit(f"--prefill runs on the fused decoder's runtimes only, not {args.runtimes!r}")
     variants = [parse_variant(v) for v in args.variant] or [("", {})]
     device = torch.device("cuda")
     os.makedirs(args.out, exist_ok=True)
@@ -258,13 +282,14 @@ def main() -> None:
         for runtime in args.runtimes.split(","):
             if runtime in ("fused_nq", "fused_sh", "fused_nsh") and spec.name == "fp16":
                 continue  # nothing to quantize
-            for b in (int(x) for x in args.batches.split(",")):
+            for b in ([args.prefill] if args.prefill else [int(x) for x in args.batches.split(",")]):
                 steps, times = {}, defaultdict(list)
                 for _ in range(max(1, args.rounds)):
                     for label, env in variants:
                         with _Env(env), torch.no_grad():
                             if label not in steps:
-                                steps[label] = (fused_decode_step(decoders[runtime], b, args.context)
+                                steps[label] = (prefill_call(decoders[runtime], b) if args.prefill else
+                                                fused_decode_step(decoders[runtime], b, args.context)
                                                 if runtime in decoders else decode_step(model, b, args.context, device))
                             times[label].append(time_calls([steps[label]], min_us=50_000.0, replays=11).median_us)
                 for label, env in variants:
@@ -278,8 +303,9 @@ def main() -> None:
                         by_cat[category(kname)] += us
                     total = sum(kernels.values())
                     rows.append((method, name, b, graph_us, total, len(kernels), dict(by_cat)))
-                    records.append({"method": method, "runtime": name, "variant_env": env, "batch": b,
-                                    "context": args.context, "graph_step_us": graph_us,
+                    records.append({"method": method, "runtime": name, "variant_env": env,
+                                    **({"prefill_tokens": b} if args.prefill else {"batch": b, "context": args.context}),
+                                    "graph_step_us": graph_us,
                                     "graph_step_us_rounds": times[label], "kernel_sum_us": total,
                                     "categories_us": dict(by_cat),
                                     "kernels": [{"name": n, "category": category(n), "us_per_step": us}
@@ -294,17 +320,20 @@ def main() -> None:
                         print("  one layer (medians over layers): kernel | duration us | increment us")
                         for kname, dur, inc in layer_slots(timeline):
                             print(f"  {kname[:60]} | {dur:.2f} | {inc:.2f}")
-                    print(f"{method} {name} b{b}: graph {graph_us:.0f} us "
+                    print(f"{method} {name} {'prefill ' if args.prefill else 'b'}{b}: graph {graph_us:.0f} us "
                           f"(rounds {', '.join(f'{t:.0f}' for t in times[label])}), kernels {total:.0f} us", flush=True)
                 del steps
         del model, decoders
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "decode_profile.json"), "w") as f:
-        json.dump({"model": args.model, "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+        json.dump({"model": args.model, "mode": f"prefill {args.prefill}" if args.prefill else "decode",
+                   "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
                    "rows": records}, f, indent=1)
     cats = [c for c, _ in CATEGORIES] + ["other"]
-    print(f"\n{args.model}, context {args.context}: µs per decode step (graph median; kernel sums from the profiler)")
-    print("| method | runtime | B | graph | kernels | " + " | ".join(cats) + " |")
+    what = (f"µs per prefill of {args.prefill} tokens" if args.prefill
+            else f"context {args.context}: µs per decode step")
+    print(f"\n{args.model}, {what} (graph median; kernel sums from the profiler)")
+    print(f"| method | runtime | {'tokens' if args.prefill else 'B'} | graph | kernels | " + " | ".join(cats) + " |")
     print("|---" * (5 + len(cats)) + "|")
     for method, runtime, b, graph_us, total, _, by_cat in rows:
         print(f"| {method} | {runtime} | {b} | {graph_us:.0f} | {total:.0f} | "

@@ -93,6 +93,11 @@ from mosaicquant.methods.format import ResidualBlocks, residual_shifts  # noqa: 
 MODELS = {
     "llama3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "qwen3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)},
+    # the other SPEC §4 shapes (--models): q/k/v rows are (q heads + 2 kv heads) x 128
+    "qwen3-14b": {"qkv": (7168, 5120), "o": (5120, 5120), "gate_up": (34816, 5120), "down": (5120, 17408)},
+    "qwen3-32b": {"qkv": (10240, 5120), "o": (5120, 8192), "gate_up": (51200, 5120), "down": (5120, 25600)},
+    "llama3.2-3b": {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072), "down": (3072, 8192)},
+    "qwen3-4b": {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)},
 }
 DEFAULT_MS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 2048, 8192)
 BLOCK = (128, 128)

@@ -97,6 +97,9 @@ FUSED_ROPE_ATTENTION = True
 # increment was 12.0 us against 5.4 for the GEMM and 3.1 for the norm kernel: the row after the last tile
 # costs more than the launch boundary it removes (benchmarks/NOTES.md v23).
 NORM_FOLD_MAX_M = 0
+# Prefill attention of grouped-query models: torch's SDPA reads each KV head for its group of query heads
+# (enable_gqa) instead of the keys and values copied once per query head (repeat_interleave).
+PREFILL_SDPA_GQA = False
 
 _STANDARD_ATTENTION = (None, "sdpa", "eager", "flash_attention_2", "flash_attention_3")
 _KV_SPEC_ATTR = "kv_quant_spec"  # mosaicquant.methods.kvcache's per-attention-module spec
@@ -713,6 +716,9 @@ class FusedDecoder:
         def attend(q, kc, vc, scale):
             qh = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
             kh, vh = kc[:, :, :s], vc[:, :, :s]
+            if group > 1 and PREFILL_SDPA_GQA:
+                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+                return o.transpose(1, 2).reshape(b * s, self.heads * self.head_dim)
             if group > 1:
                 kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)

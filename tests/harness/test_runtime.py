@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from mosaicquant.harness import shapes
+from mosaicquant.harness import runtime, shapes
 from mosaicquant.harness.context import QuantContext
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.harness.registry import get_method
@@ -70,7 +70,9 @@ def _eager_reference(model, prompt, steps):
 
 @pytest.mark.parametrize("name", [TINY.name, TINY_QWEN.name])
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
-def test_fused_decoder_matches_the_eager_decoder(tiny, name, kernel):
+@pytest.mark.parametrize("sdpa_gqa", [False, True])
+def test_fused_decoder_matches_the_eager_decoder(tiny, name, kernel, sdpa_gqa, monkeypatch):
+    monkeypatch.setattr(runtime, "PREFILL_SDPA_GQA", sdpa_gqa)  # both prefill attentions of grouped heads
     model = _model(name)
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 256, (3, 11), generator=g).to(DEVICE)
