@@ -6,7 +6,9 @@ prefill sizes thousands of programs share the SMs, and the warps set how many ru
 Times each kernel (CUDA graphs, median) at every M and warp count asked for, checks each
 against the default (integers and scales bit-equal), and prints a table. Kernels: ``hadamard``
 (the fused Hadamard + quantizer, random signs), ``quant`` (the plain quantizer, packed layout),
-``split8`` (the plain quantizer, the swapped GEMM's int8 layout). ``--rotate`` cycles the
+``split8`` (the plain quantizer, the swapped GEMM's int8 layout), ``hadamard8`` (the fused Hadamard + quantizer in
+that layout, what prefill runs), ``unfused8`` (the transform in PyTorch, then the split8 quantizer: what a caller
+runs where the fused kernel refuses a size; timed at its default only). ``--rotate`` cycles the
 input through copies larger than L2 (a prefill layer's input is mostly not in L2). ``--blocks``
 also times the plain quantizers with ``act_quant.MAX_BLOCK_KP`` at each value (pairs a program
 loads at once; a longer row takes two passes, the second reloading it), and ``--ceiling`` a
@@ -62,6 +64,8 @@ def main(argv=None) -> int:
             "hadamard": lambda x, w=None: hadamard_quantize_triton(x, had, num_warps=w),
             "quant": lambda x, w=None: quantize_activations_triton(x, num_warps=w),
             "split8": lambda x, w=None: quantize_activations_triton(x, layout="split8", num_warps=w),
+            "hadamard8": lambda x, w=None: hadamard_quantize_triton(x, had, num_warps=w, layout="split8"),
+            "unfused8": lambda x, w=None: quantize_activations_triton(had(x), layout="split8", num_warps=w),
         }
         for m in (int(v) for v in args.ms.split(",")):
             copies = max(1, math.ceil(ROTATE_BYTES / (2 * m * n))) if args.rotate else 1
@@ -73,17 +77,17 @@ def main(argv=None) -> int:
             for name in args.kernels.split(","):
                 fn = kernels[name]
                 ref = fn(xs[0])
-                for block in ([None] + blocks if name != "hadamard" else [None]):
+                for block in ([None] + blocks if name in ("quant", "split8") else [None]):
                     act_quant.MAX_BLOCK_KP = default_block if block is None else block
                     times = {}
                     default = time_calls([lambda x=x: fn(x) for x in xs], min_us=2000.0, replays=15).median_us
-                    for warps in warps_list:
+                    for warps in (warps_list if name != "unfused8" else []):
                         got = fn(xs[0], warps)
                         ok = torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
                         t = time_calls([lambda x=x, w=warps: fn(x, w) for x in xs], min_us=2000.0, replays=15).median_us
                         times[warps] = (t, ok)
                     act_quant.MAX_BLOCK_KP = default_block
-                    moved = m * n * 2 + m * (n if name == "split8" else n // 2)
+                    moved = m * n * 2 + m * (n if name.endswith("8") else n // 2)
                     label = name if block is None else f"{name}_b{block}"
                     rows.append(dict(kernel=label, n=n, m=m, default_us=default,
                                      warps={w: t for w, (t, _) in times.items()},

@@ -211,8 +211,9 @@ def _hadamard_quant_kernel(
         tl.store(q_ptr + row * stride_qm + rows[:, None] * (D // 2) + half[None, :], packed, mask=rows[:, None] < R)
 
 
-def _warps(m: int, padded: int) -> int:
-    """Warps per program for ``m`` tokens of ``padded`` values a program (its slice of the padded ``[R, D]`` view).
+def _warps(m: int, padded: int, folded: bool = False) -> int:
+    """Warps per program for ``m`` tokens of ``padded`` values a program (its slice of the padded ``[R, D]`` view);
+    ``folded``: the view folds a Sylvester level (:func:`_folded`).
 
     At decode sizes (``m <= 32``) one program per token is all the kernel has, and more warps
     shorten it: on the H200, 4096 values took 4.5 µs with 8 warps against 4.8 with 4, and
@@ -224,10 +225,17 @@ def _warps(m: int, padded: int) -> int:
     Split programs follow the same rule by their slice: 4096 values split 8 ways (512 a program) took
     3.6-4.3 µs with 4 warps against 4.4-4.6 with 8, and 14336 split 2 ways (8192 padded) 10.5-11.2 with
     8 against 12.1-12.6 with 4 (``benchmarks/quant_split.py``).
+
+    Folded views keep 8 warps from 256 tokens too. Their programs hold a [256, 128] row and need ~160 KiB of
+    shared memory, one program an SM: on 4 warps the 17408-wide rows of 2048 tokens took 887 µs (split8 layout;
+    8 warps 248, 16 warps 532), the 25600-wide 988 (8 warps 264, 16 warps 551). At 1-32 tokens 8 warps ran the
+    kernel alone in 9.5-10.6 µs against 11.2-12.5 on the rule's 16, but QuaRot's Qwen3-14B decode step was
+    slower with them (4,506 against 4,359 µs at batch 4, 5,578 against 5,327 at 32), so decode keeps the rule
+    (``benchmarks/hadamard_warps.py``, ``benchmarks/decode_profile.py``; ``benchmarks/NOTES.md`` v33).
     """
     if m <= 32 and padded >= 4096:
         return 8 if padded <= 8192 else 16
-    return 4 if padded <= 4096 or m >= 256 else 8
+    return 4 if padded <= 4096 or (m >= 256 and not folded) else 8
 
 
 def _view_of(transform: OnlineHadamard) -> tuple[int, int, int]:
@@ -408,7 +416,7 @@ def _launch(x: torch.Tensor, transform: OnlineHadamard, q: torch.Tensor, scale: 
         D=d, R_PAD=r_pad, HAS_SIGNS=signs is not None, SIGNS_FIRST=transform.transpose,
         DOT_F32=triton_interpreting(), CHAIN=chain, SPLIT8=split8,
         GATED=gated, up_offset=n if gated else 0, P=p, SYNC=wait, TRANS=_transposed(r_pad, d, p), FOLD=fold,
-        num_warps=num_warps if num_warps is not None else _warps(m, r_pad * d // p), **chain_launch(chain),
+        num_warps=num_warps if num_warps is not None else _warps(m, r_pad * d // p, fold), **chain_launch(chain),
     )
 
 

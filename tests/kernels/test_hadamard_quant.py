@@ -213,3 +213,6 @@ def test_default_warps_follow_the_measured_rule():
     assert [_warps(4, p) for p in (4096, 8192, 16384)] == [8, 8, 16]  # decode: one program a token
     assert [_warps(64, p) for p in (4096, 16384)] == [4, 8]
     assert [_warps(256, p) for p in (4096, 16384)] == [4, 4]  # from 256 tokens 4 warps on long rows too
+    # folded views (17408, 25600: R_PAD 256) keep 8 warps from 256 tokens; at decode sizes the rule above
+    assert [_warps(m, 32768, folded=True) for m in (256, 2048, 8192)] == [8, 8, 8]
+    assert [_warps(m, 16384, folded=True) for m in (4, 32, 64)] == [16, 16, 8]
