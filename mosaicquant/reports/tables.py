@@ -27,7 +27,7 @@ SUMMARY_METRICS = {
     "throughput": ["prefill_tok_s", "decode_tok_s/*"],
     "latency": ["step_ms/*"],
     "memory": ["total_quantized_linears", "linear_weight_ratio_vs_bf16", "residual_overhead_vs_base",
-               "peak_device_bytes"],
+               "residual_overhead_vs_model", "peak_device_bytes"],
     "analysis": ["recovered/hessian/0.1", "recovered/delta/0.1", "recovered/frobenius/0.1", "recovered/random/0.1",
                  "recovered/exact-greedy/0.1", "recovered/channel-in/0.1", "recovered/channel-out/0.1",
                  "recovered_global/hessian/0.1"],

@@ -279,6 +279,13 @@ def test_sweep_on_a_shape_model_records_memory_and_unavailable_methods(tiny_shap
     assert recs["fp16"]["status"] == "ok" and recs["mosaicquant:block=16x32"]["status"] == "ok"
     mem = recs["mosaicquant:block=16x32"]["metrics"]
     assert 0.25 < mem["linear_weight_ratio_vs_bf16"]["value"] < 0.45
+    # the residual's overhead over the base linears and over the whole model without it (16-bit rest included)
+    residual = sum(mem[k]["value"] for k in ("residual_values", "residual_scales", "residual_indices"))
+    base = mem["base_values"]["value"] + mem["base_scales"]["value"]
+    assert residual > 0 and mem["residual_overhead_vs_base"]["value"] == pytest.approx(residual / base)
+    assert mem["other_params_bf16"]["value"] > 0
+    assert mem["residual_overhead_vs_model"]["value"] == pytest.approx(
+        residual / (base + mem["other_params_bf16"]["value"]))
     assert recs["mosaicquant:block=16x32"]["method_info"]["weights"] == "random (speed only)"
     assert recs["atom"]["status"] == "ok" and recs["atom"]["method_info"]["weights"] == "random (speed only)"
     assert recs["resq"]["status"] == "unavailable" and "no speed form" in recs["resq"]["error"]["message"]
