@@ -378,6 +378,58 @@ def swapped_prefill(m: int, n: int, device: torch.device, residual: bool, min_m:
     return -(-n // 128) * -(-m // 128) >= min_tiles_per_sm * _sm_count(device)
 
 
+# The swapped prefill GEMM's last wave split over K ("remainder split", swapped_rem_split). Its 128 x 128 tiles run
+# two programs an SM (8 warps, 116 registers a thread, 64 KiB of shared memory; offline sm_90 compile), 264 at once on
+# the H200. Where the tiles are a few whole waves and a short last one, the last wave's tiles run split over K, up to
+# this many programs a tile (1: never), so that wave takes a fraction of the time. Why: Qwen3-14B's o / down
+# (640 tiles at 2048 tokens: 2.42 waves) and q/k/v (896: 3.39) ran 1.16 / 1.16 / 1.25x BF16 against Llama-3-8B's
+# 1.36 / 1.39 / 1.47x (512 and 768 tiles: 1.94 and 2.91 waves), gate/up level (16.5 and 13.6 waves)
+# (benchmarks/NOTES.md v33). Off until measured on the GPU.
+SWAP_REM_SPLIT_MAX = 1
+# ... where the last wave fills less than this share of the programs that run at once
+SWAP_REM_SPLIT_MAX_FILL = 0.75
+# ... and each split keeps at least this many K steps
+SWAP_REM_SPLIT_MIN_STEPS = 8
+# programs of the prefill tiles an SM runs at once (see above)
+SWAP_PREFILL_PROGRAMS_PER_SM = 2
+# A register cap for launches that split their last wave (0: none): both kinds of tile are in one kernel, whose
+# registers are the larger kind's.
+SWAP_REM_MAXNREG = 128
+
+
+def swapped_rem_split(tiles: int, k_steps: int, device: torch.device, most: int | None = None) -> int:
+    """Programs a tile for the last wave of a swapped prefill GEMM of ``tiles`` output tiles and ``k_steps`` K steps
+    (1: no split; see :data:`SWAP_REM_SPLIT_MAX`).
+
+    With ``S`` programs at once (:data:`SWAP_PREFILL_PROGRAMS_PER_SM` an SM), ``W = tiles // S`` whole waves and
+    ``r = tiles - W·S`` tiles left: where ``W >= 1`` and ``r / S`` is below :data:`SWAP_REM_SPLIT_MAX_FILL`, the
+    largest power of two ``F <= most`` (default :data:`SWAP_REM_SPLIT_MAX`) with ``r·F <= S`` and ``k_steps / F`` at
+    least :data:`SWAP_REM_SPLIT_MIN_STEPS`.
+
+    Example: 640 tiles (Qwen3-14B's o_proj at 2048 tokens) over 264 programs are 2 waves and 112 tiles; split 2 ways
+    those 112 run as 224 programs, each half as long.
+    """
+    most = SWAP_REM_SPLIT_MAX if most is None else most
+    slots = SWAP_PREFILL_PROGRAMS_PER_SM * _sm_count(device)
+    waves, rest = divmod(tiles, slots)
+    if most < 2 or waves < 1 or rest == 0 or rest >= SWAP_REM_SPLIT_MAX_FILL * slots:
+        return 1
+    f = 1
+    while 2 * f <= most and rest * 2 * f <= slots and k_steps // (2 * f) >= SWAP_REM_SPLIT_MIN_STEPS:
+        f *= 2
+    return f
+
+
+def swapped_rem_plan(tiles: int, k_steps: int, device: torch.device, rem_split: int | None = None) -> tuple[int, int]:
+    """``(F, r)``: the last ``r`` of an unsplit swapped launch's ``tiles`` run split over K, ``F`` programs a tile
+    (``(1, 0)``: none). ``r`` is the tiles past the last whole wave (none below one wave); ``F`` is ``rem_split``,
+    or :func:`swapped_rem_split`'s where it is ``None``."""
+    f = swapped_rem_split(tiles, k_steps, device) if rem_split is None else rem_split
+    slots = SWAP_PREFILL_PROGRAMS_PER_SM * _sm_count(device)
+    r = tiles % slots if tiles >= slots else 0
+    return (f, r) if f > 1 and r else (1, 0)
+
+
 def swapped_decode_config(m: int, n: int, kp: int, device: torch.device) -> dict:
     """Tiles (keyword arguments of ``w4a4_gemm_swapped_triton``) for a decode-sized swapped GEMM.
 

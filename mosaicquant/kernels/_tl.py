@@ -399,6 +399,35 @@ def store_output(
 
 
 @triton.jit
+def store_split_tile(
+    out_ptr, part_ptr, lock_ptr, slot, pid_k, acc, bias_ptr, offs_m, offs_n, M, N, stride_om,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, SLOT: tl.constexpr,
+):
+    """:func:`store_output` of one K split of a ``[BN, BM]`` tile of ``Cᵀ`` (``TRANS``), its partial kept in a
+    buffer of its own: ``part[slot, pid_k]`` (``float32 [slots, SPLIT_K, SLOT]``, ``SLOT >= BN · BM`` values a
+    partial, so tiles of fewer tokens share the layout) and counter ``lock[slot]``.
+
+    For launches that split only some tiles (the swapped GEMM's last wave): the partials take
+    ``slots · SPLIT_K`` tiles of memory, not ``SPLIT_K`` copies of the output. The split that arrives last adds
+    the partials in split order, adds the bias and writes BF16; it resets the counter.
+    """
+    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    local = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
+    base = part_ptr + slot.to(tl.int64) * (SPLIT_K * SLOT)
+    tl.store(base + pid_k * SLOT + local, acc, cache_modifier=".cg")
+    arrived = tl.atomic_add(lock_ptr + slot, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        total = tl.load(base + local, cache_modifier=".cg")
+        for s in range(1, SPLIT_K):
+            total += tl.load(base + s * SLOT + local, cache_modifier=".cg")
+        if HAS_BIAS:
+            total = total + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)[:, None]
+        out_offs = offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+        tl.store(out_ptr + out_offs, total.to(tl.bfloat16), mask=mask)
+        tl.atomic_xchg(lock_ptr + slot, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def dense_split_k(a_ptr, w_ptr, safe_m, safe_n, stride_am, stride_wn, KP, PF_ROW_BYTES, pid_k,
                   BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr,
                   EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr,

@@ -77,6 +77,7 @@ from mosaicquant.kernels._tl import (
     in_range,
     store_counted_gated,
     store_output,
+    store_split_tile,
     tile_coords,
     tile_indices,
     to_e4m3,
@@ -194,12 +195,12 @@ def _residual_mac(y, a_even, a_odd, r, r_scale, BN: tl.constexpr, BM: tl.constex
 def _w4a4_swapped_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
-    M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL,
+    M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, N_DIRECT,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, RES_MODE: tl.constexpr,
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
     BKP: tl.constexpr = 64, SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, X16: tl.constexpr = False,
-    E4M3_ASM: tl.constexpr = False, TAIL_BM: tl.constexpr = 0,
+    E4M3_ASM: tl.constexpr = False, TAIL_BM: tl.constexpr = 0, REM_SPLIT: tl.constexpr = 1,
 ):
     # Cᵀ = W Aᵀ: weight rows are the dot's first operand (unpacked in registers, where the
     # tensor-core instruction can read them), the "split8" activations its second (int8 tiles
@@ -209,42 +210,83 @@ def _w4a4_swapped_kernel(
     # TAIL_BM > 0: the tokens are N_FULL tiles of BM and a last tile of TAIL_BM (ragged M just above a
     # multiple of BM); in grouped order a weight tile's narrow last tile follows its full ones. A tile's token count
     # is a compile-time constant of the code that runs it, hence a call of _swapped_tile per tile size.
+    # REM_SPLIT > 1: the first N_DIRECT tiles run whole, one program each; the rest (the grid's last, partial wave)
+    # run split over K, REM_SPLIT programs a tile, their partials in a buffer of their own (part_ptr, one
+    # [REM_SPLIT, BN, BM] block a split tile) and counters from lock_ptr's slot 0 (_tiles.swapped_rem_split).
     pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    if REM_SPLIT > 1:
+        if pid < N_DIRECT:
+            _swapped_dispatch(
+                pid, 0, 0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+                row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+                M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
+                TAIL_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, 1, PDL, X16, E4M3_ASM, TAIL_BM, False)
+        else:
+            q = pid - N_DIRECT
+            _swapped_dispatch(
+                N_DIRECT + q // REM_SPLIT, q % REM_SPLIT, q // REM_SPLIT, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr,
+                bias_ptr, out_ptr, part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
+                res_shift_ptr, M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE,
+                BN_RES, BKP_RES, TAIL_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, REM_SPLIT, PDL, X16, E4M3_ASM, TAIL_BM,
+                True)
+    else:
+        _swapped_dispatch(
+            pid, tl.program_id(1), 0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+            row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+            M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
+            TAIL_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, TAIL_BM, False)
+
+
+@triton.jit
+def _swapped_dispatch(
+    pid, pid_k, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+    M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, RES_MODE: tl.constexpr,
+    BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr,
+    BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
+    BKP: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, X16: tl.constexpr,
+    E4M3_ASM: tl.constexpr, TAIL_BM: tl.constexpr, COMPACT: tl.constexpr,
+):
+    """Tile ``pid`` (grouped order), split ``pid_k`` of ``SPLIT_K``: its coordinates, then :func:`_swapped_tile`
+    (``COMPACT``: its partial in slot ``slot`` of a buffer of split tiles, :func:`store_split_tile`)."""
     if TAIL_BM > 0:
-        pid_n, slot = tile_coords(pid, N, N_FULL + 1, BN, 1, GROUP_N)
-        if slot < N_FULL:
+        pid_n, tile_slot = tile_coords(pid, N, N_FULL + 1, BN, 1, GROUP_N)
+        if tile_slot < N_FULL:
             _swapped_tile(
-                pid, pid_k, pid_n, slot * BM, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
-                lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+                pid, pid_k, pid_n, tile_slot * BM, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+                part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
                 M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-                TAIL_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM)
+                TAIL_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM)
         else:
             _swapped_tile(
-                pid, pid_k, pid_n, N_FULL * BM, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
-                lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+                pid, pid_k, pid_n, N_FULL * BM, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+                part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
                 M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-                TAIL_STAGES, BN, TAIL_BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM)
+                TAIL_STAGES, BN, TAIL_BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM)
     else:
         pid_n, pid_m = tile_coords(pid, N, M, BN, BM, GROUP_N)
         _swapped_tile(
-            pid, pid_k, pid_n, pid_m * BM, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
-            lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+            pid, pid_k, pid_n, pid_m * BM, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+            part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
             M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-            TAIL_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM)
+            TAIL_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM)
 
 
 @triton.jit
 def _swapped_tile(
-    pid, pid_k, pid_n, m0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    pid, pid_k, pid_n, m0, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
     M, N, KP, KS, stride_am, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, RES_MODE: tl.constexpr,
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, USE_ASM: tl.constexpr,
     BKP: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, X16: tl.constexpr, E4M3_ASM: tl.constexpr,
+    COMPACT: tl.constexpr = False, SLOT_BM: tl.constexpr = 0,
 ):
-    """One program's ``[BN, BM]`` tile of the swapped GEMM: weight rows from ``pid_n * BN``, tokens from ``m0``."""
+    """One program's ``[BN, BM]`` tile of the swapped GEMM: weight rows from ``pid_n * BN``, tokens from ``m0``
+    (``COMPACT``: a split's partial goes to slot ``slot`` of a buffer of split tiles of ``[BN, SLOT_BM]``,
+    :func:`store_split_tile`)."""
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = m0 + tl.arange(0, BM)
     safe_n = in_range(offs_n, N)
@@ -332,10 +374,14 @@ def _swapped_tile(
                 y = y * r_scale[:, None]
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     y = y * a_scale[None, :]
-    store_output(
-        out_ptr, part_ptr, lock_ptr, pid, pid_k, y, bias_ptr, offs_m, offs_n, M, N, stride_om,
-        HAS_BIAS=HAS_BIAS, SPLIT_K=SPLIT_K, OUT_FP32=False, TRANS=True,
-    )
+    if COMPACT:
+        store_split_tile(out_ptr, part_ptr, lock_ptr, slot, pid_k, y, bias_ptr, offs_m, offs_n, M, N, stride_om,
+                         HAS_BIAS=HAS_BIAS, SPLIT_K=SPLIT_K, BN=BN, BM=BM, SLOT=BN * SLOT_BM)
+    else:
+        store_output(
+            out_ptr, part_ptr, lock_ptr, pid, pid_k, y, bias_ptr, offs_m, offs_n, M, N, stride_om,
+            HAS_BIAS=HAS_BIAS, SPLIT_K=SPLIT_K, OUT_FP32=False, TRANS=True,
+        )
 
 
 def check_gemm_args(
@@ -536,6 +582,7 @@ def w4a4_gemm_swapped_triton(
     pdl: bool = False,
     x16: bool = True,
     e4m3_asm: bool = True,
+    rem_split: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense W4A4 GEMM with the operands swapped (``Cᵀ = W Aᵀ``), for prefill-sized M.
@@ -585,6 +632,11 @@ def w4a4_gemm_swapped_triton(
         e4m3_asm: the fp8 walk converts the residual nibbles and the activation tiles to e4m3
             with inline PTX (:func:`mosaicquant.kernels._tl.to_e4m3`, about half the compiler's
             instructions) instead of Triton's element-wise casts; the same values, exactly.
+        rem_split: with ``split_k == 1``, programs a tile for the tiles past the last whole wave
+            (``tiles mod S``, ``S`` = :data:`~mosaicquant.kernels._tiles.SWAP_PREFILL_PROGRAMS_PER_SM` programs an
+            SM; none where the tiles are fewer than ``S``): those tiles are split over K, their partials in a
+            buffer of their own. A power of two up to 16; ``None``: :func:`~mosaicquant.kernels._tiles.
+            swapped_rem_split`. The same result up to float summation order (as ``split_k``).
         out: optional preallocated contiguous ``bfloat16 [M, N]`` output.
 
     Returns:
@@ -613,6 +665,12 @@ def w4a4_gemm_swapped_triton(
         raise UserInputError(f"block_kp={block_kp!r} must be 64, 128 or 256 (whole split8 blocks of 128 values)")
     if not isinstance(split_k, int) or not 1 <= split_k <= 64:
         raise UserInputError(f"split_k={split_k!r} must be an int in [1, 64]")
+    if rem_split is not None and (isinstance(rem_split, bool) or not isinstance(rem_split, int)
+                                  or rem_split not in (1, 2, 4, 8, 16)):
+        raise UserInputError(f"rem_split={rem_split!r} must be None or a power of two from 1 to 16")
+    if rem_split is not None and rem_split > 1 and split_k > 1:
+        raise UserInputError(f"rem_split={rem_split} splits the last wave of an unsplit launch; split_k={split_k} "
+                             f"splits every tile: choose one")
     if tail_stages is not None and (not isinstance(tail_stages, int) or not 1 <= tail_stages <= 8):
         raise UserInputError(f"tail_stages={tail_stages!r} must be None or an int in [1, 8]")
     if residual_walk not in RESIDUAL_WALKS:
@@ -652,6 +710,14 @@ def w4a4_gemm_swapped_triton(
         split_k = 1  # the same result: the partial buffer and counters cover this size only unsplit
     grid = (tiles, split_k)
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=out.device) if split_k > 1 else out
+    # the rule (rem_split None) is for the prefill tiles, whose programs an SM it assumes
+    prefill_tiles = block_n == 128 and block_m == 128 and num_warps == 8
+    rem, n_split = (1, 0) if split_k > 1 or (rem_split is None and not prefill_tiles) else _tiles.swapped_rem_plan(
+        tiles, triton.cdiv(kp, block_kp), a_split.device, rem_split)
+    n_direct = tiles - n_split
+    if rem > 1:
+        grid = (n_direct + n_split * rem, 1)
+        part = torch.empty(n_split, rem, block_n, block_m, dtype=torch.float32, device=out.device)
     pdl = use_pdl(a_split.device, pdl)
     # Triton's interpreter has no FP8 dot: there the fp8 walk runs the int8 one
     if residual is None:
@@ -668,6 +734,8 @@ def w4a4_gemm_swapped_triton(
             launch = {"maxnreg": SHARED_TAIL_MAX_REGS}
         if tail_stages is None:
             tail_stages = SHARED_TAIL_STAGES
+    if rem > 1 and "maxnreg" not in launch and _tiles.SWAP_REM_MAXNREG:
+        launch = {"maxnreg": _tiles.SWAP_REM_MAXNREG}
     res = (residual.row_ptr, residual.coords, residual.values.view(torch.int8), residual.scales,
            residual_shifts if res_mode == 3 else residual.scales) if residual is not None else (a_scale,) * 5
     _w4a4_swapped_kernel[grid](
@@ -675,11 +743,12 @@ def w4a4_gemm_swapped_triton(
         part, lock_buffer(out.device),
         *res, m, n, kp, a_split.shape[1], a_split.stride(0), qweight.stride(0), out.stride(0),
         n_full if tail_bm else 0,  # (a constant where unused: no kernel specialised per M)
+        n_direct,
         HAS_BIAS=bias is not None, EVEN_K=kp % block_kp == 0, RES_MODE=res_mode, TAIL_STAGES=tail_stages,
         BN_RES=bn_res, BKP_RES=bk_res // 2, BN=block_n, BM=block_m, GROUP_N=8,
         USE_ASM=not triton_interpreting(), BKP=block_kp, SPLIT_K=split_k, PDL=gemm_pdl(a_split.device, m, pdl),
         X16=bool(x16),
-        E4M3_ASM=bool(e4m3_asm), TAIL_BM=tail_bm,
+        E4M3_ASM=bool(e4m3_asm), TAIL_BM=tail_bm, REM_SPLIT=rem,
         num_warps=num_warps, num_stages=num_stages, **launch, **pdl_launch(pdl),
     )
     return out

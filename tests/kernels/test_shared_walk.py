@@ -24,6 +24,7 @@ from ._helpers import (
     random_activations,
     random_layer,
     random_residual,
+    swapped_dense_case,
 )
 
 
@@ -147,3 +148,46 @@ def test_quant_linear_runs_pow2_residual_layers_on_the_shared_walk(monkeypatch):
     swapped = layer(x)
     assert calls and calls[0]["residual_walk"] == "shared"
     assert_close_bf16(swapped, packed_route.float(), "QuantLinear, shared walk at decode tiles vs packed route")
+
+
+@needs_triton()
+@pytest.mark.parametrize("m,n,k,opts,rem", [
+    # 130 rows in 64-row tiles x 67 tokens in 16-token tiles: 15 tiles, 8 programs at once on the
+    # interpreter's 4 "SMs": 8 tiles whole, the last 7 split 2 ways (K = 1000: ragged last step)
+    (67, 130, 1000, dict(block_n=64, block_m=16, block_kp=64, num_warps=4), 2),
+    # 32-token tiles and a 16-token last tile (TAIL_BM): 9 tiles, the last one (a narrow one) split 4 ways
+    (67, 130, 1024, dict(block_n=64, block_m=32, block_m_tail=16, block_kp=64, num_warps=4), 4),
+])
+@pytest.mark.parametrize("walk", [None, "shared", "int8"])
+def test_last_wave_split_over_k_matches_the_unsplit_launch(m, n, k, opts, rem, walk, monkeypatch):
+    from mosaicquant.kernels._tiles import lock_buffer
+
+    monkeypatch.setattr(_tiles, "_sm_count", lambda device: 4)  # the same waves on the GPU as on the interpreter
+
+    if walk is None:
+        (a8, s8, qweight, w_scale, _, bias), ref = swapped_dense_case(m, n, k, seed=m + k)
+        residual = None
+    else:
+        a8, s8, qweight, w_scale, bias, residual, ref = _case(m, n, k, (64, 256), 0.5, seed=m + k)
+    kw = dict(residual=residual, residual_walk=walk or "fp8", **opts)
+    whole = w4a4_gemm_swapped_triton(a8, s8, qweight, w_scale, k, bias, rem_split=1, **kw)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    w4a4_gemm_swapped_triton(a8, s8, qweight, w_scale, k, bias, rem_split=rem, out=out, **kw)
+    assert_close_bf16(out, ref, f"last wave split {rem} ways, walk {walk}")
+    assert_close_bf16(whole, ref, "the unsplit launch")
+    assert int(lock_buffer(out.device)[:64].abs().sum()) == 0  # every split tile's counter back to zero
+    # what ran: the tiles past the last whole wave (8 programs at once on the interpreter's 4 "SMs"), split
+    tiles = -(-n // opts["block_n"]) * (3 if "block_m_tail" in opts else -(-m // opts["block_m"]))
+    assert _tiles.swapped_rem_plan(tiles, -(-k // 2 // 64), out.device, rem) == (rem, 7 if rem == 2 else 1)
+    # the rule: 2 whole waves and a short last one split; a full last wave or a single wave not
+    sms = _tiles._sm_count(out.device)
+    slots = _tiles.SWAP_PREFILL_PROGRAMS_PER_SM * sms
+    assert _tiles.swapped_rem_split(2 * slots + slots // 4, 64, out.device, most=8) == 4
+    assert _tiles.swapped_rem_split(2 * slots + slots // 4, 16, out.device, most=8) == 2  # 8 K steps a split
+    assert _tiles.swapped_rem_split(2 * slots + (3 * slots) // 4, 64, out.device, most=8) == 1
+    assert _tiles.swapped_rem_split(slots - 1, 64, out.device, most=8) == 1
+    assert _tiles.swapped_rem_split(2 * slots + 1, 64, out.device, most=1) == 1  # off
+    with pytest.raises(UserInputError, match="rem_split=3 must be None or a power of two"):
+        w4a4_gemm_swapped_triton(a8, s8, qweight, w_scale, k, rem_split=3)
+    with pytest.raises(UserInputError, match="choose one"):
+        w4a4_gemm_swapped_triton(a8, s8, qweight, w_scale, k, rem_split=2, split_k=2)
