@@ -743,7 +743,7 @@ def w4a4_gemm_swapped_triton(
         part, lock_buffer(out.device),
         *res, m, n, kp, a_split.shape[1], a_split.stride(0), qweight.stride(0), out.stride(0),
         n_full if tail_bm else 0,  # (a constant where unused: no kernel specialised per M)
-        n_direct,
+        n_direct if rem > 1 else 0,
         HAS_BIAS=bias is not None, EVEN_K=kp % block_kp == 0, RES_MODE=res_mode, TAIL_STAGES=tail_stages,
         BN_RES=bn_res, BKP_RES=bk_res // 2, BN=block_n, BM=block_m, GROUP_N=8,
         USE_ASM=not triton_interpreting(), BKP=block_kp, SPLIT_K=split_k, PDL=gemm_pdl(a_split.device, m, pdl),
