@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     splits = [int(v) for v in args.splits.split(",") if v]
-    slots = _tiles.SWAP_PREFILL_PROGRAMS_PER_SM * _tiles._sm_count(device)
+    slots = _tiles._prefill_slots(device)
     shapes: dict[tuple[int, int], list[str]] = {}
     for model in args.models.split(","):
         for layer in args.layers.split(","):

@@ -397,6 +397,11 @@ SWAP_PREFILL_PROGRAMS_PER_SM = 2
 SWAP_REM_MAXNREG = 128
 
 
+def _prefill_slots(device: torch.device) -> int:
+    """Programs of the swapped GEMM's prefill tiles that run at once on ``device``."""
+    return SWAP_PREFILL_PROGRAMS_PER_SM * _sm_count(device)
+
+
 def swapped_rem_split(tiles: int, k_steps: int, device: torch.device, most: int | None = None) -> int:
     """Programs a tile for the last wave of a swapped prefill GEMM of ``tiles`` output tiles and ``k_steps`` K steps
     (1: no split; see :data:`SWAP_REM_SPLIT_MAX`).
@@ -410,7 +415,7 @@ def swapped_rem_split(tiles: int, k_steps: int, device: torch.device, most: int 
     those 112 run as 224 programs, each half as long.
     """
     most = SWAP_REM_SPLIT_MAX if most is None else most
-    slots = SWAP_PREFILL_PROGRAMS_PER_SM * _sm_count(device)
+    slots = _prefill_slots(device)
     waves, rest = divmod(tiles, slots)
     if most < 2 or waves < 1 or rest == 0 or rest >= SWAP_REM_SPLIT_MAX_FILL * slots:
         return 1
@@ -425,7 +430,7 @@ def swapped_rem_plan(tiles: int, k_steps: int, device: torch.device, rem_split: 
     (``(1, 0)``: none). ``r`` is the tiles past the last whole wave (none below one wave); ``F`` is ``rem_split``,
     or :func:`swapped_rem_split`'s where it is ``None``."""
     f = swapped_rem_split(tiles, k_steps, device) if rem_split is None else rem_split
-    slots = SWAP_PREFILL_PROGRAMS_PER_SM * _sm_count(device)
+    slots = _prefill_slots(device)
     r = tiles % slots if tiles >= slots else 0
     return (f, r) if f > 1 and r else (1, 0)
 

@@ -145,7 +145,6 @@ def test_quantized_models_run_their_kernel_layers_in_the_fused_decoder(tiny, met
 def test_silu_mul_goes_inside_down_projs_hadamard_by_the_calls_tokens(tiny, monkeypatch):
     # runtime.SILU_IN_HADAMARD_M: calls of that many tokens run SiLU·mul inside down_proj's fused online Hadamard +
     # quantizer (no SiLU·mul kernel), others in its own kernel; the same integers either way
-    from mosaicquant.harness import runtime
     from mosaicquant.kernels import _tiles, decoder
 
     model = _model(TINY.name)
@@ -185,7 +184,6 @@ def test_silu_mul_goes_inside_down_projs_hadamard_by_the_calls_tokens(tiny, monk
 def test_gate_up_gemm_writes_silu_mul_at_decode_sizes(tiny, monkeypatch, method):
     # MosaicQuant's gate/up runs ZipperEngine's parallel mode at 4-16 tokens, QuaRot's the dense GEMM
     # (_tiles.DENSE_GATED_MAX_M): its fix-up writes SiLU·mul of the two halves, and no SiLU·mul kernel runs
-    from mosaicquant.harness import runtime
     from mosaicquant.kernels import _tiles
     from mosaicquant.kernels.quant_linear import QuantLinear
 
@@ -237,7 +235,6 @@ def test_gate_up_gemm_writes_silu_mul_at_decode_sizes(tiny, monkeypatch, method)
 def test_norms_after_o_and_down_run_in_their_gemms_last_programs(tiny, monkeypatch, method, options):
     # at decode sizes (runtime.NORM_FOLD_MAX_M) o_proj's and down_proj's GEMMs run the norm after them
     # (mosaicquant.kernels.norm_fold): the same logits as the norm kernel, which then does not run
-    from mosaicquant.harness import runtime
     from mosaicquant.kernels import _tiles, decoder, norm_fold
 
     if method == "mosaicquant":  # the tiny layers' o and down would run the parallel modes, which do not fold
@@ -281,7 +278,6 @@ def test_norms_after_o_and_down_run_in_their_gemms_last_programs(tiny, monkeypat
 def test_decode_runs_rope_and_attention_in_one_kernel(tiny, monkeypatch, method):
     # decoder.decode_rope_attention in place of rope_kv + decode_attention: the same logits and cache (to
     # attention's bf16 accuracy)
-    from mosaicquant.harness import runtime
     from mosaicquant.kernels import decoder
 
     model = _model(TINY_QWEN.name)  # per-head q/k norms too

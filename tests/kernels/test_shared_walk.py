@@ -160,8 +160,6 @@ def test_quant_linear_runs_pow2_residual_layers_on_the_shared_walk(monkeypatch):
 ])
 @pytest.mark.parametrize("walk", [None, "shared", "int8"])
 def test_last_wave_split_over_k_matches_the_unsplit_launch(m, n, k, opts, rem, walk, monkeypatch):
-    from mosaicquant.kernels._tiles import lock_buffer
-
     monkeypatch.setattr(_tiles, "_sm_count", lambda device: 4)  # the same waves on the GPU as on the interpreter
 
     if walk is None:
@@ -175,7 +173,7 @@ def test_last_wave_split_over_k_matches_the_unsplit_launch(m, n, k, opts, rem, w
     w4a4_gemm_swapped_triton(a8, s8, qweight, w_scale, k, bias, rem_split=rem, out=out, **kw)
     assert_close_bf16(out, ref, f"last wave split {rem} ways, walk {walk}")
     assert_close_bf16(whole, ref, "the unsplit launch")
-    assert int(lock_buffer(out.device)[:64].abs().sum()) == 0  # every split tile's counter back to zero
+    assert int(_tiles.lock_buffer(out.device)[:64].abs().sum()) == 0  # every split tile's counter back to zero
     # what ran: the tiles past the last whole wave (8 programs at once on the interpreter's 4 "SMs"), split
     tiles = -(-n // opts["block_n"]) * (3 if "block_m_tail" in opts else -(-m // opts["block_m"]))
     assert _tiles.swapped_rem_plan(tiles, -(-k // 2 // 64), out.device, rem) == (rem, 7 if rem == 2 else 1)
