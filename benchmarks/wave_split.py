@@ -3,8 +3,8 @@
 At the prefill tiles (128 weight rows x 128 tokens, 8 warps: two programs an SM, 264 at once on the H200) a GEMM
 of ``T`` tiles runs ``T // 264`` whole waves and a last one of ``T mod 264`` tiles. Where that last wave is short
 (Qwen3-14B's o_proj and down_proj at 2048 tokens: 640 tiles, 2 waves and 112 tiles), its tiles can run split
-over K, ``F`` programs a tile, so the wave takes about ``1 / F`` of the time (``_tiles.swapped_rem_split``; off
-by default until this script has measured it).
+over K, ``F`` programs a tile, so the wave takes about ``1 / F`` of the time
+(``_tiles.swapped_rem_split``, whose bounds come from this script's measurements: benchmarks/NOTES.md v34).
 
 For every SPEC model's linears (``zipper.MODELS``) and every M asked for, where the tiles leave a partial last
 wave, times the GEMM alone (split8 activations quantized outside the timing, weights rotated through more than L2,
@@ -36,6 +36,7 @@ from mosaicquant.kernels import _tiles  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_swapped_triton  # noqa: E402
 from mosaicquant.kernels.zipper import zipper_gemm_reference  # noqa: E402
+from mosaicquant.methods.format import residual_shifts  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -81,7 +82,8 @@ def main(argv=None) -> int:
                     extra = [{} for _ in qws]
                 else:
                     ref = zipper_gemm_reference(ap, a_s, qws[0], wss[0], k, ress[0], out_fp32=True)
-                    extra = [dict(residual=r, residual_walk="shared") for r in ress]
+                    extra = [dict(residual=r, residual_walk="shared", residual_shifts=residual_shifts(r, w))
+                             for r, w in zip(ress, wss)]
                 calls = {}
                 for f in [1] + splits:
                     label = "whole" if f == 1 else f"split{f}"

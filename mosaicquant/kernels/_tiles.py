@@ -381,19 +381,34 @@ def swapped_prefill(m: int, n: int, device: torch.device, residual: bool, min_m:
 # The swapped prefill GEMM's last wave split over K ("remainder split", swapped_rem_split). Its 128 x 128 tiles run
 # two programs an SM (8 warps, 116 registers a thread, 64 KiB of shared memory; offline sm_90 compile), 264 at once on
 # the H200. Where the tiles are a few whole waves and a short last one, the last wave's tiles run split over K, up to
-# this many programs a tile (1: never), so that wave takes a fraction of the time. Why: Qwen3-14B's o / down
-# (640 tiles at 2048 tokens: 2.42 waves) and q/k/v (896: 3.39) ran 1.16 / 1.16 / 1.25x BF16 against Llama-3-8B's
-# 1.36 / 1.39 / 1.47x (512 and 768 tiles: 1.94 and 2.91 waves), gate/up level (16.5 and 13.6 waves)
-# (benchmarks/NOTES.md v33). Off until measured on the GPU.
-SWAP_REM_SPLIT_MAX = 1
+# this many programs a tile (1: never), so that wave takes a fraction of the time.
+# Why: Qwen3-14B's o / down (640 tiles at 2048 tokens: 2.42 waves) and q/k/v (896: 3.39) ran 1.16 / 1.16 / 1.25x
+# BF16 against Llama-3-8B's 1.36 / 1.39 / 1.47x (512 and 768 tiles: 1.94 and 2.91 waves), gate/up level (16.5 and
+# 13.6 waves) (benchmarks/NOTES.md v33). The bounds below are from benchmarks/wave_split.py (NOTES.md v34): every
+# GEMM they pick (a last wave under half full after one or two whole waves, >= 24 K steps = 3,072 K values a split:
+# down_proj, and Qwen3-32B's o_proj of K = 8,192) ran 3-28 % faster split, dense and with a 10 % residual (one
+# launch); with more whole waves the last one is too small a share to gain, and shorter splits (q/k/v and o at
+# K <= 5,120) gained or lost a few % by the fill.
+SWAP_REM_SPLIT_MAX = 4
 # ... where the last wave fills less than this share of the programs that run at once
-SWAP_REM_SPLIT_MAX_FILL = 0.75
+SWAP_REM_SPLIT_MAX_FILL = 0.5
+# ... after at most this many whole waves
+SWAP_REM_SPLIT_MAX_WAVES = 2
 # ... and each split keeps at least this many K steps
-SWAP_REM_SPLIT_MIN_STEPS = 8
+SWAP_REM_SPLIT_MIN_STEPS = 24
 # programs of the prefill tiles an SM runs at once (see above)
 SWAP_PREFILL_PROGRAMS_PER_SM = 2
-# A register cap for launches that split their last wave (0: none): both kinds of tile are in one kernel, whose
-# registers are the larger kind's.
+# The whole tiles in the split tiles' launch (True) or in a launch of their own before it, as the unsplit kernel
+# (False). Measured (NOTES v34): a kernel holding both kinds of tile ran whole ones up to 11 % slower where there are
+# many waves (which the rule leaves whole), but where the rule splits one launch was faster on 15 of 18 GEMMs (its
+# split programs start as the last whole wave's end), and level or faster on the prefill (Qwen3-14B / Qwen3-4B at
+# 2048 tokens, same run, ms, off / two launches / one: QuaRot 67.8 / 67.8 / 67.1 and 26.1 / 25.5 / 25.5,
+# MosaicQuant 72.6 / 71.9 / 71.8 and 27.5 / 27.0 / 26.9).
+SWAP_REM_ONE_LAUNCH = True
+# A register cap for the launch of the split tiles (0: none). Offline sm_90 compile (dense): with the whole tiles in
+# it 202 registers a thread uncapped (one program an SM), 128 capped with no spill (NOTES v33); the split tiles alone
+# (Qwen3-14B's down_proj at 2048 tokens) 132 uncapped, 128 capped with 8 bytes of stack. The shared walk is capped
+# at 128 anyway (SHARED_TAIL_MAX_REGS).
 SWAP_REM_MAXNREG = 128
 
 
@@ -407,17 +422,19 @@ def swapped_rem_split(tiles: int, k_steps: int, device: torch.device, most: int 
     (1: no split; see :data:`SWAP_REM_SPLIT_MAX`).
 
     With ``S`` programs at once (:data:`SWAP_PREFILL_PROGRAMS_PER_SM` an SM), ``W = tiles // S`` whole waves and
-    ``r = tiles - W·S`` tiles left: where ``W >= 1`` and ``r / S`` is below :data:`SWAP_REM_SPLIT_MAX_FILL`, the
-    largest power of two ``F <= most`` (default :data:`SWAP_REM_SPLIT_MAX`) with ``r·F <= S`` and ``k_steps / F`` at
-    least :data:`SWAP_REM_SPLIT_MIN_STEPS`.
+    ``r = tiles - W·S`` tiles left: where ``1 <= W <=`` :data:`SWAP_REM_SPLIT_MAX_WAVES` and ``r / S`` is below
+    :data:`SWAP_REM_SPLIT_MAX_FILL`, the largest power of two ``F <= most`` (default :data:`SWAP_REM_SPLIT_MAX`) with
+    ``r·F <= S`` and ``k_steps / F`` at least :data:`SWAP_REM_SPLIT_MIN_STEPS`.
 
-    Example: 640 tiles (Qwen3-14B's o_proj at 2048 tokens) over 264 programs are 2 waves and 112 tiles; split 2 ways
-    those 112 run as 224 programs, each half as long.
+    Example: 640 tiles (Qwen3-14B's o_proj at 2048 tokens) over 264 programs are 2 waves and 112 tiles (42 %); split
+    2 ways those 112 run as 224 programs, each half as long. The rule
+    leaves it whole: 40 K steps a tile are 20 a split; it splits down_proj's 640 tiles (136 K steps) 2 ways.
     """
     most = SWAP_REM_SPLIT_MAX if most is None else most
     slots = _prefill_slots(device)
     waves, rest = divmod(tiles, slots)
-    if most < 2 or waves < 1 or rest == 0 or rest >= SWAP_REM_SPLIT_MAX_FILL * slots:
+    if (most < 2 or not 1 <= waves <= SWAP_REM_SPLIT_MAX_WAVES or rest == 0
+            or rest >= SWAP_REM_SPLIT_MAX_FILL * slots):
         return 1
     f = 1
     while 2 * f <= most and rest * 2 * f <= slots and k_steps // (2 * f) >= SWAP_REM_SPLIT_MIN_STEPS:

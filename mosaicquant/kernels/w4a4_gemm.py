@@ -195,7 +195,7 @@ def _residual_mac(y, a_even, a_odd, r, r_scale, BN: tl.constexpr, BM: tl.constex
 def _w4a4_swapped_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
-    M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, N_DIRECT,
+    M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, N_DIRECT, N_WHOLE,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, RES_MODE: tl.constexpr,
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
@@ -210,19 +210,21 @@ def _w4a4_swapped_kernel(
     # TAIL_BM > 0: the tokens are N_FULL tiles of BM and a last tile of TAIL_BM (ragged M just above a
     # multiple of BM); in grouped order a weight tile's narrow last tile follows its full ones. A tile's token count
     # is a compile-time constant of the code that runs it, hence a call of _swapped_tile per tile size.
-    # REM_SPLIT > 1: the first N_DIRECT tiles run whole, one program each; the rest (the grid's last, partial wave)
-    # run split over K, REM_SPLIT programs a tile, their partials in a buffer of their own (part_ptr, one
-    # [REM_SPLIT, BN, BM] block a split tile) and counters from lock_ptr's slot 0 (_tiles.swapped_rem_split).
+    # REM_SPLIT > 1: the tiles from N_DIRECT on (the grid's last, partial wave) run split over K, REM_SPLIT programs a
+    # tile, their partials in a buffer of their own (part_ptr, one [REM_SPLIT, BN, BM] block a split tile) and
+    # counters from lock_ptr's slot 0 (_tiles.swapped_rem_split). This launch's first N_WHOLE programs run tiles
+    # 0 .. N_WHOLE - 1 whole: N_DIRECT of them where the whole tiles share the launch, 0 where they had one of
+    # their own (REM_SPLIT = 1; _tiles.SWAP_REM_ONE_LAUNCH).
     pid = tl.program_id(0)
     if REM_SPLIT > 1:
-        if pid < N_DIRECT:
+        if pid < N_WHOLE:
             _swapped_dispatch(
                 pid, 0, 0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
                 row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
                 M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
                 TAIL_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, 1, PDL, X16, E4M3_ASM, TAIL_BM, False)
         else:
-            q = pid - N_DIRECT
+            q = pid - N_WHOLE
             _swapped_dispatch(
                 N_DIRECT + q // REM_SPLIT, q % REM_SPLIT, q // REM_SPLIT, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr,
                 bias_ptr, out_ptr, part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
@@ -715,9 +717,6 @@ def w4a4_gemm_swapped_triton(
     rem, n_split = (1, 0) if split_k > 1 or (rem_split is None and not prefill_tiles) else _tiles.swapped_rem_plan(
         tiles, triton.cdiv(kp, block_kp), a_split.device, rem_split)
     n_direct = tiles - n_split
-    if rem > 1:
-        grid = (n_direct + n_split * rem, 1)
-        part = torch.empty(n_split, rem, block_n, block_m, dtype=torch.float32, device=out.device)
     pdl = use_pdl(a_split.device, pdl)
     # Triton's interpreter has no FP8 dot: there the fp8 walk runs the int8 one
     if residual is None:
@@ -734,23 +733,37 @@ def w4a4_gemm_swapped_triton(
             launch = {"maxnreg": SHARED_TAIL_MAX_REGS}
         if tail_stages is None:
             tail_stages = SHARED_TAIL_STAGES
-    if rem > 1 and "maxnreg" not in launch and _tiles.SWAP_REM_MAXNREG:
-        launch = {"maxnreg": _tiles.SWAP_REM_MAXNREG}
     res = (residual.row_ptr, residual.coords, residual.values.view(torch.int8), residual.scales,
            residual_shifts if res_mode == 3 else residual.scales) if residual is not None else (a_scale,) * 5
-    _w4a4_swapped_kernel[grid](
-        a_split, a_scale, qweight.view(torch.int8), w_scale.reshape(-1), bias if bias is not None else a_scale, out,
-        part, lock_buffer(out.device),
-        *res, m, n, kp, a_split.shape[1], a_split.stride(0), qweight.stride(0), out.stride(0),
-        n_full if tail_bm else 0,  # (a constant where unused: no kernel specialised per M)
-        n_direct if rem > 1 else 0,
-        HAS_BIAS=bias is not None, EVEN_K=kp % block_kp == 0, RES_MODE=res_mode, TAIL_STAGES=tail_stages,
-        BN_RES=bn_res, BKP_RES=bk_res // 2, BN=block_n, BM=block_m, GROUP_N=8,
-        USE_ASM=not triton_interpreting(), BKP=block_kp, SPLIT_K=split_k, PDL=gemm_pdl(a_split.device, m, pdl),
-        X16=bool(x16),
-        E4M3_ASM=bool(e4m3_asm), TAIL_BM=tail_bm, REM_SPLIT=rem,
-        num_warps=num_warps, num_stages=num_stages, **launch, **pdl_launch(pdl),
-    )
+
+    def run(grid, part, rem, n_whole, launch):
+        _w4a4_swapped_kernel[grid](
+            a_split, a_scale, qweight.view(torch.int8), w_scale.reshape(-1), bias if bias is not None else a_scale,
+            out, part, lock_buffer(out.device),
+            *res, m, n, kp, a_split.shape[1], a_split.stride(0), qweight.stride(0), out.stride(0),
+            n_full if tail_bm else 0,  # (a constant where unused: no kernel specialised per M)
+            n_direct if rem > 1 else 0, n_whole,
+            HAS_BIAS=bias is not None, EVEN_K=kp % block_kp == 0, RES_MODE=res_mode, TAIL_STAGES=tail_stages,
+            BN_RES=bn_res, BKP_RES=bk_res // 2, BN=block_n, BM=block_m, GROUP_N=8,
+            USE_ASM=not triton_interpreting(), BKP=block_kp, SPLIT_K=split_k, PDL=gemm_pdl(a_split.device, m, pdl),
+            X16=bool(x16),
+            E4M3_ASM=bool(e4m3_asm), TAIL_BM=tail_bm, REM_SPLIT=rem,
+            num_warps=num_warps, num_stages=num_stages, **launch, **pdl_launch(pdl),
+        )
+
+    if rem == 1:
+        run(grid, part, 1, 0, launch)
+        return out
+    # the whole tiles in the split tiles' launch, or first in a launch of their own as the unsplit kernel
+    # (_tiles.SWAP_REM_ONE_LAUNCH)
+    one = _tiles.SWAP_REM_ONE_LAUNCH
+    if n_direct and not one:
+        run((n_direct, 1), out, 1, 0, launch)
+    if "maxnreg" not in launch and _tiles.SWAP_REM_MAXNREG:
+        launch = {"maxnreg": _tiles.SWAP_REM_MAXNREG}
+    run(((n_direct if one else 0) + n_split * rem, 1),
+        torch.empty(n_split, rem, block_n, block_m, dtype=torch.float32, device=out.device),
+        rem, n_direct if one else 0, launch)
     return out
 
 

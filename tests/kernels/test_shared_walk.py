@@ -159,8 +159,10 @@ def test_quant_linear_runs_pow2_residual_layers_on_the_shared_walk(monkeypatch):
     (67, 130, 1024, dict(block_n=64, block_m=32, block_m_tail=16, block_kp=64, num_warps=4), 4),
 ])
 @pytest.mark.parametrize("walk", [None, "shared", "int8"])
-def test_last_wave_split_over_k_matches_the_unsplit_launch(m, n, k, opts, rem, walk, monkeypatch):
+@pytest.mark.parametrize("one_launch", [True, False])  # the whole tiles in the split ones' launch or before it
+def test_last_wave_split_over_k_matches_the_unsplit_launch(m, n, k, opts, rem, walk, one_launch, monkeypatch):
     monkeypatch.setattr(_tiles, "_sm_count", lambda device: 4)  # the same waves on the GPU as on the interpreter
+    monkeypatch.setattr(_tiles, "SWAP_REM_ONE_LAUNCH", one_launch)
 
     if walk is None:
         (a8, s8, qweight, w_scale, _, bias), ref = swapped_dense_case(m, n, k, seed=m + k)
@@ -177,14 +179,21 @@ def test_last_wave_split_over_k_matches_the_unsplit_launch(m, n, k, opts, rem, w
     # what ran: the tiles past the last whole wave (8 programs at once on the interpreter's 4 "SMs"), split
     tiles = -(-n // opts["block_n"]) * (3 if "block_m_tail" in opts else -(-m // opts["block_m"]))
     assert _tiles.swapped_rem_plan(tiles, -(-k // 2 // 64), out.device, rem) == (rem, 7 if rem == 2 else 1)
-    # the rule: 2 whole waves and a short last one split; a full last wave or a single wave not
+    # the rule: one or two whole waves and a last one under half full split, each split keeping enough K steps;
+    # a last wave half full or more, a third whole wave, less than one wave, or too few K steps not
     sms = _tiles._sm_count(out.device)
     slots = _tiles.SWAP_PREFILL_PROGRAMS_PER_SM * sms
-    assert _tiles.swapped_rem_split(2 * slots + slots // 4, 64, out.device, most=8) == 4
-    assert _tiles.swapped_rem_split(2 * slots + slots // 4, 16, out.device, most=8) == 2  # 8 K steps a split
-    assert _tiles.swapped_rem_split(2 * slots + (3 * slots) // 4, 64, out.device, most=8) == 1
-    assert _tiles.swapped_rem_split(slots - 1, 64, out.device, most=8) == 1
-    assert _tiles.swapped_rem_split(2 * slots + 1, 64, out.device, most=1) == 1  # off
+    steps = _tiles.SWAP_REM_SPLIT_MIN_STEPS
+    assert _tiles.swapped_rem_split(2 * slots + slots // 4, 4 * steps, out.device, most=8) == 4
+    assert _tiles.swapped_rem_split(slots + slots // 4, 4 * steps, out.device, most=8) == 4
+    assert _tiles.swapped_rem_split(2 * slots + slots // 4, 4 * steps - 1, out.device, most=8) == 2
+    assert _tiles.swapped_rem_split(2 * slots + slots // 4, 2 * steps - 1, out.device, most=8) == 1
+    assert _tiles.swapped_rem_split(2 * slots + 3 * slots // 8, 8 * steps, out.device, most=8) == 2  # r·4 > S
+    assert _tiles.swapped_rem_split(2 * slots + slots // 2, 8 * steps, out.device, most=8) == 1  # half full
+    assert _tiles.swapped_rem_split(3 * slots + slots // 4, 8 * steps, out.device, most=8) == 1  # 3 whole waves
+    assert _tiles.swapped_rem_split(slots - 1, 8 * steps, out.device, most=8) == 1
+    assert _tiles.swapped_rem_split(2 * slots + 1, 8 * steps, out.device, most=1) == 1  # off
+    assert _tiles.swapped_rem_split(2 * slots + slots // 4, 4 * steps, out.device) == _tiles.SWAP_REM_SPLIT_MAX
     with pytest.raises(UserInputError, match="rem_split=3 must be None or a power of two"):
         w4a4_gemm_swapped_triton(a8, s8, qweight, w_scale, k, rem_split=3)
     with pytest.raises(UserInputError, match="choose one"):
