@@ -690,6 +690,11 @@ def w4a4_gemm_swapped_triton(
             raise UserInputError("residual_walk='shared' needs x16=True (the residual counts in the s_w / 16 units "
                                  "of the base unpacked as 16 q)")
         if residual_shifts is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise UserInputError(
+                    "residual_walk='shared' under CUDA graph capture needs residual_shifts: deriving them "
+                    "(mosaicquant.methods.format.residual_shifts) reads a result back from the device, which a "
+                    "capture does not allow; compute them once before capturing (QuantLinear keeps them)")
             residual_shifts = residual_shifts_of(residual, w_scale)
             if residual_shifts is None:
                 raise UserInputError(

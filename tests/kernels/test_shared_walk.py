@@ -76,6 +76,22 @@ def test_shared_walk_refuses_free_scales_and_unscaled_weights():
                                  residual_shifts=torch.zeros(1, 128, dtype=torch.int8, device=DEVICE))
 
 
+@needs_triton()
+def test_shared_walk_under_graph_capture_asks_for_its_shifts(monkeypatch):
+    # deriving the shifts reads a result back from the device, which a CUDA graph capture refuses with an obscure
+    # error: the launcher says what to pass instead (the capture is simulated; given shifts still run)
+    a8, s8, qweight, w_scale, bias, residual, ref = _case(13, 200, 300, (128, 128), 0.5, seed=7)
+    shifts = residual_shifts(residual, w_scale)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(UserInputError, match="under CUDA graph capture needs residual_shifts"):
+        w4a4_gemm_swapped_triton(a8, s8, qweight, w_scale, 300, bias, residual=residual, residual_walk="shared")
+    monkeypatch.undo()
+    out = w4a4_gemm_swapped_triton(a8, s8, qweight, w_scale, 300, bias, residual=residual, residual_walk="shared",
+                                   residual_shifts=shifts)
+    assert_close_bf16(out, ref, "shared walk with the shifts given")
+
+
 def _run_ptx(text: str, word: int, j: int) -> int:
     """Run the b32 PTX sequence of a shift-unpack string on one register (the few instructions it uses)."""
     regs = {"$1": word, "$2": j * 0x01010101}
