@@ -24,8 +24,7 @@ __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MI
            "DENSE_GATED_MAX_M", "DENSE_GATED_MAXNREG", "DENSE_PREFETCH_MIB", "ZIPPER_PREFETCH_MIB",
            "WIDE_K_DECODE_MIN_M", "TAIL_WIDE_K_MIN_M", "TAIL_WIDE_K_MAX_M", "WIDE_DECODE_MAX_M", "DENSE_WIDE_MAX_M",
            "DENSE_WIDE_MIN_TILES_PER_SM", "DENSE_WIDE_MAX_TILES_PER_SM", "WALK_STAGES", "WALK_STAGES_MIN_M",
-           "WALK_PRELOAD_MAX_M", "WALK_HOIST_MAX_M", "SWAP_WALK_HOIST",
-           "maxnreg_launch", "walk_stages", "walk_hoist",
+           "maxnreg_launch", "walk_stages",
            "wide_decode",
            "parallel_mode", "parallel_residual",
            "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
@@ -292,11 +291,6 @@ WALK_STAGES_MIN_M = 17
 # (gate/up's 8-warp tiles at 32 tokens: 128 -> 172 registers a thread, two waves). Its tail calls at 5-8 tokens are
 # o_proj and down_proj. GEMM alone, without PDL, it was level to 5 % slower at 8-32 tokens.
 WALK_PRELOAD_MAX_M = 8
-# Above WALK_PRELOAD_MAX_M and up to this many tokens (0: never), the tail walk on tensor-core dots loads only its
-# bounds and its first kept block's column before the dense loop (a few scalars, not the block), so that after the
-# loop that block's activations, integers and scales load at once instead of after two dependent loads (the row's
-# bounds, then the column). Being measured (benchmarks/NOTES.md v35); off until then.
-WALK_HOIST_MAX_M = 0
 
 # ZipperEngine's "auto" mode runs the kept blocks in programs of their own ("parallel": one per block
 # and 64- or 128-row slice, summed into the dense tiles' counted fix-up) for calls of PARALLEL_MIN_M to
@@ -344,11 +338,6 @@ DENSE_GATED_MAX_M = 16
 # 80 under the cap, with no spills. GEMM alone (v17, M = 4 / 16, us): 21.31 / 21.63 capped at 80 against
 # 21.07 / 21.60: not capped.
 DENSE_GATED_MAXNREG = 0
-
-
-def walk_hoist(m: int) -> bool:
-    """Whether a ZipperEngine tail walk of ``m`` tokens hoists its bounds and first column (``WALK_HOIST_MAX_M``)."""
-    return WALK_PRELOAD_MAX_M < m <= WALK_HOIST_MAX_M
 
 
 def walk_stages(m: int) -> int | None:
@@ -416,10 +405,6 @@ SWAP_PREFILL_PROGRAMS_PER_SM = 2
 # 2048 tokens, same run, ms, off / two launches / one: QuaRot 67.8 / 67.8 / 67.1 and 26.1 / 25.5 / 25.5,
 # MosaicQuant 72.6 / 71.9 / 71.8 and 27.5 / 27.0 / 26.9).
 SWAP_REM_ONE_LAUNCH = True
-# The swapped GEMM's shared walk loads its bounds and first unit's K index before the dense loop, so that after the
-# loop that unit's activation tiles, integers and shifts load at once instead of after two dependent loads (the
-# ZipperEngine tail walk's WALK_HOIST_MAX_M, on the prefill and mid tiles). Being measured (NOTES v35); off until then.
-SWAP_WALK_HOIST = False
 # A register cap for the launch of the split tiles (0: none). Offline sm_90 compile (dense): with the whole tiles in
 # it 202 registers a thread uncapped (one program an SM), 128 capped with no spill (NOTES v33); the split tiles alone
 # (Qwen3-14B's down_proj at 2048 tokens) 132 uncapped, 128 capped with 8 bytes of stack. The shared walk is capped

@@ -201,7 +201,6 @@ def _w4a4_swapped_kernel(
     BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
     BKP: tl.constexpr = 64, SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, X16: tl.constexpr = False,
     E4M3_ASM: tl.constexpr = False, TAIL_BM: tl.constexpr = 0, REM_SPLIT: tl.constexpr = 1,
-    HOIST: tl.constexpr = False,
 ):
     # Cᵀ = W Aᵀ: weight rows are the dot's first operand (unpacked in registers, where the
     # tensor-core instruction can read them), the "split8" activations its second (int8 tiles
@@ -223,7 +222,7 @@ def _w4a4_swapped_kernel(
                 pid, 0, 0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
                 row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
                 M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-                TAIL_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, 1, PDL, X16, E4M3_ASM, TAIL_BM, False, HOIST=HOIST)
+                TAIL_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, 1, PDL, X16, E4M3_ASM, TAIL_BM, False)
         else:
             q = pid - N_WHOLE
             _swapped_dispatch(
@@ -231,13 +230,13 @@ def _w4a4_swapped_kernel(
                 bias_ptr, out_ptr, part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
                 res_shift_ptr, M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE,
                 BN_RES, BKP_RES, TAIL_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, REM_SPLIT, PDL, X16, E4M3_ASM, TAIL_BM,
-                True, HOIST=HOIST)
+                True)
     else:
         _swapped_dispatch(
             pid, tl.program_id(1), 0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
             row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
             M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-            TAIL_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, TAIL_BM, False, HOIST=HOIST)
+            TAIL_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, TAIL_BM, False)
 
 
 @triton.jit
@@ -249,7 +248,7 @@ def _swapped_dispatch(
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
     BKP: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, X16: tl.constexpr,
-    E4M3_ASM: tl.constexpr, TAIL_BM: tl.constexpr, COMPACT: tl.constexpr, HOIST: tl.constexpr = False,
+    E4M3_ASM: tl.constexpr, TAIL_BM: tl.constexpr, COMPACT: tl.constexpr,
 ):
     """Tile ``pid`` (grouped order), split ``pid_k`` of ``SPLIT_K``: its coordinates, then :func:`_swapped_tile`
     (``COMPACT``: its partial in slot ``slot`` of a buffer of split tiles, :func:`store_split_tile`)."""
@@ -260,20 +259,20 @@ def _swapped_dispatch(
                 pid, pid_k, pid_n, tile_slot * BM, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
                 part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
                 M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-                TAIL_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM, HOIST=HOIST)
+                TAIL_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM)
         else:
             _swapped_tile(
                 pid, pid_k, pid_n, N_FULL * BM, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
                 part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
                 M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-                TAIL_STAGES, BN, TAIL_BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM, HOIST=HOIST)
+                TAIL_STAGES, BN, TAIL_BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM)
     else:
         pid_n, pid_m = tile_coords(pid, N, M, BN, BM, GROUP_N)
         _swapped_tile(
             pid, pid_k, pid_n, pid_m * BM, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
             part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
             M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-            TAIL_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM, HOIST=HOIST)
+            TAIL_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM)
 
 
 @triton.jit
@@ -285,7 +284,7 @@ def _swapped_tile(
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, USE_ASM: tl.constexpr,
     BKP: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, X16: tl.constexpr, E4M3_ASM: tl.constexpr,
-    COMPACT: tl.constexpr = False, SLOT_BM: tl.constexpr = 0, HOIST: tl.constexpr = False,
+    COMPACT: tl.constexpr = False, SLOT_BM: tl.constexpr = 0,
 ):
     """One program's ``[BN, BM]`` tile of the swapped GEMM: weight rows from ``pid_n * BN``, tokens from ``m0``
     (``COMPACT``: a split's partial goes to slot ``slot`` of a buffer of split tiles of ``[BN, SLOT_BM]``,
@@ -308,11 +307,6 @@ def _swapped_tile(
     w_ptrs = w_ptr + safe_n[:, None] * stride_wn + (step_begin * BKP + kk)[None, :]
     a_ptrs = a_ptr + safe_m[None, :] * stride_am + (step_begin * 2 * BKP + (kk // 64) * 128 + kk % 64)[:, None]
     w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-    if RES_MODE == 3 and HOIST:  # the walk's bounds and first unit's K index do not depend on the kernel before us
-        block_row = (pid_n * BN) // BN_RES
-        first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
-        units = (tl.load(row_ptr_ptr + block_row + 1).to(tl.int64) - first) * (BKP_RES // 64)
-        h_k0 = _unit_k0(coords_ptr, first, unit_begin, units, BKP_RES)
     wait_for_inputs(PDL)  # the activations come from the kernel before us
     acc = tl.zeros([BN, BM], dtype=tl.int32)
     for step in range(step_begin, step_end):
@@ -340,18 +334,8 @@ def _swapped_tile(
         # (again, mostly from L2), the block's rows are its packed bytes.
         block_row = (pid_n * BN) // BN_RES
         res_rows = (offs_n - block_row * BN_RES).to(tl.int64)  # storage is padded to full blocks
-        if not (RES_MODE == 3 and HOIST):
-            first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
-            units = (tl.load(row_ptr_ptr + block_row + 1).to(tl.int64) - first) * (BKP_RES // 64)
-    if RES_MODE == 3 and HOIST:
-        # the first unit's K index is known: its activation tiles, integers and shifts load together
-        if unit_begin < units:
-            a_even, a_odd, r, shift = _residual_unit(
-                a_ptr, res_val_ptr, res_shift_ptr, first, unit_begin, units, h_k0, safe_m, res_rows, stride_am, KS,
-                BN_RES, BKP_RES)
-            acc = tl.dot(unpack_shift16(r, shift, False, USE_ASM), a_even, acc, out_dtype=tl.int32)
-            acc = tl.dot(unpack_shift16(r, shift, True, USE_ASM), a_odd, acc, out_dtype=tl.int32)
-        unit_begin += SPLIT_K
+        first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
+        units = (tl.load(row_ptr_ptr + block_row + 1).to(tl.int64) - first) * (BKP_RES // 64)
     if RES_MODE == 3:
         # "shared" walk: the kept blocks' scales are s_w * 2^-j (residual_shifts), so a block's integers
         # shifted left by 4 - j count in the s_w / 16 units of the base unpacked as 16 q (X16), and its
@@ -768,7 +752,7 @@ def w4a4_gemm_swapped_triton(
             BN_RES=bn_res, BKP_RES=bk_res // 2, BN=block_n, BM=block_m, GROUP_N=8,
             USE_ASM=not triton_interpreting(), BKP=block_kp, SPLIT_K=split_k, PDL=gemm_pdl(a_split.device, m, pdl),
             X16=bool(x16),
-            E4M3_ASM=bool(e4m3_asm), TAIL_BM=tail_bm, REM_SPLIT=rem, HOIST=res_mode == 3 and _tiles.SWAP_WALK_HOIST,
+            E4M3_ASM=bool(e4m3_asm), TAIL_BM=tail_bm, REM_SPLIT=rem,
             num_warps=num_warps, num_stages=num_stages, **launch, **pdl_launch(pdl),
         )
 

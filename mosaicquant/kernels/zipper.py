@@ -142,14 +142,12 @@ def _zipper_kernel(
     USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     X16: tl.constexpr = False, DP4A_TOKENS: tl.constexpr = 0,
     FOLD: tl.constexpr = 0, FHB: tl.constexpr = 64, FSPLIT8: tl.constexpr = False, LATE_SIGNAL: tl.constexpr = False,
-    WALK_STAGES: tl.constexpr = None, WALK_PRELOAD: tl.constexpr = False, WALK_HOIST: tl.constexpr = False,
+    WALK_STAGES: tl.constexpr = None, WALK_PRELOAD: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     # the tail walk's first block loaded before the dense loop (one chunk a block: RKP == BKP_RES)
     PRE: tl.constexpr = MODE == 2 and DP4A_TOKENS == 0 and WALK_PRELOAD and RKP == BKP_RES
-    # ... or only its bounds and first column, so that after the dense loop its loads all issue at once
-    HOIST: tl.constexpr = MODE == 2 and DP4A_TOKENS == 0 and USE_DOT and WALK_HOIST and not PRE
     # out-of-range rows/channels read wrapped indices instead (safe_*, _tl.in_range; their results are never stored)
     pid_m, pid_n, offs_m, offs_n, safe_m, safe_n = tile_indices(pid, M, N, BM, BN, GROUP_M)
     block_row = (pid_n * BN) // BN_RES
@@ -181,11 +179,6 @@ def _zipper_kernel(
         r0 = tl.load(res_val_ptr + p0 * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES + tl.arange(0, RKP)[:, None],
                      mask=has0, other=0)
         s0 = tl.load(res_scale_ptr + p0 * BN_RES + res_rows, mask=has0, other=0.0).to(tl.float32)
-    if HOIST:  # the walk's bounds and first column do not depend on the kernel before us either
-        h_first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
-        h_last = tl.load(row_ptr_ptr + block_row + 1).to(tl.int64)
-        h_has0 = h_first + pid_k < h_last
-        h_col0 = tl.load(coords_ptr + 2 * (h_first + pid_k) + 1, mask=h_has0, other=0)
     wait_for_inputs(PDL)
     if PRE:
         kp0 = col0 * BKP_RES + tl.arange(0, RKP)
@@ -237,19 +230,9 @@ def _zipper_kernel(
             y += res * 0.00390625
     elif MODE == 2:
         # int64 bounds keep the block offsets below in 64-bit arithmetic.
-        if HOIST:
-            first = h_first
-            last = h_last
-        else:
-            first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
-            last = tl.load(row_ptr_ptr + block_row + 1).to(tl.int64)
+        first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
+        last = tl.load(row_ptr_ptr + block_row + 1).to(tl.int64)
         p_begin = first + pid_k
-        if HOIST:  # the first block's column is known: its activations, integers and scales load together
-            if h_has0:
-                y += _block_product(_block_chunk(res_val_ptr, p_begin, res_rows, 0, BN_RES, BKP_RES, RKP), a_ptr,
-                                    res_val_ptr, res_scale_ptr, p_begin, h_col0, res_rows, safe_m, stride_am, KP,
-                                    BM, BN, BN_RES, BKP_RES, RKP, USE_ASM, X16)
-            p_begin += SPLIT_K
         if PRE:  # its loads were issued before the dense loop (an absent block: zeros, adding nothing)
             r_acc = mac_int4(tl.zeros([BM, BN], dtype=tl.int32), a0, r0, USE_DOT, USE_ASM, X16)
             y += r_acc.to(tl.float32) * s0[None, :]
@@ -609,7 +592,6 @@ def zipper_gemm_triton(
         X16=bool(x16) and cfg.use_dot and k < X16_MAX_K, DP4A_TOKENS=dp4a_tokens,
         WALK_STAGES=walk_stages(m) if fuse == "tail" and not dp4a_tokens else None,
         WALK_PRELOAD=fuse == "tail" and not dp4a_tokens and 0 < m <= _tiles.WALK_PRELOAD_MAX_M,
-        WALK_HOIST=fuse == "tail" and not dp4a_tokens and _tiles.walk_hoist(m),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl), **fold_consts,
     )
     return out

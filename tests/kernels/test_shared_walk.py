@@ -63,29 +63,6 @@ def test_shared_walk_matches_zipper_reference(m, n, k, block, fraction, opts):
 
 
 @needs_triton()
-@pytest.mark.parametrize("m,n,k,block,seed,opts", [
-    (67, 130, 1000, (64, 256), 6, dict(block_n=64, block_m=32, block_kp=64, num_warps=4)),  # two units a block
-    (29, 130, 1000, (64, 128), 7, dict(block_n=64, block_m=32, block_kp=128, split_k=3, num_warps=4)),  # split K
-])
-def test_shared_walk_hoist_writes_the_same_bits(m, n, k, block, seed, opts, monkeypatch):
-    # SWAP_WALK_HOIST loads the walk's bounds and first unit's K index before the dense loop and multiplies that
-    # unit first after it; a row with no unit (or fewer than the splits) and one with more units than the splits
-    a8, s8, qweight, w_scale, bias, residual, ref = _case(m, n, k, block, 0.3, seed=seed)
-    shifts = residual_shifts(residual, w_scale)
-    units = torch.diff(residual.row_ptr.long()) * (block[1] // 128)
-    split = opts.get("split_k", 1)
-    assert (units.min() == 0 if split == 1 else units.min() < split) and units.max() > split
-    outs = {}
-    for hoist in (False, True):
-        monkeypatch.setattr(_tiles, "SWAP_WALK_HOIST", hoist)
-        outs[hoist] = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-        w4a4_gemm_swapped_triton(a8, s8, qweight, w_scale, k, bias, residual=residual, residual_walk="shared",
-                                 residual_shifts=shifts, out=outs[hoist], **opts)
-        assert_close_bf16(outs[hoist], ref, f"shared walk, hoist={hoist}")
-    assert torch.equal(outs[False], outs[True]), f"{(outs[False] != outs[True]).sum()} differ"
-
-
-@needs_triton()
 def test_shared_walk_refuses_free_scales_and_unscaled_weights():
     a8, s8, qweight, w_scale, bias, residual, _ = _case(13, 200, 300, (128, 128), 0.5, seed=7)
     free = random_residual(200, 300, (128, 128), 0.5, torch.Generator().manual_seed(1)).to(DEVICE)

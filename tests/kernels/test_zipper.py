@@ -349,18 +349,14 @@ def test_walk_pipelining_depth_writes_the_same_bits(monkeypatch, mode, m):
 
 
 @needs_triton()
-@pytest.mark.parametrize("bound,m,split,seed", [
-    ("WALK_PRELOAD_MAX_M", 8, 2, 47), ("WALK_PRELOAD_MAX_M", 24, 3, 47),
-    ("WALK_HOIST_MAX_M", 12, 2, 53), ("WALK_HOIST_MAX_M", 24, 3, 53),
-])
-def test_walk_preload_and_hoist_write_the_same_bits(monkeypatch, bound, m, split, seed):
-    # WALK_PRELOAD_MAX_M loads each program's first kept block before the dense loop, WALK_HOIST_MAX_M only its
-    # walk's bounds and first column (and multiplies that block first after the loop); rows with none, one or
-    # several blocks, a ragged K (the last block column ends early) and more splits than some rows have blocks
+@pytest.mark.parametrize("m,split", [(8, 2), (24, 3)])
+def test_walk_preload_writes_the_same_bits(monkeypatch, m, split):
+    # WALK_PRELOAD_MAX_M loads each program's first kept block before the dense loop; rows with none, one or several
+    # blocks, a ragged K (the last block column ends early) and more splits than some rows have blocks
     from mosaicquant.kernels import _tiles
 
     n, k, block = 384, 1000, (128, 128)
-    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, 0.3, seed=seed)
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, 0.3, seed=47)
     per_row = torch.diff(residual.row_ptr.long())
     assert per_row.max() >= split and per_row.min() < split
     args = (a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k, _dev(residual),
@@ -368,41 +364,11 @@ def test_walk_preload_and_hoist_write_the_same_bits(monkeypatch, bound, m, split
     config = TileConfig(block_m=16 if m <= 16 else 32, block_n=64, block_kp=128, split_k=split, num_stages=3)
     ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
     outs = {}
-    for on in (False, True):
-        monkeypatch.setattr(_tiles, bound, m if on else 0)
-        if bound == "WALK_HOIST_MAX_M":
-            assert _tiles.walk_hoist(m) is on
-        outs[on] = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-        zipper_gemm_triton(*args, mode="tail", config=config, residual_walk="dot", out=outs[on])
-        assert_close_bf16(outs[on], ref, f"zipper tail, {bound}={m if on else 0}")
+    for preload in (False, True):
+        monkeypatch.setattr(_tiles, "WALK_PRELOAD_MAX_M", m if preload else 0)
+        outs[preload] = zipper_gemm_triton(*args, mode="tail", config=config, residual_walk="dot")
+        assert_close_bf16(outs[preload], ref, f"zipper tail, preload={preload}")
     assert torch.equal(outs[False], outs[True]), f"{(outs[False] != outs[True]).sum()} differ"
-
-
-@needs_triton()
-def test_walk_hoist_applies_between_the_preload_and_its_token_count(monkeypatch):
-    # tail-walk calls above WALK_PRELOAD_MAX_M and up to WALK_HOIST_MAX_M tokens hoist; the dp4a walk never does
-    import importlib
-
-    from mosaicquant.kernels import _tiles
-
-    zmod = importlib.import_module("mosaicquant.kernels.zipper")
-    seen = []
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.append((kwargs["WALK_PRELOAD"], kwargs["WALK_HOIST"]))
-
-    monkeypatch.setattr(zmod, "_zipper_kernel", Spy())
-    monkeypatch.setattr(_tiles, "WALK_HOIST_MAX_M", 32)
-    n, k, block = 256, 512, (128, 128)
-    for m, walk, expected in [(8, "dot", (True, False)), (9, "dot", (False, True)), (32, "dot", (False, True)),
-                              (33, "dot", (False, False)), (4, "dp4a", (False, False))]:
-        a_packed, a_scale, qweight, w_scale, residual, _ = _case(m, n, k, block, 0.3, seed=m)
-        zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
-                           _dev(residual), mode="tail", residual_walk=walk)
-        assert seen[-1] == expected, (m, walk, seen[-1])
-    monkeypatch.setattr(_tiles, "WALK_HOIST_MAX_M", 0)
-    assert not any(_tiles.walk_hoist(m) for m in range(1, 65))
 
 
 @needs_triton()
