@@ -61,6 +61,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mosaicquant.harness.context import QuantContext  # noqa: E402
 from mosaicquant.harness.spec import parse_plugin_spec  # noqa: E402
+from mosaicquant.harness.results import source_fingerprint  # noqa: E402
 from mosaicquant.harness.runtime import FusedDecoder  # noqa: E402
 from mosaicquant.harness.shapes import build_shape_model  # noqa: E402
 from mosaicquant.harness.speedforms import executable, speed_form  # noqa: E402
@@ -328,7 +329,7 @@ def main() -> None:
     with open(os.path.join(args.out, "decode_profile.json"), "w") as f:
         json.dump({"model": args.model, "mode": f"prefill {args.prefill}" if args.prefill else "decode",
                    "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
-                   "rows": records}, f, indent=1)
+                   "source_sha256": source_fingerprint(), "rows": records}, f, indent=1)
     cats = [c for c, _ in CATEGORIES] + ["other"]
     what = (f"µs per prefill of {args.prefill} tokens" if args.prefill
             else f"context {args.context}: µs per decode step")

@@ -435,8 +435,9 @@ def report_checks_and_write(rows: list[dict], out, device) -> None:
 
 def versions(device) -> dict:
     import triton
+    from mosaicquant.harness.results import source_fingerprint
     info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "source_sha256": source_fingerprint()}
     if device.type == "cuda":
         info.update({"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda,
                      "sms": torch.cuda.get_device_properties(device).multi_processor_count})

@@ -5,6 +5,7 @@ Commands:
     ls       list methods, suites, models, corpora
     report   render tables and figures from a results directory
     compare  compare two results directories; exit 1 on a regression (CI)
+    fingerprint  the package source's fingerprint (records' ``git.source_sha256``), of this tree or of commits
 
 Bad input (unknown name, out-of-range option, missing asset, unwritable directory) prints
 one line ``mosaicquant: error: ...`` and exits with code 2, before any long work.
@@ -65,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "than PCT percent and more than the recorded spread; METRIC is a name, a glob "
                           "(decode_tok_s/*) or a name family (decode_tok_s)")
     cmp.add_argument("--json", dest="json_out", help="also write the comparison as JSON to this file")
+
+    fp = sub.add_parser("fingerprint", help="the package source's fingerprint (records' git.source_sha256)",
+                        description="Print the fingerprint of the mosaicquant/*.py sources this command runs from, "
+                                    "or, given git revisions, of each revision's (one 'REV FINGERPRINT' line each): "
+                                    "find the commit a record ran, e.g. with $(git rev-list -n 50 HEAD).")
+    fp.add_argument("revs", nargs="*", help="git revisions of this checkout (default: the files on disk)")
     return p
 
 
@@ -145,6 +152,16 @@ def _cmd_compare(args) -> int:
     return result.exit_code
 
 
+def _cmd_fingerprint(args) -> int:
+    from mosaicquant.harness.results import source_fingerprint
+
+    if not args.revs:
+        print(source_fingerprint())
+    for rev in args.revs:
+        print(f"{rev} {source_fingerprint(rev)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mosaicquant`` console script."""
     parser = build_parser()
@@ -158,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_report(args)
         if args.command == "compare":
             return _cmd_compare(args)
+        if args.command == "fingerprint":
+            return _cmd_fingerprint(args)
     except MosaicQuantError as exc:
         print(f"mosaicquant: error: {exc}", file=sys.stderr)
         return 2

@@ -3,7 +3,9 @@
 A record holds the metric values with their direction ("higher is better"), the full
 configs, what the method reported about itself (bits, KV-cache bits, execution path,
 memory), the calibration set, versions (torch, triton, transformers, CUDA, driver, GPU),
-the git commit, the date and the seed. Records are written atomically (temporary file in
+the git commit and a fingerprint of the package's source (:func:`source_fingerprint`: it names the code
+even where the checkout's git history is not the code's, as on a machine that got a copy of the files),
+the date and the seed. Records are written atomically (temporary file in
 the same folder, fsync, rename), so an interrupted sweep never leaves a half-written one,
 and a rerun skips every cell whose record says ``"status": "ok"``.
 
@@ -36,6 +38,7 @@ __all__ = [
     "load_records",
     "environment",
     "git_info",
+    "source_fingerprint",
     "ensure_writable_dir",
 ]
 
@@ -159,18 +162,61 @@ def load_records(out_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def git_info() -> dict[str, Any]:
-    """Commit and dirty flag of the source tree this package runs from (if it is a git checkout)."""
+    """Commit and dirty flag of the source tree this package runs from (if it is a git checkout), and
+    ``source_sha256``, the fingerprint of the package's source files (:func:`source_fingerprint`)."""
     root = Path(__file__).resolve().parents[2]
+    info: dict[str, Any] = {"commit": None, "dirty": None, "source_sha256": source_fingerprint()}
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
                                 text=True, timeout=10)
         if commit.returncode != 0:
-            return {"commit": None, "dirty": None}
+            return info
         status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
                                 capture_output=True, text=True, timeout=10)
-        return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+        info.update(commit=commit.stdout.strip(), dirty=bool(status.stdout.strip()))
     except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
+        pass
+    return info
+
+
+_PACKAGE = "mosaicquant"
+
+
+def source_fingerprint(commit: str | None = None, root: str | Path | None = None) -> str:
+    """A 16-hex-digit SHA-256 of the package's Python sources: every ``mosaicquant/**/*.py`` file's path
+    (relative to ``root``) and bytes, in path order.
+
+    Two trees with the same sources have the same fingerprint, whatever their git state, so a record's
+    ``git.source_sha256`` names the code it ran even where the checkout's history does not (a copy of the
+    files on another machine, uncommitted edits). ``mosaicquant fingerprint REV`` gives a commit's, to
+    find the one a record ran.
+
+    Args:
+        commit: a git revision of the repository at ``root``: the fingerprint of that commit's files
+            (read with ``git``), instead of the files on disk.
+        root: the repository root holding the ``mosaicquant`` folder (default: this package's parent).
+
+    Raises:
+        UserInputError: ``commit`` is not a revision of that repository, or it holds no package sources.
+    """
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256()
+    if commit is None:
+        paths = sorted(p.relative_to(root).as_posix() for p in (root / _PACKAGE).rglob("*.py")
+                       if "__pycache__" not in p.parts)
+        for rel in paths:
+            digest.update(rel.encode() + b"\0" + (root / rel).read_bytes() + b"\0")
+        return digest.hexdigest()[:16]
+    listing = subprocess.run(["git", "-C", str(root), "ls-tree", "-r", "--name-only", commit, "--", _PACKAGE],
+                             capture_output=True, text=True, timeout=30)
+    paths = sorted(p for p in listing.stdout.splitlines() if p.endswith(".py") and "__pycache__" not in p)
+    if listing.returncode != 0 or not paths:
+        raise UserInputError(f"commit {commit!r}: not a revision holding {_PACKAGE}/ sources in the git repository "
+                             f"at {root}" + (f" ({listing.stderr.strip()})" if listing.stderr.strip() else ""))
+    for rel in paths:
+        blob = subprocess.run(["git", "-C", str(root), "show", f"{commit}:{rel}"], capture_output=True, timeout=30)
+        digest.update(rel.encode() + b"\0" + blob.stdout + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def environment() -> dict[str, Any]:

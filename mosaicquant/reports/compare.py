@@ -41,7 +41,7 @@ from mosaicquant.harness.results import SCHEMA, load_records
 from mosaicquant.reports.cells import Cell, MetricSummary, aggregate_cells, format_number, natural_key
 from mosaicquant.reports.speed import runtime_of
 
-__all__ = ["Threshold", "ComparedMetric", "Comparison", "parse_fail_on", "compare_records", "compare_dirs",
+__all__ = ["Threshold", "ComparedMetric", "Comparison", "parse_fail_on", "compare_records", "compare_dirs", "code_versions",
            "write_json"]
 
 FAIL_ON_EXAMPLE = "e.g. decode_tok_s:5% or 'decode_tok_s/*:5%,linear_us/*:10%'"
@@ -131,6 +131,8 @@ class Comparison:
     only_in_base: list[tuple[str, str, str]] = field(default_factory=list)
     only_in_new: list[tuple[str, str, str]] = field(default_factory=list)
     not_compared: list[tuple[str, str, str, str]] = field(default_factory=list)
+    base_code: list[str] = field(default_factory=list)
+    new_code: list[str] = field(default_factory=list)
 
     @property
     def regressions(self) -> list[ComparedMetric]:
@@ -155,7 +157,8 @@ class Comparison:
         """Human-readable text: header, table, unmatched cells, summary line."""
         from mosaicquant.reports.tables import render_markdown
 
-        lines = [f"base: {self.base_dir}", f"new:  {self.new_dir}", ""]
+        lines = [f"base: {self.base_dir}" + (f" (code: {', '.join(self.base_code)})" if self.base_code else ""),
+                 f"new:  {self.new_dir}" + (f" (code: {', '.join(self.new_code)})" if self.new_code else ""), ""]
         if self.rows:
             lines.append(render_markdown(self.table()))
         else:
@@ -183,6 +186,7 @@ class Comparison:
             rows.append(d)
         return {
             "schema": "mosaicquant.compare/1", "base": self.base_dir, "new": self.new_dir,
+            "base_code": self.base_code, "new_code": self.new_code,
             "fail_on": [asdict(t) for t in self.thresholds], "rows": rows,
             "only_in_base": [list(k) for k in self.only_in_base], "only_in_new": [list(k) for k in self.only_in_new],
             "not_compared": [{"cell": list(k[:3]), "why": k[3]} for k in self.not_compared],
@@ -257,7 +261,8 @@ def compare_records(base_records: list[dict[str, Any]], new_records: list[dict[s
     base_cells, new_cells = aggregate_cells(base_records), aggregate_cells(new_records)
     names = {n for r in base_records + new_records for n in (r.get("metrics") or {})}
     _check_thresholds(thresholds, names, base_dir, new_dir)
-    result = Comparison(base_dir=base_dir, new_dir=new_dir, thresholds=thresholds)
+    result = Comparison(base_dir=base_dir, new_dir=new_dir, thresholds=thresholds,
+                        base_code=code_versions(base_records), new_code=code_versions(new_records))
     result.only_in_base = [k for k in base_cells if k not in new_cells]
     result.only_in_new = [k for k in new_cells if k not in base_cells]
     for key, base in base_cells.items():
@@ -302,6 +307,19 @@ def _load(directory: str | Path) -> list[dict[str, Any]]:
         raise UserInputError(f"results directory {str(directory)!r} holds no result records "
                              f"(JSON files with schema {SCHEMA!r})")
     return records
+
+
+def code_versions(records: list[dict[str, Any]]) -> list[str]:
+    """The distinct code versions behind ``records``, as ``commit[*]/source fingerprint`` (``*``: uncommitted
+    changes; ``?`` where a record predates the field), in order."""
+    seen = []
+    for r in records:
+        git = r.get("git") or {}
+        commit = (git.get("commit") or "?")[:10] + ("*" if git.get("dirty") else "")
+        label = f"{commit}/{git.get('source_sha256') or '?'}"
+        if label not in seen:
+            seen.append(label)
+    return sorted(seen)
 
 
 def compare_dirs(base_dir: str | Path, new_dir: str | Path, fail_on: str | None = None) -> Comparison:

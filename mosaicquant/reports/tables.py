@@ -19,7 +19,7 @@ import pandas as pd
 from mosaicquant.harness.results import load_records
 from mosaicquant.reports.cells import aggregate_cells, format_number, natural_key, record_note
 
-__all__ = ["records_frame", "summary_table", "render_markdown", "write_tables"]
+__all__ = ["records_frame", "summary_table", "render_markdown", "provenance_section", "write_tables"]
 
 #: which metrics a summary shows per suite (names or globs; others stay in the CSV)
 SUMMARY_METRICS = {
@@ -189,6 +189,31 @@ def _speed_sections(records: list[dict[str, Any]]) -> list[str]:
     return parts
 
 
+def provenance_section(records: list[dict[str, Any]]) -> list[str]:
+    """``## Provenance``: the code and machine behind the records, one row per distinct (commit, source
+    fingerprint, GPU, torch, triton), with how many records each produced (empty without records).
+
+    The commit is the checkout's (``*``: uncommitted changes to tracked files); the source fingerprint
+    (:func:`mosaicquant.harness.results.source_fingerprint`) names the package's code even where the checkout's
+    history does not; ``mosaicquant fingerprint REV`` gives a commit's.
+    """
+    counts: dict[tuple, int] = {}
+    for r in records:
+        git, env = r.get("git") or {}, r.get("env") or {}
+        commit = (git.get("commit") or "")[:10] + ("*" if git.get("dirty") else "")
+        key = (commit or "–", git.get("source_sha256") or "–", env.get("gpu") or "CPU", env.get("torch") or "–",
+               env.get("triton") or "–")
+        counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return []
+    lines = ["## Provenance\n", "| commit | source fingerprint | GPU | torch | triton | records |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {' | '.join(key)} | {n} |" for key, n in sorted(counts.items())]
+    if len(counts) > 1:
+        lines.append("\nThese records come from more than one code version or machine.")
+    return lines + [""]
+
+
 def write_tables(results_dir: str | Path, out_path: str | Path | None = None) -> Path:
     """Write ``report.md`` (tables and figures), ``summary.csv``, ``summary.tex`` and ``records_long.csv``.
 
@@ -231,6 +256,7 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
     for fig in figures:
         parts.append(f"![{fig.path.stem}]({fig.path.name})\n")
         parts.append(f"*{fig.caption}*\n")
+    parts.extend(provenance_section(records))
     out_path.write_text("\n".join(parts))
     df.to_csv(results_dir / "summary.csv", index=False)
     records_frame(records).to_csv(results_dir / "records_long.csv", index=False)

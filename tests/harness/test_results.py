@@ -1,13 +1,16 @@
-"""Result records: atomic writes, loading, cell paths."""
+"""Result records: atomic writes, loading, cell paths, the code they ran."""
 
 import json
 import os
+import shutil
+import subprocess
 
 import pytest
 
 from mosaicquant.harness.errors import UserInputError
+from mosaicquant.harness.cli import main
 from mosaicquant.harness.results import (
-    SCHEMA, ensure_writable_dir, environment, load_records, record_path, write_record,
+    SCHEMA, ensure_writable_dir, environment, git_info, load_records, record_path, source_fingerprint, write_record,
 )
 
 
@@ -55,3 +58,46 @@ def test_environment_has_versions():
     env = environment()
     assert env["torch"] and env["python"]
     assert "gpu" in env and "cuda" in env and "driver" in env
+
+
+def _git(root, *args):
+    subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True,
+                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                        "GIT_COMMITTER_EMAIL": "t@t"})
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_source_fingerprint_names_the_code_not_the_checkout(tmp_path):
+    # a repository with a package: the files on disk and the commit holding them have one fingerprint; an edit
+    # changes the tree's and not the commit's; caches and other files do not count
+    pkg = tmp_path / "mosaicquant"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("x = 1\n")
+    (pkg / "sub" / "m.py").write_text("y = 2\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-q", "-m", "one")
+    first = source_fingerprint(root=tmp_path)
+    assert len(first) == 16 and int(first, 16) >= 0
+    assert source_fingerprint("HEAD", root=tmp_path) == first
+    (pkg / "__pycache__").mkdir()
+    (pkg / "__pycache__" / "m.cpython-311.py").write_text("cache")
+    (pkg / "notes.txt").write_text("not code")
+    assert source_fingerprint(root=tmp_path) == first
+    (pkg / "sub" / "m.py").write_text("y = 3\n")
+    edited = source_fingerprint(root=tmp_path)
+    assert edited != first and source_fingerprint("HEAD", root=tmp_path) == first
+    (pkg / "sub" / "m.py").rename(pkg / "m.py")  # the same bytes under another path
+    assert source_fingerprint(root=tmp_path) not in (first, edited)
+    with pytest.raises(UserInputError, match="'nosuch': not a revision holding mosaicquant/ sources"):
+        source_fingerprint("nosuch", root=tmp_path)
+
+
+def test_records_carry_the_source_fingerprint(capsys):
+    info = git_info()
+    assert info["source_sha256"] == source_fingerprint()
+    assert set(info) == {"commit", "dirty", "source_sha256"}
+    assert main(["fingerprint"]) == 0
+    assert capsys.readouterr().out.strip() == info["source_sha256"]
+    assert main(["fingerprint", "no-such-revision-here"]) == 2
+    assert "not a revision holding mosaicquant/ sources" in capsys.readouterr().err

@@ -8,7 +8,7 @@ DEFAULT_INFO = {"wbits": 4, "abits": 4, "kv_bits": 16, "exec_path": "triton (Zip
 
 
 def _write(out_dir, model, method, suite, metrics=None, *, seed=0, status="ok", config=None, info=None,
-           error=None, reason=None, method_name=None, suite_config=None):
+           error=None, reason=None, method_name=None, suite_config=None, git=None, env=None):
     """Write one record; ``metrics`` maps a name to ``Metric`` arguments ``(value, higher_is_better, unit, spread)``."""
     record = {
         "schema": SCHEMA,
@@ -23,6 +23,10 @@ def _write(out_dir, model, method, suite, metrics=None, *, seed=0, status="ok", 
     }
     if reason is not None:
         record["reason"] = reason
+    if git is not None:
+        record["git"] = git
+    if env is not None:
+        record["env"] = env
     return write_record(record_path(out_dir, model, method, suite, seed), record)
 
 

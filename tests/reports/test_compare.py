@@ -168,3 +168,20 @@ def test_a_changed_decoder_runtime_is_named_next_to_the_verdict(tmp_path, write_
     assert "improved (decoder runtime changed: base not recorded, new fused)" in _row(out, "rtn", "decode_tok_s/b4")
     # per-layer latency does not depend on the decoder runtime
     assert "runtime" not in _row(out, "rtn", "linear_us/qkv_proj/m1")
+
+
+def test_each_side_names_the_code_its_records_ran(tmp_path, write_cell, speed_metrics, capsys):
+    throughput, _ = speed_metrics
+    base, new = tmp_path / "base", tmp_path / "new"
+    old = {"commit": "aaaaaaaaaaaaaaaa", "dirty": False, "source_sha256": "1111222233334444"}
+    write_cell(base, MODEL, "rtn", "throughput", throughput({4: 1000.0}), git=old)
+    write_cell(new, MODEL, "rtn", "throughput", throughput({4: 990.0}),
+               git={"commit": "bbbbbbbbbbbbbbbb", "dirty": True, "source_sha256": "5555666677778888"})
+    write_cell(new, MODEL, "fp16", "throughput", throughput({4: 400.0}))  # a record from before the field
+    assert main(["compare", str(base), str(new), "--json", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"base: {base} (code: aaaaaaaaaa/1111222233334444)" in out
+    assert f"new:  {new} (code: ?/?, bbbbbbbbbb*/5555666677778888)" in out
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert saved["base_code"] == ["aaaaaaaaaa/1111222233334444"]
+    assert saved["new_code"] == ["?/?", "bbbbbbbbbb*/5555666677778888"]

@@ -257,3 +257,23 @@ def test_labels_of_nearby_points_do_not_overlap():
     covered = [(i, j) for i, b in enumerate(boxes) for j, (mx, my) in enumerate(markers)
                if i != j and b.contains(mx, my)]
     assert not covered, covered
+
+
+def test_provenance_names_the_code_and_machine_of_each_record(tmp_path, write_cell, speed_metrics):
+    throughput, _ = speed_metrics
+    gpu = {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0"}
+    code = {"commit": "0123456789abcdef", "dirty": False, "source_sha256": "aaaabbbbccccdddd"}
+    write_cell(tmp_path, "m", "fp16", "throughput", throughput({4: 100.0}), git=code, env=gpu)
+    write_cell(tmp_path, "m", "rtn", "throughput", throughput({4: 180.0}), git=code, env=gpu)
+    report = write_tables(tmp_path).read_text()
+    section = report[report.index("## Provenance"):]
+    assert "| 0123456789 | aaaabbbbccccdddd | NVIDIA H200 | 2.11.0 | 3.6.0 | 2 |" in section
+    assert "more than one code version" not in section
+    # a record of other code (uncommitted edits) and one written before records had these fields
+    write_cell(tmp_path, "m", "quarot", "throughput", throughput({4: 170.0}),
+               git={**code, "dirty": True, "source_sha256": "eeeeffff00001111"}, env=gpu)
+    write_cell(tmp_path, "m", "mosaicquant", "throughput", throughput({4: 160.0}))
+    section = write_tables(tmp_path).read_text().split("## Provenance")[1]
+    assert "| 0123456789* | eeeeffff00001111 | NVIDIA H200 | 2.11.0 | 3.6.0 | 1 |" in section
+    assert "| – | – | CPU | – | – | 1 |" in section
+    assert "These records come from more than one code version or machine." in section
