@@ -24,7 +24,7 @@ __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MI
            "DENSE_GATED_MAX_M", "DENSE_GATED_MAXNREG", "DENSE_PREFETCH_MIB", "ZIPPER_PREFETCH_MIB",
            "WIDE_K_DECODE_MIN_M", "TAIL_WIDE_K_MIN_M", "TAIL_WIDE_K_MAX_M", "WIDE_DECODE_MAX_M", "DENSE_WIDE_MAX_M",
            "DENSE_WIDE_MIN_TILES_PER_SM", "DENSE_WIDE_MAX_TILES_PER_SM", "WALK_STAGES", "WALK_STAGES_MIN_M",
-           "WALK_UNITS", "WALK_UNITS_MIN_SPLIT", "maxnreg_launch", "walk_stages", "walk_units",
+           "maxnreg_launch", "walk_stages",
            "wide_decode",
            "parallel_mode", "parallel_residual",
            "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
@@ -291,14 +291,6 @@ WALK_STAGES_MIN_M = 17
 # (gate/up's 8-warp tiles at 32 tokens: 128 -> 172 registers a thread, two waves). Its tail calls at 5-8 tokens are
 # o_proj and down_proj. GEMM alone, without PDL, it was level to 5 % slower at 8-32 tokens.
 WALK_PRELOAD_MAX_M = 8
-# ZipperEngine's tail walk on tensor-core dots deals a block row's kept blocks to the row's split-K programs in
-# units of a block's packed columns, WALK_UNITS a block (1: whole blocks), on tiles split at least
-# WALK_UNITS_MIN_SPLIT ways. Being measured (benchmarks/NOTES.md v35): with whole blocks a row's ~3 blocks at 10 %
-# land on 3 of its 8 programs (o_proj), and those set the kernel's time.
-WALK_UNITS = 1
-WALK_UNITS_MIN_SPLIT = 2
-# the narrowest unit, packed bytes (the int8 dots' K of 32 values a nibble half)
-WALK_UNIT_MIN_BYTES = 32
 
 # ZipperEngine's "auto" mode runs the kept blocks in programs of their own ("parallel": one per block
 # and 64- or 128-row slice, summed into the dense tiles' counted fix-up) for calls of PARALLEL_MIN_M to
@@ -346,15 +338,6 @@ DENSE_GATED_MAX_M = 16
 # 80 under the cap, with no spills. GEMM alone (v17, M = 4 / 16, us): 21.31 / 21.63 capped at 80 against
 # 21.07 / 21.60: not capped.
 DENSE_GATED_MAXNREG = 0
-
-
-def walk_units(split: int, block_bytes: int, use_dot: bool = True) -> int:
-    """Units a kept block is dealt in by the tail walk of a call split ``split`` ways over K, on blocks of
-    ``block_bytes`` packed columns (``WALK_UNITS`` where the split and the unit's width allow, else 1)."""
-    units = WALK_UNITS if use_dot and split >= WALK_UNITS_MIN_SPLIT else 1
-    while units > 1 and (block_bytes % units or block_bytes // units < WALK_UNIT_MIN_BYTES):
-        units //= 2
-    return max(units, 1)
 
 
 def walk_stages(m: int) -> int | None:

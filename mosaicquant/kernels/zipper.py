@@ -142,16 +142,12 @@ def _zipper_kernel(
     USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     X16: tl.constexpr = False, DP4A_TOKENS: tl.constexpr = 0,
     FOLD: tl.constexpr = 0, FHB: tl.constexpr = 64, FSPLIT8: tl.constexpr = False, LATE_SIGNAL: tl.constexpr = False,
-    WALK_STAGES: tl.constexpr = None, WALK_PRELOAD: tl.constexpr = False, UNITS: tl.constexpr = 1,
+    WALK_STAGES: tl.constexpr = None, WALK_PRELOAD: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    # The tail walk deals its block row's kept blocks to the row's split-K programs in units of UK packed bytes,
-    # UNITS a block (unit u: block u // UNITS, bytes (u % UNITS) * UK on): round-robin, so a row's few blocks
-    # spread over more of its programs (the slowest program sets the kernel's time).
-    UK: tl.constexpr = BKP_RES // UNITS
-    # the tail walk's first unit loaded before the dense loop (one chunk a unit: RKP == UK)
-    PRE: tl.constexpr = MODE == 2 and DP4A_TOKENS == 0 and WALK_PRELOAD and RKP == UK
+    # the tail walk's first block loaded before the dense loop (one chunk a block: RKP == BKP_RES)
+    PRE: tl.constexpr = MODE == 2 and DP4A_TOKENS == 0 and WALK_PRELOAD and RKP == BKP_RES
     # out-of-range rows/channels read wrapped indices instead (safe_*, _tl.in_range; their results are never stored)
     pid_m, pid_n, offs_m, offs_n, safe_m, safe_n = tile_indices(pid, M, N, BM, BN, GROUP_M)
     block_row = (pid_n * BN) // BN_RES
@@ -170,25 +166,22 @@ def _zipper_kernel(
             p_first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
             p_last = tl.load(row_ptr_ptr + block_row + 1).to(tl.int64)
             first_row = tl.zeros([1], dtype=tl.int64) + (pid_n * BN - block_row * BN_RES)
-            for u in range(p_first * UNITS + pid_k, p_last * UNITS, SPLIT_K):
-                prefetch_rows_l2(res_val_ptr + (u // UNITS) * (BN_RES * BKP_RES), first_row, BKP_RES, 0,
-                                 BN * BKP_RES, LINES=8)
+            for p in range(p_first + pid_k, p_last, SPLIT_K):
+                prefetch_rows_l2(res_val_ptr + p * (BN_RES * BKP_RES), first_row, BKP_RES, 0, BN * BKP_RES, LINES=8)
     if MODE == 2 and DP4A_TOKENS > 0:
         res_first, res_last, res_col, res_r, res_s = residual_dp4a_begin(
             row_ptr_ptr, coords_ptr, res_words_ptr, res_scale_ptr, pid_n, pid_k, offs_n, BN, BN_RES, BKP_RES // 4)
-    if PRE:  # the unit's coordinates, integers and scales do not depend on the kernel before us
-        u0 = tl.load(row_ptr_ptr + block_row).to(tl.int64) * UNITS + pid_k
-        has0 = u0 < tl.load(row_ptr_ptr + block_row + 1).to(tl.int64) * UNITS
-        u0 = tl.where(has0, u0, 0)
-        p0 = u0 // UNITS
-        off0 = (u0 % UNITS) * UK
+    if PRE:  # the block's coordinates, integers and scales do not depend on the kernel before us
+        p0 = tl.load(row_ptr_ptr + block_row).to(tl.int64) + pid_k
+        has0 = p0 < tl.load(row_ptr_ptr + block_row + 1).to(tl.int64)
+        p0 = tl.where(has0, p0, 0)
         col0 = tl.load(coords_ptr + 2 * p0 + 1, mask=has0, other=0)
-        r0 = tl.load(res_val_ptr + p0 * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES
-                     + (off0 + tl.arange(0, RKP))[:, None], mask=has0, other=0)
+        r0 = tl.load(res_val_ptr + p0 * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES + tl.arange(0, RKP)[:, None],
+                     mask=has0, other=0)
         s0 = tl.load(res_scale_ptr + p0 * BN_RES + res_rows, mask=has0, other=0.0).to(tl.float32)
     wait_for_inputs(PDL)
     if PRE:
-        kp0 = col0 * BKP_RES + off0 + tl.arange(0, RKP)
+        kp0 = col0 * BKP_RES + tl.arange(0, RKP)
         a0 = tl.load(a_ptr + safe_m[:, None] * stride_am + kp0[None, :], mask=has0 & (kp0[None, :] < KP), other=0)
     offs_kp = step_begin * BKP + tl.arange(0, BKP)
     a_ptrs = a_ptr + safe_m[:, None] * stride_am + offs_kp[None, :]
@@ -239,21 +232,19 @@ def _zipper_kernel(
         # int64 bounds keep the block offsets below in 64-bit arithmetic.
         first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
         last = tl.load(row_ptr_ptr + block_row + 1).to(tl.int64)
-        u_begin = first * UNITS + pid_k
-        if PRE:  # its loads were issued before the dense loop (an absent unit: zeros, adding nothing)
+        p_begin = first + pid_k
+        if PRE:  # its loads were issued before the dense loop (an absent block: zeros, adding nothing)
             r_acc = mac_int4(tl.zeros([BM, BN], dtype=tl.int32), a0, r0, USE_DOT, USE_ASM, X16)
             y += r_acc.to(tl.float32) * s0[None, :]
-            u_begin += SPLIT_K
-        for u in tl.range(u_begin, last * UNITS, SPLIT_K, num_stages=WALK_STAGES):
-            p = u // UNITS
-            off = (u % UNITS) * UK
+            p_begin += SPLIT_K
+        for p in tl.range(p_begin, last, SPLIT_K, num_stages=WALK_STAGES):
             block_col = tl.load(coords_ptr + 2 * p + 1)
             r_acc = tl.zeros([BM, BN], dtype=tl.int32)
-            for chunk in tl.static_range(0, UK, RKP):
-                kp = block_col * BKP_RES + off + chunk + tl.arange(0, RKP)
+            for chunk in tl.static_range(0, BKP_RES, RKP):
+                kp = block_col * BKP_RES + chunk + tl.arange(0, RKP)
                 a = tl.load(a_ptr + safe_m[:, None] * stride_am + kp[None, :], mask=kp[None, :] < KP, other=0)
                 r = tl.load(res_val_ptr + p * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES
-                            + (off + chunk + tl.arange(0, RKP))[:, None])
+                            + (chunk + tl.arange(0, RKP))[:, None])
                 r_acc = mac_int4(r_acc, a, r, USE_DOT, USE_ASM, X16)
             r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows).to(tl.float32)
             y += r_acc.to(tl.float32) * r_scale[None, :]
@@ -548,8 +539,6 @@ def zipper_gemm_triton(
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = cfg.split_k if tiles <= LOCK_SLOTS and cfg.split_k * m * n < 2**31 else 1
     part = torch.empty(split, m, n, dtype=torch.float32, device=out.device) if split > 1 else out
-    units = _tiles.walk_units(split, bk_res // 2, cfg.use_dot) if fuse == "tail" and not dp4a_tokens else 1
-    rkp = min(rkp, bk_res // 2 // units)
     if pdl is None and not pdl_default(m, n, kp):
         pdl = False
     pdl = use_pdl(a_packed.device, pdl)
@@ -602,7 +591,7 @@ def zipper_gemm_triton(
         PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
         X16=bool(x16) and cfg.use_dot and k < X16_MAX_K, DP4A_TOKENS=dp4a_tokens,
         WALK_STAGES=walk_stages(m) if fuse == "tail" and not dp4a_tokens else None,
-        WALK_PRELOAD=fuse == "tail" and not dp4a_tokens and 0 < m <= _tiles.WALK_PRELOAD_MAX_M, UNITS=units,
+        WALK_PRELOAD=fuse == "tail" and not dp4a_tokens and 0 < m <= _tiles.WALK_PRELOAD_MAX_M,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl), **fold_consts,
     )
     return out

@@ -372,35 +372,6 @@ def test_walk_preload_writes_the_same_bits(monkeypatch, m, split):
 
 
 @needs_triton()
-@pytest.mark.parametrize("m,split,block,units,preload", [
-    (8, 2, (128, 128), 2, True),     # the preloaded first unit is half a block
-    (24, 3, (128, 128), 2, False),   # more splits than some rows have units
-    (12, 4, (64, 256), 4, False),    # four 32-byte units a block, a ragged last block column
-])
-def test_walk_units_deal_parts_of_blocks_over_the_splits(monkeypatch, m, split, block, units, preload):
-    # WALK_UNITS deals each kept block to the row's split-K programs in parts: against the reference (the sums are
-    # grouped differently from whole blocks, so close, not the same bits), every unit of every block counted once
-    from mosaicquant.kernels import _tiles
-
-    n, k = 384, 1000
-    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, 0.3, seed=61 + m)
-    args = (a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k, _dev(residual),
-            bias.to(DEVICE))
-    config = TileConfig(block_m=16 if m <= 16 else 32, block_n=64, block_kp=128, split_k=split, num_stages=3)
-    ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
-    monkeypatch.setattr(_tiles, "WALK_PRELOAD_MAX_M", m if preload else 0)
-    monkeypatch.setattr(_tiles, "WALK_UNITS", units)
-    assert _tiles.walk_units(split, block[1] // 2) == units
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    zipper_gemm_triton(*args, mode="tail", config=config, residual_walk="dot", out=out)
-    assert_close_bf16(out, ref, f"zipper tail, {units} units a block, split {split}")
-    # the rule: unsplit calls keep whole blocks; no unit narrower than 32 packed bytes
-    assert _tiles.walk_units(1, 64) == 1
-    monkeypatch.setattr(_tiles, "WALK_UNITS", 4)
-    assert _tiles.walk_units(8, 64) == 2 and _tiles.walk_units(8, 128) == 4 and _tiles.walk_units(8, 64, False) == 1
-
-
-@needs_triton()
 def test_walk_preload_applies_up_to_its_token_count(monkeypatch):
     # the default rule: tail-walk calls of at most WALK_PRELOAD_MAX_M tokens preload, larger ones do not, and the
     # dp4a walk (no tensor-core walk to preload) does not; 0 switches it off
