@@ -207,15 +207,20 @@ def source_fingerprint(commit: str | None = None, root: str | Path | None = None
         for rel in paths:
             digest.update(rel.encode() + b"\0" + (root / rel).read_bytes() + b"\0")
         return digest.hexdigest()[:16]
-    listing = subprocess.run(["git", "-C", str(root), "ls-tree", "-r", "--name-only", commit, "--", _PACKAGE],
-                             capture_output=True, text=True, timeout=30)
-    paths = sorted(p for p in listing.stdout.splitlines() if p.endswith(".py") and "__pycache__" not in p)
-    if listing.returncode != 0 or not paths:
-        raise UserInputError(f"commit {commit!r}: not a revision holding {_PACKAGE}/ sources in the git repository "
-                             f"at {root}" + (f" ({listing.stderr.strip()})" if listing.stderr.strip() else ""))
-    for rel in paths:
-        blob = subprocess.run(["git", "-C", str(root), "show", f"{commit}:{rel}"], capture_output=True, timeout=30)
-        digest.update(rel.encode() + b"\0" + blob.stdout + b"\0")
+    try:
+        listing = subprocess.run(["git", "-C", str(root), "ls-tree", "-r", "--name-only", commit, "--", _PACKAGE],
+                                 capture_output=True, text=True, timeout=30)
+        paths = sorted(p for p in listing.stdout.splitlines() if p.endswith(".py") and "__pycache__" not in p)
+        if listing.returncode != 0 or not paths:
+            raise UserInputError(f"commit {commit!r}: not a revision holding {_PACKAGE}/ sources in the git "
+                                 f"repository at {root}"
+                                 + (f" ({listing.stderr.strip()})" if listing.stderr.strip() else ""))
+        for rel in paths:
+            blob = subprocess.run(["git", "-C", str(root), "show", f"{commit}:{rel}"], capture_output=True,
+                                  timeout=30, check=True)
+            digest.update(rel.encode() + b"\0" + blob.stdout + b"\0")
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise UserInputError(f"commit {commit!r}: git could not read it at {root} ({exc})") from None
     return digest.hexdigest()[:16]
 
 

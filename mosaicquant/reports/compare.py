@@ -41,8 +41,8 @@ from mosaicquant.harness.results import SCHEMA, load_records
 from mosaicquant.reports.cells import Cell, MetricSummary, aggregate_cells, format_number, natural_key
 from mosaicquant.reports.speed import runtime_of
 
-__all__ = ["Threshold", "ComparedMetric", "Comparison", "parse_fail_on", "compare_records", "compare_dirs", "code_versions",
-           "write_json"]
+__all__ = ["Threshold", "ComparedMetric", "Comparison", "parse_fail_on", "compare_records", "compare_dirs",
+           "code_versions", "write_json"]
 
 FAIL_ON_EXAMPLE = "e.g. decode_tok_s:5% or 'decode_tok_s/*:5%,linear_us/*:10%'"
 
@@ -311,7 +311,7 @@ def _load(directory: str | Path) -> list[dict[str, Any]]:
 
 def code_versions(records: list[dict[str, Any]]) -> list[str]:
     """The distinct code versions behind ``records``, as ``commit[*]/source fingerprint`` (``*``: uncommitted
-    changes; ``?`` where a record predates the field), in order."""
+    changes; ``?`` where a record predates the field), sorted."""
     seen = []
     for r in records:
         git = r.get("git") or {}

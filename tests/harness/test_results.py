@@ -101,3 +101,13 @@ def test_records_carry_the_source_fingerprint(capsys):
     assert capsys.readouterr().out.strip() == info["source_sha256"]
     assert main(["fingerprint", "no-such-revision-here"]) == 2
     assert "not a revision holding mosaicquant/ sources" in capsys.readouterr().err
+
+
+def test_source_fingerprint_of_a_commit_without_git_says_so(monkeypatch):
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory", "git")
+
+    monkeypatch.setattr(subprocess, "run", no_git)
+    with pytest.raises(UserInputError, match="'HEAD': git could not read it"):
+        source_fingerprint("HEAD")
+    assert len(source_fingerprint()) == 16  # the files on disk need no git
