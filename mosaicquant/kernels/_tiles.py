@@ -427,8 +427,8 @@ def swapped_rem_split(tiles: int, k_steps: int, device: torch.device, most: int 
     ``r·F <= S`` and ``k_steps / F`` at least :data:`SWAP_REM_SPLIT_MIN_STEPS`.
 
     Example: 640 tiles (Qwen3-14B's o_proj at 2048 tokens) over 264 programs are 2 waves and 112 tiles (42 %); split
-    2 ways those 112 run as 224 programs, each half as long. The rule
-    leaves it whole: 40 K steps a tile are 20 a split; it splits down_proj's 640 tiles (136 K steps) 2 ways.
+    2 ways those 112 run as 224 programs, each half as long. The rule leaves it whole: 40 K steps a tile are 20 a
+    split; it splits down_proj's 640 tiles (136 K steps) 2 ways.
     """
     most = SWAP_REM_SPLIT_MAX if most is None else most
     slots = _prefill_slots(device)
