@@ -12,8 +12,9 @@ output tiles fill the GPU: :func:`mosaicquant.kernels._tiles.swapped_prefill`) q
 activations to the ``"split8"`` int8 layout instead and run the operand-swapped GEMM
 (:func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_swapped_triton`; the residual blocks, if any,
 fused in its tail: the ``"shared"`` walk into the dense accumulator where the residual's scales are
-the base's times powers of two, :func:`mosaicquant.methods.format.residual_shifts`, else the FP8
-walk): the same integers and scales, the same result up to float rounding
+the base's times powers of two, :func:`mosaicquant.methods.format.residual_shifts`, the ``"merged"`` walk
+where those powers are at most ``2^-3`` (a kept unit's base and residual one int8 operand, built once here;
+:data:`MERGED_WALK`), else the FP8 walk): the same integers and scales, the same result up to float rounding
 (``benchmarks/NOTES.md``, v7, v8, v10). The unfused pipeline always keeps the packed path.
 Layers without residual blocks also run decode calls of ``swap_decode`` tokens (16-32) that way,
 at decode tiles (v10), but for those of ``_tiles.WIDE_K_DECODE_MIN_M`` to 16 tokens (v17); layers
@@ -53,7 +54,10 @@ from mosaicquant.kernels.act_quant import quantize_activations, quantize_activat
 from mosaicquant.kernels.gemv import GEMV_MAX_M, gemv_quantize_triton, gemv_reason, gemv_triton
 from mosaicquant.kernels.residual_gemm import residual_add
 from mosaicquant.kernels.w4a4_gemm import (
+    MERGED_MAX_SHIFT,
+    dense_step_table,
     gated_shape_reason,
+    merged_residual_operand,
     swapped_residual_reason,
     w4a4_gemm,
     w4a4_gemm_reference,
@@ -72,6 +76,9 @@ from mosaicquant.kernels.zipper import (
 from mosaicquant.methods.format import PackedW4, ResidualBlocks, residual_shifts
 
 __all__ = ["QuantLinear"]
+
+# run the swapped GEMM's "merged" walk where a layer has its operands (shifts <= 3); False: the "shared" walk
+MERGED_WALK = True
 
 
 class QuantLinear(nn.Module):
@@ -200,6 +207,15 @@ class QuantLinear(nn.Module):
             # blocks into its dense accumulator (residual_walk="shared")
             self.register_buffer("res_shifts", residual_shifts(residual, self.w_scale))
         self.swap_ok = residual is None or (self.fused and swapped_residual_reason(self.block_shape) is None)
+        # shifts of at most 3 (MosaicQuant's rscale_max_shift=3): each kept unit's base and residual as one int8
+        # operand, and the dense steps the kept blocks leave, for the swapped GEMM's "merged" walk (its calls at
+        # 64-byte K steps; kept alongside the packed residual, which the decode kernels read)
+        self.register_buffer("res_merged", None)
+        self.register_buffer("res_steps", None)
+        if (residual is not None and self.swap_ok and self.res_shifts is not None
+                and int(self.res_shifts.max()) <= MERGED_MAX_SHIFT):
+            self.res_merged = merged_residual_operand(self.qweight, k, residual, self.res_shifts)
+            self.res_steps = dense_step_table(residual, k)
         # the layer's side of gemv_reason (K, block shape) is fixed: decided once; the route then checks M only
         self.gemv_ok = (residual is None or self.fused) and gemv_reason(1, k, residual) is None
 
@@ -223,10 +239,12 @@ class QuantLinear(nn.Module):
         def size(*names):
             return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in names)
         out = {"base_values": size("qweight"), "base_scales": size("w_scale"), "residual_values": 0,
-               "residual_scales": 0, "residual_indices": 0}
+               "residual_scales": 0, "residual_indices": 0, "exec_operands": 0}
         if self.block_shape is not None:
             out.update(residual_values=size("res_values"), residual_scales=size("res_scales"),
                        residual_indices=size("res_coords", "res_row_ptr"))
+        if self.res_merged is not None:  # the merged walk's copies, resident beside the format
+            out["exec_operands"] = size("res_merged", "res_steps")
         return out
 
     def extra_repr(self) -> str:
@@ -370,10 +388,13 @@ class QuantLinear(nn.Module):
     def forward_split8(self, a_split: torch.Tensor, a_scale: torch.Tensor) -> torch.Tensor:
         """The swapped GEMM on ``"split8"`` activations ``int8 [M, split8_width(K)]`` + ``[M]`` scales → BF16 ``[M, N]``."""
         _, tiles = self._swap_call(a_split.shape[0])
-        shared = self.block_shape is not None and self.res_shifts is not None
+        walk = {}
+        if self.block_shape is not None and self.res_shifts is not None:
+            walk = {"residual_walk": "shared", "residual_shifts": self.res_shifts}
+            if self.res_merged is not None and MERGED_WALK and tiles.get("block_kp", 64) == 64:
+                walk.update(residual_walk="merged", residual_operand=self.res_merged, dense_steps=self.res_steps)
         return w4a4_gemm_swapped_triton(a_split, a_scale, self.qweight, self.w_scale, self.in_features, self.bias,
-                                        residual=self.residual, **tiles,
-                                        **({"residual_walk": "shared", "residual_shifts": self.res_shifts} if shared else {}))
+                                        residual=self.residual, **tiles, **walk)
 
     def forward_quantized(self, a_packed: torch.Tensor, a_scale: torch.Tensor, backend: str,
                           gated: bool = False, fold: NormFold | None = None) -> torch.Tensor:

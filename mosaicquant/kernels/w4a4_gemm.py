@@ -96,7 +96,8 @@ from mosaicquant.methods.format import residual_shifts as residual_shifts_of
 
 __all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_swapped_triton", "w4a4_gemm_reference", "check_gemm_args",
            "check_weight_args",
-           "swapped_residual_reason", "gated_shape_reason", "silu_mul_halves", "RESIDUAL_WALKS"]
+           "swapped_residual_reason", "gated_shape_reason", "silu_mul_halves", "RESIDUAL_WALKS",
+           "shifted_residual_operand", "merged_residual_operand", "dense_step_table", "MERGED_MAX_SHIFT"]
 
 FP8_TAIL_MAX_REGS = 128
 # the "shared" walk's register cap at prefill tiles (None: the compiler's choice)
@@ -108,7 +109,14 @@ SHARED_TAIL_STAGES: int | None = 2
 # Both operands unpacked as 16 q: |acc| <= 64 * 256 * K stays below 2**31 up to this K.
 X16_MAX_K = 2**17
 # how the swapped GEMM multiplies residual blocks (RES_MODE 1, 2, 3); "shared" needs power-of-two scales
-RESIDUAL_WALKS = ("int8", "fp8", "shared")
+RESIDUAL_WALKS = ("int8", "fp8", "shared", "shifted", "merged")
+# the largest shift j (scale s_w * 2^-j) the "merged" walk takes: 8 q + 2^(3-j) r must be an integer within int8
+MERGED_MAX_SHIFT = 3
+# software-pipelining depth of the "merged" walk's dense loop: its step index is a load the tiles' loads depend on,
+# and at the launch's 3 stages the compiler keeps one weight buffer and waits for every copy each step. On the H200
+# (Llama-3-8B linears, M = 512-8192, GEMM alone; benchmarks/NOTES.md v36) 3 and 4 ran 20-60 % slower than 5, and 7
+# level with 5 to 4 % faster (6 between)
+MERGED_DENSE_STAGES = 7
 
 
 @triton.jit
@@ -163,6 +171,15 @@ def _unit_k0(coords_ptr, first, u, units, BKP_RES: tl.constexpr):
 
 
 @triton.jit
+def _unit_activations(a_ptr, u, units, k0, safe_m, stride_am, KS):
+    """The two split8 activation tiles (even, odd values) of residual unit ``u`` starting at K index ``k0``."""
+    half = tl.arange(0, 64)
+    a_blk = a_ptr + safe_m[None, :] * stride_am + k0 + half[:, None]
+    inside = (u < units) & (k0 < KS)  # a ragged last block column ends early
+    return tl.load(a_blk, mask=inside, other=0), tl.load(a_blk + 64, mask=inside, other=0)
+
+
+@triton.jit
 def _residual_unit(a_ptr, res_val_ptr, res_scale_ptr, first, u, units, k0, safe_m, res_rows, stride_am, KS,
                    BN_RES: tl.constexpr, BKP_RES: tl.constexpr):
     """Unit ``u`` (starting at K index ``k0``): its two activation tiles, packed residual rows and scales.
@@ -173,10 +190,7 @@ def _residual_unit(a_ptr, res_val_ptr, res_scale_ptr, first, u, units, k0, safe_
     p = first + u // (BKP_RES // 64)
     chunk = (u % (BKP_RES // 64)) * 64
     half = tl.arange(0, 64)
-    a_blk = a_ptr + safe_m[None, :] * stride_am + k0 + half[:, None]
-    inside = valid & (k0 < KS)  # a ragged last block column ends early
-    a_even = tl.load(a_blk, mask=inside, other=0)
-    a_odd = tl.load(a_blk + 64, mask=inside, other=0)
+    a_even, a_odd = _unit_activations(a_ptr, u, units, k0, safe_m, stride_am, KS)
     r = tl.load(res_val_ptr + p * (BN_RES * BKP_RES) + res_rows[:, None] * BKP_RES + chunk + half[None, :],
                 mask=valid, other=0)
     r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows, mask=valid, other=0)  # scales (or shifts) as stored
@@ -194,10 +208,10 @@ def _residual_mac(y, a_even, a_odd, r, r_scale, BN: tl.constexpr, BM: tl.constex
 @triton.jit
 def _w4a4_swapped_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
-    row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+    row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
     M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, N_DIRECT, N_WHOLE,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, RES_MODE: tl.constexpr,
-    BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr,
+    BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr, DENSE_STAGES: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
     BKP: tl.constexpr = 64, SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, X16: tl.constexpr = False,
     E4M3_ASM: tl.constexpr = False, TAIL_BM: tl.constexpr = 0, REM_SPLIT: tl.constexpr = 1,
@@ -220,32 +234,32 @@ def _w4a4_swapped_kernel(
         if pid < N_WHOLE:
             _swapped_dispatch(
                 pid, 0, 0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
-                row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+                row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
                 M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-                TAIL_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, 1, PDL, X16, E4M3_ASM, TAIL_BM, False)
+                TAIL_STAGES, DENSE_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, 1, PDL, X16, E4M3_ASM, TAIL_BM, False)
         else:
             q = pid - N_WHOLE
             _swapped_dispatch(
                 N_DIRECT + q // REM_SPLIT, q % REM_SPLIT, q // REM_SPLIT, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr,
                 bias_ptr, out_ptr, part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
-                res_shift_ptr, M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE,
-                BN_RES, BKP_RES, TAIL_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, REM_SPLIT, PDL, X16, E4M3_ASM, TAIL_BM,
+                res_aux_ptr, M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE,
+                BN_RES, BKP_RES, TAIL_STAGES, DENSE_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, REM_SPLIT, PDL, X16, E4M3_ASM, TAIL_BM,
                 True)
     else:
         _swapped_dispatch(
             pid, tl.program_id(1), 0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
-            row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+            row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
             M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-            TAIL_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, TAIL_BM, False)
+            TAIL_STAGES, DENSE_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, TAIL_BM, False)
 
 
 @triton.jit
 def _swapped_dispatch(
     pid, pid_k, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
-    row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+    row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
     M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, RES_MODE: tl.constexpr,
-    BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr,
+    BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr, DENSE_STAGES: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
     BKP: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, X16: tl.constexpr,
     E4M3_ASM: tl.constexpr, TAIL_BM: tl.constexpr, COMPACT: tl.constexpr,
@@ -257,31 +271,31 @@ def _swapped_dispatch(
         if tile_slot < N_FULL:
             _swapped_tile(
                 pid, pid_k, pid_n, tile_slot * BM, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-                part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+                part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
                 M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-                TAIL_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM)
+                TAIL_STAGES, DENSE_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM)
         else:
             _swapped_tile(
                 pid, pid_k, pid_n, N_FULL * BM, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-                part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+                part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
                 M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-                TAIL_STAGES, BN, TAIL_BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM)
+                TAIL_STAGES, DENSE_STAGES, BN, TAIL_BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM)
     else:
         pid_n, pid_m = tile_coords(pid, N, M, BN, BM, GROUP_N)
         _swapped_tile(
             pid, pid_k, pid_n, pid_m * BM, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-            part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+            part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
             M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-            TAIL_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM)
+            TAIL_STAGES, DENSE_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM)
 
 
 @triton.jit
 def _swapped_tile(
     pid, pid_k, pid_n, m0, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
-    row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_shift_ptr,
+    row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
     M, N, KP, KS, stride_am, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, RES_MODE: tl.constexpr,
-    BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr,
+    BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr, DENSE_STAGES: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, USE_ASM: tl.constexpr,
     BKP: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, X16: tl.constexpr, E4M3_ASM: tl.constexpr,
     COMPACT: tl.constexpr = False, SLOT_BM: tl.constexpr = 0,
@@ -309,24 +323,57 @@ def _swapped_tile(
     w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     wait_for_inputs(PDL)  # the activations come from the kernel before us
     acc = tl.zeros([BN, BM], dtype=tl.int32)
-    for step in range(step_begin, step_end):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            a_even = tl.load(a_ptrs)  # the split8 rows are padded to whole blocks
-            a_odd = tl.load(a_ptrs + 64)
+    if RES_MODE == 5:
+        # "merged" walk: the dense loop runs only the K steps (one split8 block each, BKP = 64) that no kept
+        # block of this tile's block row covers, in the order of the row's step table (res_aux_ptr: the count,
+        # then the step indices); each kept unit below multiplies its base and residual as one int8 operand
+        block_row = (pid_n * BN) // BN_RES
+        srow = res_aux_ptr + block_row.to(tl.int64) * (k_steps + 1)
+        n_dense = tl.load(srow)
+        if SPLIT_K == 1:
+            i_begin = 0
+            i_end = n_dense
         else:
-            inside = (step * BKP + kk) < KP
-            w = tl.load(w_ptrs, mask=inside[None, :], other=0)
-            a_even = tl.load(a_ptrs, mask=inside[:, None], other=0)
-            a_odd = tl.load(a_ptrs + 64, mask=inside[:, None], other=0)
-        if X16:
+            per_split = tl.cdiv(n_dense, SPLIT_K)
+            i_begin = pid_k * per_split
+            i_end = tl.minimum(i_begin + per_split, n_dense)
+        w_row = w_ptr + safe_n[:, None] * stride_wn + kk[None, :]
+        a_row = a_ptr + safe_m[None, :] * stride_am + kk[:, None]
+        for i in tl.range(i_begin, i_end, num_stages=DENSE_STAGES):
+            step = tl.load(srow + 1 + i).to(tl.int64)
+            if EVEN_K:
+                w = tl.load(w_row + step * BKP)
+                a_even = tl.load(a_row + step * 2 * BKP)
+                a_odd = tl.load(a_row + step * 2 * BKP + 64)
+            else:
+                inside = (step * BKP + kk) < KP
+                w = tl.load(w_row + step * BKP, mask=inside[None, :], other=0)
+                a_even = tl.load(a_row + step * 2 * BKP, mask=inside[:, None], other=0)
+                a_odd = tl.load(a_row + step * 2 * BKP + 64, mask=inside[:, None], other=0)
             acc = tl.dot(unpack_lo16(w, USE_ASM), a_even, acc, out_dtype=tl.int32)
             acc = tl.dot(unpack_hi16(w, USE_ASM), a_odd, acc, out_dtype=tl.int32)
-        else:
-            acc = tl.dot(unpack_lo(w, USE_ASM), a_even, acc, out_dtype=tl.int32)
-            acc = tl.dot(unpack_hi(w, USE_ASM), a_odd, acc, out_dtype=tl.int32)
-        w_ptrs += BKP
-        a_ptrs += 2 * BKP
+        # 16 q · a is a multiple of 16: halving is exact, and the sum now counts in the s_w / 8 units of the
+        # merged operands (8 q + 2^(3-j) r)
+        acc = acc >> 1
+    if RES_MODE != 5:
+        for step in range(step_begin, step_end):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                a_even = tl.load(a_ptrs)  # the split8 rows are padded to whole blocks
+                a_odd = tl.load(a_ptrs + 64)
+            else:
+                inside = (step * BKP + kk) < KP
+                w = tl.load(w_ptrs, mask=inside[None, :], other=0)
+                a_even = tl.load(a_ptrs, mask=inside[:, None], other=0)
+                a_odd = tl.load(a_ptrs + 64, mask=inside[:, None], other=0)
+            if X16:
+                acc = tl.dot(unpack_lo16(w, USE_ASM), a_even, acc, out_dtype=tl.int32)
+                acc = tl.dot(unpack_hi16(w, USE_ASM), a_odd, acc, out_dtype=tl.int32)
+            else:
+                acc = tl.dot(unpack_lo(w, USE_ASM), a_even, acc, out_dtype=tl.int32)
+                acc = tl.dot(unpack_hi(w, USE_ASM), a_odd, acc, out_dtype=tl.int32)
+            w_ptrs += BKP
+            a_ptrs += 2 * BKP
     if RES_MODE > 0:
         # Tail walk over the kept residual blocks of this tile's block row (CSR), in units of one
         # 128-value split8 block (a block column of Bk = 2 * BKP_RES values has Bk / 128 of them;
@@ -343,12 +390,29 @@ def _swapped_tile(
         for u in tl.range(unit_begin, units, SPLIT_K, num_stages=TAIL_STAGES):
             k0 = _unit_k0(coords_ptr, first, u, units, BKP_RES)
             a_even, a_odd, r, shift = _residual_unit(
-                a_ptr, res_val_ptr, res_shift_ptr, first, u, units, k0, safe_m, res_rows, stride_am, KS, BN_RES, BKP_RES)
+                a_ptr, res_val_ptr, res_aux_ptr, first, u, units, k0, safe_m, res_rows, stride_am, KS, BN_RES, BKP_RES)
             acc = tl.dot(unpack_shift16(r, shift, False, USE_ASM), a_even, acc, out_dtype=tl.int32)
             acc = tl.dot(unpack_shift16(r, shift, True, USE_ASM), a_odd, acc, out_dtype=tl.int32)
+    if RES_MODE == 4 or RES_MODE == 5:
+        # "shifted" (4): the kept blocks' integers already shifted left by 4 - j, int8 as stored (the shared
+        # walk's operand without its unpacking); "merged" (5): base and residual of a kept unit as one int8
+        # operand 8 q + 2^(3-j) r (j <= 3), the unit's dense step skipped above. Stored per block
+        # [Bn, Bk] with each 128-value unit as its 64 even values, then its 64 odd ones (the split8 order).
+        for u in tl.range(unit_begin, units, SPLIT_K, num_stages=TAIL_STAGES):
+            k0 = _unit_k0(coords_ptr, first, u, units, BKP_RES)
+            a_even, a_odd = _unit_activations(a_ptr, u, units, k0, safe_m, stride_am, KS)
+            p = first + u // (BKP_RES // 64)
+            m_blk = (res_val_ptr + p * (BN_RES * 2 * BKP_RES) + res_rows[:, None] * (2 * BKP_RES)
+                     + (u % (BKP_RES // 64)) * 128 + tl.arange(0, 64)[None, :])
+            m_even = tl.load(m_blk, mask=u < units, other=0)
+            m_odd = tl.load(m_blk + 64, mask=u < units, other=0)
+            acc = tl.dot(m_even, a_even, acc, out_dtype=tl.int32)
+            acc = tl.dot(m_odd, a_odd, acc, out_dtype=tl.int32)
     # the dense int32 accumulator dies here; residual blocks of the other walks accumulate into y
     y = acc.to(tl.float32) * w_scale[:, None]
-    if X16:  # the weights were 16x: exact power-of-two rescale
+    if RES_MODE == 5:  # counted in s_w / 8
+        y = y * 0.125
+    elif X16:  # the weights were 16x: exact power-of-two rescale
         y = y * 0.0625
     if RES_MODE == 1 or RES_MODE == 2:
         for u in tl.range(unit_begin, units, SPLIT_K, num_stages=TAIL_STAGES):
@@ -562,6 +626,87 @@ def swapped_residual_reason(block_shape: tuple[int, int]) -> str | None:
     return None
 
 
+def _split8_order(x: torch.Tensor) -> torch.Tensor:
+    """Each 128-value unit of the last dimension as its 64 even values, then its 64 odd ones (the split8 order)."""
+    *lead, bk = x.shape
+    return x.reshape(*lead, bk // SPLIT_BLOCK, SPLIT_BLOCK // 2, 2).transpose(-1, -2).reshape(*lead, bk).contiguous()
+
+
+def _residual_ints(residual: ResidualBlocks) -> torch.Tensor:
+    """The kept blocks' integers, ``int16 [nb, Bn, Bk]``."""
+    nb, (bn, bk) = residual.num_blocks, residual.block_shape
+    return unpack_int4(residual.values.reshape(nb * bn, bk // 2), bk).reshape(nb, bn, bk).to(torch.int16)
+
+
+def shifted_residual_operand(residual: ResidualBlocks, shifts: torch.Tensor) -> torch.Tensor:
+    """The ``"shifted"`` walk's operand: each kept block's integers shifted left by ``4 - j``, ``int8 [nb, Bn, Bk]``.
+
+    ``r · 2^(4-j)`` lies in [-128, 112] for ``r`` in [-8, 7] and ``j`` in 0..4; each 128-value unit is stored as
+    its even values, then its odd ones (the split8 order the swapped GEMM's activations have).
+
+    Args:
+        residual: the layer's kept blocks (columns a multiple of 128).
+        shifts: their ``int8 [nb, Bn]`` shifts (:func:`mosaicquant.methods.format.residual_shifts`).
+    """
+    r = _residual_ints(residual) << (4 - shifts.to(torch.int16)).unsqueeze(-1)
+    return _split8_order(r.to(torch.int8))
+
+
+def merged_residual_operand(qweight: torch.Tensor, k: int, residual: ResidualBlocks,
+                            shifts: torch.Tensor) -> torch.Tensor:
+    """The ``"merged"`` walk's operand: base and residual of each kept block as one integer, ``int8 [nb, Bn, Bk]``.
+
+    A kept row of scale ``s_w · 2^-j`` holds ``s_w · q + s_w 2^-j r = (s_w / 8) · (8 q + 2^(3-j) r)``; for ``q``
+    and ``r`` in [-8, 7] and ``j <= 3`` (:data:`MERGED_MAX_SHIFT`) that integer lies in [-128, 112], exactly an
+    int8. Values past the weight's rows or columns are 0; units in the split8 order.
+
+    Raises:
+        UserInputError: a shift above :data:`MERGED_MAX_SHIFT`.
+    """
+    nb, (bn, bk) = residual.num_blocks, residual.block_shape
+    n = residual.shape[0]
+    if nb and int(shifts.max()) > MERGED_MAX_SHIFT:
+        raise UserInputError(
+            f"residual_walk='merged' takes residual scales s_w * 2^-j with j <= {MERGED_MAX_SHIFT}; these have j up to "
+            f"{int(shifts.max())}: quantize with MosaicQuant's rscale_max_shift={MERGED_MAX_SHIFT}, or use "
+            f"residual_walk='shared'")
+    nbr, nbc = -(-n // bn), -(-k // bk)
+    q = torch.zeros(nbr * bn, nbc * bk, dtype=torch.int16, device=qweight.device)
+    q[:n, :k] = unpack_int4(qweight, k)
+    q = q.view(nbr, bn, nbc, bk).permute(0, 2, 1, 3)[residual.coords[:, 0].long(), residual.coords[:, 1].long()]
+    merged = 8 * q + (_residual_ints(residual) << (3 - shifts.to(torch.int16)).unsqueeze(-1))
+    return _split8_order(merged.to(torch.int8))
+
+
+def dense_step_table(residual: ResidualBlocks, k: int) -> torch.Tensor:
+    """The ``"merged"`` walk's dense steps: ``int32 [block rows, 1 + ceil(K / 128)]``.
+
+    Row ``i`` holds the number of 128-value K steps that no kept block of block row ``i`` covers, then those steps
+    in increasing order (the rest of the row is padding, never read).
+    """
+    bn, bk = residual.block_shape
+    nbr = -(-residual.shape[0] // bn)
+    steps = -(-k // SPLIT_BLOCK)
+    per = bk // SPLIT_BLOCK
+    kept = torch.zeros(nbr, steps + per, dtype=torch.bool, device=residual.coords.device)
+    unit = residual.coords[:, 1].long().unsqueeze(1) * per + torch.arange(per, device=kept.device)
+    kept[residual.coords[:, 0].long().unsqueeze(1).expand_as(unit), unit] = True
+    kept = kept[:, :steps]
+    order = torch.sort(kept.to(torch.int32) * steps + torch.arange(steps, device=kept.device), dim=1).indices
+    table = torch.empty(nbr, steps + 1, dtype=torch.int32, device=kept.device)
+    table[:, 0] = (~kept).sum(1)
+    table[:, 1:] = order
+    return table
+
+
+def _check_not_capturing(walk: str, name: str) -> None:
+    """Deriving a walk's tables reads results back from the device, which a CUDA graph capture does not allow."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise UserInputError(
+            f"residual_walk={walk!r} under CUDA graph capture needs {name}: deriving it reads a result back from the "
+            f"device, which a capture does not allow; compute it once before capturing (QuantLinear keeps it)")
+
+
 def w4a4_gemm_swapped_triton(
     a_split: torch.Tensor,
     a_scale: torch.Tensor,
@@ -573,6 +718,8 @@ def w4a4_gemm_swapped_triton(
     residual: ResidualBlocks | None = None,
     residual_walk: str = "fp8",
     residual_shifts: torch.Tensor | None = None,
+    residual_operand: torch.Tensor | None = None,
+    dense_steps: torch.Tensor | None = None,
     tail_stages: int | None = None,
     block_n: int = 128,
     block_m: int = 128,
@@ -609,8 +756,17 @@ def w4a4_gemm_swapped_triton(
             that are the base's row scales times ``2^-j`` (:func:`mosaicquant.methods.format.residual_shifts`,
             MosaicQuant's ``rscale=pow2``), int8 dots of the integers shifted left by ``4 - j`` into the
             dense int32 accumulator itself (needs ``x16``); the exact integer sum, the walk of a dense step.
-        residual_shifts: ``int8 [nb, Bn]`` shifts of the ``"shared"`` walk (derived from ``residual``
-            and ``w_scale`` when not given: a host synchronisation).
+            ``"shifted"``: the same sums with the shifted integers stored as int8
+            (:func:`shifted_residual_operand`, twice the residual's bytes), no unpacking in the walk.
+            ``"merged"``: for shifts ``j <= 3``, each kept 128-value unit's base and residual as one int8
+            operand ``8 q + 2^(3-j) r`` (:func:`merged_residual_operand`); the dense loop skips the K steps the
+            kept blocks cover (:func:`dense_step_table`), so a kept unit costs one int8 step instead of two
+            (``block_kp`` 64). The three give the same integer sums.
+        residual_shifts: ``int8 [nb, Bn]`` shifts of the ``"shared"``, ``"shifted"`` and ``"merged"`` walks
+            (derived from ``residual`` and ``w_scale`` when not given: a host synchronisation).
+        residual_operand: the ``"shifted"`` or ``"merged"`` walk's ``int8 [nb, Bn, Bk]`` operand (derived when not
+            given).
+        dense_steps: the ``"merged"`` walk's :func:`dense_step_table` (derived when not given).
         tail_stages: software-pipelining depth of the residual walk (``None``: the compiler's
             default from ``num_stages``, but :data:`SHARED_TAIL_STAGES` for the shared walk at
             8-warp tiles; 5 compiles to double-buffered tiles but measured no faster on the H200
@@ -685,24 +841,37 @@ def w4a4_gemm_swapped_triton(
         check_same_device(a_split=a_split, residual_values=residual.values)
         if residual.num_blocks == 0:
             residual = None
-    if residual is not None and residual_walk == "shared":
+    if residual is not None and residual_walk == "merged" and block_kp != 64:
+        raise UserInputError(f"residual_walk='merged' skips single split8 blocks: block_kp must be 64, got {block_kp}")
+    if residual is not None and residual_walk in ("shared", "shifted", "merged"):
         if not x16:
-            raise UserInputError("residual_walk='shared' needs x16=True (the residual counts in the s_w / 16 units "
-                                 "of the base unpacked as 16 q)")
+            raise UserInputError(f"residual_walk={residual_walk!r} needs x16=True (the residual counts in the s_w / 16 "
+                                 f"units of the base unpacked as 16 q)")
         if residual_shifts is None:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise UserInputError(
-                    "residual_walk='shared' under CUDA graph capture needs residual_shifts: deriving them "
-                    "(mosaicquant.methods.format.residual_shifts) reads a result back from the device, which a "
-                    "capture does not allow; compute them once before capturing (QuantLinear keeps them)")
+            _check_not_capturing(residual_walk, "residual_shifts")
             residual_shifts = residual_shifts_of(residual, w_scale)
             if residual_shifts is None:
                 raise UserInputError(
-                    "residual_walk='shared' needs residual scales equal to the base's row scales times 2^-j, "
-                    "j in 0..4 (MosaicQuant's rscale=pow2); these are not: use residual_walk='fp8' or 'int8'")
+                    f"residual_walk={residual_walk!r} needs residual scales equal to the base's row scales times "
+                    f"2^-j, j in 0..4 (MosaicQuant's rscale=pow2); these are not: use residual_walk='fp8' or 'int8'")
         check_tensor("residual_shifts", residual_shifts, dtypes=(torch.int8,),
                      shape=(residual.num_blocks, residual.block_shape[0]))
         check_same_device(a_split=a_split, residual_shifts=residual_shifts)
+        if residual_walk in ("shifted", "merged"):
+            if residual_operand is None:
+                _check_not_capturing(residual_walk, "residual_operand")
+                residual_operand = (shifted_residual_operand(residual, residual_shifts) if residual_walk == "shifted"
+                                    else merged_residual_operand(qweight, k, residual, residual_shifts))
+            check_tensor("residual_operand", residual_operand, dtypes=(torch.int8,),
+                         shape=(residual.num_blocks, *residual.block_shape))
+            check_same_device(a_split=a_split, residual_operand=residual_operand)
+        if residual_walk == "merged":
+            if dense_steps is None:
+                _check_not_capturing(residual_walk, "dense_steps")
+                dense_steps = dense_step_table(residual, k)
+            check_tensor("dense_steps", dense_steps, dtypes=(torch.int32,),
+                         shape=(-(-n // residual.block_shape[0]), -(-k // SPLIT_BLOCK) + 1))
+            check_same_device(a_split=a_split, dense_steps=dense_steps)
     bn_res, bk_res = residual.block_shape if residual is not None else (block_n, SPLIT_BLOCK)
     while bn_res % block_n:
         block_n //= 2
@@ -726,20 +895,24 @@ def w4a4_gemm_swapped_triton(
     # Triton's interpreter has no FP8 dot: there the fp8 walk runs the int8 one
     if residual is None:
         res_mode = 0
-    elif residual_walk == "shared":
-        res_mode = 3
+    elif residual_walk in ("shared", "shifted", "merged"):
+        res_mode = {"shared": 3, "shifted": 4, "merged": 5}[residual_walk]
     else:
         res_mode = 2 if residual_walk == "fp8" and not triton_interpreting() else 1
     # the fp8 walk keeps one [BN, BM] accumulator: capped at 128 registers a thread, two programs
     # of 8 warps share an SM as in the dense kernel (uncapped it took 172 and ran one per SM)
     launch = {"maxnreg": FP8_TAIL_MAX_REGS} if res_mode == 2 else {}
-    if res_mode == 3 and num_warps == 8:  # prefill tiles
+    if res_mode >= 3 and num_warps == 8:  # prefill tiles
         if SHARED_TAIL_MAX_REGS is not None:
             launch = {"maxnreg": SHARED_TAIL_MAX_REGS}
         if tail_stages is None:
             tail_stages = SHARED_TAIL_STAGES
-    res = (residual.row_ptr, residual.coords, residual.values.view(torch.int8), residual.scales,
-           residual_shifts if res_mode == 3 else residual.scales) if residual is not None else (a_scale,) * 5
+    if residual is None:
+        res = (a_scale,) * 5
+    else:
+        res = (residual.row_ptr, residual.coords,
+               residual_operand if res_mode in (4, 5) else residual.values.view(torch.int8), residual.scales,
+               {3: residual_shifts, 5: dense_steps}.get(res_mode, residual.scales))
 
     def run(grid, part, rem, n_whole, launch):
         _w4a4_swapped_kernel[grid](
@@ -749,6 +922,7 @@ def w4a4_gemm_swapped_triton(
             n_full if tail_bm else 0,  # (a constant where unused: no kernel specialised per M)
             n_direct if rem > 1 else 0, n_whole,
             HAS_BIAS=bias is not None, EVEN_K=kp % block_kp == 0, RES_MODE=res_mode, TAIL_STAGES=tail_stages,
+            DENSE_STAGES=MERGED_DENSE_STAGES if res_mode == 5 else num_stages,
             BN_RES=bn_res, BKP_RES=bk_res // 2, BN=block_n, BM=block_m, GROUP_N=8,
             USE_ASM=not triton_interpreting(), BKP=block_kp, SPLIT_K=split_k, PDL=gemm_pdl(a_split.device, m, pdl),
             X16=bool(x16),

@@ -159,11 +159,12 @@ def weight_memory(model: nn.Module) -> dict[str, int]:
     """Bytes of the quantized linears' weights by part, and of the 16-bit layers left.
 
     Packed layers (simulated or kernel-backed) count their base values, base scales, residual values, residual
-    scales and indices; unpacked quantized layers count ``wbits`` per weight plus one
+    scales and indices; kernel-backed ones also the operands their kernels keep beside the format
+    (``exec_operands``: the merged walk's int8 blocks and step tables); unpacked quantized layers count ``wbits`` per weight plus one
     FP16 scale per row and group; unquantized linears count 2 bytes per weight (BF16).
     """
     out = {"base_values": 0, "base_scales": 0, "residual_values": 0, "residual_scales": 0,
-           "residual_indices": 0, "linear_bf16_equivalent": 0}
+           "residual_indices": 0, "exec_operands": 0, "linear_bf16_equivalent": 0}
     for module in model.modules():
         if hasattr(module, "weight_nbytes"):  # a kernel-backed layer (mosaicquant.kernels.convert)
             n, k = module.shape

@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 #: parts of the quantized linears' weight bytes, bottom to top of the stacked bars
-MEMORY_PARTS = ("base_values", "base_scales", "residual_values", "residual_scales", "residual_indices")
+MEMORY_PARTS = ("base_values", "base_scales", "residual_values", "residual_scales", "residual_indices", "exec_operands")
 MIB = 2**20
 DPI = 120
 

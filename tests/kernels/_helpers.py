@@ -83,18 +83,21 @@ def random_residual(n: int, k: int, block: tuple[int, int], fraction: float, gen
     return ResidualBlocks.from_blocks((n, k), block, coords, q, scales)
 
 
-def pow2_residual(residual: ResidualBlocks, w_scale: torch.Tensor, gen: torch.Generator) -> ResidualBlocks:
-    """``residual`` with every kept row's scale set to its base row's scale times ``2^-j`` (random ``j`` in 0..4)."""
+def pow2_residual(residual: ResidualBlocks, w_scale: torch.Tensor, gen: torch.Generator,
+                  max_shift: int = 4) -> ResidualBlocks:
+    """``residual`` with every kept row's scale set to its base row's scale times ``2^-j`` (random ``j`` in
+    0..``max_shift``)."""
     bn = residual.block_shape[0]
     n = residual.shape[0]
     rows = (residual.coords[:, 0].long().unsqueeze(1) * bn + torch.arange(bn)).clamp(max=n - 1)
-    j = torch.randint(0, 5, (residual.num_blocks, bn), generator=gen)
+    j = torch.randint(0, max_shift + 1, (residual.num_blocks, bn), generator=gen)
     scales = (w_scale.float()[rows] * 2.0 ** -j).to(torch.float16)
     return ResidualBlocks(residual.shape, residual.block_shape, residual.coords, residual.row_ptr, residual.values,
                           scales)
 
 
-def pow2_layers(n: int, k: int, block: tuple[int, int], fraction: float, gen: torch.Generator, bias: bool = False):
+def pow2_layers(n: int, k: int, block: tuple[int, int], fraction: float, gen: torch.Generator, bias: bool = False,
+                max_shift: int = 4):
     """A random quantized layer with a power-of-two residual and the same base with a free-scale one:
     ``(qt, with_pow2, with_free)`` (``PackedW4``; with a random bias if ``bias``)."""
     from mosaicquant.methods.format import PackedW4
@@ -104,7 +107,7 @@ def pow2_layers(n: int, k: int, block: tuple[int, int], fraction: float, gen: to
     qt = quantize(q.float() * w_scale.float().unsqueeze(1), 4, symmetric=True, scale_dtype=torch.float16)
     b = torch.randn(n, generator=gen) if bias else None
     base = PackedW4.from_quantized(qt)
-    res = pow2_residual(random_residual(n, k, block, fraction, gen), base.scales.reshape(-1), gen)
+    res = pow2_residual(random_residual(n, k, block, fraction, gen), base.scales.reshape(-1), gen, max_shift=max_shift)
     return (qt, PackedW4.from_quantized(qt, residual=res, bias=b),
             PackedW4.from_quantized(qt, residual=random_residual(n, k, block, fraction, gen), bias=b))
 
