@@ -224,7 +224,8 @@ def _mosaicquant(model, config, ctx):
         if config.budget > 0:
             coords, q, scales = select_residual("random", w - packed.dequantize_base(torch.float32), block_shape,
                                                 config.budget, seed=ctx.seed * 7919 + next(counter),
-                                                base_scale=residual_base_scale(packed, config))
+                                                base_scale=residual_base_scale(packed, config),
+                                                max_shift=config.rscale_max_shift)
             packed.residual = ResidualBlocks.from_blocks(tuple(w.shape), block_shape, coords, q, scales)
         else:
             packed.residual = ResidualBlocks.empty(tuple(w.shape), block_shape)
@@ -234,7 +235,8 @@ def _mosaicquant(model, config, ctx):
 
     n = len(replace_linears(model, make))
     return n, {"transform": config.transform, "residual_selection": "random (data-free speed form)",
-               "budget": config.budget, "block": list(block_shape), "rscale": config.rscale}
+               "budget": config.budget, "block": list(block_shape), "rscale": config.rscale,
+               "rscale_max_shift": config.rscale_max_shift}
 
 
 def _atom(model, config, ctx):

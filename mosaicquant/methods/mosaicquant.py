@@ -54,7 +54,7 @@ from mosaicquant.methods.format import PackedW4, ResidualBlocks, parse_block_sha
 from mosaicquant.methods.gptq import gptq_quantize
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant
 from mosaicquant.methods.qlinear import ActQuantSpec, FakeQuantLinear, input_transform_of, quantize_weight, set_module, weight_memory
-from mosaicquant.methods.residual import distortion_recovered, select_residual
+from mosaicquant.methods.residual import POW2_MAX_SHIFT, distortion_recovered, select_residual
 
 __all__ = ["MosaicQuantConfig", "mosaicquant", "apply_transform", "quantize_linear_mosaic", "residual_base_scale"]
 
@@ -89,6 +89,13 @@ class MosaicQuantConfig(Config):
             ``pow2`` perplexity 24.79 and 16.1 % of the calibration distortion recovered, ``free``
             25.14 and 16.0 % (``benchmarks/results/smollm2_rscale``). ``pow2`` needs per-channel base
             scales (``w_group_size`` unset).
+        rscale_max_shift: the largest ``j`` of ``pow2`` scales, 0..4 (default 4). At 3 a kept block's base and
+            residual are one int8 operand ``8 q + 2^(3-j) r``, which the swapped prefill GEMM multiplies in place of
+            the block's dense step (``residual_walk="merged"`` in :mod:`mosaicquant.kernels.w4a4_gemm`): measured on
+            the H200 (Llama-3-8B linears, GEMM alone, 10 % blocks) the residual's prefill cost fell from +10–25 %
+            to +2–18 % over the dense GEMM (``benchmarks/results/merged_walk_v36``). The price is a coarser step
+            for rows that would take ``j = 4``: on SmolLM2-135M (the protocol above) perplexity 24.67 at 4 and
+            24.92 at 3, distortion recovered 16.1 % and 15.9 % (``benchmarks/results/smollm2_rshift_v36``).
         calib_batch: calibration sequences per forward pass.
         kvbits: KV-cache bits, 2..8, or 16 (default: float cache, no Q/K rotation).
         kv_clip, kv_symmetric: the K/V grid (default asymmetric, clip 0.95, as QuaRot's).
@@ -111,6 +118,7 @@ class MosaicQuantConfig(Config):
     act_order: bool = True
     residual_damp: float = 0.01
     rscale: str = "pow2"
+    rscale_max_shift: int = 4
     calib_batch: int = 4
     kvbits: int = 16
     kv_clip: float = 0.95
@@ -126,6 +134,7 @@ class MosaicQuantConfig(Config):
         check_choice("transform", self.transform, ("rotation", "smoothquant", "none"))
         check_choice("base", self.base, ("gptq", "rtn"))
         check_choice("rscale", self.rscale, RESIDUAL_SCALES)
+        check_range("rscale_max_shift", self.rscale_max_shift, 0, POW2_MAX_SHIFT, integer=True)
         if self.wbits not in (4, 16):
             raise UserInputError(f"wbits={self.wbits!r} is not allowed: MosaicQuant stores 4-bit weights "
                                  "(4), or 16 to leave them unquantized")
@@ -212,7 +221,8 @@ def quantize_linear_mosaic(linear, hessian: torch.Tensor, config: MosaicQuantCon
         residual = w_hat - base
         coords, q, scales = select_residual(config.score, residual, block_shape, config.budget,
                                             hessian=hessian, h_diag=torch.diagonal(hessian), seed=seed,
-                                            damp=config.residual_damp, base_scale=residual_base_scale(packed, config))
+                                            damp=config.residual_damp, base_scale=residual_base_scale(packed, config),
+                                            max_shift=config.rscale_max_shift)
         packed.residual = ResidualBlocks.from_blocks(tuple(w_hat.shape), block_shape, coords, q, scales)
         stats["recovered"] = distortion_recovered(w_hat, base, packed.residual.to_dense(), hessian)
     else:

@@ -170,6 +170,7 @@ def untile_blocks(blocks: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
 
 def quantize_residual_blocks(
     residual: torch.Tensor, block_shape, bits: int = 4, base_scale: torch.Tensor | None = None,
+    max_shift: int = POW2_MAX_SHIFT,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize every block of a residual: 4-bit symmetric, one FP16 scale per block row.
 
@@ -179,6 +180,7 @@ def quantize_residual_blocks(
         bits: must be 4 (the packed residual format).
         base_scale: ``[N]`` per-output-channel scales of the dense base for ``"pow2"`` scales
             (:func:`quantize_pow2_rows`), or ``None`` for each row's own absmax scale.
+        max_shift: the largest ``j`` of ``"pow2"`` scales.
 
     Returns:
         ``(q, scales)``: ``q`` int8 ``[nbr, nbc, Bn, Bk]`` (0 in the padding);
@@ -197,7 +199,8 @@ def quantize_residual_blocks(
     _check_bits4(bits)
     blocks = tile_blocks(residual.to(torch.float32), block_shape)
     if base_scale is not None:
-        return quantize_pow2_rows(blocks, _base_rows(base_scale, residual.shape[0], block_shape).unsqueeze(1))
+        return quantize_pow2_rows(blocks, _base_rows(base_scale, residual.shape[0], block_shape).unsqueeze(1),
+                                  max_shift=max_shift)
     qt = quantize(blocks, bits, symmetric=True, scale_dtype=RESIDUAL_SCALE_DTYPE)
     return qt.q, qt.scale[..., 0]
 
@@ -215,10 +218,16 @@ def _base_rows(base_scale: torch.Tensor, n: int, block_shape) -> torch.Tensor:
     return torch.nn.functional.pad(base, (0, nbr * bn - n), value=1.0).reshape(nbr, bn)
 
 
+def _check_max_shift(max_shift) -> None:
+    if isinstance(max_shift, bool) or not isinstance(max_shift, int) or not 0 <= max_shift <= POW2_MAX_SHIFT:
+        raise ValueError(f"max_shift={max_shift!r} is out of range: allowed integers 0..{POW2_MAX_SHIFT}")
+
+
 def quantize_pow2_rows(
-    x: torch.Tensor, base_rows: torch.Tensor, hessian_blocks: torch.Tensor | None = None
+    x: torch.Tensor, base_rows: torch.Tensor, hessian_blocks: torch.Tensor | None = None,
+    max_shift: int = POW2_MAX_SHIFT,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """4-bit symmetric rows whose scales are the base's row scales times ``2^-j``, ``j = 0 …`` :data:`POW2_MAX_SHIFT`.
+    """4-bit symmetric rows whose scales are the base's row scales times ``2^-j``, ``j = 0 … max_shift``.
 
     Each row of ``x [..., Bn, Bk]`` takes the ``j`` of least error ``Σ (x - q·s)²`` (with
     ``hessian_blocks [..., Bk, Bk]``: ``(x - q·s) H (x - q·s)ᵀ``, the output distortion); ties go
@@ -230,6 +239,11 @@ def quantize_pow2_rows(
         x: float ``[..., Bn, Bk]``.
         base_rows: ``[..., Bn]`` base scales, broadcastable against ``x``'s rows.
         hessian_blocks: optional ``[..., Bk, Bk]`` (broadcastable) weighting of the error.
+        max_shift: the largest ``j``, 0 … :data:`POW2_MAX_SHIFT` (3 lets the prefill GEMM multiply a kept block's
+            base and residual as one int8 operand, :func:`mosaicquant.kernels.w4a4_gemm.merged_residual_operand`).
+
+    Raises:
+        ValueError: ``max_shift`` out of range.
 
     Returns:
         ``(q, scales)``: int8 ``[..., Bn, Bk]`` in [-8, 7], float32 ``[..., Bn]`` (FP16-exact).
@@ -239,12 +253,13 @@ def quantize_pow2_rows(
         >>> q.tolist(), s.tolist()
         ([[5, -1, 2]], [0.0625])
     """
+    _check_max_shift(max_shift)
     xf = x.to(torch.float64)
     base = torch.broadcast_to(base_rows.to(torch.float64), xf.shape[:-1])
     best_err = torch.full(base.shape, math.inf, dtype=torch.float64, device=xf.device)
     best_q = torch.zeros(xf.shape, dtype=torch.int8, device=xf.device)
     best_s = torch.zeros(base.shape, dtype=torch.float64, device=xf.device)
-    for j in range(POW2_MAX_SHIFT + 1):
+    for j in range(max_shift + 1):
         s = base * 2.0 ** -j
         exact = s.to(RESIDUAL_SCALE_DTYPE).to(torch.float64) == s
         live = s > 0
@@ -321,7 +336,7 @@ def selected_dense(
 
 
 def delta_scores(residual: torch.Tensor, h_diag: torch.Tensor, block_shape,
-                 base_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 base_scale: torch.Tensor | None = None, max_shift: int = POW2_MAX_SHIFT) -> torch.Tensor:
     """The paper's Δ-score of every block (SPEC §1.4).
 
     ``Δ_b = Σ_{(n,k)∈b} h_k (E[n,k]² − (E[n,k] − deq(R)[n,k])²)`` with ``R = Q4(E)`` per block
@@ -332,6 +347,7 @@ def delta_scores(residual: torch.Tensor, h_diag: torch.Tensor, block_shape,
         h_diag: ``[K]``, ``h_k = mean_t X̂[t, k]²`` (the Hessian diagonal).
         block_shape: ``(Bn, Bk)``.
         base_scale: ``[N]`` base scales for ``"pow2"`` residual scales (``None``: free scales).
+        max_shift: the largest ``j`` of ``"pow2"`` scales.
 
     Returns:
         float64 ``[nbr, nbc]``.
@@ -345,7 +361,7 @@ def delta_scores(residual: torch.Tensor, h_diag: torch.Tensor, block_shape,
         raise ValueError(f"h_diag must be [K] = [{k}], got shape {tuple(h_diag.shape)}")
     if not torch.isfinite(h_diag).all() or (h_diag < 0).any():
         raise ValueError("h_diag must hold finite values >= 0 (a Hessian diagonal)")
-    q, s = quantize_residual_blocks(residual, block_shape, base_scale=base_scale)
+    q, s = quantize_residual_blocks(residual, block_shape, base_scale=base_scale, max_shift=max_shift)
     r = dequantize_residual_blocks(q, s, residual.shape).to(torch.float64)
     e = residual.to(torch.float64)
     contrib = h_diag.to(torch.float64).unsqueeze(0) * (e * e - (e - r) ** 2)
@@ -558,6 +574,7 @@ def hessian_fit_select(
     damp: float = 0.01,
     bits: int = 4,
     base_scale: torch.Tensor | None = None,
+    max_shift: int = POW2_MAX_SHIFT,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Hessian-aware residual (SPEC §1.9): least-squares block corrections, chosen greedily.
 
@@ -580,6 +597,7 @@ def hessian_fit_select(
         bits: must be 4 (the packed residual format).
         base_scale: ``[N]`` base scales for ``"pow2"`` residual scales (each row's ``j`` of least
             output distortion, :func:`quantize_pow2_rows` with ``H[J, J]``), or ``None``.
+        max_shift: the largest ``j`` of ``"pow2"`` scales.
 
     Returns:
         ``(coords, q, scales)``: int64 ``[nb, 2]`` in pick order, int8 ``[nb, Bn, Bk]``
@@ -635,7 +653,7 @@ def hessian_fit_select(
             qt = quantize(corr.to(torch.float32), bits, symmetric=True, scale_dtype=RESIDUAL_SCALE_DTYPE)
             q, sc = qt.q, qt.scale[..., 0]
         else:
-            q, sc = quantize_pow2_rows(corr.to(torch.float32), base_rows[i].unsqueeze(0), hjj)
+            q, sc = quantize_pow2_rows(corr.to(torch.float32), base_rows[i].unsqueeze(0), hjj, max_shift=max_shift)
         cq = q.to(torch.float64) * sc.to(torch.float64).unsqueeze(-1)
         gain = 2.0 * (row_p * cq).sum(dim=(-1, -2)) - (torch.matmul(cq, hjj) * cq).sum(dim=(-1, -2))
         return gain, q, sc
@@ -761,6 +779,7 @@ def select_residual(
     seed: int = 0,
     damp: float = 0.01,
     base_scale: torch.Tensor | None = None,
+    max_shift: int = POW2_MAX_SHIFT,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Select and quantize the residual blocks of one layer.
 
@@ -776,6 +795,7 @@ def select_residual(
         damp: ridge of the ``"hessian"`` fit.
         base_scale: ``[N]`` per-channel base scales: ``"pow2"`` residual scales (base row scale
             times ``2^-j``, see the module docstring); ``None``: each block row's own scale.
+        max_shift: the largest ``j`` of ``"pow2"`` scales (0 … :data:`POW2_MAX_SHIFT`).
 
     Returns:
         ``(coords, q, scales)``: int64 ``[nb, 2]`` (selection order), int8 ``[nb, Bn, Bk]``,
@@ -798,14 +818,16 @@ def select_residual(
     if method in ("hessian", "exact-greedy") and hessian is None:
         raise ValueError(f"residual selection '{method}' needs the input Hessian (hessian=)")
     if method == "hessian":
-        return hessian_fit_select(residual, hessian, (bn, bk), budget, damp=damp, base_scale=base_scale)
-    q_all, s_all = quantize_residual_blocks(residual, (bn, bk), base_scale=base_scale)
+        return hessian_fit_select(residual, hessian, (bn, bk), budget, damp=damp, base_scale=base_scale,
+                                  max_shift=max_shift)
+    q_all, s_all = quantize_residual_blocks(residual, (bn, bk), base_scale=base_scale, max_shift=max_shift)
     if method == "delta":
         if h_diag is None:
             if hessian is None:
                 raise ValueError("residual selection 'delta' needs h_diag= or hessian=")
             h_diag = torch.diagonal(hessian)
-        coords = select_top_blocks(delta_scores(residual, h_diag, (bn, bk), base_scale=base_scale), budget)
+        coords = select_top_blocks(delta_scores(residual, h_diag, (bn, bk), base_scale=base_scale,
+                                                max_shift=max_shift), budget)
     elif method == "frobenius":
         coords = select_top_blocks(frobenius_scores(residual, (bn, bk)), budget)
     elif method == "random":

@@ -67,6 +67,30 @@ def test_pow2_residual_scales_recover_about_what_free_scales_do():
     assert got["pow2"] > 0.9 * got["free"], got
 
 
+@pytest.mark.parametrize("score", ["hessian", "delta"])
+def test_rscale_max_shift_bounds_the_shifts_and_lets_the_merged_operand_hold_the_block(score):
+    from mosaicquant.kernels.w4a4_gemm import MERGED_MAX_SHIFT, merged_residual_operand
+
+    lin, _, h = _layer_and_hessian(n=64, k=128, t=600)
+    shifts = {}
+    for cap in (4, MERGED_MAX_SHIFT):
+        cfg = MosaicQuantConfig(budget=1.0, block="16x128", base="rtn", score=score, rscale_max_shift=cap)
+        layer, stats = quantize_linear_mosaic(lin, h, cfg, seed=0)
+        res = layer.packed.residual
+        shifts[cap] = residual_shifts(res, layer.packed.scales)
+        assert shifts[cap] is not None and int(shifts[cap].max()) <= cap and stats["recovered"] > 0
+    assert int(shifts[4].max()) == 4  # the cap binds on this layer
+    # base + residual of each kept block as one int8 integer times s_w / 8: the format's weight, exactly
+    packed = layer.packed
+    merged = merged_residual_operand(packed.qweight, 128, res, shifts[MERGED_MAX_SHIFT])
+    merged = merged.view(-1, 16, 1, 2, 64).transpose(-1, -2).reshape(-1, 16, 128).double()  # split8 order undone
+    w = packed.dequantize(torch.float64)
+    for b, (i, c) in enumerate(res.coords.tolist()):
+        want = w[i * 16:(i + 1) * 16, c * 128:(c + 1) * 128]
+        got = merged[b] * packed.scales.double()[i * 16:(i + 1) * 16].reshape(-1, 1) / 8
+        assert torch.allclose(got, want, rtol=0, atol=1e-12), f"block {b}"
+
+
 def test_budget_zero_and_block_counts():
     lin, _, h = _layer_and_hessian()
     layer0, stats0 = quantize_linear_mosaic(lin, h, MosaicQuantConfig(budget=0, block="16x32", base="rtn"), 0)
@@ -101,6 +125,8 @@ def test_residual_reduces_calibration_distortion():
         ({"kvbits": 1}, "kvbits=1 is out of range"),
         ({"kv_clip": 0.0}, "kv_clip=0.0 is out of range"),
         ({"rscale": "exp2"}, "rscale='exp2' is not allowed"),
+        ({"rscale_max_shift": 5}, "rscale_max_shift=5 is out of range"),
+        ({"rscale_max_shift": -1}, "rscale_max_shift=-1 is out of range"),
         ({"w_group_size": 32}, r"rscale=pow2 \(the default\) needs per-channel base scales: with w_group_size=32 set rscale=free"),
     ],
 )

@@ -353,6 +353,19 @@ def test_pow2_rows_take_the_base_scale_times_a_power_of_two_of_least_error():
     assert not q3.any() and s3.item() == 0.0
 
 
+def test_pow2_rows_keep_to_max_shift():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 32, generator=gen) * 0.01  # small against the base scale: j = 4 is the best for most rows
+    base = torch.full((64,), 0.25)
+    _, s4 = quantize_pow2_rows(x, base)
+    _, s3 = quantize_pow2_rows(x, base, max_shift=3)
+    assert (s4 == 0.25 / 16).any() and (s3 >= 0.25 / 8).all()
+    with pytest.raises(ValueError, match=r"max_shift=5 is out of range: allowed integers 0\.\.4"):
+        quantize_pow2_rows(x, base, max_shift=5)
+    with pytest.raises(ValueError, match="max_shift=True is out of range"):
+        quantize_pow2_rows(x, base, max_shift=True)
+
+
 @pytest.mark.parametrize("method", ["hessian", "delta", "random"])
 def test_pow2_selection_gives_shifts_the_kernels_take(method):
     gen = torch.Generator().manual_seed(4)
