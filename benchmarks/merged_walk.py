@@ -10,8 +10,11 @@ swapped GEMM's walks then add a kept block's integers into the dense int32 accum
   of a dense step plus a residual step. ``mergedN``: its dense loop pipelined ``N`` deep instead of
   :data:`~mosaicquant.kernels.w4a4_gemm.MERGED_DENSE_STAGES`; ``merged_tN``: its walk ``N`` deep instead of
   :data:`~mosaicquant.kernels.w4a4_gemm.SHARED_TAIL_STAGES`.
+- ``dense64``: the dense GEMM at the merged walk's 64-byte K steps (decode M only; the others take
+  :func:`~mosaicquant.kernels._tiles.swapped_decode_config`'s tiles there, 64-byte steps for ``merged``).
 - ``ql_shared`` / ``ql_merged``: ``QuantLinear`` on BF16 input (activation quantization included) as it routes the
-  call, with :data:`mosaicquant.kernels.quant_linear.MERGED_WALK` off / on.
+  call, with :data:`mosaicquant.kernels.quant_linear.MERGED_WALK` off / on (on: decode M on the swapped GEMM's
+  decode tiles, ``_tiles.SWAP_DECODE_MERGED_MIN_M`` 1); ``ql_dense``: the dense layer as it routes.
 
 For the Llama-3-8B linears (q/k/v, o, gate/up, down) at prefill M, 10 % random blocks of 128 × 128 with random
 ``j`` in 0..3, weights rotated through more than L2, GEMM alone on ``split8`` activations. ``shared`` is checked
@@ -41,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mosaicquant.harness.results import source_fingerprint  # noqa: E402
 from mosaicquant.harness.timing import time_calls  # noqa: E402
+from mosaicquant.kernels._tiles import swapped_decode_config  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
 from mosaicquant.kernels.w4a4_gemm import (  # noqa: E402
     dense_step_table,
@@ -57,6 +61,8 @@ BUDGET = 0.10
 ROTATE_BYTES = 3 * 60 * 2**20
 GEMM_MODULE = importlib.import_module("mosaicquant.kernels.w4a4_gemm")
 VARIANTS = ["bf16", "dense", "shared", "shifted", "merged", "merged3", "merged4", "ql_shared", "ql_merged"]
+DECODE_VARIANTS = ["bf16", "dense", "dense64", "shared", "merged", "merged4", "ql_dense", "ql_shared", "ql_merged"]
+TILES_MODULE = importlib.import_module("mosaicquant.kernels._tiles")
 QL_MODULE = importlib.import_module("mosaicquant.kernels.quant_linear")
 
 
@@ -107,6 +113,7 @@ def _settings(variant: str) -> dict:
         out[(GEMM_MODULE, "MERGED_DENSE_STAGES")] = int(variant[len("merged"):])
     if variant.startswith("ql_"):
         out[(QL_MODULE, "MERGED_WALK")] = variant == "ql_merged"
+        out[(TILES_MODULE, "SWAP_DECODE_MERGED_MIN_M")] = 1 if variant == "ql_merged" else 0
     return out
 
 
@@ -138,9 +145,12 @@ def bench(name: str, n: int, k: int, ms: list[int], rounds: int, variants: list[
 
         def gemm(walk, lay):
             kw = {}
-            if walk != "dense":
+            if m <= 32:  # the swapped GEMM's decode tiles
+                kw = swapped_decode_config(m, n, (k + 1) // 2, device,
+                                           block_kp=64 if walk.startswith("merged") or walk == "dense64" else None)
+            if walk not in ("dense", "dense64"):
                 base = walk.split("_")[0].rstrip("0123456789")
-                kw = dict(residual=lay["residual"], residual_walk=base, residual_shifts=lay["shifts"])
+                kw.update(residual=lay["residual"], residual_walk=base, residual_shifts=lay["shifts"])
                 if base in ("shifted", "merged"):
                     kw["residual_operand"] = lay[base]
                 if base == "merged":
@@ -148,10 +158,14 @@ def bench(name: str, n: int, k: int, ms: list[int], rounds: int, variants: list[
             return lambda: w4a4_gemm_swapped_triton(a8, s8, lay["qweight"], lay["w_scale"], k, out=out, **kw)
 
         calls = {"bf16": [lambda w=w: F.linear(x, w) for w in w_bf16]}
-        qls = [QuantLinear(PackedW4((n, k), lay["qweight"], lay["w_scale"].reshape(n, 1), residual=lay["residual"]))
-               for lay in layers] if any(v.startswith("ql_") for v in variants) else []
+        qls = {key: [QuantLinear(PackedW4((n, k), lay["qweight"], lay["w_scale"].reshape(n, 1),
+                                          residual=None if key == "ql_dense" else lay["residual"])) for lay in layers]
+               for key in ("ql_dense", "ql_res") if any(v.startswith("ql_") for v in variants)}
         for v in variants[1:]:
-            calls[v] = [lambda q=q: q(x) for q in qls] if v.startswith("ql_") else [gemm(v, lay) for lay in layers]
+            if v.startswith("ql_"):
+                calls[v] = [lambda q=q: q(x) for q in qls["ql_dense" if v == "ql_dense" else "ql_res"]]
+            else:
+                calls[v] = [gemm(v, lay) for lay in layers]
         ref = reference(a8, s8, layers[0], k)
         shared_out = None
         status = {}
@@ -160,8 +174,8 @@ def bench(name: str, n: int, k: int, ms: list[int], rounds: int, variants: list[
                 with _Using(v):
                     got = calls[v][0]()
                 got = (got if got is not None else out).clone()
-                if v == "dense":
-                    status[v] = (True, "")
+                if v in ("dense", "dense64", "ql_dense"):
+                    status[v] = (True, "not checked (no residual)")
                 elif v.startswith("ql_"):  # activation quantization on the GPU: within rounding of the reference
                     err = (got.double() - ref).abs()
                     ok = bool(torch.isfinite(got).all()) and bool((err <= 2**-6 * ref.abs() + 4e-3 * ref.abs().max())
@@ -203,15 +217,17 @@ def main(argv=None) -> int:
     parser.add_argument("--ms", default="2048,8192")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", default=",".join(SHAPES))
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="bf16 and dense always run")
+    parser.add_argument("--variants", default="", help="bf16 and dense always run (default: VARIANTS, or "
+                        "DECODE_VARIANTS when every M is at most 32)")
     args = parser.parse_args(argv)
-    variants = ["bf16", "dense"] + [v for v in args.variants.split(",") if v not in ("bf16", "dense")]
+    ms = [int(v) for v in args.ms.split(",")]
+    chosen = args.variants.split(",") if args.variants else (DECODE_VARIANTS if max(ms) <= 32 else VARIANTS)
+    variants = ["bf16", "dense"] + [v for v in chosen if v not in ("bf16", "dense")]
     if not torch.cuda.is_available():
         print("merged_walk.py times compiled kernels: it needs a CUDA GPU (none found)", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
-    ms = [int(v) for v in args.ms.split(",")]
     rows = []
     for name in args.layers.split(","):
         n, k = SHAPES[name]

@@ -52,6 +52,13 @@ FLOAT_PATH = "torch BF16 (cuBLAS)"
 MID_PROBE_M = (33, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2047)
 
 
+def _merged_walk_on() -> bool:
+    """Whether kernel-backed layers run the swapped GEMM's merged walk where they hold its operands."""
+    from mosaicquant.kernels import quant_linear
+
+    return bool(quant_linear.MERGED_WALK)
+
+
 def _has_kernel_layers(model: nn.Module) -> bool:
     return any(hasattr(m, "weight_nbytes") for m in model.modules())
 
@@ -99,10 +106,14 @@ def executable(model: nn.Module, info: dict) -> str:
         if groups:
             part += "; one GEMM per " + ", ".join(groups)
         swapped = {m.quant.swap_min_m for m in w4 if m.quant.swap_ok and m.quant.swap_min_m is not None}
+        merged = sum(1 for m in w4 if getattr(m.quant, "res_merged", None) is not None)
         if swapped:
             part += (f"; calls of >= {min(swapped)} tokens whose 128x128 output tiles fill the GPU (prefill): "
                      f"int8 activations + operand-swapped GEMM"
-                     + (" with the residual blocks in its tail" if fused else ""))
+                     + (" with the residual blocks in its tail" if fused else "")
+                     + (f" ({'every' if merged == len(w4) else f'{merged} of {len(w4)}'} residual layer"
+                        f"{'s' if merged != 1 else ''}: base and residual of a kept block as one int8 operand, its "
+                        f"dense steps skipped)" if merged and _merged_walk_on() else ""))
         top = max((m.quant.swap_decode[1] for m in w4 if m.quant.swap_decode is not None), default=0)
         for res, who in ((False, "layers without residual" if fused else "calls"), (True, "layers with residual")):
             decode = [m_ for m_ in range(1, top + 1) if any(

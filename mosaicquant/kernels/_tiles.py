@@ -119,6 +119,11 @@ SWAP_DECODE_RESIDUAL_MIN_M = 0
 # ... and layers whose residual scales are powers of two of the base's (rscale=pow2: the swapped GEMM's
 # "shared" walk, the kept blocks' int8 dots into the dense accumulator) from this many tokens (0: never).
 SWAP_DECODE_SHARED_MIN_M = 0
+# ... and layers with the "merged" walk's operands (shifts <= 3, MosaicQuant's rscale_max_shift=3) from this many
+# tokens (0: never), at 64-byte K steps (the walk skips single 128-value steps). QuantLinear at 16 / 24 / 32 tokens
+# (v36, Llama-3-8B linears, activation quantization included): 3-25 % slower than ZipperEngine's packed kernels on
+# every layer (down at 32: 28.9 against 23.2 us); the dense swapped GEMM alone is 5-57 % slower at 64-byte steps.
+SWAP_DECODE_MERGED_MIN_M = 0
 # Split-K at decode doubles the split while the programs cover the SMs less than twice and each program would keep
 # at least this many K steps: the swapped GEMM's decode tiles (256 K values a step), the packed kernel's calls of
 # 17-64 tokens (128 a step) and its other calls (DECODE_SPLIT_MIN_STEPS: v14 measured its splits fastest at 1-16
@@ -452,17 +457,18 @@ def swapped_rem_plan(tiles: int, k_steps: int, device: torch.device, rem_split: 
     return (f, r) if f > 1 and r else (1, 0)
 
 
-def swapped_decode_config(m: int, n: int, kp: int, device: torch.device) -> dict:
+def swapped_decode_config(m: int, n: int, kp: int, device: torch.device, block_kp: int | None = None) -> dict:
     """Tiles (keyword arguments of ``w4a4_gemm_swapped_triton``) for a decode-sized swapped GEMM.
 
     64 weight rows (one warpgroup's ``wgmma`` M) x 16 or 32 tokens, :data:`SWAP_DECODE_BLOCK_KP` packed bytes
     a step (128: 256 K values), :data:`SWAP_DECODE_STAGES` stages, K split until every SM has about two
-    programs, each keeping at least :data:`SWAP_DECODE_SPLIT_MIN_STEPS` K steps.
+    programs, each keeping at least :data:`SWAP_DECODE_SPLIT_MIN_STEPS` K steps (``block_kp``: other steps).
     """
+    block_kp = block_kp or SWAP_DECODE_BLOCK_KP
     block_m = 16 if m <= 16 else 32
     tiles = -(-n // 64) * -(-m // block_m)
-    split = _decode_split(tiles, -(-kp // SWAP_DECODE_BLOCK_KP), device, SWAP_DECODE_SPLIT_MIN_STEPS)
-    return {"block_n": 64, "block_m": block_m, "block_kp": SWAP_DECODE_BLOCK_KP, "split_k": split, "num_warps": 4,
+    split = _decode_split(tiles, -(-kp // block_kp), device, SWAP_DECODE_SPLIT_MIN_STEPS)
+    return {"block_n": 64, "block_m": block_m, "block_kp": block_kp, "split_k": split, "num_warps": 4,
             "num_stages": SWAP_DECODE_STAGES, "pdl": pdl_default(m, n, kp)}
 
 

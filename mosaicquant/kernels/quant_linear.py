@@ -364,6 +364,9 @@ class QuantLinear(nn.Module):
             decode = (self.block_shape is None and not 0 < _tiles.WIDE_K_DECODE_MIN_M <= m <= 16
                       and not (m > 16 and _tiles.wide_decode(m, self.out_features, self.qweight.device, False)))
             if self.block_shape is not None:
+                if self.res_merged is not None and MERGED_WALK and 0 < _tiles.SWAP_DECODE_MERGED_MIN_M <= m:
+                    return "decode", swapped_decode_config(m, self.out_features, (self.in_features + 1) // 2,
+                                                           self.qweight.device, block_kp=64)
                 min_m = _tiles.SWAP_DECODE_SHARED_MIN_M if self.res_shifts is not None else _tiles.SWAP_DECODE_RESIDUAL_MIN_M
                 decode = 0 < min_m <= m
             if decode:

@@ -372,3 +372,23 @@ def test_kernel_benchmark_shapes_are_the_shape_models():
         expected = {"qkv": ((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden), "o": (s.hidden, s.heads * s.head_dim),
                     "gate_up": (2 * s.intermediate, s.hidden), "down": (s.hidden, s.intermediate)}
         assert bench.MODELS[key] == expected, key
+
+
+def test_mosaicquant_with_shifts_up_to_3_runs_the_merged_walk_and_counts_its_copies(tiny_shapes):
+    # rscale_max_shift=3: every kept block's base and residual as one int8 operand, resident beside the format;
+    # the execution path says so and weight memory counts the copies (exec_operands)
+    from mosaicquant.kernels.quant_linear import QuantLinear
+
+    paths, extra = {}, {}
+    for cap in (4, 3):
+        model = shapes.build_shape_model(tiny_shapes, dtype=torch.float32)
+        ctx = _form("mosaicquant", model, budget=0.25, block="16x128", rscale_max_shift=cap)
+        assert ctx.info["speed_form"]["rscale_max_shift"] == cap
+        with torch.no_grad():
+            paths[cap] = executable(model, ctx.info)
+        extra[cap] = weight_memory(model)["exec_operands"]
+        held = [m for m in model.modules() if isinstance(m, QuantLinear) and m.res_merged is not None]
+        assert extra[cap] == sum(m.res_merged.numel() + 4 * m.res_steps.numel() for m in held)
+        assert bool(held) == (cap == 3)
+    assert extra[4] == 0 and extra[3] > 0
+    assert "one int8 operand" in paths[3] and "one int8 operand" not in paths[4]
