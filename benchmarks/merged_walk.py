@@ -10,6 +10,7 @@ swapped GEMM's walks then add a kept block's integers into the dense int32 accum
   of a dense step plus a residual step. ``mergedN``: its dense loop pipelined ``N`` deep instead of
   :data:`~mosaicquant.kernels.w4a4_gemm.MERGED_DENSE_STAGES`; ``merged_tN``: its walk ``N`` deep instead of
   :data:`~mosaicquant.kernels.w4a4_gemm.SHARED_TAIL_STAGES`.
+- ``<walk>_sN`` (e.g. ``dense_s4``): that walk with the launch's ``num_stages`` N (the dense loop's depth).
 - ``dense64``: the dense GEMM at the merged walk's 64-byte K steps (decode M only; the others take
   :func:`~mosaicquant.kernels._tiles.swapped_decode_config`'s tiles there, 64-byte steps for ``merged``).
 - ``ql_shared`` / ``ql_merged``: ``QuantLinear`` on BF16 input (activation quantization included) as it routes the
@@ -145,9 +146,14 @@ def bench(name: str, n: int, k: int, ms: list[int], rounds: int, variants: list[
 
         def gemm(walk, lay):
             kw = {}
+            walk, _, stages = walk.partition("_s")  # "<walk>_sN": the launch's num_stages N
+            if stages:
+                kw["num_stages"] = int(stages)
             if m <= 32:  # the swapped GEMM's decode tiles
                 kw = swapped_decode_config(m, n, (k + 1) // 2, device,
                                            block_kp=64 if walk.startswith("merged") or walk == "dense64" else None)
+            if m <= 32 and stages:
+                kw["num_stages"] = int(stages)
             if walk not in ("dense", "dense64"):
                 base = walk.split("_")[0].rstrip("0123456789")
                 kw.update(residual=lay["residual"], residual_walk=base, residual_shifts=lay["shifts"])
@@ -174,19 +180,20 @@ def bench(name: str, n: int, k: int, ms: list[int], rounds: int, variants: list[
                 with _Using(v):
                     got = calls[v][0]()
                 got = (got if got is not None else out).clone()
-                if v in ("dense", "dense64", "ql_dense"):
+                if v.partition("_s")[0] in ("dense", "dense64") or v == "ql_dense":
                     status[v] = (True, "not checked (no residual)")
-                elif v.startswith("ql_"):  # activation quantization on the GPU: within rounding of the reference
+                elif v.startswith("ql_") or v == "shared" or (m <= 32 and not torch.equal(got, shared_out)):
+                    # against the reference: QuantLinear (activations quantized on the GPU), the shared walk, and at
+                    # decode tiles the walks whose split K differs from the shared walk's (64-byte steps: partials
+                    # summed in another order); at prefill tiles every walk gives the shared walk's bits
                     err = (got.double() - ref).abs()
-                    ok = bool(torch.isfinite(got).all()) and bool((err <= 2**-6 * ref.abs() + 4e-3 * ref.abs().max())
-                                                                  .all())
+                    loose = v.startswith("ql_")
+                    ok = bool(torch.isfinite(got).all()) and bool(
+                        (err <= (2**-6 if loose else 2**-7) * ref.abs() + (4e-3 if loose else 1e-3) * ref.abs().max())
+                        .all())
                     status[v] = (ok, f"max rel err {(err.max() / ref.abs().max()).item():.2e}")
-                elif v == "shared":
-                    err = (got.double() - ref).abs()
-                    ok = bool(torch.isfinite(got).all()) and bool((err <= 2**-7 * ref.abs() + 1e-3 * ref.abs().max())
-                                                                  .all())
-                    status[v] = (ok, f"max rel err {(err.max() / ref.abs().max()).item():.2e}")
-                    shared_out = got
+                    if v == "shared":
+                        shared_out = got
                 else:
                     ok = shared_out is not None and torch.equal(got, shared_out)
                     status[v] = (ok, "bits equal to shared" if ok else "bits differ from shared")

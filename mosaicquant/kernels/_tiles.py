@@ -121,8 +121,8 @@ SWAP_DECODE_RESIDUAL_MIN_M = 0
 SWAP_DECODE_SHARED_MIN_M = 0
 # ... and layers with the "merged" walk's operands (shifts <= 3, MosaicQuant's rscale_max_shift=3) from this many
 # tokens (0: never), at 64-byte K steps (the walk skips single 128-value steps). QuantLinear at 16 / 24 / 32 tokens
-# (v36, Llama-3-8B linears, activation quantization included): 3-25 % slower than ZipperEngine's packed kernels on
-# every layer (down at 32: 28.9 against 23.2 us); the dense swapped GEMM alone is 5-57 % slower at 64-byte steps.
+# (v36, Llama-3-8B linears, activation quantization included): 2-25 % slower than ZipperEngine's packed kernels on
+# every layer (down at 32: 28.9 against 23.2 us); the dense swapped GEMM alone is 5-57 % slower at 64-byte steps (two runs).
 SWAP_DECODE_MERGED_MIN_M = 0
 # Split-K at decode doubles the split while the programs cover the SMs less than twice and each program would keep
 # at least this many K steps: the swapped GEMM's decode tiles (256 K values a step), the packed kernel's calls of
