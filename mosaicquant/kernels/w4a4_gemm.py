@@ -38,7 +38,9 @@ accumulator: capped at 128 registers, two programs share an SM), or int8 dots in
 accumulator. ``benchmarks/NOTES.md`` (v7, v8) has the measurements. Where the blocks' scales are
 the base's row scales times ``2^-j`` (MosaicQuant's default ``rscale=pow2``), the ``"shared"`` walk
 runs their int8 dots into the dense int32 accumulator itself, the integers shifted left by
-``4 - j`` (what ``QuantLinear`` runs for such layers; v27). Where ``M`` leaves a small remainder over a
+``4 - j`` (what ``QuantLinear`` runs for such layers; v27). With ``j <= 3`` (MosaicQuant's
+``rscale_max_shift=3``) the ``"merged"`` walk multiplies a kept unit's base and residual as one int8 operand
+``8 q + 2^(3-j) r`` and its dense loop skips the steps the kept blocks cover (v36). Where ``M`` leaves a small remainder over a
 multiple of the token tile, ``block_m_tail`` runs the last token tile narrower in the same launch (v29).
 """
 
@@ -108,14 +110,15 @@ SHARED_TAIL_MAX_REGS: int | None = 128
 SHARED_TAIL_STAGES: int | None = 2
 # Both operands unpacked as 16 q: |acc| <= 64 * 256 * K stays below 2**31 up to this K.
 X16_MAX_K = 2**17
-# how the swapped GEMM multiplies residual blocks (RES_MODE 1, 2, 3); "shared" needs power-of-two scales
+# how the swapped GEMM multiplies residual blocks (RES_MODE 1-5); "shared", "shifted" and "merged" need power-of-two
+# scales (merged: shifts of at most MERGED_MAX_SHIFT)
 RESIDUAL_WALKS = ("int8", "fp8", "shared", "shifted", "merged")
 # the largest shift j (scale s_w * 2^-j) the "merged" walk takes: 8 q + 2^(3-j) r must be an integer within int8
 MERGED_MAX_SHIFT = 3
 # software-pipelining depth of the "merged" walk's dense loop: its step index is a load the tiles' loads depend on,
 # and at the launch's 3 stages the compiler keeps one weight buffer and waits for every copy each step. On the H200
-# (Llama-3-8B linears, M = 512-8192, GEMM alone; benchmarks/NOTES.md v36) 3 and 4 ran 20-60 % slower than 5, and 7
-# level with 5 to 4 % faster (6 between)
+# (Llama-3-8B linears, M = 2048 / 8192, GEMM alone; benchmarks/NOTES.md v36) 3 and 4 ran 14-43 % slower than 5; 7
+# against 5 at M = 512-8192: -4.7 to +0.6 % in one run, -1.2 to +2.0 % in another (6 between)
 MERGED_DENSE_STAGES = 7
 
 
@@ -243,8 +246,8 @@ def _w4a4_swapped_kernel(
                 N_DIRECT + q // REM_SPLIT, q % REM_SPLIT, q // REM_SPLIT, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr,
                 bias_ptr, out_ptr, part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
                 res_aux_ptr, M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE,
-                BN_RES, BKP_RES, TAIL_STAGES, DENSE_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, REM_SPLIT, PDL, X16, E4M3_ASM, TAIL_BM,
-                True)
+                BN_RES, BKP_RES, TAIL_STAGES, DENSE_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, REM_SPLIT, PDL, X16,
+                E4M3_ASM, TAIL_BM, True)
     else:
         _swapped_dispatch(
             pid, tl.program_id(1), 0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
