@@ -120,6 +120,8 @@ MERGED_MAX_SHIFT = 3
 # (Llama-3-8B linears, M = 2048 / 8192, GEMM alone; benchmarks/NOTES.md v36) 3 and 4 ran 14-43 % slower than 5; 7
 # against 5 at M = 512-8192: -4.7 to +0.6 % in one run, -1.2 to +2.0 % in another (6 between)
 MERGED_DENSE_STAGES = 7
+# the merged walk's kept units before its dense loop (RES_MODE 6) instead of after it (5)
+MERGED_WALK_FIRST = False
 
 
 @triton.jit
@@ -198,6 +200,69 @@ def _residual_unit(a_ptr, res_val_ptr, res_scale_ptr, first, u, units, k0, safe_
                 mask=valid, other=0)
     r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows, mask=valid, other=0)  # scales (or shifts) as stored
     return a_even, a_odd, r, r_scale
+
+
+@triton.jit
+def _walk_bounds(row_ptr_ptr, pid_n, offs_n, BN: tl.constexpr, BN_RES: tl.constexpr, BKP_RES: tl.constexpr):
+    """The residual walk's rows within the block row of weight tile ``pid_n``, its first block and its units."""
+    block_row = (pid_n * BN) // BN_RES
+    res_rows = (offs_n - block_row * BN_RES).to(tl.int64)  # storage is padded to full blocks
+    first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
+    units = (tl.load(row_ptr_ptr + block_row + 1).to(tl.int64) - first) * (BKP_RES // 64)
+    return res_rows, first, units
+
+
+@triton.jit
+def _merged_dense(acc, w_ptr, a_ptr, res_aux_ptr, safe_n, safe_m, kk, stride_wn, stride_am, KP, k_steps, pid_n, pid_k,
+                  BN: tl.constexpr, BN_RES: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr,
+                  EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, DENSE_STAGES: tl.constexpr):
+    """The merged walk's dense loop: the steps of the block row's step table (``res_aux_ptr``: the count of steps no
+    kept block covers, then those steps), ``16 q`` weights, split over ``SPLIT_K`` programs."""
+    block_row = (pid_n * BN) // BN_RES
+    srow = res_aux_ptr + block_row.to(tl.int64) * (k_steps + 1)
+    n_dense = tl.load(srow)
+    if SPLIT_K == 1:
+        i_begin = 0
+        i_end = n_dense
+    else:
+        per_split = tl.cdiv(n_dense, SPLIT_K)
+        i_begin = pid_k * per_split
+        i_end = tl.minimum(i_begin + per_split, n_dense)
+    w_row = w_ptr + safe_n[:, None] * stride_wn + kk[None, :]
+    a_row = a_ptr + safe_m[None, :] * stride_am + kk[:, None]
+    for i in tl.range(i_begin, i_end, num_stages=DENSE_STAGES):
+        step = tl.load(srow + 1 + i).to(tl.int64)
+        if EVEN_K:
+            w = tl.load(w_row + step * BKP)
+            a_even = tl.load(a_row + step * 2 * BKP)
+            a_odd = tl.load(a_row + step * 2 * BKP + 64)
+        else:
+            inside = (step * BKP + kk) < KP
+            w = tl.load(w_row + step * BKP, mask=inside[None, :], other=0)
+            a_even = tl.load(a_row + step * 2 * BKP, mask=inside[:, None], other=0)
+            a_odd = tl.load(a_row + step * 2 * BKP + 64, mask=inside[:, None], other=0)
+        acc = tl.dot(unpack_lo16(w, USE_ASM), a_even, acc, out_dtype=tl.int32)
+        acc = tl.dot(unpack_hi16(w, USE_ASM), a_odd, acc, out_dtype=tl.int32)
+    return acc
+
+
+@triton.jit
+def _int8_walk(acc, a_ptr, res_val_ptr, coords_ptr, first, units, unit_begin, safe_m, res_rows, stride_am, KS,
+               BN_RES: tl.constexpr, BKP_RES: tl.constexpr, SPLIT_K: tl.constexpr, TAIL_STAGES: tl.constexpr):
+    """The walk of int8 block operands stored per block ``[Bn, Bk]``, each 128-value unit as its 64 even values, then
+    its 64 odd ones (the split8 order): the "shifted" walk's ``r · 2^(4-j)``, the "merged" walk's
+    ``8 q + 2^(3-j) r``."""
+    for u in tl.range(unit_begin, units, SPLIT_K, num_stages=TAIL_STAGES):
+        k0 = _unit_k0(coords_ptr, first, u, units, BKP_RES)
+        a_even, a_odd = _unit_activations(a_ptr, u, units, k0, safe_m, stride_am, KS)
+        p = first + u // (BKP_RES // 64)
+        m_blk = (res_val_ptr + p * (BN_RES * 2 * BKP_RES) + res_rows[:, None] * (2 * BKP_RES)
+                 + (u % (BKP_RES // 64)) * 128 + tl.arange(0, 64)[None, :])
+        m_even = tl.load(m_blk, mask=u < units, other=0)
+        m_odd = tl.load(m_blk + 64, mask=u < units, other=0)
+        acc = tl.dot(m_even, a_even, acc, out_dtype=tl.int32)
+        acc = tl.dot(m_odd, a_odd, acc, out_dtype=tl.int32)
+    return acc
 
 
 @triton.jit
@@ -328,37 +393,21 @@ def _swapped_tile(
     acc = tl.zeros([BN, BM], dtype=tl.int32)
     if RES_MODE == 5:
         # "merged" walk: the dense loop runs only the K steps (one split8 block each, BKP = 64) that no kept
-        # block of this tile's block row covers, in the order of the row's step table (res_aux_ptr: the count,
-        # then the step indices); each kept unit below multiplies its base and residual as one int8 operand
-        block_row = (pid_n * BN) // BN_RES
-        srow = res_aux_ptr + block_row.to(tl.int64) * (k_steps + 1)
-        n_dense = tl.load(srow)
-        if SPLIT_K == 1:
-            i_begin = 0
-            i_end = n_dense
-        else:
-            per_split = tl.cdiv(n_dense, SPLIT_K)
-            i_begin = pid_k * per_split
-            i_end = tl.minimum(i_begin + per_split, n_dense)
-        w_row = w_ptr + safe_n[:, None] * stride_wn + kk[None, :]
-        a_row = a_ptr + safe_m[None, :] * stride_am + kk[:, None]
-        for i in tl.range(i_begin, i_end, num_stages=DENSE_STAGES):
-            step = tl.load(srow + 1 + i).to(tl.int64)
-            if EVEN_K:
-                w = tl.load(w_row + step * BKP)
-                a_even = tl.load(a_row + step * 2 * BKP)
-                a_odd = tl.load(a_row + step * 2 * BKP + 64)
-            else:
-                inside = (step * BKP + kk) < KP
-                w = tl.load(w_row + step * BKP, mask=inside[None, :], other=0)
-                a_even = tl.load(a_row + step * 2 * BKP, mask=inside[:, None], other=0)
-                a_odd = tl.load(a_row + step * 2 * BKP + 64, mask=inside[:, None], other=0)
-            acc = tl.dot(unpack_lo16(w, USE_ASM), a_even, acc, out_dtype=tl.int32)
-            acc = tl.dot(unpack_hi16(w, USE_ASM), a_odd, acc, out_dtype=tl.int32)
-        # 16 q · a is a multiple of 16: halving is exact, and the sum now counts in the s_w / 8 units of the
-        # merged operands (8 q + 2^(3-j) r)
+        # block of this tile's block row covers; each kept unit (after the loop) multiplies its base and residual
+        # as one int8 operand. 16 q · a is a multiple of 16: halving is exact, and the sum then counts in the
+        # s_w / 8 units of the merged operands (8 q + 2^(3-j) r)
+        acc = _merged_dense(acc, w_ptr, a_ptr, res_aux_ptr, safe_n, safe_m, kk, stride_wn, stride_am, KP, k_steps,
+                            pid_n, pid_k, BN, BN_RES, BKP, SPLIT_K, EVEN_K, USE_ASM, DENSE_STAGES)
         acc = acc >> 1
-    if RES_MODE != 5:
+    if RES_MODE == 6:
+        # the merged walk with its kept units first (in s_w / 8), doubled into the dense loop's s_w / 16
+        res_rows, first, units = _walk_bounds(row_ptr_ptr, pid_n, offs_n, BN, BN_RES, BKP_RES)
+        acc = _int8_walk(acc, a_ptr, res_val_ptr, coords_ptr, first, units, unit_begin, safe_m, res_rows, stride_am,
+                         KS, BN_RES, BKP_RES, SPLIT_K, TAIL_STAGES)
+        acc = acc << 1
+        acc = _merged_dense(acc, w_ptr, a_ptr, res_aux_ptr, safe_n, safe_m, kk, stride_wn, stride_am, KP, k_steps,
+                            pid_n, pid_k, BN, BN_RES, BKP, SPLIT_K, EVEN_K, USE_ASM, DENSE_STAGES)
+    if RES_MODE < 5:
         for step in range(step_begin, step_end):
             if EVEN_K:
                 w = tl.load(w_ptrs)
@@ -377,15 +426,12 @@ def _swapped_tile(
                 acc = tl.dot(unpack_hi(w, USE_ASM), a_odd, acc, out_dtype=tl.int32)
             w_ptrs += BKP
             a_ptrs += 2 * BKP
-    if RES_MODE > 0:
+    if RES_MODE > 0 and RES_MODE != 6:
         # Tail walk over the kept residual blocks of this tile's block row (CSR), in units of one
         # 128-value split8 block (a block column of Bk = 2 * BKP_RES values has Bk / 128 of them;
         # with split K, every SPLIT_K-th unit): the activation tiles are read as in the dense loop
         # (again, mostly from L2), the block's rows are its packed bytes.
-        block_row = (pid_n * BN) // BN_RES
-        res_rows = (offs_n - block_row * BN_RES).to(tl.int64)  # storage is padded to full blocks
-        first = tl.load(row_ptr_ptr + block_row).to(tl.int64)
-        units = (tl.load(row_ptr_ptr + block_row + 1).to(tl.int64) - first) * (BKP_RES // 64)
+        res_rows, first, units = _walk_bounds(row_ptr_ptr, pid_n, offs_n, BN, BN_RES, BKP_RES)
     if RES_MODE == 3:
         # "shared" walk: the kept blocks' scales are s_w * 2^-j (residual_shifts), so a block's integers
         # shifted left by 4 - j count in the s_w / 16 units of the base unpacked as 16 q (X16), and its
@@ -397,20 +443,8 @@ def _swapped_tile(
             acc = tl.dot(unpack_shift16(r, shift, False, USE_ASM), a_even, acc, out_dtype=tl.int32)
             acc = tl.dot(unpack_shift16(r, shift, True, USE_ASM), a_odd, acc, out_dtype=tl.int32)
     if RES_MODE == 4 or RES_MODE == 5:
-        # "shifted" (4): the kept blocks' integers already shifted left by 4 - j, int8 as stored (the shared
-        # walk's operand without its unpacking); "merged" (5): base and residual of a kept unit as one int8
-        # operand 8 q + 2^(3-j) r (j <= 3), the unit's dense step skipped above. Stored per block
-        # [Bn, Bk] with each 128-value unit as its 64 even values, then its 64 odd ones (the split8 order).
-        for u in tl.range(unit_begin, units, SPLIT_K, num_stages=TAIL_STAGES):
-            k0 = _unit_k0(coords_ptr, first, u, units, BKP_RES)
-            a_even, a_odd = _unit_activations(a_ptr, u, units, k0, safe_m, stride_am, KS)
-            p = first + u // (BKP_RES // 64)
-            m_blk = (res_val_ptr + p * (BN_RES * 2 * BKP_RES) + res_rows[:, None] * (2 * BKP_RES)
-                     + (u % (BKP_RES // 64)) * 128 + tl.arange(0, 64)[None, :])
-            m_even = tl.load(m_blk, mask=u < units, other=0)
-            m_odd = tl.load(m_blk + 64, mask=u < units, other=0)
-            acc = tl.dot(m_even, a_even, acc, out_dtype=tl.int32)
-            acc = tl.dot(m_odd, a_odd, acc, out_dtype=tl.int32)
+        acc = _int8_walk(acc, a_ptr, res_val_ptr, coords_ptr, first, units, unit_begin, safe_m, res_rows, stride_am,
+                         KS, BN_RES, BKP_RES, SPLIT_K, TAIL_STAGES)
     # the dense int32 accumulator dies here; residual blocks of the other walks accumulate into y
     y = acc.to(tl.float32) * w_scale[:, None]
     if RES_MODE == 5:  # counted in s_w / 8
@@ -899,7 +933,7 @@ def w4a4_gemm_swapped_triton(
     if residual is None:
         res_mode = 0
     elif residual_walk in ("shared", "shifted", "merged"):
-        res_mode = {"shared": 3, "shifted": 4, "merged": 5}[residual_walk]
+        res_mode = {"shared": 3, "shifted": 4, "merged": 6 if MERGED_WALK_FIRST else 5}[residual_walk]
     else:
         res_mode = 2 if residual_walk == "fp8" and not triton_interpreting() else 1
     # the fp8 walk keeps one [BN, BM] accumulator: capped at 128 registers a thread, two programs
@@ -914,8 +948,8 @@ def w4a4_gemm_swapped_triton(
         res = (a_scale,) * 5
     else:
         res = (residual.row_ptr, residual.coords,
-               residual_operand if res_mode in (4, 5) else residual.values.view(torch.int8), residual.scales,
-               {3: residual_shifts, 5: dense_steps}.get(res_mode, residual.scales))
+               residual_operand if res_mode in (4, 5, 6) else residual.values.view(torch.int8), residual.scales,
+               {3: residual_shifts, 5: dense_steps, 6: dense_steps}.get(res_mode, residual.scales))
 
     def run(grid, part, rem, n_whole, launch):
         _w4a4_swapped_kernel[grid](
@@ -925,7 +959,7 @@ def w4a4_gemm_swapped_triton(
             n_full if tail_bm else 0,  # (a constant where unused: no kernel specialised per M)
             n_direct if rem > 1 else 0, n_whole,
             HAS_BIAS=bias is not None, EVEN_K=kp % block_kp == 0, RES_MODE=res_mode, TAIL_STAGES=tail_stages,
-            DENSE_STAGES=MERGED_DENSE_STAGES if res_mode == 5 else num_stages,
+            DENSE_STAGES=MERGED_DENSE_STAGES if res_mode >= 5 else num_stages,
             BN_RES=bn_res, BKP_RES=bk_res // 2, BN=block_n, BM=block_m, GROUP_N=8,
             USE_ASM=not triton_interpreting(), BKP=block_kp, SPLIT_K=split_k, PDL=gemm_pdl(a_split.device, m, pdl),
             X16=bool(x16),
