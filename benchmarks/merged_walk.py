@@ -9,8 +9,7 @@ swapped GEMM's walks then add a kept block's integers into the dense int32 accum
   the dense loop skips the K steps kept blocks cover (a step table), so a kept unit costs one int8 step in place
   of a dense step plus a residual step. ``mergedN``: its dense loop pipelined ``N`` deep instead of
   :data:`~mosaicquant.kernels.w4a4_gemm.MERGED_DENSE_STAGES`; ``merged_tN``: its walk ``N`` deep instead of
-  :data:`~mosaicquant.kernels.w4a4_gemm.SHARED_TAIL_STAGES`; ``merged_first``: its kept units before its dense loop
-  (:data:`~mosaicquant.kernels.w4a4_gemm.MERGED_WALK_FIRST`).
+  :data:`~mosaicquant.kernels.w4a4_gemm.SHARED_TAIL_STAGES`.
 - ``<walk>_sN`` (e.g. ``dense_s4``): that walk with the launch's ``num_stages`` N (the dense loop's depth).
 - ``dense64``: the dense GEMM at the merged walk's 64-byte K steps (decode M only; the others take
   :func:`~mosaicquant.kernels._tiles.swapped_decode_config`'s tiles there, 64-byte steps for ``merged``).
@@ -109,9 +108,7 @@ def copies(n: int, k: int) -> int:
 def _settings(variant: str) -> dict:
     """Module settings a variant runs under: (module, attribute) -> value."""
     out = {}
-    if variant == "merged_first":
-        out[(GEMM_MODULE, "MERGED_WALK_FIRST")] = True
-    elif variant.startswith("merged_t"):
+    if variant.startswith("merged_t"):
         out[(GEMM_MODULE, "SHARED_TAIL_STAGES")] = int(variant[len("merged_t"):])
     elif variant.startswith("merged") and variant != "merged":
         out[(GEMM_MODULE, "MERGED_DENSE_STAGES")] = int(variant[len("merged"):])

@@ -120,8 +120,6 @@ MERGED_MAX_SHIFT = 3
 # (Llama-3-8B linears, M = 2048 / 8192, GEMM alone; benchmarks/NOTES.md v36) 3 and 4 ran 14-43 % slower than 5; 7
 # against 5 at M = 512-8192: -4.7 to +0.6 % in one run, -1.2 to +2.0 % in another (6 between)
 MERGED_DENSE_STAGES = 7
-# the merged walk's kept units before its dense loop (RES_MODE 6) instead of after it (5)
-MERGED_WALK_FIRST = False
 
 
 @triton.jit
@@ -399,15 +397,7 @@ def _swapped_tile(
         acc = _merged_dense(acc, w_ptr, a_ptr, res_aux_ptr, safe_n, safe_m, kk, stride_wn, stride_am, KP, k_steps,
                             pid_n, pid_k, BN, BN_RES, BKP, SPLIT_K, EVEN_K, USE_ASM, DENSE_STAGES)
         acc = acc >> 1
-    if RES_MODE == 6:
-        # the merged walk with its kept units first (in s_w / 8), doubled into the dense loop's s_w / 16
-        res_rows, first, units = _walk_bounds(row_ptr_ptr, pid_n, offs_n, BN, BN_RES, BKP_RES)
-        acc = _int8_walk(acc, a_ptr, res_val_ptr, coords_ptr, first, units, unit_begin, safe_m, res_rows, stride_am,
-                         KS, BN_RES, BKP_RES, SPLIT_K, TAIL_STAGES)
-        acc = acc << 1
-        acc = _merged_dense(acc, w_ptr, a_ptr, res_aux_ptr, safe_n, safe_m, kk, stride_wn, stride_am, KP, k_steps,
-                            pid_n, pid_k, BN, BN_RES, BKP, SPLIT_K, EVEN_K, USE_ASM, DENSE_STAGES)
-    if RES_MODE < 5:
+    if RES_MODE != 5:
         for step in range(step_begin, step_end):
             if EVEN_K:
                 w = tl.load(w_ptrs)
@@ -426,7 +416,7 @@ def _swapped_tile(
                 acc = tl.dot(unpack_hi(w, USE_ASM), a_odd, acc, out_dtype=tl.int32)
             w_ptrs += BKP
             a_ptrs += 2 * BKP
-    if RES_MODE > 0 and RES_MODE != 6:
+    if RES_MODE > 0:
         # Tail walk over the kept residual blocks of this tile's block row (CSR), in units of one
         # 128-value split8 block (a block column of Bk = 2 * BKP_RES values has Bk / 128 of them;
         # with split K, every SPLIT_K-th unit): the activation tiles are read as in the dense loop
@@ -933,7 +923,7 @@ def w4a4_gemm_swapped_triton(
     if residual is None:
         res_mode = 0
     elif residual_walk in ("shared", "shifted", "merged"):
-        res_mode = {"shared": 3, "shifted": 4, "merged": 6 if MERGED_WALK_FIRST else 5}[residual_walk]
+        res_mode = {"shared": 3, "shifted": 4, "merged": 5}[residual_walk]
     else:
         res_mode = 2 if residual_walk == "fp8" and not triton_interpreting() else 1
     # the fp8 walk keeps one [BN, BM] accumulator: capped at 128 registers a thread, two programs
@@ -948,8 +938,8 @@ def w4a4_gemm_swapped_triton(
         res = (a_scale,) * 5
     else:
         res = (residual.row_ptr, residual.coords,
-               residual_operand if res_mode in (4, 5, 6) else residual.values.view(torch.int8), residual.scales,
-               {3: residual_shifts, 5: dense_steps, 6: dense_steps}.get(res_mode, residual.scales))
+               residual_operand if res_mode in (4, 5) else residual.values.view(torch.int8), residual.scales,
+               {3: residual_shifts, 5: dense_steps}.get(res_mode, residual.scales))
 
     def run(grid, part, rem, n_whole, launch):
         _w4a4_swapped_kernel[grid](
@@ -959,7 +949,7 @@ def w4a4_gemm_swapped_triton(
             n_full if tail_bm else 0,  # (a constant where unused: no kernel specialised per M)
             n_direct if rem > 1 else 0, n_whole,
             HAS_BIAS=bias is not None, EVEN_K=kp % block_kp == 0, RES_MODE=res_mode, TAIL_STAGES=tail_stages,
-            DENSE_STAGES=MERGED_DENSE_STAGES if res_mode >= 5 else num_stages,
+            DENSE_STAGES=MERGED_DENSE_STAGES if res_mode == 5 else num_stages,
             BN_RES=bn_res, BKP_RES=bk_res // 2, BN=block_n, BM=block_m, GROUP_N=8,
             USE_ASM=not triton_interpreting(), BKP=block_kp, SPLIT_K=split_k, PDL=gemm_pdl(a_split.device, m, pdl),
             X16=bool(x16),

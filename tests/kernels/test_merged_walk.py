@@ -1,7 +1,5 @@
 """The swapped GEMM's "shifted" and "merged" residual walks, and the operands and step tables they read."""
 
-import importlib
-
 import pytest
 import torch
 
@@ -77,7 +75,7 @@ def test_dense_step_table_lists_the_steps_no_kept_block_covers():
 
 
 @needs_triton()
-@pytest.mark.parametrize("walk", ["shifted", "merged", "merged-first"])
+@pytest.mark.parametrize("walk", ["shifted", "merged"])
 @pytest.mark.parametrize("m,n,k,block,fraction,opts", [
     (13, 200, 300, (128, 128), 0.5, dict(block_n=128, block_m=64)),     # ragged N and K, prefill tiles
     (67, 130, 640, (64, 256), 0.4, dict(block_n=128, block_m=64)),      # block rows of 64: the tile shrinks
@@ -85,11 +83,7 @@ def test_dense_step_table_lists_the_steps_no_kept_block_covers():
     (29, 130, 1000, (64, 256), 0.5, dict(block_n=64, block_m=32, split_k=3, num_warps=4)),  # split K
     (40, 256, 512, (128, 128), 0.3, dict(block_n=128, block_m=16, rem_split=4)),  # whole tiles and split ones
 ])
-def test_walks_match_zipper_reference(walk, m, n, k, block, fraction, opts, monkeypatch):
-    gm = importlib.import_module("mosaicquant.kernels.w4a4_gemm")  # the package exports a function of that name
-    if walk == "merged-first":  # the kept units before the dense loop
-        monkeypatch.setattr(gm, "MERGED_WALK_FIRST", True)
-        walk = "merged"
+def test_walks_match_zipper_reference(walk, m, n, k, block, fraction, opts):
     gen, qweight, w_scale, residual = _layer(n, k, block, fraction, seed=m * n)
     x = random_activations(m, k, gen)
     bias = torch.randn(n, generator=gen)
