@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mosaicquant.harness.results import source_fingerprint  # noqa: E402
 from mosaicquant.harness.timing import time_calls  # noqa: E402
@@ -54,12 +55,11 @@ from mosaicquant.kernels.w4a4_gemm import (  # noqa: E402
     w4a4_gemm_swapped_triton,
 )
 from mosaicquant.kernels.quant_linear import QuantLinear  # noqa: E402
-from mosaicquant.methods.format import PackedW4, ResidualBlocks, residual_shifts, unpack_int4  # noqa: E402
+from mosaicquant.methods.format import PackedW4, residual_shifts, unpack_int4  # noqa: E402
+from zipper import ROTATE_BYTES, random_residual  # noqa: E402  (benchmarks/zipper.py)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-BLOCK = (128, 128)
 BUDGET = 0.10
-ROTATE_BYTES = 3 * 60 * 2**20
 GEMM_MODULE = importlib.import_module("mosaicquant.kernels.w4a4_gemm")
 VARIANTS = ["bf16", "dense", "shared", "shifted", "merged", "merged3", "merged4", "ql_shared", "ql_merged"]
 DECODE_VARIANTS = ["bf16", "dense", "dense64", "shared", "merged", "merged4", "ql_dense", "ql_shared", "ql_merged"]
@@ -69,20 +69,9 @@ QL_MODULE = importlib.import_module("mosaicquant.kernels.quant_linear")
 
 def random_layer(n: int, k: int, device, gen: torch.Generator) -> dict:
     """A random base and a 10 % residual of power-of-two scales (j in 0..3), with every walk's tables."""
-    bn, bk = BLOCK
     qweight = torch.randint(0, 256, (n, (k + 1) // 2), dtype=torch.uint8, generator=gen)
     w_scale = (torch.rand(n, generator=gen) * 0.01 + 0.001).to(torch.float16)
-    nbr, nbc = -(-n // bn), -(-k // bk)
-    nb = int(round(BUDGET * nbr * nbc))
-    idx = torch.randperm(nbr * nbc, generator=gen)[:nb].sort().values
-    coords = torch.stack([idx // nbc, idx % nbc], 1).to(torch.int32)
-    row_ptr = torch.zeros(nbr + 1, dtype=torch.int32)
-    row_ptr[1:] = torch.cumsum(torch.bincount(coords[:, 0].long(), minlength=nbr), 0).to(torch.int32)
-    values = torch.randint(0, 256, (nb, bn, bk // 2), dtype=torch.uint8, generator=gen)
-    rows = (coords[:, 0].long().unsqueeze(1) * bn + torch.arange(bn)).clamp(max=n - 1)
-    j = torch.randint(0, 4, (nb, bn), generator=gen)
-    scales = (w_scale.float()[rows] * 2.0 ** -j).to(torch.float16)
-    res = ResidualBlocks((n, k), BLOCK, coords, row_ptr, values, scales).to(device)
+    res = random_residual(n, k, BUDGET, device, gen, w_scale=w_scale.to(device), max_shift=3)
     qweight, w_scale = qweight.to(device), w_scale.to(device)
     shifts = residual_shifts(res, w_scale)
     assert shifts is not None and int(shifts.max()) <= 3

@@ -110,9 +110,9 @@ CHECK_ATOL_FRAC = 1e-3
 
 
 def random_residual(n: int, k: int, budget: float, device, gen: torch.Generator,
-                    w_scale: torch.Tensor | None = None) -> ResidualBlocks:
+                    w_scale: torch.Tensor | None = None, max_shift: int = 4) -> ResidualBlocks:
     """Random kept blocks (budget = fraction of all blocks), random 4-bit values and scales (with ``w_scale``:
-    each row's base scale times ``2^-j``, ``j`` random in 0..4, MosaicQuant's ``rscale=pow2``)."""
+    each row's base scale times ``2^-j``, ``j`` random in 0..``max_shift``, MosaicQuant's ``rscale=pow2``)."""
     bn, bk = BLOCK
     nbr, nbc = -(-n // bn), -(-k // bk)
     total = nbr * nbc
@@ -128,7 +128,7 @@ def random_residual(n: int, k: int, budget: float, device, gen: torch.Generator,
     scales = (torch.rand(nb, bn, device=device) * 0.02 + 0.001).to(torch.float16)
     if w_scale is not None:
         rows = (coords[:, 0].long().unsqueeze(1) * bn + torch.arange(bn, device=device)).clamp(max=n - 1)
-        shifts = torch.randint(0, 5, (nb, bn), device=device)
+        shifts = torch.randint(0, max_shift + 1, (nb, bn), device=device)
         scales = (w_scale.float()[rows] * 2.0 ** -shifts).to(torch.float16)
     return ResidualBlocks((n, k), BLOCK, coords, row_ptr, values, scales)
 

@@ -698,9 +698,14 @@ def merged_residual_operand(qweight: torch.Tensor, k: int, residual: ResidualBlo
             f"{int(shifts.max())}: quantize with MosaicQuant's rscale_max_shift={MERGED_MAX_SHIFT}, or use "
             f"residual_walk='shared'")
     nbr, nbc = -(-n // bn), -(-k // bk)
-    q = torch.zeros(nbr * bn, nbc * bk, dtype=torch.int16, device=qweight.device)
-    q[:n, :k] = unpack_int4(qweight, k)
-    q = q.view(nbr, bn, nbc, bk).permute(0, 2, 1, 3)[residual.coords[:, 0].long(), residual.coords[:, 1].long()]
+    # the kept blocks' packed bytes only (zero padding past the weight: zero nibbles), then their integers
+    packed = torch.zeros(nbr * bn, nbc * bk // 2, dtype=torch.uint8, device=qweight.device)
+    packed[:n, :qweight.shape[1]] = qweight
+    packed = packed.view(nbr, bn, nbc, bk // 2).permute(0, 2, 1, 3)[residual.coords[:, 0].long(),
+                                                                    residual.coords[:, 1].long()]
+    q = unpack_int4(packed.reshape(nb * bn, bk // 2), bk).reshape(nb, bn, bk).to(torch.int16)
+    cols = residual.coords[:, 1].long().unsqueeze(1) * bk + torch.arange(bk, device=q.device)
+    q = q * (cols < k).unsqueeze(1)  # an odd K's padding nibble
     merged = 8 * q + (_residual_ints(residual) << (3 - shifts.to(torch.int16)).unsqueeze(-1))
     return _split8_order(merged.to(torch.int8))
 
