@@ -120,6 +120,12 @@ MERGED_MAX_SHIFT = 3
 # (Llama-3-8B linears, M = 2048 / 8192, GEMM alone; benchmarks/NOTES.md v36) 3 and 4 ran 14-43 % slower than 5; 7
 # against 5 at M = 512-8192: -4.7 to +0.6 % in one run, -1.2 to +2.0 % in another (6 between)
 MERGED_DENSE_STAGES = 7
+# the swapped GEMM's K steps (and walked units) as one dot each on the joined halves (_joined_weights) instead of a
+# dot per half, when joined_dot is not given. The compiler waits for every dot whose first operand is in registers
+# before the next, so two dots a step drained the tensor cores twice. On the H200 (Llama-3-8B linears, GEMM alone,
+# M = 512 / 2048 / 8192; benchmarks/NOTES.md v37): dense 0.90-0.99x the time, the shared walk 0.92-0.97x, the
+# merged walk 0.91-1.00x; the same bits
+JOINED_DOT = True
 
 
 @triton.jit
@@ -183,21 +189,58 @@ def _unit_activations(a_ptr, u, units, k0, safe_m, stride_am, KS):
 
 
 @triton.jit
+def _unit_joined(a_ptr, u, units, k0, safe_m, stride_am, KS):
+    """Residual unit ``u``'s activations as one ``[128, BM]`` tile (its split8 block: even values, then odd)."""
+    unit = tl.arange(0, 128)
+    return tl.load(a_ptr + safe_m[None, :] * stride_am + k0 + unit[:, None], mask=(u < units) & (k0 < KS), other=0)
+
+
+@triton.jit
+def _join_halves(lo, hi, BN: tl.constexpr):
+    """``[BN, 64]`` low and high tiles of one unit as one ``[BN, 128]`` operand (low first; registers renamed)."""
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BN, 128))
+
+
+@triton.jit
+def _joined_weights(w, USE_ASM: tl.constexpr, X16: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr):
+    """A packed step ``[BN, BKP]`` unpacked as one ``[BN, 2 BKP]`` operand in the split8 order of the activations
+    (per 128 values: the 64 low nibbles, then the 64 high ones), for one dot per step instead of two.
+
+    In the dot's register layout the concatenation is a renaming of registers (each thread's bytes of the low and the
+    high tile sit where the joined tile wants them): no data moves (offline sm_90 compile, benchmarks/NOTES.md v37)."""
+    if X16:
+        lo = unpack_lo16(w, USE_ASM)
+        hi = unpack_hi16(w, USE_ASM)
+    else:
+        lo = unpack_lo(w, USE_ASM)
+        hi = unpack_hi(w, USE_ASM)
+    both = tl.reshape(tl.join(lo, hi), (BN, BKP // 64, 64, 2))
+    return tl.reshape(tl.permute(both, (0, 1, 3, 2)), (BN, 2 * BKP))
+
+
+@triton.jit
 def _residual_unit(a_ptr, res_val_ptr, res_scale_ptr, first, u, units, k0, safe_m, res_rows, stride_am, KS,
                    BN_RES: tl.constexpr, BKP_RES: tl.constexpr):
     """Unit ``u`` (starting at K index ``k0``): its two activation tiles, packed residual rows and scales.
 
     Everything past the last unit (``u >= units``) loads as zeros.
     """
+    a_even, a_odd = _unit_activations(a_ptr, u, units, k0, safe_m, stride_am, KS)
+    r, r_scale = _unit_rows(res_val_ptr, res_scale_ptr, first, u, units, res_rows, BN_RES, BKP_RES)
+    return a_even, a_odd, r, r_scale
+
+
+@triton.jit
+def _unit_rows(res_val_ptr, res_scale_ptr, first, u, units, res_rows, BN_RES: tl.constexpr, BKP_RES: tl.constexpr):
+    """Unit ``u``'s packed residual rows ``[rows, 64]`` and their scales (zeros past the last unit)."""
     valid = u < units
     p = first + u // (BKP_RES // 64)
     chunk = (u % (BKP_RES // 64)) * 64
     half = tl.arange(0, 64)
-    a_even, a_odd = _unit_activations(a_ptr, u, units, k0, safe_m, stride_am, KS)
     r = tl.load(res_val_ptr + p * (BN_RES * BKP_RES) + res_rows[:, None] * BKP_RES + chunk + half[None, :],
                 mask=valid, other=0)
     r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows, mask=valid, other=0)  # scales (or shifts) as stored
-    return a_even, a_odd, r, r_scale
+    return r, r_scale
 
 
 @triton.jit
@@ -213,7 +256,7 @@ def _walk_bounds(row_ptr_ptr, pid_n, offs_n, BN: tl.constexpr, BN_RES: tl.conste
 @triton.jit
 def _merged_dense(acc, w_ptr, a_ptr, res_aux_ptr, safe_n, safe_m, kk, stride_wn, stride_am, KP, k_steps, pid_n, pid_k,
                   BN: tl.constexpr, BN_RES: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr,
-                  EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, DENSE_STAGES: tl.constexpr):
+                  EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, DENSE_STAGES: tl.constexpr, JOIN: tl.constexpr):
     """The merged walk's dense loop: the steps of the block row's step table (``res_aux_ptr``: the count of steps no
     kept block covers, then those steps), ``16 q`` weights, split over ``SPLIT_K`` programs."""
     block_row = (pid_n * BN) // BN_RES
@@ -228,38 +271,56 @@ def _merged_dense(acc, w_ptr, a_ptr, res_aux_ptr, safe_n, safe_m, kk, stride_wn,
         i_end = tl.minimum(i_begin + per_split, n_dense)
     w_row = w_ptr + safe_n[:, None] * stride_wn + kk[None, :]
     a_row = a_ptr + safe_m[None, :] * stride_am + kk[:, None]
+    kj = tl.arange(0, 2 * BKP)
+    a_both = a_ptr + safe_m[None, :] * stride_am + kj[:, None]
     for i in tl.range(i_begin, i_end, num_stages=DENSE_STAGES):
         step = tl.load(srow + 1 + i).to(tl.int64)
-        if EVEN_K:
-            w = tl.load(w_row + step * BKP)
-            a_even = tl.load(a_row + step * 2 * BKP)
-            a_odd = tl.load(a_row + step * 2 * BKP + 64)
+        if JOIN:
+            if EVEN_K:
+                w = tl.load(w_row + step * BKP)
+                a = tl.load(a_both + step * 2 * BKP)
+            else:
+                w = tl.load(w_row + step * BKP, mask=((step * BKP + kk) < KP)[None, :], other=0)
+                a = tl.load(a_both + step * 2 * BKP, mask=((step * BKP + kj % 64) < KP)[:, None], other=0)
+            acc = tl.dot(_joined_weights(w, USE_ASM, True, BN, BKP), a, acc, out_dtype=tl.int32)
         else:
-            inside = (step * BKP + kk) < KP
-            w = tl.load(w_row + step * BKP, mask=inside[None, :], other=0)
-            a_even = tl.load(a_row + step * 2 * BKP, mask=inside[:, None], other=0)
-            a_odd = tl.load(a_row + step * 2 * BKP + 64, mask=inside[:, None], other=0)
-        acc = tl.dot(unpack_lo16(w, USE_ASM), a_even, acc, out_dtype=tl.int32)
-        acc = tl.dot(unpack_hi16(w, USE_ASM), a_odd, acc, out_dtype=tl.int32)
+            if EVEN_K:
+                w = tl.load(w_row + step * BKP)
+                a_even = tl.load(a_row + step * 2 * BKP)
+                a_odd = tl.load(a_row + step * 2 * BKP + 64)
+            else:
+                inside = (step * BKP + kk) < KP
+                w = tl.load(w_row + step * BKP, mask=inside[None, :], other=0)
+                a_even = tl.load(a_row + step * 2 * BKP, mask=inside[:, None], other=0)
+                a_odd = tl.load(a_row + step * 2 * BKP + 64, mask=inside[:, None], other=0)
+            acc = tl.dot(unpack_lo16(w, USE_ASM), a_even, acc, out_dtype=tl.int32)
+            acc = tl.dot(unpack_hi16(w, USE_ASM), a_odd, acc, out_dtype=tl.int32)
     return acc
 
 
 @triton.jit
 def _int8_walk(acc, a_ptr, res_val_ptr, coords_ptr, first, units, unit_begin, safe_m, res_rows, stride_am, KS,
-               BN_RES: tl.constexpr, BKP_RES: tl.constexpr, SPLIT_K: tl.constexpr, TAIL_STAGES: tl.constexpr):
+               BN_RES: tl.constexpr, BKP_RES: tl.constexpr, SPLIT_K: tl.constexpr, TAIL_STAGES: tl.constexpr,
+               JOIN: tl.constexpr):
     """The walk of int8 block operands stored per block ``[Bn, Bk]``, each 128-value unit as its 64 even values, then
     its 64 odd ones (the split8 order): the "shifted" walk's ``r · 2^(4-j)``, the "merged" walk's
     ``8 q + 2^(3-j) r``."""
     for u in tl.range(unit_begin, units, SPLIT_K, num_stages=TAIL_STAGES):
         k0 = _unit_k0(coords_ptr, first, u, units, BKP_RES)
-        a_even, a_odd = _unit_activations(a_ptr, u, units, k0, safe_m, stride_am, KS)
         p = first + u // (BKP_RES // 64)
-        m_blk = (res_val_ptr + p * (BN_RES * 2 * BKP_RES) + res_rows[:, None] * (2 * BKP_RES)
-                 + (u % (BKP_RES // 64)) * 128 + tl.arange(0, 64)[None, :])
-        m_even = tl.load(m_blk, mask=u < units, other=0)
-        m_odd = tl.load(m_blk + 64, mask=u < units, other=0)
-        acc = tl.dot(m_even, a_even, acc, out_dtype=tl.int32)
-        acc = tl.dot(m_odd, a_odd, acc, out_dtype=tl.int32)
+        if JOIN:  # a unit's operand is 128 contiguous bytes a row, as its activations: one dot
+            a = _unit_joined(a_ptr, u, units, k0, safe_m, stride_am, KS)
+            m_blk = (res_val_ptr + p * (BN_RES * 2 * BKP_RES) + res_rows[:, None] * (2 * BKP_RES)
+                     + (u % (BKP_RES // 64)) * 128 + tl.arange(0, 128)[None, :])
+            acc = tl.dot(tl.load(m_blk, mask=u < units, other=0), a, acc, out_dtype=tl.int32)
+        else:
+            a_even, a_odd = _unit_activations(a_ptr, u, units, k0, safe_m, stride_am, KS)
+            m_blk = (res_val_ptr + p * (BN_RES * 2 * BKP_RES) + res_rows[:, None] * (2 * BKP_RES)
+                     + (u % (BKP_RES // 64)) * 128 + tl.arange(0, 64)[None, :])
+            m_even = tl.load(m_blk, mask=u < units, other=0)
+            m_odd = tl.load(m_blk + 64, mask=u < units, other=0)
+            acc = tl.dot(m_even, a_even, acc, out_dtype=tl.int32)
+            acc = tl.dot(m_odd, a_odd, acc, out_dtype=tl.int32)
     return acc
 
 
@@ -281,6 +342,7 @@ def _w4a4_swapped_kernel(
     BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
     BKP: tl.constexpr = 64, SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, X16: tl.constexpr = False,
     E4M3_ASM: tl.constexpr = False, TAIL_BM: tl.constexpr = 0, REM_SPLIT: tl.constexpr = 1,
+    JOIN: tl.constexpr = False,
 ):
     # Cᵀ = W Aᵀ: weight rows are the dot's first operand (unpacked in registers, where the
     # tensor-core instruction can read them), the "split8" activations its second (int8 tiles
@@ -302,7 +364,8 @@ def _w4a4_swapped_kernel(
                 pid, 0, 0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
                 row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
                 M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-                TAIL_STAGES, DENSE_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, 1, PDL, X16, E4M3_ASM, TAIL_BM, False)
+                TAIL_STAGES, DENSE_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, 1, PDL, X16, E4M3_ASM, TAIL_BM, False,
+                JOIN)
         else:
             q = pid - N_WHOLE
             _swapped_dispatch(
@@ -310,13 +373,14 @@ def _w4a4_swapped_kernel(
                 bias_ptr, out_ptr, part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
                 res_aux_ptr, M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE,
                 BN_RES, BKP_RES, TAIL_STAGES, DENSE_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, REM_SPLIT, PDL, X16,
-                E4M3_ASM, TAIL_BM, True)
+                E4M3_ASM, TAIL_BM, True, JOIN)
     else:
         _swapped_dispatch(
             pid, tl.program_id(1), 0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
             row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
             M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-            TAIL_STAGES, DENSE_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, TAIL_BM, False)
+            TAIL_STAGES, DENSE_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, TAIL_BM, False,
+            JOIN)
 
 
 @triton.jit
@@ -328,7 +392,7 @@ def _swapped_dispatch(
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr, DENSE_STAGES: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
     BKP: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, X16: tl.constexpr,
-    E4M3_ASM: tl.constexpr, TAIL_BM: tl.constexpr, COMPACT: tl.constexpr,
+    E4M3_ASM: tl.constexpr, TAIL_BM: tl.constexpr, COMPACT: tl.constexpr, JOIN: tl.constexpr,
 ):
     """Tile ``pid`` (grouped order), split ``pid_k`` of ``SPLIT_K``: its coordinates, then :func:`_swapped_tile`
     (``COMPACT``: its partial in slot ``slot`` of a buffer of split tiles, :func:`store_split_tile`)."""
@@ -339,20 +403,20 @@ def _swapped_dispatch(
                 pid, pid_k, pid_n, tile_slot * BM, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
                 part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
                 M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-                TAIL_STAGES, DENSE_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM)
+                TAIL_STAGES, DENSE_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM, JOIN)
         else:
             _swapped_tile(
                 pid, pid_k, pid_n, N_FULL * BM, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
                 part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
                 M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-                TAIL_STAGES, DENSE_STAGES, BN, TAIL_BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM)
+                TAIL_STAGES, DENSE_STAGES, BN, TAIL_BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM, JOIN)
     else:
         pid_n, pid_m = tile_coords(pid, N, M, BN, BM, GROUP_N)
         _swapped_tile(
             pid, pid_k, pid_n, pid_m * BM, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
             part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
             M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-            TAIL_STAGES, DENSE_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM)
+            TAIL_STAGES, DENSE_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM, JOIN)
 
 
 @triton.jit
@@ -364,7 +428,7 @@ def _swapped_tile(
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr, DENSE_STAGES: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, USE_ASM: tl.constexpr,
     BKP: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, X16: tl.constexpr, E4M3_ASM: tl.constexpr,
-    COMPACT: tl.constexpr = False, SLOT_BM: tl.constexpr = 0,
+    COMPACT: tl.constexpr = False, SLOT_BM: tl.constexpr = 0, JOIN: tl.constexpr = False,
 ):
     """One program's ``[BN, BM]`` tile of the swapped GEMM: weight rows from ``pid_n * BN``, tokens from ``m0``
     (``COMPACT``: a split's partial goes to slot ``slot`` of a buffer of split tiles of ``[BN, SLOT_BM]``,
@@ -395,9 +459,24 @@ def _swapped_tile(
         # as one int8 operand. 16 q · a is a multiple of 16: halving is exact, and the sum then counts in the
         # s_w / 8 units of the merged operands (8 q + 2^(3-j) r)
         acc = _merged_dense(acc, w_ptr, a_ptr, res_aux_ptr, safe_n, safe_m, kk, stride_wn, stride_am, KP, k_steps,
-                            pid_n, pid_k, BN, BN_RES, BKP, SPLIT_K, EVEN_K, USE_ASM, DENSE_STAGES)
+                            pid_n, pid_k, BN, BN_RES, BKP, SPLIT_K, EVEN_K, USE_ASM, DENSE_STAGES, JOIN)
         acc = acc >> 1
-    if RES_MODE != 5:
+    if RES_MODE != 5 and JOIN:
+        # one dot a step on the joined operand: the compiler waits for each dot before the next step's unpacking
+        # (its register operand keeps a dot from staying in flight), and two dots a step waited twice
+        kj = tl.arange(0, 2 * BKP)
+        a_both = a_ptr + safe_m[None, :] * stride_am + (step_begin * 2 * BKP + kj)[:, None]
+        for step in range(step_begin, step_end):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                a = tl.load(a_both)
+            else:
+                w = tl.load(w_ptrs, mask=((step * BKP + kk) < KP)[None, :], other=0)
+                a = tl.load(a_both, mask=((step * BKP + (kj // 128) * 64 + kj % 64) < KP)[:, None], other=0)
+            acc = tl.dot(_joined_weights(w, USE_ASM, X16, BN, BKP), a, acc, out_dtype=tl.int32)
+            w_ptrs += BKP
+            a_both += 2 * BKP
+    if RES_MODE != 5 and not JOIN:
         for step in range(step_begin, step_end):
             if EVEN_K:
                 w = tl.load(w_ptrs)
@@ -428,13 +507,20 @@ def _swapped_tile(
         # int8 dots go into the dense accumulator itself: no second accumulator, conversion or rescale.
         for u in tl.range(unit_begin, units, SPLIT_K, num_stages=TAIL_STAGES):
             k0 = _unit_k0(coords_ptr, first, u, units, BKP_RES)
-            a_even, a_odd, r, shift = _residual_unit(
-                a_ptr, res_val_ptr, res_aux_ptr, first, u, units, k0, safe_m, res_rows, stride_am, KS, BN_RES, BKP_RES)
-            acc = tl.dot(unpack_shift16(r, shift, False, USE_ASM), a_even, acc, out_dtype=tl.int32)
-            acc = tl.dot(unpack_shift16(r, shift, True, USE_ASM), a_odd, acc, out_dtype=tl.int32)
+            if JOIN:
+                a = _unit_joined(a_ptr, u, units, k0, safe_m, stride_am, KS)
+                r, shift = _unit_rows(res_val_ptr, res_aux_ptr, first, u, units, res_rows, BN_RES, BKP_RES)
+                r16 = _join_halves(unpack_shift16(r, shift, False, USE_ASM), unpack_shift16(r, shift, True, USE_ASM),
+                                   BN)
+                acc = tl.dot(r16, a, acc, out_dtype=tl.int32)
+            else:
+                a_even, a_odd, r, shift = _residual_unit(a_ptr, res_val_ptr, res_aux_ptr, first, u, units, k0, safe_m,
+                                                         res_rows, stride_am, KS, BN_RES, BKP_RES)
+                acc = tl.dot(unpack_shift16(r, shift, False, USE_ASM), a_even, acc, out_dtype=tl.int32)
+                acc = tl.dot(unpack_shift16(r, shift, True, USE_ASM), a_odd, acc, out_dtype=tl.int32)
     if RES_MODE == 4 or RES_MODE == 5:
         acc = _int8_walk(acc, a_ptr, res_val_ptr, coords_ptr, first, units, unit_begin, safe_m, res_rows, stride_am,
-                         KS, BN_RES, BKP_RES, SPLIT_K, TAIL_STAGES)
+                         KS, BN_RES, BKP_RES, SPLIT_K, TAIL_STAGES, JOIN)
     # the dense int32 accumulator dies here; residual blocks of the other walks accumulate into y
     y = acc.to(tl.float32) * w_scale[:, None]
     if RES_MODE == 5:  # counted in s_w / 8
@@ -764,6 +850,7 @@ def w4a4_gemm_swapped_triton(
     x16: bool = True,
     e4m3_asm: bool = True,
     rem_split: int | None = None,
+    joined_dot: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense W4A4 GEMM with the operands swapped (``Cᵀ = W Aᵀ``), for prefill-sized M.
@@ -827,6 +914,8 @@ def w4a4_gemm_swapped_triton(
             SM; none where the tiles are fewer than ``S``): those tiles are split over K, their partials in a
             buffer of their own. A power of two up to 16; ``None``: :func:`~mosaicquant.kernels._tiles.
             swapped_rem_split`. The same result up to float summation order (as ``split_k``).
+        joined_dot: each K step (and each walked unit of the "shared", "shifted" and "merged" walks) as one dot on
+            the halves' joined operand instead of a dot per half (``None``: :data:`JOINED_DOT`); the same sums.
         out: optional preallocated contiguous ``bfloat16 [M, N]`` output.
 
     Returns:
@@ -946,6 +1035,8 @@ def w4a4_gemm_swapped_triton(
                residual_operand if res_mode in (4, 5) else residual.values.view(torch.int8), residual.scales,
                {3: residual_shifts, 5: dense_steps}.get(res_mode, residual.scales))
 
+    join = bool(JOINED_DOT if joined_dot is None else joined_dot)
+
     def run(grid, part, rem, n_whole, launch):
         _w4a4_swapped_kernel[grid](
             a_split, a_scale, qweight.view(torch.int8), w_scale.reshape(-1), bias if bias is not None else a_scale,
@@ -958,7 +1049,7 @@ def w4a4_gemm_swapped_triton(
             BN_RES=bn_res, BKP_RES=bk_res // 2, BN=block_n, BM=block_m, GROUP_N=8,
             USE_ASM=not triton_interpreting(), BKP=block_kp, SPLIT_K=split_k, PDL=gemm_pdl(a_split.device, m, pdl),
             X16=bool(x16),
-            E4M3_ASM=bool(e4m3_asm), TAIL_BM=tail_bm, REM_SPLIT=rem,
+            E4M3_ASM=bool(e4m3_asm), TAIL_BM=tail_bm, REM_SPLIT=rem, JOIN=join,
             num_warps=num_warps, num_stages=num_stages, **launch, **pdl_launch(pdl),
         )
 
