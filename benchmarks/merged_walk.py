@@ -13,6 +13,8 @@ swapped GEMM's walks then add a kept block's integers into the dense int32 accum
 - ``<walk>_sN`` (e.g. ``dense_s4``): that walk with the launch's ``num_stages`` N (the dense loop's depth).
 - ``dense64``: the dense GEMM at the merged walk's 64-byte K steps (decode M only; the others take
   :func:`~mosaicquant.kernels._tiles.swapped_decode_config`'s tiles there, 64-byte steps for ``merged``).
+- ``<variant>_j`` (e.g. ``dense_j``, ``ql_shared_j``): that variant with each K step and walked unit one dot on the
+  joined halves (:data:`~mosaicquant.kernels.w4a4_gemm.JOINED_DOT`) instead of a dot per half.
 - ``ql_shared`` / ``ql_merged``: ``QuantLinear`` on BF16 input (activation quantization included) as it routes the
   call, with :data:`mosaicquant.kernels.quant_linear.MERGED_WALK` off / on (on: decode M on the swapped GEMM's
   decode tiles, ``_tiles.SWAP_DECODE_MERGED_MIN_M`` 1); ``ql_dense``: the dense layer as it routes.
@@ -94,9 +96,15 @@ def copies(n: int, k: int) -> int:
     return max(2, math.ceil(ROTATE_BYTES / (n * (k + 1) // 2 * 1.2)))
 
 
+def _base(variant: str) -> str:
+    """The variant without its ``_j`` (joined dots) suffix."""
+    return variant.removesuffix("_j")
+
+
 def _settings(variant: str) -> dict:
     """Module settings a variant runs under: (module, attribute) -> value."""
-    out = {}
+    out = {(GEMM_MODULE, "JOINED_DOT"): variant.endswith("_j")}
+    variant = _base(variant)
     if variant.startswith("merged_t"):
         out[(GEMM_MODULE, "SHARED_TAIL_STAGES")] = int(variant[len("merged_t"):])
     elif variant.startswith("merged") and variant != "merged":
@@ -135,7 +143,7 @@ def bench(name: str, n: int, k: int, ms: list[int], rounds: int, variants: list[
 
         def gemm(walk, lay):
             kw = {}
-            walk, _, stages = walk.partition("_s")  # "<walk>_sN": the launch's num_stages N
+            walk, _, stages = _base(walk).partition("_s")  # "<walk>_sN": the launch's num_stages N
             if stages:
                 kw["num_stages"] = int(stages)
             if m <= 32:  # the swapped GEMM's decode tiles
@@ -158,18 +166,23 @@ def bench(name: str, n: int, k: int, ms: list[int], rounds: int, variants: list[
                for key in ("ql_dense", "ql_res") if any(v.startswith("ql_") for v in variants)}
         for v in variants[1:]:
             if v.startswith("ql_"):
-                calls[v] = [lambda q=q: q(x) for q in qls["ql_dense" if v == "ql_dense" else "ql_res"]]
+                calls[v] = [lambda q=q: q(x) for q in qls["ql_dense" if _base(v) == "ql_dense" else "ql_res"]]
             else:
                 calls[v] = [gemm(v, lay) for lay in layers]
         ref = reference(a8, s8, layers[0], k)
         shared_out = None
         status = {}
+        outs = {}
         for v in variants[1:]:  # check every variant once, before timing
             try:
                 with _Using(v):
                     got = calls[v][0]()
                 got = (got if got is not None else out).clone()
-                if v.partition("_s")[0] in ("dense", "dense64") or v == "ql_dense":
+                outs[v] = got
+                if v.endswith("_j") and _base(v) in outs:  # the same sums as the dots per half
+                    ok = torch.equal(got, outs[_base(v)])
+                    status[v] = (ok, f"bits {'equal to' if ok else 'differ from'} {_base(v)}")
+                elif _base(v).partition("_s")[0] in ("dense", "dense64") or _base(v) == "ql_dense":
                     status[v] = (True, "not checked (no residual)")
                 elif v.startswith("ql_") or v == "shared" or (m <= 32 and not torch.equal(got, shared_out)):
                     # against the reference: QuantLinear (activations quantized on the GPU), the shared walk, and at
