@@ -8,14 +8,18 @@ their unpacking run while the warpgroup's tensor-core work is drained; only the 
 
 Gluon (Triton's explicit-layout dialect) issues ``wgmma`` asynchronously and waits when told. This kernel has the
 Triton kernel's tiles (128 weight rows × 128 tokens × 128 K values a step, 8 warps, two programs an SM) and a
-``cp.async`` ring of ``STAGES`` slots, and per step:
+4-slot ``cp.async`` ring, and per step:
 
 1. waits for its copies of step ``i`` and meets the other warps at a barrier;
-2. issues the copies of step ``i + STAGES - 2`` into the slot of step ``i - 2`` (every warpgroup is past it);
+2. issues the copies of step ``i + 2`` into the slot of step ``i - 2`` (every warpgroup is past it);
 3. loads the packed weights of step ``i`` into registers, unpacks both halves as ``16 q``, and issues their two
    ``wgmma`` (even and odd values) asynchronously;
-4. ``ASYNC``: waits until only those two are outstanding (step ``i - 1`` done), else until none is (Triton's
-   schedule, for comparison).
+4. ``PAIR``: at odd steps waits for both steps' products (the second step's loads and unpacking ran under the
+   first's products); else waits for them every step (Triton's schedule, for comparison).
+
+Products in flight across loop iterations (a wait down to the two just issued) gave wrong sums: the register
+operands of the products in flight were reused. ``warpgroup_mma_wait``'s ``deps``, which would hold them, take no
+8-bit values in Triton 3.6, and an asm reading them after the wait holds them only within one iteration (NOTES v37).
 
 Dense only (no residual blocks), M, N multiples of 128 and K of 256: a prototype to measure what the overlap is
 worth before building on it. Variants, GEMM alone on ``split8`` activations (weights rotated through more than L2,
@@ -23,10 +27,8 @@ medians of CUDA-graph replays, interleaved rounds; each output first checked bit
 kernel's):
 
 - ``t_split`` / ``t_joined``: the Triton swapped GEMM with a dot per nibble half / one dot on the joined halves;
-- ``g_sync``: the Gluon kernel waiting for its products every step (``ASYNC`` off, 4 slots);
-- ``g_async``: in flight across steps, 4 slots (two programs an SM); ``g_async5``: 5 slots (one program an SM);
-- ``g_pair``: in flight within pairs of steps (the second step's unpacking under the first's products), waited
-  for at the end of each pair, 4 slots.
+- ``g_sync``: the Gluon kernel waiting for its products every step;
+- ``g_pair``: in flight within pairs of steps.
 
     PYTHONPATH=. python3 benchmarks/gluon_prefill.py [--ms 2048,8192] [--rounds 3] [--out DIR]
 """
@@ -87,34 +89,6 @@ def _issue(w_slot, ae_slot, ao_slot, w_ptrs, a_ptrs, step, live):
 
 
 @gluon.jit
-def _step(i, acc, prev_lo, prev_hi, w_smem, ae_smem, ao_smem, w_ptrs, a_ptrs, k_steps, op_a: gl.constexpr,
-          STAGES: gl.constexpr, ASYNC: gl.constexpr):
-    """K step ``i``: its copies awaited, step ``i + STAGES - 2``'s issued, its two products issued; returns the
-    accumulator and this step's register operands (``prev_lo``, ``prev_hi``: step ``i - 1``'s)."""
-    async_copy.wait_group(STAGES - 3)  # step i's copies (ours) have landed
-    gl.thread_barrier()  # everyone's; and every warpgroup is done with step i - 2's products
-    nxt = i + STAGES - 2
-    slot_n = nxt % STAGES
-    _issue(w_smem.index(slot_n), ae_smem.index(slot_n), ao_smem.index(slot_n), w_ptrs, a_ptrs, nxt, nxt < k_steps)
-    async_copy.commit_group()
-    slot = i % STAGES
-    w = w_smem.index(slot).load(op_a)
-    lo = _lo16(w)
-    hi = _hi16(w)
-    acc = warpgroup_mma(lo, ae_smem.index(slot).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(hi, ao_smem.index(slot).permute((1, 0)), acc, is_async=True)
-    if ASYNC:
-        # step i - 1's products are done; until then the registers they read must not be reused (nothing else
-        # tells the register allocator so: a first run without _keep gave wrong sums)
-        acc = warpgroup_mma_wait(num_outstanding=2, deps=[acc])
-        _keep(prev_lo, prev_hi)
-        return acc, lo, hi
-    else:
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        return acc, prev_lo, prev_hi  # nothing to keep: the zeros stay constants
-
-
-@gluon.jit
 def _pair(i, acc, w_smem, ae_smem, ao_smem, w_ptrs, a_ptrs, k_steps, op_a: gl.constexpr, STAGES: gl.constexpr):
     """K steps ``i`` and ``i + 1``: the second step's loads and unpacking run while the first's products are in
     flight; both are waited for at the end (no register operand lives across loop iterations)."""
@@ -147,24 +121,8 @@ def _issue_products(i, acc, w_smem, ae_smem, ao_smem, w_ptrs, a_ptrs, k_steps, o
 
 
 @gluon.jit
-def _steps(acc, w_smem, ae_smem, ao_smem, w_ptrs, a_ptrs, k_steps, op_a: gl.constexpr, BN: gl.constexpr,
-           BKP: gl.constexpr, STAGES: gl.constexpr, ASYNC: gl.constexpr):
-    """Every K step, one :func:`_step` each, the last products waited for."""
-    # step 0 outside the loop: with a path that skips the loop, ptxas sees the accumulator's zeros defined inside
-    # the products' pipeline and serialises every wgmma (C7515)
-    acc, lo, hi = _step(0, acc, gl.zeros([BN, BKP], gl.int8, op_a),
-                        gl.zeros([BN, BKP], gl.int8, op_a), w_smem, ae_smem, ao_smem, w_ptrs, a_ptrs, k_steps, op_a,
-                        STAGES, ASYNC)
-    for i in range(1, k_steps):
-        acc, lo, hi = _step(i, acc, lo, hi, w_smem, ae_smem, ao_smem, w_ptrs, a_ptrs, k_steps, op_a, STAGES, ASYNC)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    _keep(lo, hi)
-    return acc
-
-
-@gluon.jit
 def _gp_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, KP, stride_am, stride_wn, stride_om,
-               STAGES: gl.constexpr, ASYNC: gl.constexpr, GROUP_N: gl.constexpr):
+               STAGES: gl.constexpr, PAIR: gl.constexpr, GROUP_N: gl.constexpr):
     BN: gl.constexpr = 128  # weight rows
     BM: gl.constexpr = 128  # tokens
     BKP: gl.constexpr = 64  # packed bytes (128 K values) a step
@@ -199,13 +157,15 @@ def _gp_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, KP, stride
         _issue(w_smem.index(s), ae_smem.index(s), ao_smem.index(s), w_ptrs, a_ptrs, s, s < k_steps)
         async_copy.commit_group()
 
-    if ASYNC == 2:  # pairs of steps (K a multiple of 256)
-        acc = gl.zeros([BN, BM], gl.int32, mma)
+    acc = gl.zeros([BN, BM], gl.int32, mma)
+    if PAIR:  # pairs of steps (K a multiple of 256)
         for i in range(0, k_steps, 2):
             acc = _pair(i, acc, w_smem, ae_smem, ao_smem, w_ptrs, a_ptrs, k_steps, op_a, STAGES)
     else:
-        acc = _steps(gl.zeros([BN, BM], gl.int32, mma), w_smem, ae_smem, ao_smem, w_ptrs, a_ptrs, k_steps, op_a, BN, BKP, STAGES,
-                     ASYNC)
+        for i in range(k_steps):
+            lo, hi, acc = _issue_products(i, acc, w_smem, ae_smem, ao_smem, w_ptrs, a_ptrs, k_steps, op_a, STAGES)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            _keep(lo, hi)
     async_copy.wait_group(0)
 
     offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
@@ -223,19 +183,19 @@ def _gp_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, KP, stride
 
 
 def gluon_prefill(a_split: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
-                  out: torch.Tensor, stages: int = 4, mode: int = 1) -> torch.Tensor:
+                  out: torch.Tensor, pair: bool = True) -> torch.Tensor:
     """``bfloat16 [M, N]`` into ``out``: the Gluon kernel on split8 activations ``int8 [M, K]`` and packed weights
-    (``mode`` 0: products waited for every step; 1: in flight across steps; 2: in pairs of steps)."""
+    (``pair``: products in flight within pairs of steps; else waited for every step)."""
     m, n, kp = a_split.shape[0], qweight.shape[0], qweight.shape[1]
     if m % BM or n % BN or kp % (2 * BKP) or a_split.shape[1] != 2 * kp:
         raise ValueError(f"the prototype takes M, N multiples of {BM} and K of 256 (got M={m}, N={n}, K={2 * kp})")
     _gp_kernel[((n // BN) * (m // BM),)](
         a_split, a_scale, qweight.view(torch.int8), w_scale.reshape(-1), out, m, n, kp, a_split.stride(0),
-        qweight.stride(0), out.stride(0), STAGES=stages, ASYNC=mode, GROUP_N=8, num_warps=8)
+        qweight.stride(0), out.stride(0), STAGES=4, PAIR=bool(pair), GROUP_N=8, num_warps=8)
     return out
 
 
-VARIANTS = ("bf16", "t_split", "t_joined", "g_sync", "g_async", "g_async5", "g_pair")
+VARIANTS = ("bf16", "t_split", "t_joined", "g_sync", "g_pair")
 
 
 def main(argv=None) -> int:
@@ -267,12 +227,12 @@ def main(argv=None) -> int:
                 return [lambda i=i: w4a4_gemm_swapped_triton(a8, s8, qws[i], wss[i], k, joined_dot=joined, out=out)
                         for i in range(copies)]
 
-            def g(stages, mode):
-                return [lambda i=i: gluon_prefill(a8, s8, qws[i], wss[i], out, stages, mode)
+            def g(pair):
+                return [lambda i=i: gluon_prefill(a8, s8, qws[i], wss[i], out, pair)
                         for i in range(copies)]
 
             calls = {"bf16": [lambda w=w: F.linear(x, w) for w in w_bf16], "t_split": t(False), "t_joined": t(True),
-                     "g_sync": g(4, 0), "g_async": g(4, 1), "g_async5": g(5, 1), "g_pair": g(4, 2)}
+                     "g_sync": g(False), "g_pair": g(True)}
             want = calls["t_split"][0]().clone()
             status = {}
             for v in VARIANTS[2:]:
