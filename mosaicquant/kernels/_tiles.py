@@ -250,7 +250,12 @@ WIDE_DECODE_MAX_M = 32
 # above two tiles a SM the last ones run in a second wave. GEMM alone (v32, M = 17 / 24 / 32, us): Qwen3-14B gate/up
 # (34816 x 5120, 2.06 tiles a SM) 40.68 / 40.70 / 39.79 wide against 33.94 / 33.86 / 33.67 swapped, Qwen3-32B gate/up
 # (51200 x 5120, 3.03) 48.50 / 48.67 / 51.25 against 44.90 / 49.17 / 46.99.
-DENSE_WIDE_MAX_M = 32
+# Since the swapped GEMM multiplies a K step in one dot (w4a4_gemm.JOINED_DOT, v37) the bound is 16 (the wide tiles
+# for no dense call above 16 tokens): QuaRot's Llama-3-8B decode step at batch 24 / 32 ran 3,191 / 3,241 us with
+# gate/up on the wide tiles and 3,146 / 3,176 on the swapped GEMM (2 interleaved rounds); the swapped GEMM alone took
+# 20.1 / 21.5 us at 24 / 32 tokens there. The only SPEC layer inside the bounds below is Llama-3-8B's gate/up (1.70
+# tiles a SM); Qwen3-8B and Qwen3-14B steps were level under both bounds (their gate/up lie outside them).
+DENSE_WIDE_MAX_M = 16
 DENSE_WIDE_MIN_TILES_PER_SM = 1.6
 DENSE_WIDE_MAX_TILES_PER_SM = 2.0
 # Calls of up to this many tokens run the decode GEMV (CUDA-core dp4a, mosaicquant.kernels.gemv)

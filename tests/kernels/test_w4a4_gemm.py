@@ -139,9 +139,9 @@ def test_wide_dense_layers_take_unsplit_wide_tiles_at_decode_sizes(monkeypatch):
     zip_wide = pick_config(4, 28672, 2048, cuda, residual_block=(128, 128))  # ZipperEngine's tail walk: also wide
     assert (zip_wide.block_n, zip_wide.block_kp) == (128, 128)
     assert pick_config(4, 28672, 2048, cuda, residual_block=(64, 128)).block_n == 64  # rows nest in the blocks
-    assert pick_config(32, 28672, 2048, cuda).block_kp == 128  # dense: up to DENSE_WIDE_MAX_M (32)
-    monkeypatch.setattr(_tiles, "DENSE_WIDE_MAX_M", 16)
-    assert pick_config(32, 28672, 2048, cuda).block_kp == 64
+    assert pick_config(32, 28672, 2048, cuda).block_kp == 64  # dense: none above 16 tokens (DENSE_WIDE_MAX_M)
+    monkeypatch.setattr(_tiles, "DENSE_WIDE_MAX_M", 32)
+    assert pick_config(32, 28672, 2048, cuda).block_kp == 128
     # ZipperEngine's layers keep them up to 32 tokens, on 32-row tiles (WIDE_DECODE_MAX_M)
     zip32 = pick_config(32, 28672, 2048, cuda, residual_block=(128, 128))
     assert (zip32.block_m, zip32.block_n, zip32.block_kp, zip32.split_k, zip32.num_warps) == (32, 128, 128, 1, 8)
