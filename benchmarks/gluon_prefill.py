@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -50,28 +49,18 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gluon_zipper import _hi16, _lo16  # noqa: E402  (the 16 q unpacking as inline PTX)
+from merged_walk import time_variants  # noqa: E402
 
 from mosaicquant.harness.results import source_fingerprint  # noqa: E402
-from mosaicquant.harness.timing import time_calls  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_swapped_triton  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROTATE_BYTES = 180 * 2**20
 BN, BM, BKP = 128, 128, 64  # weight rows, tokens and packed K bytes of a program's step (host side)
-_LO16 = gl.constexpr("{\nshl.b32 $0, $1, 4;\nand.b32 $0, $0, 0xF0F0F0F0;\n}")
-_HI16 = gl.constexpr("and.b32 $0, $1, 0xF0F0F0F0;")
-
-
-@gluon.jit
-def _lo16(x):
-    return gl.inline_asm_elementwise(_LO16, "=r,r", [x], dtype=gl.int8, is_pure=True, pack=4)
-
-
-@gluon.jit
-def _hi16(x):
-    return gl.inline_asm_elementwise(_HI16, "=r,r", [x], dtype=gl.int8, is_pure=True, pack=4)
-
 
 @gluon.jit
 def _keep(lo, hi):
@@ -245,20 +234,7 @@ def main(argv=None) -> int:
                     status[v] = (same, "bits equal to t_split" if same else f"differs: max |diff| {diff:.3g}")
                 except Exception as exc:  # noqa: BLE001 - a variant that fails is recorded, not fatal
                     status[v] = (False, f"{type(exc).__name__}: {str(exc)[:300]}")
-            times = {v: [] for v in VARIANTS}
-            for _ in range(args.rounds):
-                for v in VARIANTS:
-                    if v in status and not status[v][0]:
-                        continue
-                    times[v].append(time_calls(calls[v]).median_us)
-            for v in VARIANTS:
-                ok, note = status.get(v, (True, ""))
-                row = dict(layer=name, n=n, k=k, m=m, variant=v, check_ok=ok, check=note, rounds_us=times[v])
-                if times[v]:
-                    row["us"] = statistics.median(times[v])
-                rows.append(row)
-                print(f"{name} M={m} {v}: " + (f"{row['us']:.1f} us" if "us" in row else "not timed") + f" {note}",
-                      flush=True)
+            rows += time_variants(name, n, k, m, VARIANTS, calls, status, args.rounds)
             del w_bf16
     bad = [r for r in rows if not r["check_ok"]]
     by = {(r["layer"], r["m"], r["variant"]): r.get("us") for r in rows}

@@ -33,6 +33,7 @@ Usage (GPU)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -202,21 +203,30 @@ def bench(name: str, n: int, k: int, ms: list[int], rounds: int, variants: list[
             except Exception as exc:  # noqa: BLE001 - a variant that fails is recorded, not fatal
                 status[v] = (False, f"{type(exc).__name__}: {exc}")
         del ref
-        times = {v: [] for v in variants}
-        for _ in range(rounds):
-            for v in variants:
-                if v != "bf16" and not status[v][0]:
-                    continue
-                with _Using(v):
-                    times[v].append(time_calls(calls[v]).median_us)
+        rows += time_variants(name, n, k, m, variants, calls, status, rounds, _Using)
+    return rows
+
+
+def time_variants(name: str, n: int, k: int, m: int, variants, calls: dict, status: dict, rounds: int,
+                  context=contextlib.nullcontext) -> list[dict]:
+    """Time every variant whose check passed (``status[v]``: ``(ok, note)``; none: not checked) ``rounds`` times,
+    interleaved, each under ``context(v)``; a row per variant with its median, printed as it is made."""
+    times = {v: [] for v in variants}
+    for _ in range(rounds):
         for v in variants:
-            ok, note = status.get(v, (True, ""))
-            row = dict(layer=name, n=n, k=k, m=m, variant=v, check_ok=ok, check=note, rounds_us=times[v])
-            if times[v]:
-                row["us"] = statistics.median(times[v])
-            rows.append(row)
-            print(f"{name} M={m} {v}: " + (f"{row['us']:.1f} us" if "us" in row else "not timed") + f" {note}",
-                  flush=True)
+            if not status.get(v, (True, ""))[0]:
+                continue
+            with context(v):
+                times[v].append(time_calls(calls[v]).median_us)
+    rows = []
+    for v in variants:
+        ok, note = status.get(v, (True, ""))
+        row = dict(layer=name, n=n, k=k, m=m, variant=v, check_ok=ok, check=note, rounds_us=times[v])
+        if times[v]:
+            row["us"] = statistics.median(times[v])
+        rows.append(row)
+        print(f"{name} M={m} {v}: " + (f"{row['us']:.1f} us" if "us" in row else "not timed") + f" {note}",
+              flush=True)
     return rows
 
 

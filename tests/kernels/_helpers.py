@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,6 +20,25 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BF16_RTOL = 2.0**-7
 ATOL_FRAC = 1e-3
 NAN_U8 = 0xAB  # poison byte for uint8 outputs
+REPO = Path(__file__).resolve().parents[2]
+
+
+def ptxas_available() -> bool:
+    """Whether Triton's NVIDIA backend (its ptxas) is here: kernels then compile for sm_90 without a GPU."""
+    import triton
+
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+def sm90_compile(script: str, *args: str, timeout: int) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Run ``script`` (Python source that compiles kernels for sm_90 through ``benchmarks/offline_regs.py``'s
+    stand-in driver) in a subprocess, outside the interpreter, with ``benchmarks/`` as its ``argv[1]`` and ``args``
+    after it; returns the process and the JSON lines it printed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", script, str(REPO / "benchmarks"), *args], capture_output=True,
+                         text=True, timeout=timeout, env=env, cwd=REPO)
+    return run, [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
 
 
 def assert_residual_matters(a_packed, a_scale, qweight, w_scale, k, bias, ref: torch.Tensor) -> None:

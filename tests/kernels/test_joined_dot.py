@@ -1,11 +1,5 @@
 """The swapped GEMM's K steps (and walked units) as one dot on the joined halves (``joined_dot``)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -18,12 +12,12 @@ from ._helpers import (
     assert_close_bf16,
     needs_triton,
     pow2_residual,
+    ptxas_available,
     random_activations,
     random_layer,
     random_residual,
+    sm90_compile,
 )
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @needs_triton()
@@ -104,22 +98,12 @@ for walk in (None, "shared", "merged"):
 """
 
 
-def _ptxas_available() -> bool:
-    import triton
-
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
-@pytest.mark.skipif(not _ptxas_available(), reason="Triton's NVIDIA backend has no ptxas here")
+@pytest.mark.skipif(not ptxas_available(), reason="Triton's NVIDIA backend has no ptxas here")
 def test_joined_dot_halves_the_waits_and_moves_no_data_on_sm90():
     # wgmma with its first operand in registers is waited for before the next step (Triton 3.6): two dots a step,
     # two waits. Joined, one wait a step (the walks' units too), and the join is a renaming of registers: no
     # shuffles, byte permutes or shared-memory stores beyond the split form's
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", _COMPILE, str(REPO / "benchmarks")], capture_output=True, text=True,
-                         timeout=900, env=env, cwd=REPO)
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    run, rows = sm90_compile(_COMPILE, timeout=900)
     assert run.returncode == 0 and len(rows) == 6, run.stderr[-2000:]
     by = {(r["walk"], r["joined"]): r for r in rows}
     for walk in (None, "shared", "merged"):

@@ -12,16 +12,12 @@ there), and its shared memory is checked against the SM's limit.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from mosaicquant.harness.shapes import SHAPE_MODELS
 
-REPO = Path(__file__).resolve().parents[2]
+from ._helpers import ptxas_available, sm90_compile
 # Shared memory one block may use on sm_90 (227 KiB; what Triton's launcher checks against on the H200).
 SM90_MAX_SHARED = 232448
 
@@ -50,13 +46,7 @@ for n, p, layout, gated in json.loads(sys.argv[2]):
 """
 
 
-def _ptxas_available() -> bool:
-    import triton
-
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
-@pytest.mark.skipif(not _ptxas_available(), reason="Triton's NVIDIA backend has no ptxas here")
+@pytest.mark.skipif(not ptxas_available(), reason="Triton's NVIDIA backend has no ptxas here")
 def test_every_spec_hadamard_size_fits_an_sm90_block():
     from mosaicquant.kernels import hadamard_quant
     from mosaicquant.methods.hadamard import OnlineHadamard
@@ -69,11 +59,7 @@ def test_every_spec_hadamard_size_fits_an_sm90_block():
         for p in (p for p in (1, 2, 4, 8) if p <= most):
             cases.append([n, p, "split8", False])
         cases += [[n, 1, "packed", False], [n, 1, "split8", True]]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", _COMPILE, str(REPO / "benchmarks"), json.dumps(cases)],
-                         capture_output=True, text=True, timeout=1200, env=env, cwd=REPO)
-    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    run, lines = sm90_compile(_COMPILE, json.dumps(cases), timeout=1200)
     assert run.returncode == 0 and len(lines) == len(cases), run.stderr[-2000:]
     errors = [line for line in lines if "error" in line]
     assert not errors, errors
