@@ -343,6 +343,18 @@ def round_half_even(v):
 
 
 @triton.jit
+def quantize_int4(v):
+    """``clamp(round_half_even(v), -8, 7)`` of fp32 ``v`` as ``int32`` values whose low byte is the integer's
+    two's complement (truncate to ``int8`` for the byte, or mask the nibble).
+
+    Clamped first (rounding commutes with clamping to integers), ``v + 1.5 · 2**23`` rounds to the nearest
+    integer, ties to even, and holds it in the low bits of its fp32 encoding (``0x4B400000 + v``): no rounding
+    subtraction, no float-to-integer conversion (``F2I`` issues at a quarter of the FP32 rate on Hopper).
+    """
+    return (tl.minimum(tl.maximum(v, -8.0), 7.0) + 12582912.0).to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def store_output(
     out_ptr, part_ptr, lock_ptr, tile_id, pid_k, acc, bias_ptr,
     offs_m, offs_n, M, N, stride_om,

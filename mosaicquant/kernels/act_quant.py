@@ -46,7 +46,7 @@ from mosaicquant.kernels._common import (
     check_triton_device,
     resolve_kernel,
 )
-from mosaicquant.kernels._tl import chain_start, quant_div, round_half_even, silu_mul_rounded
+from mosaicquant.kernels._tl import chain_start, quant_div, quantize_int4, silu_mul_rounded
 from mosaicquant.kernels._token_split import (
     barrier_buffer,
     check_num_warps,
@@ -75,10 +75,7 @@ SPLIT_MIN_WIDTH = 1024
 @triton.jit
 def quantize_store(x, scale, q_row, kp, KP, SPLIT8: tl.constexpr):
     """Quantize pairs ``x [len(kp), 2]`` (fp32) of one row with ``scale``; store them packed or split8."""
-    # Clamping to [-9, 9] before rounding does not change clamp(round(v), -8, 7) and keeps
-    # the magic-number rounding in its exact range for any clip ratio.
-    v = tl.minimum(tl.maximum(quant_div(x, scale), -9.0), 9.0)
-    q = tl.minimum(tl.maximum(round_half_even(v), -8.0), 7.0).to(tl.int8)
+    q = quantize_int4(quant_div(x, scale)).to(tl.int8)
     q_even, q_odd = tl.split(q)
     if SPLIT8:
         # pair kp → block kp // 64: even value at byte kp % 64 of the block, odd value 64 bytes on;

@@ -57,7 +57,7 @@ from mosaicquant.kernels._common import (
     use_pdl,
 )
 from mosaicquant.kernels._tiles import LOCK_SLOTS, _sm_count, lock_buffer, pdl_launch
-from mosaicquant.kernels._tl import in_range, quant_div, round_half_even, store_output, wait_for_inputs
+from mosaicquant.kernels._tl import in_range, quant_div, quantize_int4, store_output, wait_for_inputs
 from mosaicquant.kernels.act_quant import ACT_DTYPES
 from mosaicquant.kernels.w4a4_gemm import X16_MAX_K, check_gemm_args, check_weight_args
 from mosaicquant.methods.format import ResidualBlocks
@@ -109,8 +109,7 @@ def _quant_words(x_row, kw, mask, scale, MASKED: tl.constexpr):
         x = tl.load(x_row + k, mask=mask[:, None], other=0.0)
     else:
         x = tl.load(x_row + k)
-    v = tl.minimum(tl.maximum(quant_div(x.to(tl.float32), scale), -9.0), 9.0)
-    q = tl.minimum(tl.maximum(round_half_even(v), -8.0), 7.0).to(tl.int32)
+    q = quantize_int4(quant_div(x.to(tl.float32), scale))
     return tl.reduce((q & 0xF) << (4 * j)[None, :], 1, _bit_or)
 
 

@@ -71,7 +71,7 @@ from mosaicquant.kernels._common import (
     resolve_kernel,
     triton_interpreting,
 )
-from mosaicquant.kernels._tl import chain_start, quant_div, round_half_even, silu_mul_rounded
+from mosaicquant.kernels._tl import chain_start, quant_div, quantize_int4, silu_mul_rounded
 from mosaicquant.kernels._tl import round_to_bf16 as _round_to_bf16
 from mosaicquant.kernels._token_split import (
     barrier_buffer,
@@ -190,8 +190,7 @@ def _hadamard_quant_kernel(
     scale = token_scale(absmax, clip_ratio, sync_ptr, row, slice_id, tag, P, SYNC)
     if c0 == 0:
         tl.store(scale_ptr + row, scale)
-    v = tl.minimum(tl.maximum(quant_div(z, scale), -9.0), 9.0)
-    q = tl.minimum(tl.maximum(round_half_even(v), -8.0), 7.0).to(tl.int8)
+    q = quantize_int4(quant_div(z, scale)).to(tl.int8)
     half = c0 // 2 + tl.arange(0, DS // 2)  # the slice's pairs within a row of the view
     if SPLIT8:
         if D == 128:
