@@ -77,7 +77,6 @@ from mosaicquant.kernels._token_split import (
     barrier_buffer,
     check_num_warps,
     resolve_programs_per_token,
-    sm_count,
     token_scale,
     token_slice,
 )
@@ -106,24 +105,36 @@ _DTYPES = (torch.bfloat16, torch.float16)
 SPLIT_MIN_WIDTH = 512
 # Slices narrower than this of views of 64 rows or more run the transposed products (see _transposed).
 WGMMA_MIN_COLUMNS = 64
-# Persistent programs: from this many tokens (None: never) a launch of PERSISTENT_PROGRAMS_PER_SM programs an SM
-# walks the tokens, each program loading the constant operands once, its token loop pipelined over
-# PERSISTENT_STAGES stages, on PERSISTENT_WARPS warps (None: the _warps rule).
-PERSISTENT_MIN_TOKENS: int | None = None
-PERSISTENT_PROGRAMS_PER_SM = 2
-PERSISTENT_STAGES = 2
-PERSISTENT_WARPS: int | None = None
-# From this many tokens (None: never) unfolded views run the transposed products.
-TRANSPOSED_MIN_TOKENS: int | None = None
 
 
 @triton.jit
-def _operands_tiles(left_ptr, syl_ptr, D: tl.constexpr, R_PAD: tl.constexpr, DS: tl.constexpr, c0,
-                    DOT_F32: tl.constexpr, TRANS: tl.constexpr, FOLD: tl.constexpr):
-    """The products' constant operands for the columns ``[c0, c0 + DS)``: ``(S_D part, Aᵀ)`` as the dots take them."""
+def _hadamard_quant_kernel(
+    x_ptr, left_ptr, syl_ptr, signs_ptr, q_ptr, scale_ptr, sync_ptr,
+    R, stride_xm, stride_qm, inv_sqrt_n, clip_ratio,
+    D: tl.constexpr, R_PAD: tl.constexpr,
+    HAS_SIGNS: tl.constexpr, SIGNS_FIRST: tl.constexpr, DOT_F32: tl.constexpr, CHAIN: tl.constexpr,
+    SPLIT8: tl.constexpr = False, GATED: tl.constexpr = False, up_offset=0,
+    P: tl.constexpr = 1, SYNC: tl.constexpr = True, TRANS: tl.constexpr = False, FOLD: tl.constexpr = False,
+):
+    chain_start(CHAIN)  # the GEMM that reads our output may start (it waits for us before reading)
+    DS: tl.constexpr = D // P  # columns of the [R, D] view this program transforms and quantizes
+    # program token · P + s: columns [s · DS, (s + 1) · DS), Z[:, cols] = Aᵀ (X S_D[:, cols])
+    row, slice_id, tag = token_slice(sync_ptr, P, SYNC)
+    c0 = slice_id * DS
     rows = tl.arange(0, R_PAD)
     cols = tl.arange(0, D)
     part = c0 + tl.arange(0, DS)
+    idx = rows[:, None] * D + cols[None, :]
+    out_idx = rows[:, None] * D + part[None, :]
+    valid = rows[:, None] < R
+    x = tl.load(x_ptr + row * stride_xm + idx, mask=valid, other=0.0)
+    if GATED:  # x holds [gate | up]: the transform's input is silu(gate) · up, rounded as silu_mul rounds it
+        up = tl.load(x_ptr + row * stride_xm + up_offset + idx, mask=valid, other=0.0).to(tl.float32)
+        x = silu_mul_rounded(x.to(tl.float32), up, x_ptr.dtype.element_ty == tl.bfloat16).to(x_ptr.dtype.element_ty)
+    if HAS_SIGNS:
+        if SIGNS_FIRST:
+            s = tl.load(signs_ptr + idx, mask=valid, other=1.0)
+            x = (x.to(tl.float32) * s).to(x_ptr.dtype.element_ty)  # ±1: exact
     if TRANS:
         # the transposed products, Zᵀ = ((S_D[:, cols])ᵀ Xᵀ) Aᵀᵀ: the slice's columns are the dots'
         # M, which keeps a narrow slice of a tall view off wgmma (see _split_limit)
@@ -138,48 +149,9 @@ def _operands_tiles(left_ptr, syl_ptr, D: tl.constexpr, R_PAD: tl.constexpr, DS:
         left = tl.load(left_ptr + rows[:, None] * R_PAD + rows[None, :])
     if DOT_F32:
         # Triton's interpreter computes 16-bit dots wrongly (bfloat16); the same products in fp32
+        x = x.to(tl.float32)
         syl = syl.to(tl.float32)
         left = left.to(tl.float32)
-    return syl, left
-
-
-@triton.jit
-def _load_input(x_ptr, signs_ptr, row, R, stride_xm, D: tl.constexpr, R_PAD: tl.constexpr,
-                HAS_SIGNS: tl.constexpr, SIGNS_FIRST: tl.constexpr, GATED: tl.constexpr, up_offset):
-    """Token ``row``'s ``[R_PAD, D]`` view (zero rows past ``R``): SiLU·mul of ``[gate | up]`` with ``GATED``,
-    times the signs when they come first."""
-    rows = tl.arange(0, R_PAD)
-    cols = tl.arange(0, D)
-    idx = rows[:, None] * D + cols[None, :]
-    valid = rows[:, None] < R
-    x = tl.load(x_ptr + row * stride_xm + idx, mask=valid, other=0.0)
-    if GATED:  # x holds [gate | up]: the transform's input is silu(gate) · up, rounded as silu_mul rounds it
-        up = tl.load(x_ptr + row * stride_xm + up_offset + idx, mask=valid, other=0.0).to(tl.float32)
-        x = silu_mul_rounded(x.to(tl.float32), up, x_ptr.dtype.element_ty == tl.bfloat16).to(x_ptr.dtype.element_ty)
-    if HAS_SIGNS:
-        if SIGNS_FIRST:
-            s = tl.load(signs_ptr + idx, mask=valid, other=1.0)
-            x = (x.to(tl.float32) * s).to(x_ptr.dtype.element_ty)  # ±1: exact
-    return x
-
-
-@triton.jit
-def _transform_quantize(
-    x, syl, left, x_ptr, signs_ptr, q_ptr, scale_ptr, sync_ptr, row, slice_id, tag, c0,
-    R, stride_qm, inv_sqrt_n, clip_ratio,
-    D: tl.constexpr, R_PAD: tl.constexpr, DS: tl.constexpr,
-    HAS_SIGNS: tl.constexpr, SIGNS_FIRST: tl.constexpr, DOT_F32: tl.constexpr,
-    SPLIT8: tl.constexpr, P: tl.constexpr, SYNC: tl.constexpr, TRANS: tl.constexpr, FOLD: tl.constexpr,
-):
-    """Token ``row``'s columns ``[c0, c0 + DS)`` of the view from ``x`` (:func:`_load_input`): transformed
-    (``syl``, ``left`` from :func:`_operands_tiles`), quantized and stored; the scale stored by the slice at
-    column 0."""
-    rows = tl.arange(0, R_PAD)
-    part = c0 + tl.arange(0, DS)
-    out_idx = rows[:, None] * D + part[None, :]
-    valid = rows[:, None] < R
-    if DOT_F32:
-        x = x.to(tl.float32)
     if TRANS:
         y = tl.dot(syl, tl.trans(x), out_dtype=tl.float32)  # (X S_D[:, cols])ᵀ
     else:
@@ -236,45 +208,6 @@ def _transform_quantize(
         q_even, q_odd = tl.split(tl.reshape(q, [R_PAD, DS // 2, 2]))
         packed = (q_even & 0xF) | (q_odd << 4)
         tl.store(q_ptr + row * stride_qm + rows[:, None] * (D // 2) + half[None, :], packed, mask=rows[:, None] < R)
-
-
-@triton.jit
-def _hadamard_quant_kernel(
-    x_ptr, left_ptr, syl_ptr, signs_ptr, q_ptr, scale_ptr, sync_ptr,
-    R, stride_xm, stride_qm, inv_sqrt_n, clip_ratio,
-    D: tl.constexpr, R_PAD: tl.constexpr,
-    HAS_SIGNS: tl.constexpr, SIGNS_FIRST: tl.constexpr, DOT_F32: tl.constexpr, CHAIN: tl.constexpr,
-    SPLIT8: tl.constexpr = False, GATED: tl.constexpr = False, up_offset=0,
-    P: tl.constexpr = 1, SYNC: tl.constexpr = True, TRANS: tl.constexpr = False, FOLD: tl.constexpr = False,
-    M=0, LOOP: tl.constexpr = False, STAGES: tl.constexpr = 1,
-):
-    chain_start(CHAIN)  # the GEMM that reads our output may start (it waits for us before reading)
-    DS: tl.constexpr = D // P  # columns of the [R, D] view this program transforms and quantizes
-    if LOOP:
-        # a persistent program (P = 1): tokens pid, pid + programs, ... below M, the constant operands
-        # loaded once
-        syl, left = _operands_tiles(left_ptr, syl_ptr, D, R_PAD, DS, 0, DOT_F32, TRANS, FOLD)
-        first = tl.program_id(0).to(tl.int64)
-        programs = tl.num_programs(0)
-        for i in tl.range(0, tl.cdiv(M - first, programs), num_stages=STAGES):
-            row = first + i * programs
-            x = _load_input(x_ptr, signs_ptr, row, R, stride_xm, D, R_PAD, HAS_SIGNS, SIGNS_FIRST, GATED, up_offset)
-            _transform_quantize(
-                x, syl, left, x_ptr, signs_ptr, q_ptr, scale_ptr, sync_ptr, row, 0, 0, 0,
-                R, stride_qm, inv_sqrt_n, clip_ratio, D, R_PAD, DS,
-                HAS_SIGNS, SIGNS_FIRST, DOT_F32, SPLIT8, 1, SYNC, TRANS, FOLD,
-            )
-    else:
-        # program token · P + s: columns [s · DS, (s + 1) · DS), Z[:, cols] = Aᵀ (X S_D[:, cols])
-        row, slice_id, tag = token_slice(sync_ptr, P, SYNC)
-        c0 = slice_id * DS
-        x = _load_input(x_ptr, signs_ptr, row, R, stride_xm, D, R_PAD, HAS_SIGNS, SIGNS_FIRST, GATED, up_offset)
-        syl, left = _operands_tiles(left_ptr, syl_ptr, D, R_PAD, DS, c0, DOT_F32, TRANS, FOLD)
-        _transform_quantize(
-            x, syl, left, x_ptr, signs_ptr, q_ptr, scale_ptr, sync_ptr, row, slice_id, tag, c0,
-            R, stride_qm, inv_sqrt_n, clip_ratio, D, R_PAD, DS,
-            HAS_SIGNS, SIGNS_FIRST, DOT_F32, SPLIT8, P, SYNC, TRANS, FOLD,
-        )
 
 
 def _warps(m: int, padded: int, folded: bool = False) -> int:
@@ -476,28 +409,14 @@ def _launch(x: torch.Tensor, transform: OnlineHadamard, q: torch.Tensor, scale: 
         sync, wait = barrier_buffer(x.device), True
     else:
         sync, wait = given_absmax.to(device=x.device, dtype=torch.float32).contiguous(), False
-    programs = _persistent_programs(m, p, x.device)
-    loop = programs is not None
-    if num_warps is None:
-        num_warps = PERSISTENT_WARPS if loop and PERSISTENT_WARPS else _warps(m, r_pad * d // p, fold)
-    _hadamard_quant_kernel[(programs if loop else m * p,)](
+    _hadamard_quant_kernel[(m * p,)](
         x, left, syl, signs if signs is not None else scale, q, scale, sync,
         r, x.stride(0), q.stride(0), 1.0 / math.sqrt(n), float(clip_ratio),
         D=d, R_PAD=r_pad, HAS_SIGNS=signs is not None, SIGNS_FIRST=transform.transpose,
         DOT_F32=triton_interpreting(), CHAIN=chain, SPLIT8=split8,
-        GATED=gated, up_offset=n if gated else 0, P=p, SYNC=wait, TRANS=_transposed(r_pad, d, p) or (TRANSPOSED_MIN_TOKENS is not None and m >= TRANSPOSED_MIN_TOKENS
-                                                                            and not fold), FOLD=fold,
-        M=m, LOOP=loop, STAGES=PERSISTENT_STAGES if loop else 1,
-        num_warps=num_warps, **chain_launch(chain),
+        GATED=gated, up_offset=n if gated else 0, P=p, SYNC=wait, TRANS=_transposed(r_pad, d, p), FOLD=fold,
+        num_warps=num_warps if num_warps is not None else _warps(m, r_pad * d // p, fold), **chain_launch(chain),
     )
-
-
-def _persistent_programs(m: int, p: int, device: torch.device) -> int | None:
-    """The persistent launch's program count for ``m`` tokens (``p = 1``), or ``None`` for a program a token."""
-    if PERSISTENT_MIN_TOKENS is None or p != 1 or m < PERSISTENT_MIN_TOKENS:
-        return None
-    sms = sm_count(device) or 4  # the interpreter: a few programs, to test the loop
-    return min(m, PERSISTENT_PROGRAMS_PER_SM * sms)
 
 
 def hadamard_quantize_reference(
