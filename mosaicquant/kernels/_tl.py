@@ -307,7 +307,7 @@ def quant_div(x, scale):
     taken once. The IEEE division per value (``div_rn``: a reciprocal, a correction, a range check) cost the
     quantizers ~1.2 µs a 4096-wide row on 4 warps (``benchmarks/NOTES.md`` v23); the default mode avoids it:
 
-    - "fma" (GPU): ``r = div_rn(1, s)``, ``q0 = x·r``, ``e = fma(-q0, s, x)``, ``q = fma(e, r, q0)``. With ``r``
+    - "fma" (GPU): ``r = div_rn(1, s)``, ``q0 = x·r``, ``e = fma(q0, -s, x)``, ``q = fma(e, r, q0)``. With ``r``
       the correctly rounded reciprocal and ``q0`` within an ulp of ``x / s``, ``e`` is exact and ``q`` is the
       correctly rounded quotient (Markstein's theorem), provided ``x``, ``s`` and ``e`` stay in fp32's normal
       range: scales below ``2**-60`` or above ``2**60`` are first multiplied, with ``x``, by ``2**64`` or
@@ -332,7 +332,8 @@ def quant_div(x, scale):
         xs = x * f
         r = tl.math.div_rn(1.0, s)
         q0 = xs * r
-        e = tl.math.fma(-q0, s, xs)
+        # fma(q0, -s, x), not fma(-q0, s, x): the compiler turned -q0 into a second product per value, x · -r
+        e = tl.math.fma(q0, -s, xs)
         return tl.math.fma(e, r, q0)
 
 
