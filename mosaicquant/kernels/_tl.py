@@ -350,9 +350,9 @@ def quantize_int4(v):
 
     Clamped first (rounding commutes with clamping to integers), ``v + 1.5 · 2**23`` rounds to the nearest
     integer ``q``, ties to even, and holds it in the low bits of its fp32 encoding (``0x4B400000 + q``): no
-    rounding subtraction, no float-to-integer conversion (``F2I`` issues at a quarter of the FP32 rate on
-    Hopper). On the H200 the plain quantizer took 0.80–0.94× its time with it, the Hadamard one 0.94–0.99×
-    (``benchmarks/NOTES.md`` v38).
+    rounding subtraction, no float-to-integer conversion (``F2I``, which runs on the SM's conversion units at a
+    fraction of the FP32 rate). On the H200 the plain quantizer took 0.80–0.94× its time with it, the Hadamard
+    one 0.94–0.99× (``benchmarks/NOTES.md`` v38).
     """
     return (tl.minimum(tl.maximum(v, -8.0), 7.0) + 12582912.0).to(tl.int32, bitcast=True)
 
