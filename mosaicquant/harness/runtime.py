@@ -303,14 +303,6 @@ def _quantize_new_kv(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return q.contiguous()
 
 
-def _next_layout(quant, m: int, gated: bool) -> str:
-    """The activation layout ``quant``'s call of ``m`` tokens reads: ``"split8"`` where it runs the swapped GEMM
-    (gated: where its gate/up pairs do, :meth:`~mosaicquant.kernels.quant_linear.QuantLinear.gated_swapped`), else
-    ``"packed"``."""
-    swapped = quant.gated_swapped(m) if gated else quant.uses_swapped(m, "triton")
-    return "split8" if swapped else "packed"
-
-
 def _quantize_input(x: torch.Tensor, quant, transform, layout: str, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``quant``'s activation quantizer on ``x`` (Triton), inside ``transform``'s fused online Hadamard when given;
     ``gated``: ``x`` is ``[gate | up]`` and SiLU·mul runs inside it."""
@@ -603,7 +595,7 @@ class FusedDecoder:
         transform = module.input_transform
         if transform is not None and not (module.fuse_transform and fused_hadamard_reason(transform, x.dtype) is None):
             return None
-        layout = _next_layout(next_quant, m, next_gated)
+        layout = "split8" if not next_gated and next_quant.uses_swapped(m, "triton") else "packed"
         x2 = x.reshape(m, quant.in_features * (2 if silu else 1)).contiguous()
         a, scale = _quantize_input(x2, quant, transform, "packed", silu)
         fold = norm_fold(norm.weight, norm.variance_epsilon, residual, next_quant.act_clip_ratio, layout)
@@ -614,8 +606,6 @@ class FusedDecoder:
                     gated: bool = False) -> torch.Tensor:
         """The GEMM of :meth:`_norm_then` on activations its norm already quantized (``layout``)."""
         if gated:
-            if layout == "split8":
-                return quant.forward_split8(q, scale, gated=True)
             return quant.forward_quantized(q, scale, "triton", gated=True)
         y = quant.forward_split8(q, scale) if layout == "split8" else quant.forward_quantized(q, scale, "triton")
         return y.to(self.dtype)
@@ -684,7 +674,7 @@ class FusedDecoder:
 
         if quant is None:
             return stacked(rmsnorm(x, norm.weight, norm.variance_epsilon, residual, kernel=self.kernel))
-        layout = _next_layout(quant, x.shape[0], gated)
+        layout = "split8" if not gated and quant.uses_swapped(x.shape[0], "triton") else "packed"
         a, scale = rmsnorm_quant(x, norm.weight, norm.variance_epsilon, residual, quant.act_clip_ratio, layout,
                                  kernel="triton")
         return self._gemm_after(a, scale, layout, quant, gated)

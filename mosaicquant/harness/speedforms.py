@@ -149,10 +149,6 @@ def executable(model: nn.Module, info: dict) -> str:
         if gated:
             part += (f"; {sum(1 for g in gate_ups if g.quant.writes_gated(gated[0]))} gate/up GEMMs writing "
                      f"SiLU·mul themselves at {gated[0]}-{gated[-1]} tokens (fused decoder, BF16)")
-        pair_m = [m_ for m_ in (*MID_PROBE_M, 2048) if any(g.quant.gated_swapped(m_) for g in gate_ups)]
-        if pair_m:
-            part += (f"; {sum(1 for g in gate_ups if g.quant.gated_swapped(pair_m[-1]))} gate/up GEMMs writing SiLU·mul "
-                     f"themselves on the swapped GEMM (a gate tile and its up tile a program; fused decoder, BF16)")
         gemv = sum(1 for m in w4 if m.quant.uses_gemv(1))
         if gemv:
             part += ("; calls of 1 token: the dp4a decode GEMV" + (" (residual included)" if fused else "")

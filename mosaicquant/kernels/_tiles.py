@@ -343,12 +343,6 @@ PARALLEL_MAXNREG = 0
 # graph, 3 interleaved rounds, batch 4 / 8 / 16, us): 2,551 / 2,788 / 3,205 without, 2,474 / 2,712 / 3,098
 # with it up to 16 tokens (3,195 at batch 16 up to 15 tokens, the swapped GEMM then taking 16).
 DENSE_GATED_MAX_M = 16
-# A stacked [gate | up] layer's call on the swapped GEMM's prefill and mid routes writes SiLU·mul itself: the second of
-# a gate tile's and its up tile's programs to finish writes it (QuantLinear.gated_swapped; the fused decoder, BF16,
-# where down_proj's quantizer does not take SiLU·mul), instead of writing [M, 2I] for the SiLU·mul kernel. Off: it
-# was slower than the GEMM and the SiLU·mul kernel after it on every gate/up shape and M measured, 1.10-1.22x
-# (benchmarks/NOTES.md v39).
-SWAP_GATED = False
 # A register cap for that gated dense GEMM (0: none). Compiled offline for sm_90 on gate/up's wide tiles
 # (8 warps), its fix-up takes the GEMM from 80 to 92 registers a thread (three programs an SM to two);
 # 80 under the cap, with no spills. GEMM alone (v17, M = 4 / 16, us): 21.31 / 21.63 capped at 80 against

@@ -58,7 +58,6 @@ from mosaicquant.kernels.w4a4_gemm import (
     dense_step_table,
     gated_shape_reason,
     merged_residual_operand,
-    swapped_gated_reason,
     swapped_residual_reason,
     w4a4_gemm,
     w4a4_gemm_reference,
@@ -309,10 +308,7 @@ class QuantLinear(nn.Module):
         tile with its up tile (:func:`mosaicquant.kernels.zipper.gated_reason`), and so does the dense
         GEMM of a layer without residual blocks at 2 to :data:`mosaicquant.kernels._tiles.DENSE_GATED_MAX_M`
         tokens (:func:`mosaicquant.kernels.w4a4_gemm.gated_shape_reason`), on the packed kernel even where
-        a plain call would run the swapped GEMM at decode tiles; and the swapped GEMM on its prefill and mid routes,
-        a gate tile and its up tile a program (:meth:`gated_swapped`)."""
-        if self.gated_swapped(m):
-            return True
+        a plain call would run the swapped GEMM at decode tiles."""
         if self.block_shape is None:  # the dense GEMM's counted fix-up
             if not 1 <= m <= _tiles.DENSE_GATED_MAX_M or self.uses_gemv(m) or self.swap_route(m) == "prefill":
                 return False
@@ -320,22 +316,6 @@ class QuantLinear(nn.Module):
             return gated_shape_reason(m, self.out_features, cfg) is None
         call = self._parallel_call(m)
         return call is not None and gated_reason(m, self.out_features, call[1], self.block_shape, call[0]) is None
-
-    def gated_swapped(self, m: int) -> bool:
-        """Whether a gated call of ``m`` packed tokens (:meth:`writes_gated`) runs the swapped GEMM (on ``"split8"``
-        activations, :meth:`forward_split8`): its prefill and mid routes, unsplit, where
-        :data:`mosaicquant.kernels._tiles.SWAP_GATED` allows and the halves are whole tiles
-        (:func:`mosaicquant.kernels.w4a4_gemm.swapped_gated_reason`)."""
-        if not _tiles.SWAP_GATED or m < 1:
-            return False
-        route, tiles = self._swap_call(m)
-        if route not in ("prefill", "mid"):
-            return False
-        block_n = tiles.get("block_n", 128)  # the launcher's default, shrunk to nest in the residual's block rows
-        while self.block_shape is not None and self.block_shape[0] % block_n:
-            block_n //= 2
-        return swapped_gated_reason(self.out_features, block_n, tiles.get("split_k", 1), m,
-                                    tiles.get("block_m", 128)) is None
 
     def folds_norm(self, m: int) -> bool:
         """Whether a Triton call of ``m`` packed tokens can run the RMSNorm after it in its last programs
@@ -408,13 +388,8 @@ class QuantLinear(nn.Module):
         return swapped_mid_config(m, self.out_features, (self.in_features + 1) // 2, self.qweight.device,
                                   residual=self.block_shape is not None)
 
-    def forward_split8(self, a_split: torch.Tensor, a_scale: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """The swapped GEMM on ``"split8"`` activations ``int8 [M, split8_width(K)]`` + ``[M]`` scales → BF16 ``[M, N]``
-        (``gated``: a stacked ``[gate | up]`` layer's ``bf16(silu(gate)) · up``, ``[M, N / 2]``, where
-        :meth:`gated_swapped` says so, else :class:`UserInputError`)."""
-        if gated and not self.gated_swapped(a_split.shape[0]):
-            raise UserInputError(f"this layer's call of {a_split.shape[0]} tokens cannot write SiLU·mul on the swapped "
-                                 f"GEMM (see gated_swapped)")
+    def forward_split8(self, a_split: torch.Tensor, a_scale: torch.Tensor) -> torch.Tensor:
+        """The swapped GEMM on ``"split8"`` activations ``int8 [M, split8_width(K)]`` + ``[M]`` scales → BF16 ``[M, N]``."""
         _, tiles = self._swap_call(a_split.shape[0])
         walk = {}
         if self.block_shape is not None and self.res_shifts is not None:
@@ -422,7 +397,7 @@ class QuantLinear(nn.Module):
             if self.res_merged is not None and MERGED_WALK and tiles.get("block_kp", 64) == 64:
                 walk.update(residual_walk="merged", residual_operand=self.res_merged, dense_steps=self.res_steps)
         return w4a4_gemm_swapped_triton(a_split, a_scale, self.qweight, self.w_scale, self.in_features, self.bias,
-                                        residual=self.residual, **tiles, **walk, gated=gated)
+                                        residual=self.residual, **tiles, **walk)
 
     def forward_quantized(self, a_packed: torch.Tensor, a_scale: torch.Tensor, backend: str,
                           gated: bool = False, fold: NormFold | None = None) -> torch.Tensor:

@@ -77,8 +77,6 @@ from mosaicquant.kernels._tiles import (
 from mosaicquant.kernels._tl import (
     dense_split_k,
     in_range,
-    round_to_bf16,
-    silu_mul_rounded,
     store_counted_gated,
     store_output,
     store_split_tile,
@@ -100,16 +98,12 @@ from mosaicquant.methods.format import residual_shifts as residual_shifts_of
 
 __all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_swapped_triton", "w4a4_gemm_reference", "check_gemm_args",
            "check_weight_args",
-           "swapped_residual_reason", "swapped_gated_reason", "gated_shape_reason", "silu_mul_halves", "RESIDUAL_WALKS",
+           "swapped_residual_reason", "gated_shape_reason", "silu_mul_halves", "RESIDUAL_WALKS",
            "shifted_residual_operand", "merged_residual_operand", "dense_step_table", "MERGED_MAX_SHIFT"]
 
 FP8_TAIL_MAX_REGS = 128
 # the "shared" walk's register cap at prefill tiles (None: the compiler's choice)
 SHARED_TAIL_MAX_REGS: int | None = 128
-# The gated swapped GEMM (a gate tile and its up tile a program) at 8 warps, capped at this many registers a thread
-# (None: uncapped): uncapped its dense form took 184 (offline sm_90 compile), one program an SM where the plain
-# GEMM's 116 allow two.
-SWAP_GATED_MAX_REGS: int | None = 128
 # ... and its tail's software-pipelining depth there (when tail_stages is not given): 2 against the kernel's 3
 # stages measured -0.2 to -3.0 % on the Llama-3-8B linears at M = 2048 / 8192 (medians of three interleaved
 # pairs, the same bits; 1 and 4 slower; benchmarks/NOTES.md v27)
@@ -348,7 +342,7 @@ def _w4a4_swapped_kernel(
     BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
     BKP: tl.constexpr = 64, SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, X16: tl.constexpr = False,
     E4M3_ASM: tl.constexpr = False, TAIL_BM: tl.constexpr = 0, REM_SPLIT: tl.constexpr = 1,
-    JOIN: tl.constexpr = False, GATED: tl.constexpr = False,
+    JOIN: tl.constexpr = False,
 ):
     # Cᵀ = W Aᵀ: weight rows are the dot's first operand (unpacked in registers, where the
     # tensor-core instruction can read them), the "split8" activations its second (int8 tiles
@@ -363,8 +357,6 @@ def _w4a4_swapped_kernel(
     # counters from lock_ptr's slot 0 (_tiles.swapped_rem_split). This launch's first N_WHOLE programs run tiles
     # 0 .. N_WHOLE - 1 whole: N_DIRECT of them where the whole tiles share the launch, 0 where they had one of
     # their own (REM_SPLIT = 1; _tiles.SWAP_REM_ONE_LAUNCH).
-    # GATED (a stacked [gate | up] layer, unsplit): programs 2p and 2p + 1 run gate tile p and its up tile; the
-    # second of the two to finish writes bf16(silu(gate)) · up to the [M, N / 2] output (_store_gated).
     pid = tl.program_id(0)
     if REM_SPLIT > 1:
         if pid < N_WHOLE:
@@ -388,7 +380,7 @@ def _w4a4_swapped_kernel(
             row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
             M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
             TAIL_STAGES, DENSE_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, TAIL_BM, False,
-            JOIN, GATED)
+            JOIN)
 
 
 @triton.jit
@@ -401,46 +393,30 @@ def _swapped_dispatch(
     BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
     BKP: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, X16: tl.constexpr,
     E4M3_ASM: tl.constexpr, TAIL_BM: tl.constexpr, COMPACT: tl.constexpr, JOIN: tl.constexpr,
-    GATED: tl.constexpr = False,
 ):
     """Tile ``pid`` (grouped order), split ``pid_k`` of ``SPLIT_K``: its coordinates, then :func:`_swapped_tile`
-    (``COMPACT``: its partial in slot ``slot`` of a buffer of split tiles, :func:`store_split_tile`). ``GATED``:
-    programs ``2p`` and ``2p + 1`` run tile pair ``p`` of the gate half (grouped order), its gate tile and its up
-    tile."""
-    if GATED:
-        up = pid % 2
-        pair = pid // 2
-        N_GRID = N // 2
-    else:
-        up = 0
-        pair = pid
-        N_GRID = N
+    (``COMPACT``: its partial in slot ``slot`` of a buffer of split tiles, :func:`store_split_tile`)."""
     if TAIL_BM > 0:
-        pid_n, tile_slot = tile_coords(pair, N_GRID, N_FULL + 1, BN, 1, GROUP_N)
-        pid_n += up * (N_GRID // BN)
+        pid_n, tile_slot = tile_coords(pid, N, N_FULL + 1, BN, 1, GROUP_N)
         if tile_slot < N_FULL:
             _swapped_tile(
                 pid, pid_k, pid_n, tile_slot * BM, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
                 part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
                 M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-                TAIL_STAGES, DENSE_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM, JOIN,
-                GATED, up, pair)
+                TAIL_STAGES, DENSE_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM, JOIN)
         else:
             _swapped_tile(
                 pid, pid_k, pid_n, N_FULL * BM, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
                 part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
                 M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-                TAIL_STAGES, DENSE_STAGES, BN, TAIL_BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM, JOIN,
-                GATED, up, pair)
+                TAIL_STAGES, DENSE_STAGES, BN, TAIL_BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM, JOIN)
     else:
-        pid_n, pid_m = tile_coords(pair, N_GRID, M, BN, BM, GROUP_N)
-        pid_n += up * (N_GRID // BN)
+        pid_n, pid_m = tile_coords(pid, N, M, BN, BM, GROUP_N)
         _swapped_tile(
             pid, pid_k, pid_n, pid_m * BM, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
             part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
             M, N, KP, KS, stride_am, stride_wn, stride_om, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
-            TAIL_STAGES, DENSE_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM, JOIN,
-            GATED, up, pair)
+            TAIL_STAGES, DENSE_STAGES, BN, BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM, JOIN)
 
 
 @triton.jit
@@ -453,12 +429,10 @@ def _swapped_tile(
     BN: tl.constexpr, BM: tl.constexpr, USE_ASM: tl.constexpr,
     BKP: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, X16: tl.constexpr, E4M3_ASM: tl.constexpr,
     COMPACT: tl.constexpr = False, SLOT_BM: tl.constexpr = 0, JOIN: tl.constexpr = False,
-    GATED: tl.constexpr = False, up=0, pair=0,
 ):
     """One program's ``[BN, BM]`` tile of the swapped GEMM: weight rows from ``pid_n * BN``, tokens from ``m0``
     (``COMPACT``: a split's partial goes to slot ``slot`` of a buffer of split tiles of ``[BN, SLOT_BM]``,
-    :func:`store_split_tile`). ``GATED``: the gate tile (``up`` 0) or the up tile (``up`` 1) of pair ``pair`` of a
-    stacked layer, unsplit, written by :func:`_store_gated`."""
+    :func:`store_split_tile`)."""
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = m0 + tl.arange(0, BM)
     safe_n = in_range(offs_n, N)
@@ -579,10 +553,7 @@ def _swapped_tile(
                 y = y * r_scale[:, None]
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     y = y * a_scale[None, :]
-    if GATED:
-        _store_gated(out_ptr, part_ptr, lock_ptr, pair, y, bias_ptr, offs_m, offs_n, M, N, stride_om, up, HAS_BIAS,
-                     USE_ASM)
-    elif COMPACT:
+    if COMPACT:
         store_split_tile(out_ptr, part_ptr, lock_ptr, slot, pid_k, y, bias_ptr, offs_m, offs_n, M, N, stride_om,
                          HAS_BIAS=HAS_BIAS, SPLIT_K=SPLIT_K, BN=BN, BM=BM, SLOT=BN * SLOT_BM)
     else:
@@ -591,40 +562,6 @@ def _swapped_tile(
             HAS_BIAS=HAS_BIAS, SPLIT_K=SPLIT_K, OUT_FP32=False, TRANS=True,
         )
 
-
-
-@triton.jit
-def _store_gated(out_ptr, part_ptr, lock_ptr, pair, y, bias_ptr, offs_m, offs_n, M, N, stride_om, up,
-                 HAS_BIAS: tl.constexpr, COMPILED: tl.constexpr):
-    """A gated pair's tile ``y`` (``[BN, BM]`` fp32, weight rows ``offs_n`` of the stacked ``[gate | up]`` layer):
-    rounded to BF16 as the GEMM's output, written where its pair's output goes (the gate tile, ``up`` 0) or to the
-    same place of ``part_ptr`` (the up tile), then the pair's counter ``pair`` is bumped; the second of the two to
-    arrive reads the other's tile, resets the counter and writes ``bf16(silu(gate)) · up`` to the ``[M, N / 2]``
-    output: the bits of the BF16 GEMM output followed by the SiLU·mul kernel
-    (:func:`mosaicquant.kernels.decoder.silu_mul`). The rounding to BF16 is to nearest even when ``COMPILED``, and
-    truncation in Triton's interpreter, as the plain GEMM's store rounds there."""
-    half = N // 2
-    cols = offs_n - up * half
-    mask = (cols[:, None] < half) & (offs_m[None, :] < M)
-    offs = offs_m[None, :].to(tl.int64) * stride_om + cols[:, None]
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)[:, None]
-    if COMPILED:  # (a compiled .to(bf16).to(fp32) pair may not round: benchmarks/NOTES.md v12)
-        mine = round_to_bf16(y).to(tl.bfloat16)
-    else:
-        mine = y.to(tl.bfloat16)
-    if up == 0:
-        tl.store(out_ptr + offs, mine, mask=mask, cache_modifier=".cg")
-    else:
-        tl.store(part_ptr + offs, mine, mask=mask, cache_modifier=".cg")
-    arrived = tl.atomic_add(lock_ptr + pair, 1, sem="acq_rel", scope="gpu")
-    if arrived == 1:
-        # both tiles read back (the own one too): nothing of the tile stays live across the counter
-        back = offs_m[None, :] * stride_om + cols[:, None]
-        g = tl.load(out_ptr + back, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        u = tl.load(part_ptr + back, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        tl.atomic_xchg(lock_ptr + pair, 0, sem="relaxed", scope="gpu")
-        tl.store(out_ptr + back, silu_mul_rounded(g, u, True).to(tl.bfloat16), mask=mask)
 
 def check_gemm_args(
     a_packed: torch.Tensor,
@@ -793,21 +730,6 @@ def gated_shape_reason(m: int, n: int, cfg: TileConfig, out_fp32: bool = False) 
     return None
 
 
-def swapped_gated_reason(n: int, block_n: int, split_k: int = 1, m: int = 1, block_m: int = 128) -> str | None:
-    """Why :func:`w4a4_gemm_swapped_triton` cannot write SiLU·mul of a stacked ``[gate | up]`` layer of ``n`` rows
-    for ``m`` tokens on ``block_n`` × ``block_m`` tiles split ``split_k`` ways (``gated=True``), or ``None``."""
-    if n % 2 or (n // 2) % block_n:
-        return f"N={n} is not two halves of whole {block_n}-row tiles"
-    if split_k != 1:
-        return f"split_k={split_k}: a gated call runs its tiles unsplit"
-    if m * (n // 2) >= 2**31:
-        return f"M={m} × N/2={n // 2} outputs: its read-back offsets are 32-bit"
-    pairs = (n // 2 // block_n) * -(-m // block_m)
-    if pairs > LOCK_SLOTS:
-        return f"M={m} makes {pairs} tile pairs, more than the {LOCK_SLOTS} counters"
-    return None
-
-
 def swapped_residual_reason(block_shape: tuple[int, int]) -> str | None:
     """``None`` when the swapped GEMM can fuse residual blocks of ``(Bn, Bk)``, else why not."""
     bn_res, bk_res = block_shape
@@ -929,7 +851,6 @@ def w4a4_gemm_swapped_triton(
     e4m3_asm: bool = True,
     rem_split: int | None = None,
     joined_dot: bool | None = None,
-    gated: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense W4A4 GEMM with the operands swapped (``Cᵀ = W Aᵀ``), for prefill-sized M.
@@ -995,14 +916,10 @@ def w4a4_gemm_swapped_triton(
             swapped_rem_split`. The same result up to float summation order (as ``split_k``).
         joined_dot: each K step (and each walked unit of the "shared", "shifted" and "merged" walks) as one dot on
             the halves' joined operand instead of a dot per half (``None``: :data:`JOINED_DOT`); the same sums.
-        gated: the layer is stacked ``[gate | up]`` (``N = 2I``): each program runs a gate tile and then its up
-            tile and writes ``bf16(silu(gate)) · up``, ``[M, I]``, the bits of this GEMM's BF16 output followed by
-            :func:`mosaicquant.kernels.decoder.silu_mul`, with no ``[M, N]`` output and no SiLU·mul kernel. Unsplit
-            calls only (``split_k`` 1; the last wave is not split); see :func:`swapped_gated_reason`.
-        out: optional preallocated contiguous ``bfloat16 [M, N]`` output (``[M, N / 2]`` gated).
+        out: optional preallocated contiguous ``bfloat16 [M, N]`` output.
 
     Returns:
-        ``bfloat16 [M, N]`` (``[M, N / 2]`` gated).
+        ``bfloat16 [M, N]``.
 
     Raises:
         UserInputError: bad operands, a split layout of another width, a residual of another
@@ -1079,12 +996,7 @@ def w4a4_gemm_swapped_triton(
     bn_res, bk_res = residual.block_shape if residual is not None else (block_n, SPLIT_BLOCK)
     while bn_res % block_n:
         block_n //= 2
-    if gated:
-        reason = swapped_gated_reason(n, block_n, split_k, m, block_m)
-        if reason is not None:
-            raise UserInputError(f"gated=True cannot run this call: {reason}")
-        rem_split = 1  # a pair's two tiles run in one program: no split of the last wave
-    out = output_buffer(out, (m, n // 2 if gated else n), torch.bfloat16, a_split.device)
+    out = output_buffer(out, (m, n), torch.bfloat16, a_split.device)
     if m == 0 or n == 0:
         return out
     n_full, tail_bm = m // block_m, 0
@@ -1095,8 +1007,6 @@ def w4a4_gemm_swapped_triton(
         split_k = 1  # the same result: the partial buffer and counters cover this size only unsplit
     grid = (tiles, split_k)
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=out.device) if split_k > 1 else out
-    if gated:  # the up tiles' BF16 results, laid out as the output
-        part = torch.empty_like(out)
     # the rule (rem_split None) is for the prefill tiles, whose programs an SM it assumes
     prefill_tiles = block_n == 128 and block_m == 128 and num_warps == 8
     rem, n_split = (1, 0) if split_k > 1 or (rem_split is None and not prefill_tiles) else _tiles.swapped_rem_plan(
@@ -1118,8 +1028,6 @@ def w4a4_gemm_swapped_triton(
             launch = {"maxnreg": SHARED_TAIL_MAX_REGS}
         if tail_stages is None:
             tail_stages = SHARED_TAIL_STAGES
-    if gated and num_warps == 8 and SWAP_GATED_MAX_REGS is not None:
-        launch = {"maxnreg": min(launch.get("maxnreg", SWAP_GATED_MAX_REGS), SWAP_GATED_MAX_REGS)}
     if residual is None:
         res = (a_scale,) * 5
     else:
@@ -1141,7 +1049,7 @@ def w4a4_gemm_swapped_triton(
             BN_RES=bn_res, BKP_RES=bk_res // 2, BN=block_n, BM=block_m, GROUP_N=8,
             USE_ASM=not triton_interpreting(), BKP=block_kp, SPLIT_K=split_k, PDL=gemm_pdl(a_split.device, m, pdl),
             X16=bool(x16),
-            E4M3_ASM=bool(e4m3_asm), TAIL_BM=tail_bm, REM_SPLIT=rem, JOIN=join, GATED=bool(gated),
+            E4M3_ASM=bool(e4m3_asm), TAIL_BM=tail_bm, REM_SPLIT=rem, JOIN=join,
             num_warps=num_warps, num_stages=num_stages, **launch, **pdl_launch(pdl),
         )
 

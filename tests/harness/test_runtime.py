@@ -212,9 +212,7 @@ def test_gate_up_gemm_writes_silu_mul_at_decode_sizes(tiny, monkeypatch, method)
     step = torch.randint(0, 256, (4, 1), device=DEVICE)
     pos = torch.full((4,), 9, device=DEVICE)
     ref = _eager_reference(model, prompt, [step])[1]
-    # the prompt's 36 tokens run the swapped GEMM, whose gated calls are tested below; off here, one prefill
-    # serves both settings
-    monkeypatch.setattr(_tiles, "SWAP_GATED", False)
+    # the prompt's 36 tokens are one call too many for the gated GEMM: one prefill serves both settings
     assert not dec._gate_up_writes_silu(lay, prompt.numel())
     prefilled = dec.new_cache(4, 16)
     dec.prefill(prompt, prefilled)
@@ -230,52 +228,6 @@ def test_gate_up_gemm_writes_silu_mul_at_decode_sizes(tiny, monkeypatch, method)
         assert torch.equal(outs[True], outs[False])
     else:  # the interpreter truncates the plain GEMM's BF16 output; the gated fix-up rounds to nearest
         assert _sqnr_db(outs[True], outs[False]) >= QUANT_SQNR_DB
-
-
-@pytest.mark.parametrize("method", ["mosaicquant"])
-def test_gate_up_gemm_writes_silu_mul_at_prefill_sizes(tiny, monkeypatch, method):
-    # on the swapped GEMM's prefill and mid routes a program runs a gate tile and its up tile and writes SiLU·mul
-    # (_tiles.SWAP_GATED): the same logits as the [M, 2I] output followed by the SiLU·mul kernel, which then does
-    # not run (the dense layers' gated kernel: tests/kernels/test_swapped_gated.py; the path without it is
-    # checked against the eager model by test_fused_decoder_matches_the_eager_decoder)
-    from mosaicquant.kernels import _tiles, decoder
-    from mosaicquant.kernels.quant_linear import QuantLinear
-
-    # the tiny layers' few tiles take the swapped GEMM's prefill route with residual blocks too
-    monkeypatch.setattr(_tiles, "SWAP_MIN_TILES_PER_SM", {"dense": 0.0, "residual": 0.0})
-    monkeypatch.setattr(_tiles, "SWAP_GATED", True)  # (off by default)
-    model = _model(TINY.name)
-    ctx = QuantContext(calibration=lambda: None, seed=0, device=DEVICE)
-    # (block columns of 128 values: what the swapped GEMM's walks take)
-    config = (get_method("mosaicquant").config(budget=0.25, block="16x128") if method == "mosaicquant"
-              else get_method(method).config(kvbits=16))
-    speed_form(method, model, config, ctx)
-    executable(model, ctx.info)
-    dec = FusedDecoder(model)
-    lay = dec.layers[0]
-    prompt = torch.randint(0, 256, (2, 40), device=DEVICE)  # 80 tokens: past the swapped GEMM's SWAP_MIN_M
-    m = prompt.numel()
-    assert lay.gate_up_quant.swap_route(m) in ("prefill", "mid") and lay.gate_up_quant.gated_swapped(m)
-    assert dec._gate_up_writes_silu(lay, m)
-    gated_calls, silu_calls = [], []
-    plain_split8, plain_silu = QuantLinear.forward_split8, decoder.silu_mul
-
-    def counting(self, a, s, gated=False):
-        gated_calls.append(gated)
-        return plain_split8(self, a, s, gated)
-
-    monkeypatch.setattr(QuantLinear, "forward_split8", counting)
-    monkeypatch.setattr(decoder, "silu_mul", lambda *a, **k: silu_calls.append(1) or plain_silu(*a, **k))
-    logits = {}
-    for on in (True, False):
-        monkeypatch.setattr(_tiles, "SWAP_GATED", on)
-        gated_calls.clear()
-        silu_calls.clear()
-        logits[on] = dec.prefill(prompt, dec.new_cache(2, 48))
-        assert sum(gated_calls) == (len(dec.layers) if on else 0), gated_calls
-        assert (len(silu_calls) == 0) == on, silu_calls
-    # the same bits (the gated kernel rounds its tiles to BF16 as the plain store does, in the interpreter too)
-    assert torch.equal(logits[True], logits[False])
 
 
 @pytest.mark.parametrize("method,options", [("rtn", {}), ("quarot", {"kvbits": 16}),
