@@ -33,7 +33,8 @@ M = 1 … 8192. Variants per (shape, M):
   operand-swapped dense GEMM (``Cᵀ = W Aᵀ``, 128 weight rows × 128 tokens per program, 8 warps,
   3 stages; ``_s4``: 4 stages, ``_bm64``: 64 tokens per program); ``zip{p}_swap``: the same with
   the ``p`` % residual fused in its tail (what ``QuantLinear`` runs at M ≥ ``SWAP_MIN_M``: the
-  ``"shared"`` walk, the kept blocks' int8 dots into the dense accumulator), ``zip10_swap_fp8`` with
+  ``"shared"`` walk, the kept blocks' int8 dots into the dense accumulator, in the row-tile order of
+  ``w4a4_gemm.row_tile_order`` where ``_tiles.SWAP_ROW_ORDER`` says so), ``zip10_swap_fp8`` with
   FP8 dots accumulating into the output tile (the walk for free residual scales),
   ``zip10_swap_int8`` with int8 dots into a second accumulator; ``zip10_swap_x1`` / ``w4a4_swap_x1``
   / ``zip10_x1``: the plain sign-extending unpacking instead of ``16 q`` (the default everywhere;
@@ -86,7 +87,12 @@ from mosaicquant.kernels._tiles import (  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton  # noqa: E402
 from mosaicquant.kernels.gemv import gemv_quantize_triton, gemv_reason, gemv_triton  # noqa: E402
 from mosaicquant.kernels.residual_gemm import residual_add_triton  # noqa: E402
-from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_swapped_triton, w4a4_gemm_triton  # noqa: E402
+from mosaicquant.kernels.w4a4_gemm import (  # noqa: E402
+    row_tile_order,
+    w4a4_gemm_reference,
+    w4a4_gemm_swapped_triton,
+    w4a4_gemm_triton,
+)
 from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm_reference, zipper_gemm_triton  # noqa: E402
 from mosaicquant.methods.format import ResidualBlocks, residual_shifts  # noqa: E402
 
@@ -191,12 +197,14 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
     qweights, w_scales = random_w4_copies(n, kp, device)
     qweight, w_scale, n_w4 = qweights[0], w_scales[0], len(qweights)
     w4_bytes = qweight.numel() + 2 * n
-    residuals, shifts = {}, {}
+    residuals, shifts, orders = {}, {}, {}
     for b in sorted(set(budgets) | {10}):
         r = random_residual(n, k, b / 100, device, gen, w_scale=w_scale)
         rs = [r] + [clone_residual(r) for _ in range(n_w4 - 1)]
         residuals[b] = (rs, [residual_block_map(x) for x in rs])
         shifts[b] = [residual_shifts(x, w_scales[i]) for i, x in enumerate(rs)]
+        # the weight-row tiles' order QuantLinear passes the shared walk's prefill tiles (_tiles.SWAP_ROW_ORDER)
+        orders[b] = [row_tile_order(x, BLOCK[0]) for x in rs]
     w_i8 = torch.randint(-8, 8, (k, n), dtype=torch.int8, device=device)
     n_i8 = max(2, math.ceil(ROTATE_BYTES / w_i8.numel()))
     w_i8s = [w_i8] + [w_i8.clone() for _ in range(n_i8 - 1)]
@@ -322,6 +330,9 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
                     # the shared walk's shifts come with the layer (QuantLinear derives them once): deriving
                     # them in the call would synchronise with the host inside the graph capture
                     sh = {"residual_shifts": shifts[b][i]} if wopts.get("residual_walk") == "shared" else {}
+                    if (sh and _tiles.SWAP_ROW_ORDER and wopts.get("split_k", 1) == 1
+                            and wopts.get("block_n", 128) == BLOCK[0]):
+                        sh["row_order"] = orders[b][i]  # as QuantLinear.forward_split8 runs the call
                     def call():
                         q8, s8 = quantize_activations_triton(x, layout="split8")
                         return w4a4_gemm_swapped_triton(q8, s8, qweights[i], w_scales[i], k, residual=rs_[i], **wopts,

@@ -343,6 +343,13 @@ PARALLEL_MAXNREG = 0
 # graph, 3 interleaved rounds, batch 4 / 8 / 16, us): 2,551 / 2,788 / 3,205 without, 2,474 / 2,712 / 3,098
 # with it up to 16 tokens (3,195 at batch 16 up to 15 tokens, the swapped GEMM then taking 16).
 DENSE_GATED_MAX_M = 16
+# The swapped GEMM's prefill and mid calls of a layer with residual blocks (unsplit, tiles a block row high) run its
+# weight-row tiles in QuantLinear's row_tile_order, the block rows that keep the most blocks first, so that the last
+# wave holds the light ones (w4a4_gemm.row_tile_order). Measured (benchmarks/row_order.py, Llama-3-8B / Qwen3-8B /
+# Qwen3-14B linears, 10 % random blocks on the shared walk, two runs; benchmarks/NOTES.md v39): time ordered ÷
+# grouped 0.96-0.97 on Llama-3-8B's q/k/v and o at 2048 tokens, 0.93 on Qwen3-8B gate/up and 0.95 on Qwen3-14B
+# down at 512; 0.93-1.04 over every cell, median 0.99; MosaicQuant's 2048-token prefill 35,907 -> 35,539 µs.
+SWAP_ROW_ORDER = True
 # A register cap for that gated dense GEMM (0: none). Compiled offline for sm_90 on gate/up's wide tiles
 # (8 warps), its fix-up takes the GEMM from 80 to 92 registers a thread (three programs an SM to two);
 # 80 under the cap, with no spills. GEMM alone (v17, M = 4 / 16, us): 21.31 / 21.63 capped at 80 against

@@ -58,6 +58,7 @@ from mosaicquant.kernels.w4a4_gemm import (
     dense_step_table,
     gated_shape_reason,
     merged_residual_operand,
+    row_tile_order,
     swapped_residual_reason,
     w4a4_gemm,
     w4a4_gemm_reference,
@@ -216,6 +217,12 @@ class QuantLinear(nn.Module):
                 and int(self.res_shifts.max()) <= MERGED_MAX_SHIFT):
             self.res_merged = merged_residual_operand(self.qweight, k, residual, self.res_shifts)
             self.res_steps = dense_step_table(residual, k)
+        # the swapped GEMM's block-row tiles, those that keep the most blocks first (its row_order at prefill tiles
+        # of a block row's height: _tiles.SWAP_ROW_ORDER); an index of the block rows, like res_block_map not
+        # counted by weight_nbytes
+        self.register_buffer("res_row_order", None)
+        if residual is not None and self.swap_ok:
+            self.res_row_order = row_tile_order(residual, self.block_shape[0])
         # the layer's side of gemv_reason (K, block shape) is fixed: decided once; the route then checks M only
         self.gemv_ok = (residual is None or self.fused) and gemv_reason(1, k, residual) is None
 
@@ -396,6 +403,9 @@ class QuantLinear(nn.Module):
             walk = {"residual_walk": "shared", "residual_shifts": self.res_shifts}
             if self.res_merged is not None and MERGED_WALK and tiles.get("block_kp", 64) == 64:
                 walk.update(residual_walk="merged", residual_operand=self.res_merged, dense_steps=self.res_steps)
+        if (self.res_row_order is not None and _tiles.SWAP_ROW_ORDER and tiles.get("split_k", 1) == 1
+                and tiles.get("block_n", 128) == self.block_shape[0]):
+            walk["row_order"] = self.res_row_order
         return w4a4_gemm_swapped_triton(a_split, a_scale, self.qweight, self.w_scale, self.in_features, self.bias,
                                         residual=self.residual, **tiles, **walk)
 

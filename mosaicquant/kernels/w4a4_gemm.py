@@ -98,7 +98,7 @@ from mosaicquant.methods.format import residual_shifts as residual_shifts_of
 
 __all__ = ["w4a4_gemm", "w4a4_gemm_triton", "w4a4_gemm_swapped_triton", "w4a4_gemm_reference", "check_gemm_args",
            "check_weight_args",
-           "swapped_residual_reason", "gated_shape_reason", "silu_mul_halves", "RESIDUAL_WALKS",
+           "swapped_residual_reason", "row_tile_order", "gated_shape_reason", "silu_mul_halves", "RESIDUAL_WALKS",
            "shifted_residual_operand", "merged_residual_operand", "dense_step_table", "MERGED_MAX_SHIFT"]
 
 FP8_TAIL_MAX_REGS = 128
@@ -335,14 +335,14 @@ def _residual_mac(y, a_even, a_odd, r, r_scale, BN: tl.constexpr, BM: tl.constex
 @triton.jit
 def _w4a4_swapped_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
-    row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
+    row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr, order_ptr,
     M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, N_DIRECT, N_WHOLE,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, RES_MODE: tl.constexpr,
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr, DENSE_STAGES: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
     BKP: tl.constexpr = 64, SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, X16: tl.constexpr = False,
     E4M3_ASM: tl.constexpr = False, TAIL_BM: tl.constexpr = 0, REM_SPLIT: tl.constexpr = 1,
-    JOIN: tl.constexpr = False,
+    JOIN: tl.constexpr = False, ORDERED: tl.constexpr = False,
 ):
     # Cᵀ = W Aᵀ: weight rows are the dot's first operand (unpacked in registers, where the
     # tensor-core instruction can read them), the "split8" activations its second (int8 tiles
@@ -362,42 +362,46 @@ def _w4a4_swapped_kernel(
         if pid < N_WHOLE:
             _swapped_dispatch(
                 pid, 0, 0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
-                row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
+                row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr, order_ptr,
                 M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
                 TAIL_STAGES, DENSE_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, 1, PDL, X16, E4M3_ASM, TAIL_BM, False,
-                JOIN)
+                JOIN, ORDERED)
         else:
             q = pid - N_WHOLE
             _swapped_dispatch(
                 N_DIRECT + q // REM_SPLIT, q % REM_SPLIT, q // REM_SPLIT, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr,
                 bias_ptr, out_ptr, part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
-                res_aux_ptr, M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE,
-                BN_RES, BKP_RES, TAIL_STAGES, DENSE_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, REM_SPLIT, PDL, X16,
-                E4M3_ASM, TAIL_BM, True, JOIN)
+                res_aux_ptr, order_ptr, M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K,
+                RES_MODE, BN_RES, BKP_RES, TAIL_STAGES, DENSE_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, REM_SPLIT, PDL,
+                X16, E4M3_ASM, TAIL_BM, True, JOIN, ORDERED)
     else:
         _swapped_dispatch(
             pid, tl.program_id(1), 0, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
-            row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
+            row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr, order_ptr,
             M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL, HAS_BIAS, EVEN_K, RES_MODE, BN_RES, BKP_RES,
             TAIL_STAGES, DENSE_STAGES, BN, BM, GROUP_N, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, TAIL_BM, False,
-            JOIN)
+            JOIN, ORDERED)
 
 
 @triton.jit
 def _swapped_dispatch(
     pid, pid_k, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
-    row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
+    row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr, order_ptr,
     M, N, KP, KS, stride_am, stride_wn, stride_om, N_FULL,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, RES_MODE: tl.constexpr,
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr, TAIL_STAGES: tl.constexpr, DENSE_STAGES: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr, USE_ASM: tl.constexpr,
     BKP: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, X16: tl.constexpr,
     E4M3_ASM: tl.constexpr, TAIL_BM: tl.constexpr, COMPACT: tl.constexpr, JOIN: tl.constexpr,
+    ORDERED: tl.constexpr = False,
 ):
     """Tile ``pid`` (grouped order), split ``pid_k`` of ``SPLIT_K``: its coordinates, then :func:`_swapped_tile`
-    (``COMPACT``: its partial in slot ``slot`` of a buffer of split tiles, :func:`store_split_tile`)."""
+    (``COMPACT``: its partial in slot ``slot`` of a buffer of split tiles, :func:`store_split_tile`). ``ORDERED``:
+    the grouped order runs over the weight-row tiles as ``order_ptr`` lists them (:func:`row_tile_order`)."""
     if TAIL_BM > 0:
         pid_n, tile_slot = tile_coords(pid, N, N_FULL + 1, BN, 1, GROUP_N)
+        if ORDERED:
+            pid_n = tl.load(order_ptr + pid_n)
         if tile_slot < N_FULL:
             _swapped_tile(
                 pid, pid_k, pid_n, tile_slot * BM, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
@@ -412,6 +416,8 @@ def _swapped_dispatch(
                 TAIL_STAGES, DENSE_STAGES, BN, TAIL_BM, USE_ASM, BKP, SPLIT_K, PDL, X16, E4M3_ASM, COMPACT, BM, JOIN)
     else:
         pid_n, pid_m = tile_coords(pid, N, M, BN, BM, GROUP_N)
+        if ORDERED:
+            pid_n = tl.load(order_ptr + pid_n)
         _swapped_tile(
             pid, pid_k, pid_n, pid_m * BM, slot, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
             part_ptr, lock_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, res_aux_ptr,
@@ -730,6 +736,23 @@ def gated_shape_reason(m: int, n: int, cfg: TileConfig, out_fp32: bool = False) 
     return None
 
 
+def row_tile_order(residual: ResidualBlocks, block_n: int) -> torch.Tensor:
+    """The swapped GEMM's weight-row tiles of ``block_n`` rows (nested in ``residual``'s block rows), those whose
+    block row keeps the most blocks first (ties in row order): ``int32 [ceil(N / block_n)]``, its ``row_order``.
+
+    A tile's program walks its block row's kept blocks after the dense loop, so its time grows with their count;
+    started first, the heavy tiles leave the light ones for the last wave.
+    """
+    bn_res = residual.block_shape[0]
+    if bn_res % block_n:
+        raise UserInputError(f"block_n={block_n} does not nest in the residual's {bn_res}-row blocks")
+    tiles = -(-residual.shape[0] // block_n)
+    kept = (residual.row_ptr[1:] - residual.row_ptr[:-1]).to(torch.int64)
+    per_tile = kept.repeat_interleave(bn_res // block_n)[:tiles]
+    # a stable sort, descending: the negated counts ascending
+    return torch.sort(-per_tile, stable=True).indices.to(torch.int32)
+
+
 def swapped_residual_reason(block_shape: tuple[int, int]) -> str | None:
     """``None`` when the swapped GEMM can fuse residual blocks of ``(Bn, Bk)``, else why not."""
     bn_res, bk_res = block_shape
@@ -851,6 +874,7 @@ def w4a4_gemm_swapped_triton(
     e4m3_asm: bool = True,
     rem_split: int | None = None,
     joined_dot: bool | None = None,
+    row_order: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense W4A4 GEMM with the operands swapped (``Cᵀ = W Aᵀ``), for prefill-sized M.
@@ -916,6 +940,11 @@ def w4a4_gemm_swapped_triton(
             swapped_rem_split`. The same result up to float summation order (as ``split_k``).
         joined_dot: each K step (and each walked unit of the "shared", "shifted" and "merged" walks) as one dot on
             the halves' joined operand instead of a dot per half (``None``: :data:`JOINED_DOT`); the same sums.
+        row_order: optional ``int32 [ceil(N / block_n)]`` permutation of the weight-row tiles (after ``block_n``
+            shrinks to nest in the residual's block rows): the grouped program order runs over them in this order
+            (:func:`row_tile_order`: the rows that keep the most blocks first). The same result; where the last
+            wave is split over K (``rem_split``), the order changes which tiles it takes (their fp32 partials summed
+            as ``split_k``'s).
         out: optional preallocated contiguous ``bfloat16 [M, N]`` output.
 
     Returns:
@@ -996,6 +1025,9 @@ def w4a4_gemm_swapped_triton(
     bn_res, bk_res = residual.block_shape if residual is not None else (block_n, SPLIT_BLOCK)
     while bn_res % block_n:
         block_n //= 2
+    if row_order is not None:
+        check_tensor("row_order", row_order, dtypes=(torch.int32,), shape=(triton.cdiv(n, block_n),))
+        check_same_device(a_split=a_split, row_order=row_order)
     out = output_buffer(out, (m, n), torch.bfloat16, a_split.device)
     if m == 0 or n == 0:
         return out
@@ -1041,7 +1073,8 @@ def w4a4_gemm_swapped_triton(
         _w4a4_swapped_kernel[grid](
             a_split, a_scale, qweight.view(torch.int8), w_scale.reshape(-1), bias if bias is not None else a_scale,
             out, part, lock_buffer(out.device),
-            *res, m, n, kp, a_split.shape[1], a_split.stride(0), qweight.stride(0), out.stride(0),
+            *res, row_order if row_order is not None else a_scale,
+            m, n, kp, a_split.shape[1], a_split.stride(0), qweight.stride(0), out.stride(0),
             n_full if tail_bm else 0,  # (a constant where unused: no kernel specialised per M)
             n_direct if rem > 1 else 0, n_whole,
             HAS_BIAS=bias is not None, EVEN_K=kp % block_kp == 0, RES_MODE=res_mode, TAIL_STAGES=tail_stages,
@@ -1049,7 +1082,7 @@ def w4a4_gemm_swapped_triton(
             BN_RES=bn_res, BKP_RES=bk_res // 2, BN=block_n, BM=block_m, GROUP_N=8,
             USE_ASM=not triton_interpreting(), BKP=block_kp, SPLIT_K=split_k, PDL=gemm_pdl(a_split.device, m, pdl),
             X16=bool(x16),
-            E4M3_ASM=bool(e4m3_asm), TAIL_BM=tail_bm, REM_SPLIT=rem, JOIN=join,
+            E4M3_ASM=bool(e4m3_asm), TAIL_BM=tail_bm, REM_SPLIT=rem, JOIN=join, ORDERED=row_order is not None,
             num_warps=num_warps, num_stages=num_stages, **launch, **pdl_launch(pdl),
         )
 
