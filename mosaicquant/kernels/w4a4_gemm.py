@@ -46,6 +46,8 @@ multiple of the token tile, ``block_m_tail`` runs the last token tile narrower i
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -840,6 +842,28 @@ def dense_step_table(residual: ResidualBlocks, k: int) -> torch.Tensor:
     return table
 
 
+# row_order tensors found to be permutations: id -> (weak reference, data pointer, version counter) at the check
+_CHECKED_ORDERS: dict[int, tuple] = {}
+
+
+def _check_row_order(row_order: torch.Tensor, block_n: int) -> None:
+    """``row_order`` must be a permutation of the weight-row tiles, or tiles go unwritten. Reading it back costs a
+    host synchronisation, so a tensor is read once (until it is written again) and not under a CUDA graph capture,
+    which does not allow it (``QuantLinear`` builds its order with :func:`row_tile_order`)."""
+    key = _CHECKED_ORDERS.get(id(row_order))
+    if key is not None and key[0]() is row_order and key[1:] == (row_order.data_ptr(), row_order._version):
+        return
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    tiles = row_order.numel()
+    if not torch.equal(row_order.sort().values.cpu(), torch.arange(tiles, dtype=torch.int32)):
+        raise UserInputError(f"row_order must be a permutation of the {tiles} weight-row tiles 0 .. {tiles - 1} of "
+                             f"{block_n} rows (row_tile_order builds one)")
+    for k in [k for k, v in _CHECKED_ORDERS.items() if v[0]() is None]:
+        del _CHECKED_ORDERS[k]
+    _CHECKED_ORDERS[id(row_order)] = (weakref.ref(row_order), row_order.data_ptr(), row_order._version)
+
+
 def _check_not_capturing(walk: str, name: str) -> None:
     """Deriving a walk's tables reads results back from the device, which a CUDA graph capture does not allow."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -1028,6 +1052,7 @@ def w4a4_gemm_swapped_triton(
     if row_order is not None:
         check_tensor("row_order", row_order, dtypes=(torch.int32,), shape=(triton.cdiv(n, block_n),))
         check_same_device(a_split=a_split, row_order=row_order)
+        _check_row_order(row_order, block_n)
     out = output_buffer(out, (m, n), torch.bfloat16, a_split.device)
     if m == 0 or n == 0:
         return out

@@ -77,6 +77,15 @@ def test_row_order_is_checked():
     with pytest.raises(UserInputError, match="row_order"):
         w4a4_gemm_swapped_triton(a8, s8, qweight.to(DEVICE), w_scale.to(DEVICE), 256,
                                  row_order=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(UserInputError, match=r"row_order must be a permutation of the 2 weight-row tiles 0 \.\. 1"):
+        w4a4_gemm_swapped_triton(a8, s8, qweight.to(DEVICE), w_scale.to(DEVICE), 256,
+                                 row_order=torch.zeros(2, dtype=torch.int32, device=DEVICE))
+    # a tensor is read back once, and again after it is written
+    order = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    w4a4_gemm_swapped_triton(a8, s8, qweight.to(DEVICE), w_scale.to(DEVICE), 256, row_order=order)
+    order[0] = 0
+    with pytest.raises(UserInputError, match="row_order must be a permutation"):
+        w4a4_gemm_swapped_triton(a8, s8, qweight.to(DEVICE), w_scale.to(DEVICE), 256, row_order=order)
 
 
 @needs_triton()
