@@ -350,6 +350,13 @@ DENSE_GATED_MAX_M = 16
 # grouped 0.96-0.97 on Llama-3-8B's q/k/v and o at 2048 tokens, 0.93 on Qwen3-8B gate/up and 0.95 on Qwen3-14B
 # down at 512; 0.93-1.04 over every cell, median 0.99; MosaicQuant's 2048-token prefill 35,907 -> 35,539 µs.
 SWAP_ROW_ORDER = True
+
+
+def swapped_row_order(tiles: dict, block_rows: int) -> bool:
+    """Whether a swapped-GEMM call on ``tiles`` (its keyword arguments; ``{}``: the prefill defaults) runs its
+    weight-row tiles in ``row_tile_order`` for a residual of ``block_rows``-row blocks (:data:`SWAP_ROW_ORDER`):
+    unsplit, on tiles a block row high."""
+    return SWAP_ROW_ORDER and tiles.get("split_k", 1) == 1 and tiles.get("block_n", 128) == block_rows
 # A register cap for that gated dense GEMM (0: none). Compiled offline for sm_90 on gate/up's wide tiles
 # (8 warps), its fix-up takes the GEMM from 80 to 92 registers a thread (three programs an SM to two);
 # 80 under the cap, with no spills. GEMM alone (v17, M = 4 / 16, us): 21.31 / 21.63 capped at 80 against

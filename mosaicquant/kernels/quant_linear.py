@@ -403,8 +403,7 @@ class QuantLinear(nn.Module):
             walk = {"residual_walk": "shared", "residual_shifts": self.res_shifts}
             if self.res_merged is not None and MERGED_WALK and tiles.get("block_kp", 64) == 64:
                 walk.update(residual_walk="merged", residual_operand=self.res_merged, dense_steps=self.res_steps)
-        if (self.res_row_order is not None and _tiles.SWAP_ROW_ORDER and tiles.get("split_k", 1) == 1
-                and tiles.get("block_n", 128) == self.block_shape[0]):
+        if self.res_row_order is not None and _tiles.swapped_row_order(tiles, self.block_shape[0]):
             walk["row_order"] = self.res_row_order
         return w4a4_gemm_swapped_triton(a_split, a_scale, self.qweight, self.w_scale, self.in_features, self.bias,
                                         residual=self.residual, **tiles, **walk)

@@ -853,7 +853,7 @@ def _check_row_order(row_order: torch.Tensor, block_n: int) -> None:
     key = _CHECKED_ORDERS.get(id(row_order))
     if key is not None and key[0]() is row_order and key[1:] == (row_order.data_ptr(), row_order._version):
         return
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if _capturing():
         return
     tiles = row_order.numel()
     if not torch.equal(row_order.sort().values.cpu(), torch.arange(tiles, dtype=torch.int32)):
@@ -864,9 +864,14 @@ def _check_row_order(row_order: torch.Tensor, block_n: int) -> None:
     _CHECKED_ORDERS[id(row_order)] = (weakref.ref(row_order), row_order.data_ptr(), row_order._version)
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (no reading results back to the host)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _check_not_capturing(walk: str, name: str) -> None:
     """Deriving a walk's tables reads results back from the device, which a CUDA graph capture does not allow."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if _capturing():
         raise UserInputError(
             f"residual_walk={walk!r} under CUDA graph capture needs {name}: deriving it reads a result back from the "
             f"device, which a capture does not allow; compute it once before capturing (QuantLinear keeps it)")

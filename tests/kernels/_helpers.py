@@ -121,6 +121,15 @@ def pow2_residual(residual: ResidualBlocks, w_scale: torch.Tensor, gen: torch.Ge
                           scales)
 
 
+def pow2_layer(n: int, k: int, block: tuple[int, int], fraction: float, seed: int, max_shift: int = 4):
+    """A random packed base and a power-of-two residual (:func:`pow2_residual`) from a generator seeded with
+    ``seed``: ``(gen, qweight, w_scale, residual)``, the generator for the test's further draws."""
+    gen = torch.Generator().manual_seed(seed)
+    _, qweight, w_scale = random_layer(n, k, gen)
+    residual = pow2_residual(random_residual(n, k, block, fraction, gen), w_scale, gen, max_shift=max_shift)
+    return gen, qweight, w_scale, residual
+
+
 def pow2_layers(n: int, k: int, block: tuple[int, int], fraction: float, gen: torch.Generator, bias: bool = False,
                 max_shift: int = 4):
     """A random quantized layer with a power-of-two residual and the same base with a free-scale one:

@@ -19,18 +19,9 @@ from ._helpers import (
     assert_close_bf16,
     assert_residual_matters,
     needs_triton,
-    pow2_residual,
+    pow2_layer,
     random_activations,
-    random_layer,
-    random_residual,
 )
-
-
-def _layer(n, k, block, fraction, seed, max_shift=3):
-    gen = torch.Generator().manual_seed(seed)
-    _, qweight, w_scale = random_layer(n, k, gen)
-    residual = pow2_residual(random_residual(n, k, block, fraction, gen), w_scale, gen, max_shift=max_shift)
-    return gen, qweight, w_scale, residual
 
 
 def _unsplit8(x):
@@ -41,7 +32,7 @@ def _unsplit8(x):
 
 @pytest.mark.parametrize("n,k,block", [(200, 300, (128, 128)), (130, 640, (64, 256)), (96, 1000, (32, 128))])
 def test_operands_hold_the_shifted_and_merged_integers(n, k, block):
-    _, qweight, w_scale, residual = _layer(n, k, block, 0.5, seed=n + k)
+    _, qweight, w_scale, residual = pow2_layer(n, k, block, 0.5, seed=n + k, max_shift=3)
     shifts = residual_shifts(residual, w_scale)
     assert shifts is not None and int(shifts.max()) == 3  # the helper draws every shift 0..3
     bn, bk = block
@@ -60,7 +51,7 @@ def test_operands_hold_the_shifted_and_merged_integers(n, k, block):
 
 def test_dense_step_table_lists_the_steps_no_kept_block_covers():
     n, k, block = 300, 1000, (64, 256)  # 8 steps of 128 values, the last block column half past K
-    _, _, w_scale, residual = _layer(n, k, block, 0.5, seed=3)
+    _, _, w_scale, residual = pow2_layer(n, k, block, 0.5, seed=3, max_shift=3)
     table = dense_step_table(residual, k)
     steps = -(-k // 128)
     assert table.shape == (-(-n // 64), steps + 1) and table.dtype == torch.int32
@@ -84,7 +75,7 @@ def test_dense_step_table_lists_the_steps_no_kept_block_covers():
     (40, 256, 512, (128, 128), 0.3, dict(block_n=128, block_m=16, rem_split=4)),  # whole tiles and split ones
 ])
 def test_walks_match_zipper_reference(walk, m, n, k, block, fraction, opts):
-    gen, qweight, w_scale, residual = _layer(n, k, block, fraction, seed=m * n)
+    gen, qweight, w_scale, residual = pow2_layer(n, k, block, fraction, seed=m * n, max_shift=3)
     x = random_activations(m, k, gen)
     bias = torch.randn(n, generator=gen)
     packed, scale = quantize_activations_reference(x)
@@ -103,7 +94,7 @@ def test_walks_match_zipper_reference(walk, m, n, k, block, fraction, opts):
 
 @needs_triton()
 def test_merged_walk_refuses_what_it_cannot_take():
-    gen, qweight, w_scale, residual = _layer(200, 300, (128, 128), 0.5, seed=5, max_shift=4)
+    gen, qweight, w_scale, residual = pow2_layer(200, 300, (128, 128), 0.5, seed=5, max_shift=4)
     a8, s8 = quantize_activations_triton(random_activations(13, 300, gen).to(DEVICE), layout="split8")
     qweight, w_scale, residual = qweight.to(DEVICE), w_scale.to(DEVICE), residual.to(DEVICE)
     assert int(residual_shifts(residual, w_scale).max()) == 4

@@ -7,26 +7,11 @@ from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels.act_quant import quantize_activations_triton
 from mosaicquant.kernels.w4a4_gemm import row_tile_order, w4a4_gemm_swapped_triton
 
-from ._helpers import (
-    DEVICE,
-    assert_close_bf16,
-    needs_triton,
-    pow2_residual,
-    random_activations,
-    random_layer,
-    random_residual,
-)
-
-
-def _residual(n, k, block, fraction, seed, max_shift=4):
-    gen = torch.Generator().manual_seed(seed)
-    _, qweight, w_scale = random_layer(n, k, gen)
-    residual = pow2_residual(random_residual(n, k, block, fraction, gen), w_scale, gen, max_shift=max_shift)
-    return gen, qweight, w_scale, residual
+from ._helpers import DEVICE, assert_close_bf16, needs_triton, pow2_layer, random_activations
 
 
 def test_row_tile_order_puts_the_rows_that_keep_most_first():
-    _, _, _, residual = _residual(1000, 1024, (128, 128), 0.4, seed=1)
+    _, _, _, residual = pow2_layer(1000, 1024, (128, 128), 0.4, seed=1)
     kept = (residual.row_ptr[1:] - residual.row_ptr[:-1]).tolist()
     assert len(set(kept)) > 2  # rows that keep different numbers of blocks
     order = row_tile_order(residual, 128)
@@ -53,7 +38,7 @@ def test_row_order_gives_the_same_bits(walk, m, opts):
     # the same bits; where the last wave is split over K, the order changes which tiles it takes, and those sum
     # their splits' partials in fp32 (the same result up to that summation's rounding, as split_k)
     n, k = 640, 512  # five block rows
-    gen, qweight, w_scale, residual = _residual(n, k, (128, 128), 0.4, seed=m, max_shift=3 if walk == "merged" else 4)
+    gen, qweight, w_scale, residual = pow2_layer(n, k, (128, 128), 0.4, seed=m, max_shift=3 if walk == "merged" else 4)
     x = random_activations(m, k, gen)
     bias = torch.randn(n, generator=gen)
     a8, s8 = quantize_activations_triton(x.to(DEVICE), layout="split8")
@@ -72,7 +57,7 @@ def test_row_order_gives_the_same_bits(walk, m, opts):
 
 @needs_triton()
 def test_row_order_is_checked():
-    gen, qweight, w_scale, residual = _residual(256, 256, (128, 128), 0.5, seed=3)
+    gen, qweight, w_scale, residual = pow2_layer(256, 256, (128, 128), 0.5, seed=3)
     a8, s8 = quantize_activations_triton(random_activations(8, 256, gen).to(DEVICE), layout="split8")
     with pytest.raises(UserInputError, match="row_order"):
         w4a4_gemm_swapped_triton(a8, s8, qweight.to(DEVICE), w_scale.to(DEVICE), 256,
