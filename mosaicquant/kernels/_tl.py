@@ -591,17 +591,41 @@ def tile_coords(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.const
     return first_m + (pid % group) % rows_in_group, (pid % group) // rows_in_group
 
 
+# How round_to_bf16 rounds on the GPU (``MOSAICQUANT_BF16_ROUND``, read at import; the same values either way):
+# "cvt" (the default) converts two values with one ``cvt.rn.bf16x2.f32`` and widens each back with one integer
+# instruction; "bits" adds the rounding bias to the fp32 encoding and masks (about four integer instructions a
+# value). The interpreter runs "bits" (it runs no PTX).
+BF16_ROUND_MODES = ("cvt", "bits")
+BF16_ROUND = os.environ.get("MOSAICQUANT_BF16_ROUND", "cvt")
+if BF16_ROUND not in BF16_ROUND_MODES:
+    raise UserInputError(f"MOSAICQUANT_BF16_ROUND={BF16_ROUND!r} is not allowed: choose one of "
+                         f"{', '.join(BF16_ROUND_MODES)}")
+_BF16_CVT = tl.constexpr(BF16_ROUND == "cvt" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+# $2, $3: two fp32 values; cvt.rn.bf16x2 puts its first source in the high half. $0 = the first value's BF16 in
+# the high half of an fp32 encoding (the packed word shifted left), $1 = the second's (the low half cleared).
+_ASM_BF16X2 = tl.constexpr("""{
+.reg .b32 t;
+cvt.rn.bf16x2.f32 t, $3, $2;
+shl.b32 $0, t, 16;
+and.b32 $1, t, 0xFFFF0000;
+}""")
+
+
 @triton.jit
 def round_to_bf16(z):
     """fp32 → the nearest BF16 value (ties to even), kept in fp32; finite inputs.
 
-    Bit arithmetic rather than ``.to(tl.bfloat16)``: Triton's interpreter truncates that
-    conversion, and compiled ``.to(bf16).to(fp32)`` pairs were seen not to round on the H200
-    (``benchmarks/NOTES.md``, v12); this is round-to-nearest-even on both.
+    Not ``.to(tl.bfloat16)``: Triton's interpreter truncates that conversion, and compiled
+    ``.to(bf16).to(fp32)`` pairs were seen not to round on the H200 (``benchmarks/NOTES.md``, v12).
+    On the GPU (``BF16_ROUND`` "cvt") one ``cvt.rn.bf16x2.f32`` rounds two values; otherwise bit
+    arithmetic on the fp32 encoding. Both are round-to-nearest-even.
     """
-    u = z.to(tl.uint32, bitcast=True)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.to(tl.float32, bitcast=True)
+    if _BF16_CVT:
+        return tl.inline_asm_elementwise(_ASM_BF16X2, "=r,=r,r,r", [z], dtype=tl.float32, is_pure=True, pack=2)
+    else:
+        u = z.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        return u.to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -1,0 +1,105 @@
+"""The kernels' rounding of fp32 values to BF16 (mosaicquant.kernels._tl.round_to_bf16).
+
+``round_to_bf16(v)`` must equal ``v.to(torch.bfloat16).float()`` (round to nearest, ties to even) for every finite
+fp32 ``v``: at, between and one ulp beside BF16 values (the ties), at signed zeros, subnormals, the BF16 range's end
+(values that round to infinity) and fp32's extremes. On the GPU the default mode ("cvt") rounds two values with one
+``cvt.rn.bf16x2.f32``; the interpreter, and ``MOSAICQUANT_BF16_ROUND=bits``, run the bit arithmetic. Compiled for
+sm_90, the fused Hadamard quantizer carries the conversion in "cvt" mode and not in "bits" mode.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from mosaicquant.kernels._tl import round_to_bf16
+
+from ._helpers import DEVICE, needs_triton, ptxas_available, sm90_compile
+
+
+@triton.jit
+def _round_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, round_to_bf16(tl.load(v_ptr + offs, mask=mask, other=0.0)), mask=mask)
+
+
+def _values() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    bf = rng.normal(0.0, 3.0, 2048).astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
+    ties = bf | np.uint32(0x8000)  # halfway between two BF16 values: even and odd last bits both occur
+    beside = np.concatenate([ties - np.uint32(1), ties + np.uint32(1)])
+    f32 = np.finfo(np.float32)
+    bf16_max = np.float32(3.3895313892515355e38)
+    extremes = np.array([0.0, -0.0, f32.tiny, -f32.tiny, 1e-45, -1e-45, 3e-39, -3e-39, f32.max, -f32.max, bf16_max,
+                         -bf16_max, np.nextafter(bf16_max, np.float32(np.inf)), 3.39e38, 1.0, -1.0, 1 + 2.0**-8,
+                         1 + 3 * 2.0**-8, 65504.0, 1e-30], dtype=np.float32)
+    subnormal_ties = (np.arange(1, 200, dtype=np.uint32) << np.uint32(16)) | np.uint32(0x8000)
+    values = np.concatenate([bf.view(np.float32), ties.view(np.float32), beside.view(np.float32), extremes,
+                             subnormal_ties.view(np.float32), -subnormal_ties.view(np.float32),
+                             rng.standard_cauchy(4096).astype(np.float32)])
+    return values[np.isfinite(values)].astype(np.float32)
+
+
+@needs_triton()
+def test_round_to_bf16_is_round_half_even():
+    v = torch.from_numpy(_values())
+    if len(v) % 2:  # pairs of values share a conversion on the GPU: an odd count leaves one masked
+        v = v[:-1]
+    out = torch.full(v.shape, float("nan"), device=DEVICE)  # poisoned
+    block = 4096
+    _round_kernel[(triton.cdiv(len(v), block),)](v.to(DEVICE), out, len(v), BLOCK=block)
+    want = v.to(torch.bfloat16).float()
+    got = out.cpu()
+    same = (got.view(torch.int32) == want.view(torch.int32))
+    assert bool(same.all()), (v[~same][:8], got[~same][:8], want[~same][:8])
+    assert torch.isinf(want).any()  # the range's end was reached (rounds to infinity)
+    assert (want.view(torch.int32) & 0xFFFF).eq(0).all()
+
+
+_COMPILE = r"""
+import importlib, json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from offline_regs import _CompileOnlyDriver, compile_only
+from triton.runtime.driver import driver
+driver.set_active(_CompileOnlyDriver())
+hq = importlib.import_module("mosaicquant.kernels.hadamard_quant")
+from mosaicquant.kernels import _tl
+from mosaicquant.methods.hadamard import OnlineHadamard
+compiled = compile_only(hq, "_hadamard_quant_kernel")
+hq.triton_interpreting = lambda: False
+x = torch.zeros(2048, 4096, dtype=torch.bfloat16)
+q = torch.zeros(2048, 4096, dtype=torch.int8)
+scale = torch.zeros(2048)
+hq._launch(x, OnlineHadamard(4096), q, scale, 1.0, True, False, 1, None)
+ptx = compiled[0].asm["ptx"]
+print(json.dumps({"mode": _tl.BF16_ROUND, "cvt_bf16x2": ptx.count("cvt.rn.bf16x2.f32")}))
+"""
+
+
+@pytest.mark.skipif(not ptxas_available(), reason="Triton's NVIDIA backend has no ptxas here")
+def test_hadamard_quantizer_rounds_by_mode_for_sm90(monkeypatch):
+    counts = {}
+    for mode in ("cvt", "bits"):
+        monkeypatch.setenv("MOSAICQUANT_BF16_ROUND", mode)
+        run, lines = sm90_compile(_COMPILE, timeout=600)
+        assert run.returncode == 0 and len(lines) == 1, run.stderr[-2000:]
+        assert lines[0]["mode"] == mode, json.dumps(lines)
+        counts[mode] = lines[0]["cvt_bf16x2"]
+    # the compiler converts the transform's 16-bit operands either way; "cvt" adds one conversion per two output
+    # values of a thread (4,096 values on 128 threads: 16)
+    assert counts["cvt"] >= counts["bits"] + 16, counts
+
+
+def test_bad_mode_is_refused():
+    env = dict(os.environ, MOSAICQUANT_BF16_ROUND="truncate")
+    run = subprocess.run([sys.executable, "-c", "import mosaicquant.kernels._tl"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode != 0
+    assert "MOSAICQUANT_BF16_ROUND='truncate' is not allowed" in run.stderr and "cvt, bits" in run.stderr
