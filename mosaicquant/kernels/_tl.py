@@ -628,6 +628,33 @@ def round_to_bf16(z):
         return u.to(tl.float32, bitcast=True)
 
 
+# $2, $3: two fp32 values y; $0: their BF16 roundings h (packed), $1: the BF16 roundings of y - h (packed)
+_ASM_BF16X2_SPLIT = tl.constexpr("""{
+.reg .b32 h0, h1, d0, d1;
+cvt.rn.bf16x2.f32 $0, $3, $2;
+shl.b32 h0, $0, 16;
+and.b32 h1, $0, 0xFFFF0000;
+sub.rn.f32 d0, $2, h0;
+sub.rn.f32 d1, $3, h1;
+cvt.rn.bf16x2.f32 $1, d1, d0;
+}""")
+
+
+@triton.jit
+def split_bf16(y):
+    """fp32 ``y`` as two BF16 tensors ``(hi, lo)``: ``hi`` = ``y`` rounded to BF16, ``lo`` = ``y - hi`` rounded to
+    BF16 (so ``hi + lo`` holds 16 significant bits of ``y``), both to nearest, ties to even. On the GPU
+    (``BF16_ROUND`` "cvt") each pair of values takes two ``cvt.rn.bf16x2.f32``; otherwise :func:`round_to_bf16`'s
+    bit arithmetic, whose results the conversions to BF16 then keep exactly (the interpreter's conversion truncates).
+    """
+    if _BF16_CVT:
+        return tl.inline_asm_elementwise(_ASM_BF16X2_SPLIT, "=r,=r,r,r", [y], dtype=(tl.bfloat16, tl.bfloat16),
+                                         is_pure=True, pack=2)
+    else:
+        hi = round_to_bf16(y)
+        return hi.to(tl.bfloat16), round_to_bf16(y - hi).to(tl.bfloat16)
+
+
 @triton.jit
 def rnd(x, DT: tl.constexpr, BITS: tl.constexpr):
     """``x`` rounded to the 16-bit dtype ``DT`` (nearest, ties to even), kept in fp32; ``BITS``: by

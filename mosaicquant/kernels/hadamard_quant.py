@@ -71,7 +71,7 @@ from mosaicquant.kernels._common import (
     resolve_kernel,
     triton_interpreting,
 )
-from mosaicquant.kernels._tl import chain_start, quant_div, quantize_int4, silu_mul_rounded
+from mosaicquant.kernels._tl import chain_start, quant_div, quantize_int4, silu_mul_rounded, split_bf16
 from mosaicquant.kernels._tl import round_to_bf16 as _round_to_bf16
 from mosaicquant.kernels._token_split import (
     barrier_buffer,
@@ -162,8 +162,11 @@ def _hadamard_quant_kernel(
         pairs = tl.permute(tl.reshape(y, [R_PAD // 2, 2, DS]), [0, 2, 1])
         y_even, y_odd = tl.split(pairs)
         y = tl.reshape(tl.permute(tl.join(y_even + y_odd, y_even - y_odd), [0, 2, 1]), [R_PAD // 2, 2 * DS])
-    y_hi = y.to(x_ptr.dtype.element_ty)
-    y_lo = (y - y_hi.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        y_hi, y_lo = split_bf16(y)
+    else:
+        y_hi = y.to(x_ptr.dtype.element_ty)
+        y_lo = (y - y_hi.to(tl.float32)).to(x_ptr.dtype.element_ty)
     if DOT_F32:
         y_hi = y_hi.to(tl.float32)
         y_lo = y_lo.to(tl.float32)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mosaicquant.kernels._tl import round_to_bf16
+from mosaicquant.kernels._tl import round_to_bf16, split_bf16
 
 from ._helpers import DEVICE, needs_triton, ptxas_available, sm90_compile
 
@@ -103,3 +103,31 @@ def test_bad_mode_is_refused():
                          env=env, timeout=300)
     assert run.returncode != 0
     assert "MOSAICQUANT_BF16_ROUND='truncate' is not allowed" in run.stderr and "cvt, bits" in run.stderr
+
+
+@triton.jit
+def _split_kernel(v_ptr, hi_ptr, lo_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    hi, lo = split_bf16(tl.load(v_ptr + offs, mask=mask, other=0.0))
+    tl.store(hi_ptr + offs, hi, mask=mask)
+    tl.store(lo_ptr + offs, lo, mask=mask)
+
+
+@needs_triton()
+def test_split_bf16_is_the_rounding_and_the_rounded_rest():
+    v = torch.from_numpy(_values())
+    v = v[v.abs() < 1e38]  # y - hi of a value that rounds to infinity is not finite
+    # normal values (and zeros): the interpreter's conversion of subnormal fp32 values to BF16 is not exact
+    v = v[(v == 0) | (v.abs() >= torch.finfo(torch.float32).tiny)]
+    if len(v) % 2:
+        v = v[:-1]
+    hi = torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)  # poisoned
+    lo = torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    block = 4096
+    _split_kernel[(triton.cdiv(len(v), block),)](v.to(DEVICE), hi, lo, len(v), BLOCK=block)
+    want_hi = v.to(torch.bfloat16)
+    want_lo = (v - want_hi.float()).to(torch.bfloat16)
+    assert torch.equal(hi.cpu().view(torch.int16), want_hi.view(torch.int16))
+    assert torch.equal(lo.cpu().view(torch.int16), want_lo.view(torch.int16))
+    assert (want_lo != 0).sum() > len(v) // 4  # the rest is not trivially zero
