@@ -591,10 +591,10 @@ def tile_coords(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.const
     return first_m + (pid % group) % rows_in_group, (pid % group) // rows_in_group
 
 
-# How round_to_bf16 rounds on the GPU (``MOSAICQUANT_BF16_ROUND``, read at import; the same values either way):
-# "cvt" (the default) converts two values with one ``cvt.rn.bf16x2.f32`` and widens each back with one integer
-# instruction; "bits" adds the rounding bias to the fp32 encoding and masks (about four integer instructions a
-# value). The interpreter runs "bits" (it runs no PTX).
+# How round_to_bf16 and split_bf16 round on the GPU (``MOSAICQUANT_BF16_ROUND``, read at import; the same values
+# either way): "cvt" (the default) converts two values with one ``cvt.rn.bf16x2.f32`` and widens each back with one
+# integer instruction; "bits" adds the rounding bias to the fp32 encoding and masks (about four integer instructions
+# a value). The interpreter runs "bits" (it runs no PTX).
 BF16_ROUND_MODES = ("cvt", "bits")
 BF16_ROUND = os.environ.get("MOSAICQUANT_BF16_ROUND", "cvt")
 if BF16_ROUND not in BF16_ROUND_MODES:

@@ -1,10 +1,11 @@
-"""The kernels' rounding of fp32 values to BF16 (mosaicquant.kernels._tl.round_to_bf16).
+"""The kernels' rounding of fp32 values to BF16 (mosaicquant.kernels._tl.round_to_bf16, split_bf16).
 
 ``round_to_bf16(v)`` must equal ``v.to(torch.bfloat16).float()`` (round to nearest, ties to even) for every finite
 fp32 ``v``: at, between and one ulp beside BF16 values (the ties), at signed zeros, subnormals, the BF16 range's end
 (values that round to infinity) and fp32's extremes. On the GPU the default mode ("cvt") rounds two values with one
 ``cvt.rn.bf16x2.f32``; the interpreter, and ``MOSAICQUANT_BF16_ROUND=bits``, run the bit arithmetic. Compiled for
 sm_90, the fused Hadamard quantizer carries the conversion in "cvt" mode and not in "bits" mode.
+``split_bf16(y)`` must give ``y``'s BF16 rounding and the BF16 rounding of the rest.
 """
 
 import json
@@ -50,8 +51,6 @@ def _values() -> np.ndarray:
 @needs_triton()
 def test_round_to_bf16_is_round_half_even():
     v = torch.from_numpy(_values())
-    if len(v) % 2:  # pairs of values share a conversion on the GPU: an odd count leaves one masked
-        v = v[:-1]
     out = torch.full(v.shape, float("nan"), device=DEVICE)  # poisoned
     block = 4096
     _round_kernel[(triton.cdiv(len(v), block),)](v.to(DEVICE), out, len(v), BLOCK=block)
@@ -92,8 +91,8 @@ def test_hadamard_quantizer_rounds_by_mode_for_sm90(monkeypatch):
         assert run.returncode == 0 and len(lines) == 1, run.stderr[-2000:]
         assert lines[0]["mode"] == mode, json.dumps(lines)
         counts[mode] = lines[0]["cvt_bf16x2"]
-    # the compiler converts the transform's 16-bit operands either way; "cvt" adds one conversion per two output
-    # values of a thread (4,096 values on 128 threads: 16)
+    # the transform's 16-bit operands are converted by pairs either way (split_bf16, or the compiler's conversions of
+    # its parts); "cvt" adds one conversion per two output values of a thread (4,096 values on 128 threads: 16)
     assert counts["cvt"] >= counts["bits"] + 16, counts
 
 
@@ -120,8 +119,6 @@ def test_split_bf16_is_the_rounding_and_the_rounded_rest():
     v = v[v.abs() < 1e38]  # y - hi of a value that rounds to infinity is not finite
     # normal values (and zeros): the interpreter's conversion of subnormal fp32 values to BF16 is not exact
     v = v[(v == 0) | (v.abs() >= torch.finfo(torch.float32).tiny)]
-    if len(v) % 2:
-        v = v[:-1]
     hi = torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)  # poisoned
     lo = torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
     block = 4096
