@@ -284,11 +284,17 @@ def prefetch_rows_l2(base_ptr, rows, stride, byte_begin, byte_end, LINES: tl.con
 # How the quantizers divide by a row's scale (``MOSAICQUANT_QUANT_DIV``, read at import): every way gives
 # the IEEE quotient, so the same integers (:func:`quant_div`). "fma" (the default): a reciprocal per row and
 # a two-FMA correction per value; "ieee": ``div_rn`` per value; "fp64": a float64 product per value.
+def _env_mode(var: str, modes: tuple[str, ...]) -> str:
+    """The mode environment variable ``var`` names (``modes[0]`` when unset), read at import; refused if not one of
+    ``modes``."""
+    mode = os.environ.get(var, modes[0])
+    if mode not in modes:
+        raise UserInputError(f"{var}={mode!r} is not allowed: choose one of {', '.join(modes)}")
+    return mode
+
+
 QUANT_DIV_MODES = ("fma", "ieee", "fp64")
-QUANT_DIV = os.environ.get("MOSAICQUANT_QUANT_DIV", "fma")
-if QUANT_DIV not in QUANT_DIV_MODES:
-    raise UserInputError(f"MOSAICQUANT_QUANT_DIV={QUANT_DIV!r} is not allowed: choose one of "
-                         f"{', '.join(QUANT_DIV_MODES)}")
+QUANT_DIV = _env_mode("MOSAICQUANT_QUANT_DIV", QUANT_DIV_MODES)
 # Triton's interpreter evaluates fma as a product and a sum, each rounded: its "fma" mode runs the float64 product.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _QDIV = tl.constexpr({"ieee": 0, "fma": 2 if _INTERPRETING else 1, "fp64": 2}[QUANT_DIV])
@@ -596,11 +602,8 @@ def tile_coords(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.const
 # integer instruction; "bits" adds the rounding bias to the fp32 encoding and masks (about four integer instructions
 # a value). The interpreter runs "bits" (it runs no PTX).
 BF16_ROUND_MODES = ("cvt", "bits")
-BF16_ROUND = os.environ.get("MOSAICQUANT_BF16_ROUND", "cvt")
-if BF16_ROUND not in BF16_ROUND_MODES:
-    raise UserInputError(f"MOSAICQUANT_BF16_ROUND={BF16_ROUND!r} is not allowed: choose one of "
-                         f"{', '.join(BF16_ROUND_MODES)}")
-_BF16_CVT = tl.constexpr(BF16_ROUND == "cvt" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+BF16_ROUND = _env_mode("MOSAICQUANT_BF16_ROUND", BF16_ROUND_MODES)
+_BF16_CVT = tl.constexpr(BF16_ROUND == "cvt" and not _INTERPRETING)
 # $2, $3: two fp32 values; cvt.rn.bf16x2 puts its first source in the high half. $0 = the first value's BF16 in
 # the high half of an fp32 encoding (the packed word shifted left), $1 = the second's (the low half cleared).
 _ASM_BF16X2 = tl.constexpr("""{
