@@ -234,6 +234,16 @@ SWAP_DECODE_STAGES = 4
 # 128 x 128 blocks at M = 2-16 (v14); cut to 64-byte steps to nest in the blocks they had been
 # 1.10-1.20x slower (v13).
 WIDE_DECODE_TILES_PER_SM = 2
+# The wide tiles' software-pipelining depth and K step (packed bytes of a weight row a step), and the 64-channel
+# decode tiles' depth (calls of at most 64 tokens on the packed kernels); read when a call picks its tiles. More bytes
+# in flight did not pay (v41, benchmarks/decode_depth.py: QuantLinear on the Llama-3-8B linears at M = 4-32, dense and
+# with 10 % kept blocks, 3 interleaved rounds, time / the defaults; the layers whose kernels a variant leaves alone
+# read 0.98-1.04): on gate/up 4 wide stages 0.96-0.99 dense and 0.99-1.03 with the blocks, 5 stages 0.99-1.02 and
+# 1.00-1.10, 256-byte steps 0.99-1.01 and 1.10-1.16; on q/k/v, o and down a 64-channel depth of 3 0.93-1.08, of 6
+# 0.99-1.12. Every variant gave the defaults' bits.
+WIDE_DECODE_STAGES = 3
+WIDE_DECODE_BLOCK_KP = 128
+DECODE_STAGES = 4
 # ZipperEngine's layers (residual blocks) take the wide tiles for calls of 17 to this many tokens too, on
 # 32-row tiles (dense layers run those calls on the swapped GEMM). Llama-3-8B gate/up at M = 32 (v17, GEMM
 # alone): 29.79 us against 32.83 on the 64-channel tiles; MosaicQuant's batch-32 step 4,487 -> 4,407 us.
@@ -641,11 +651,13 @@ def pick_config(
                          num_stages=4, use_dot=False)
     elif wide:
         # a wide dense layer (gate/up): enough tiles without split-K, and longer steps per tile
-        cfg = TileConfig(block_m=16 if m <= 16 else 32, block_n=128, block_kp=128, num_warps=8, num_stages=3)
+        cfg = TileConfig(block_m=16 if m <= 16 else 32, block_n=128, block_kp=WIDE_DECODE_BLOCK_KP, num_warps=8,
+                         num_stages=WIDE_DECODE_STAGES)
     elif m <= 16:
-        cfg = TileConfig(block_m=16, block_n=64, block_kp=64, num_warps=4, num_stages=4)
+        cfg = TileConfig(block_m=16, block_n=64, block_kp=64, num_warps=4, num_stages=DECODE_STAGES)
     elif m <= 64:
-        cfg = TileConfig(block_m=max(16, triton_next_pow2(m)), block_n=64, block_kp=64, num_warps=4, num_stages=4)
+        cfg = TileConfig(block_m=max(16, triton_next_pow2(m)), block_n=64, block_kp=64, num_warps=4,
+                         num_stages=DECODE_STAGES)
     elif m <= 256:
         cfg = TileConfig(block_m=64, block_n=64, block_kp=64, num_warps=4, num_stages=4)
     elif m < 2048:

@@ -149,6 +149,25 @@ def test_wide_dense_layers_take_unsplit_wide_tiles_at_decode_sizes(monkeypatch):
     assert pick_config(32, 28672, 2048, cuda, residual_block=(128, 128)).block_n == 64
 
 
+def test_decode_tile_depths_are_read_when_tiles_are_picked(monkeypatch):
+    # WIDE_DECODE_STAGES / WIDE_DECODE_BLOCK_KP / DECODE_STAGES: benchmarks/decode_depth.py varies them per call
+    from mosaicquant.kernels import _tiles
+
+    monkeypatch.setattr(_tiles, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    wide, narrow = pick_config(4, 28672, 2048, cuda), pick_config(4, 4096, 2048, cuda)
+    assert (wide.num_stages, wide.block_kp, narrow.num_stages) == (3, 128, 4)  # the defaults
+    monkeypatch.setattr(_tiles, "WIDE_DECODE_STAGES", 5)
+    monkeypatch.setattr(_tiles, "WIDE_DECODE_BLOCK_KP", 256)
+    monkeypatch.setattr(_tiles, "DECODE_STAGES", 6)
+    wide, narrow = pick_config(4, 28672, 2048, cuda), pick_config(4, 4096, 2048, cuda)
+    assert (wide.block_n, wide.num_stages, wide.block_kp) == (128, 5, 256)
+    assert (narrow.block_n, narrow.num_stages) == (64, 6)
+    assert pick_config(40, 4096, 2048, cuda).num_stages == 6  # 17-64 tokens on the packed kernel's 64-channel tiles
+    zip_wide = pick_config(4, 28672, 2048, cuda, residual_block=(128, 128))
+    assert (zip_wide.num_stages, zip_wide.block_kp) == (5, 256)
+
+
 def test_wide_dense_layers_keep_wide_tiles_up_to_the_dense_bound(monkeypatch):
     # DENSE_WIDE_MAX_M: dense wide layers' calls of 17 tokens and more take the wide tiles (32-row tiles) up to it,
     # and QuantLinear then keeps them on the packed kernel instead of the swapped GEMM's decode tiles
