@@ -6,7 +6,8 @@ script times ``QuantLinear`` (BF16 in, BF16 out, activation quantizer included) 
 with 10 % random 128 x 128 kept blocks (ZipperEngine), at decode sizes, for variants of the module constants that set
 those tiles (``_tiles.WIDE_DECODE_STAGES``, ``WIDE_DECODE_BLOCK_KP``, ``DECODE_STAGES``). The variants change where
 the bytes wait, not the arithmetic: each variant's output must equal the default's bit for bit, and the default's
-must match the PyTorch reference. Weights are rotated through more than L2; medians of interleaved rounds.
+must match the PyTorch reference. ``swsh17`` changes the route instead (kept blocks on the swapped GEMM's decode
+tiles from 17 tokens, ``_tiles.SWAP_DECODE_SHARED_MIN_M``) and is checked against the reference. Weights are rotated through more than L2; medians of interleaved rounds.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/decode_depth.py --ms 4,8,16,32 --rounds 3 --out OUT
 
@@ -45,7 +46,11 @@ VARIANTS = {
     "wkp256s4": {"WIDE_DECODE_BLOCK_KP": 256, "WIDE_DECODE_STAGES": 4},
     "ds3": {"DECODE_STAGES": 3},
     "ds6": {"DECODE_STAGES": 6},
+    # a route, not a depth: layers with kept blocks take the swapped GEMM's decode tiles (the shared walk) from 17
+    # tokens instead of the packed kernels; checked against the reference, not the defaults' bits
+    "swsh17": {"SWAP_DECODE_SHARED_MIN_M": 17},
 }
+ROUTES = {"swsh17"}
 DEFAULTS = {name: getattr(_tiles, name) for v in VARIANTS.values() for name in v}
 
 
@@ -106,7 +111,8 @@ def main(argv=None) -> int:
                     for v in labels:
                         set_variant(v)
                         if rnd == 0:
-                            ok[v] = base_ok and torch.equal(ql(x), base_out)
+                            out = ql(x)
+                            ok[v] = check(out.cpu(), ref)[0] if v in ROUTES else base_ok and torch.equal(out, base_out)
                         us = time_calls([lambda q=q[kind]: q(x) for q in qls])[0]
                         times[v].append(us)
                         rows.append(dict(layer=name, n=n, k=k, m=m, kind=kind, variant=v, round=rnd, us=us,

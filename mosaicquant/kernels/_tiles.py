@@ -118,6 +118,9 @@ TAIL_WIDE_K_MAX_M = 16
 SWAP_DECODE_RESIDUAL_MIN_M = 0
 # ... and layers whose residual scales are powers of two of the base's (rscale=pow2: the swapped GEMM's
 # "shared" walk, the kept blocks' int8 dots into the dense accumulator) from this many tokens (0: never).
+# QuantLinear with 10 % kept blocks at 17 / 24 / 32 tokens (v41, benchmarks/decode_depth.py's swsh17, time / the packed
+# kernels'): q/k/v 1.15 / 1.13 / 1.09, o 1.22 / 1.19 / 1.17, gate/up 1.02 on each, down 1.04 / 1.02 / 1.01; slower on
+# every layer, and MosaicQuant's decode step +3.0 to +4.8 % at batch 17-32.
 SWAP_DECODE_SHARED_MIN_M = 0
 # ... and layers with the "merged" walk's operands (shifts <= 3, MosaicQuant's rscale_max_shift=3) from this many
 # tokens (0: never), at 64-byte K steps (the walk skips single 128-value steps). QuantLinear at 16 / 24 / 32 tokens
