@@ -28,7 +28,8 @@ saturating). Every phase depends on the one before, as a layer's steps do. Every
 
 Every variant's final and intermediate activations are checked bit for bit against a float64 reference first.
 Times: the chain of ``--layers`` layers captured in a CUDA graph, replayed, medians of interleaved rounds; the
-table gives µs a layer, the weight stream's rate, and (``sep_pdl`` − ``pers``) ÷ boundaries.
+table gives µs a layer, the weight stream's rate, and the chain's time saved against ``sep_pdl`` ÷ its boundaries
+(15 for 4 layers of 4 phases).
 
     PYTHONPATH=. python3 benchmarks/persistent_barrier.py [--m 4] [--layers 4] [--occ 1,2,4] [--rounds 5]
         [--out DIR]
@@ -52,7 +53,6 @@ import triton.language as tl
 # (name, rows N, bytes a row K): the packed 4-bit bytes of Llama-3-8B's linears, as int8 GEMVs
 LAYER = (("qkv", 6144, 2048), ("o", 4096, 2048), ("gate_up", 28672, 2048), ("down", 4096, 7168))
 XS = max(n for _, n, _ in LAYER)  # row stride of every activation buffer
-BM = 16
 XS_C = tl.constexpr(XS)
 # one bulk prefetch a program (its first thread), not one a thread
 _BULK_PF = tl.constexpr("{\n.reg .pred p;\n.reg .u32 t;\nmov.u32 t, %tid.x;\nsetp.eq.u32 p, t, 0;\n"
@@ -82,7 +82,6 @@ def _phase_tiles(w_ptr, x_ptr, y_ptr, N, K, SHIFT, first, step,
             acc = tl.dot(tl.load(w_row + k), tl.load(x_col + k), acc, out_dtype=tl.int32)
         out = tl.minimum(tl.maximum(acc >> SHIFT, -8), 7).to(tl.int8)
         tl.store(y_ptr + rm[None, :] * XS_C + (t * BN + rn)[:, None], out)
-
 
 
 @triton.jit
