@@ -1,0 +1,151 @@
+"""Decode attention (RoPE, the KV write and the split-KV loop in one kernel) over a 16-bit and a 4-bit cache, and
+how the 4-bit cache's chunks and loop step move it (GPU).
+
+On the Llama-3-8B attention shape (32 query heads, 8 KV heads, head size 128), ``--context`` cached tokens a
+sequence, for each batch: ``decode_rope_attention`` over
+
+- ``kv16``: the model's BF16 cache;
+- ``kv4``: QuaRot's 4-bit cache (asymmetric, clip 0.95, the Q/K Hadamard; ``decoder.KVFormat``);
+
+each at its default cut (``decoder.attention_splits``; over the 4-bit cache from ~132 sequence × KV-head pairs one
+chunk a head) and at explicit chunks (``--chunks``; more programs, then the combining kernel), and the 4-bit loop at
+``--block-ns`` keys a step. Every call's caches are one of several copies rotated through more than L2 (a layer's
+cache is read once a decode step, after other layers' weights have passed through L2). Each variant's output is
+checked against the default cut's (and that one against ``decode_rope_attention_reference`` at the smallest batch)
+first; CUDA graphs, medians; µs a call, the cache bytes it reads (keys, values, and the 4-bit cache's scales and
+zero points), and their rate.
+
+    PYTHONPATH=. python3 benchmarks/attention_kv4.py [--batches 4,16,32] [--context 512] [--chunks 128,256]
+        [--block-ns 64] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mosaicquant.harness.timing import time_calls  # noqa: E402
+from mosaicquant.kernels import decoder  # noqa: E402
+from mosaicquant.kernels.decoder import (KVFormat, KVScales, decode_rope_attention,  # noqa: E402
+                                         decode_rope_attention_reference)
+
+HEADS, KV_HEADS, D = 32, 8, 128
+ROTATE_BYTES = 200 * 2**20
+# attention's bf16 accuracy (tests/kernels/test_decoder.py's tolerance)
+RTOL, ATOL = 2.0**-6, 4e-3
+# outputs allowed off the reference: the Q/K rotation's fp32 sums may round the new key one step apart from the
+# reference's (tests/kernels/test_decoder.py checks the kernel's own cache for that reason); a wrong kernel is off
+# nearly everywhere
+REF_OFF_MAX = 0.01
+
+
+def _inputs(b: int, context: int, device, bits: int, g: torch.Generator):
+    length = context + 8
+    inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2).float() / D))
+    ang = torch.arange(length).float()[:, None] * inv[None]
+    cos = torch.cat([ang, ang], 1).cos().to(torch.bfloat16).to(device)
+    sin = torch.cat([ang, ang], 1).sin().to(torch.bfloat16).to(device)
+    qkv = torch.randn(b, (HEADS + 2 * KV_HEADS) * D, generator=g).to(torch.bfloat16).to(device)
+    pos = torch.full((b,), context, dtype=torch.int64, device=device)
+    shape = (b, KV_HEADS, length)
+    if bits == 16:
+        kc = (torch.randn(*shape, D, generator=g)).to(torch.bfloat16).to(device)
+        return qkv, pos, cos, sin, kc, torch.randn_like(kc), None
+    kc = torch.randint(0, 256, (*shape, D // 2), dtype=torch.uint8, generator=g).to(device)
+    vc = torch.randint(0, 256, (*shape, D // 2), dtype=torch.uint8, generator=g).to(device)
+    # grids about zero, as for unit-scale keys and values (zero points 6-10, steps 0.02-0.17)
+    scales = KVScales(*(t.to(device) for t in (
+        0.02 + 0.15 * torch.rand(shape, generator=g), torch.randint(6, 11, shape, generator=g).float(),
+        0.02 + 0.15 * torch.rand(shape, generator=g), torch.randint(6, 11, shape, generator=g).float())))
+    return qkv, pos, cos, sin, kc, vc, scales
+
+
+def cache_bytes(b: int, context: int, bits: int) -> int:
+    """Bytes the attention reads from a cache of ``context`` tokens: keys and values, plus the 4-bit cache's fp32
+    scale and zero point a head, token, key or value."""
+    per = D * 2 if bits == 16 else D // 2 + 8
+    return b * KV_HEADS * context * 2 * per
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="4,16,32")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--chunks", default="128,256", help="explicit chunks to time beside the default cut")
+    ap.add_argument("--block-ns", default="64", help="4-bit loop steps to time beside ATTN_KV4_BLOCK_N")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("attention_kv4.py times GPU kernels: no CUDA device here")
+        return 2
+    device = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    kv4 = KVFormat(4, False, 0.95, True)
+    default_bn = decoder.ATTN_KV4_BLOCK_N
+    rows, checks = [], 0
+    batches = [int(v) for v in args.batches.split(",")]
+    for b in batches:
+        for bits in (16, 4):
+            one = cache_bytes(b, args.context, bits)
+            copies = max(2, math.ceil(ROTATE_BYTES / one))
+            sets = [_inputs(b, args.context, device, bits, g) for _ in range(copies)]
+            outs = [torch.empty(b, HEADS * D, dtype=torch.bfloat16, device=device) for _ in range(copies)]
+            kv = kv4 if bits == 4 else None
+            variants = [("default", None, default_bn)]
+            variants += [(f"chunk {c}", c, default_bn) for c in (int(v) for v in args.chunks.split(","))]
+            if bits == 4:
+                variants += [(f"{bn} keys a step", None, bn) for bn in (int(v) for v in args.block_ns.split(","))]
+            base = None
+            for name, chunk, bn in variants:
+                decoder.ATTN_KV4_BLOCK_N = bn
+                try:
+                    def call(i, chunk=chunk):
+                        qkv, pos, cos, sin, kc, vc, sc = sets[i]
+                        return decode_rope_attention(qkv, pos, cos, sin, kc, vc, HEADS, KV_HEADS, D ** -0.5,
+                                                     chunk=chunk, out=outs[i], kernel="triton", kv=kv, scales=sc)
+                    got = call(0).float().clone()
+                    if base is None:
+                        base = got
+                        if b == batches[0]:  # the default cut against the PyTorch reference, once a format
+                            qkv, pos, cos, sin, kc, vc, sc = sets[0]
+                            ref = decode_rope_attention_reference(qkv, pos, cos, sin, kc, vc, HEADS, KV_HEADS,
+                                                                  D ** -0.5, kv=kv, scales=sc).float()
+                            off = ((got - ref).abs() > RTOL * ref.abs() + ATOL).float().mean().item()
+                            assert off <= REF_OFF_MAX, f"b={b} kv{bits}: {100 * off:.2f} % of outputs off the reference"
+                            checks += 1
+                    bad = ((got - base).abs() > RTOL * base.abs() + ATOL).sum().item()
+                    assert bad == 0, f"b={b} kv{bits} {name}: {bad} outputs off the default cut's"
+                    checks += 1
+                    t = time_calls([lambda i=i: call(i) for i in range(copies)], min_us=3000.0, replays=21)
+                finally:
+                    decoder.ATTN_KV4_BLOCK_N = default_bn
+                plan = decoder._AttnPlan.make(device, b, HEADS, KV_HEADS, args.context + 8, D, chunk,
+                                              decoder.ATTN_KV4_PROGRAMS_PER_SM if bits == 4 else None,
+                                              bn if bits == 4 else decoder.ATTN_BLOCK_N)
+                rows.append({"batch": b, "kv_bits": bits, "variant": name, "chunk": plan.chunk, "nsplit": plan.nsplit,
+                             "us": t.median_us, "spread_us": t.spread_us, "cache_mb": one / 1e6,
+                             "tb_s": one / (t.median_us * 1e-6) / 1e12})
+                print(f"b={b} kv{bits} {name}: {t.median_us:.2f} µs (chunk {plan.chunk}, {plan.nsplit} a head)",
+                      flush=True)
+    print(f"\n{checks} checks passed; context {args.context}, Llama-3-8B attention shape")
+    print("| batch | KV bits | variant | chunk × splits | µs | spread | cache MB | TB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['kv_bits']} | {r['variant']} | {r['chunk']} × {r['nsplit']} | {r['us']:.2f} | "
+              f"±{r['spread_us']:.2f} | {r['cache_mb']:.1f} | {r['tb_s']:.2f} |")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "attention_kv4.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""``benchmarks/attention_kv4.py``: the bytes it divides by are the bytes of the caches it builds."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import attention_kv4 as ak  # noqa: E402
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_cache_bytes_are_the_built_caches_bytes_a_token(bits):
+    b, context = 3, 40
+    _, _, _, _, kc, vc, sc = ak._inputs(b, context, torch.device("cpu"), bits, torch.Generator().manual_seed(0))
+    length = kc.shape[2]
+    built = kc.numel() * kc.element_size() + vc.numel() * vc.element_size() + (sc.nbytes if sc is not None else 0)
+    assert built % length == 0
+    assert ak.cache_bytes(b, context, bits) == built // length * context
+    # 72 bytes a head and token for a 4-bit key or value against 256 at 16 bits (D = 128)
+    assert ak.cache_bytes(1, 1, bits) == ak.KV_HEADS * 2 * (72 if bits == 4 else 256)
