@@ -143,7 +143,10 @@ def main(argv=None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "attention_kv4.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        from zipper import versions  # the versions every benchmark record carries (torch, triton, GPU, source)
+
+        payload = {"versions": versions(device), "args": vars(args), "rows": rows}
+        (out / "attention_kv4.json").write_text(json.dumps(payload, indent=1))
     return 0
 
 

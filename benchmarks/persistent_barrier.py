@@ -348,7 +348,10 @@ def main(argv=None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "persistent_barrier.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        from zipper import versions  # the versions every benchmark record carries (torch, triton, GPU, source)
+
+        payload = {"versions": versions(dev), "args": vars(args), "rows": rows}
+        (out / "persistent_barrier.json").write_text(json.dumps(payload, indent=1))
     return 0
 
 
