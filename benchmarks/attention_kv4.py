@@ -1,29 +1,33 @@
 """Decode attention (RoPE, the KV write and the split-KV loop in one kernel) over a 16-bit and a 4-bit cache, and
-how the 4-bit cache's chunks and loop step move it (GPU).
+how the 4-bit cache's chunks, loop step and prologue move it (GPU).
 
 On the Llama-3-8B attention shape (32 query heads, 8 KV heads, head size 128), ``--context`` cached tokens a
-sequence, for each batch: ``decode_rope_attention`` over
+sequence (a list: each context is its own set of rows), for each batch: ``decode_rope_attention`` over
 
 - ``kv16``: the model's BF16 cache;
 - ``kv4``: QuaRot's 4-bit cache (asymmetric, clip 0.95, the Q/K Hadamard; ``decoder.KVFormat``);
 
 each at its default cut (``decoder.attention_splits``; over the 4-bit cache from ~132 sequence × KV-head pairs one
-chunk a head) and at explicit chunks (``--chunks``; more programs, then the combining kernel), and the 4-bit loop at
-``--block-ns`` keys a step. Every call's caches are one of several copies rotated through more than L2 (a layer's
-cache is read once a decode step, after other layers' weights have passed through L2). Each variant's output is
-checked against the default cut's (and that one against ``decode_rope_attention_reference`` at the smallest batch)
-first; CUDA graphs, medians; µs a call, the cache bytes it reads (keys, values, and the 4-bit cache's scales and
-zero points), and their rate.
+chunk a head) and at explicit chunks (``--chunks``; more programs, then the combining kernel), the 4-bit loop at
+``--block-ns`` keys a step, and the prologue's forms (``--forms``, :data:`FORMS`: the new key and value added from
+registers rather than read back by the loop, the quantizer's four reductions rather than one min-max reduction,
+the Q/K Hadamard on the tensor cores; each form sets ``decoder``'s constants for its calls). Every call's caches are one of several copies
+rotated through more than L2 (a layer's cache is read once a decode step, after other layers' weights have passed
+through L2). Each variant's output is checked against the default cut's (and that one against
+``decode_rope_attention_reference`` at the smallest batch) first; CUDA graphs, medians; µs a call, the cache bytes
+it reads (keys, values, and the 4-bit cache's scales and zero points), and their rate.
 
-    PYTHONPATH=. python3 benchmarks/attention_kv4.py [--batches 4,16,32] [--context 512] [--chunks 128,256]
-        [--block-ns 64] [--out DIR]
+    PYTHONPATH=. python3 benchmarks/attention_kv4.py [--batches 4,16,32] [--context 512[,575]] [--chunks 128,256]
+        [--block-ns 64] [--forms v42,minmax] [--rounds 3] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -44,6 +48,16 @@ RTOL, ATOL = 2.0**-6, 4e-3
 # reference's (tests/kernels/test_decoder.py checks the kernel's own cache for that reason); a wrong kernel is off
 # nearly everywhere
 REF_OFF_MAX = 0.01
+# The prologue's forms (decoder constants set for a variant's calls; the default form is the module's own). "v42":
+# the new key and value added to the softmax from registers after the loop, the quantizer's four reductions a row;
+# "minmax": its one min-max reduction, the new token still from registers; "rot_dot": the Q/K Hadamard on the
+# tensor cores (the ±1 matrix loaded) rather than in butterflies. The 16-bit cache has only the first switch.
+FORMS = {
+    "v42": {"ATTN_NEW_CACHED": False, "ATTN_KV4_MINMAX": False},
+    "minmax": {"ATTN_NEW_CACHED": False},
+    "rot_dot": {"ATTN_ROTATE_BY_DOT": True},
+}
+FORMS_16 = ("v42",)
 
 
 def _inputs(b: int, context: int, device, bits: int, g: torch.Generator):
@@ -74,12 +88,28 @@ def cache_bytes(b: int, context: int, bits: int) -> int:
     return b * KV_HEADS * context * 2 * per
 
 
+@contextlib.contextmanager
+def _settings(block_n: int, flags: dict):
+    """``decoder.ATTN_KV4_BLOCK_N`` and a form's constants set for a block (launches read them), restored after."""
+    saved = {k: getattr(decoder, k) for k in (*flags, "ATTN_KV4_BLOCK_N")}
+    decoder.ATTN_KV4_BLOCK_N = block_n
+    for k, v in flags.items():
+        setattr(decoder, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(decoder, k, v)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="4,16,32")
-    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--context", default="512", help="cached tokens a sequence (comma-separated: several)")
     ap.add_argument("--chunks", default="128,256", help="explicit chunks to time beside the default cut")
     ap.add_argument("--block-ns", default="64", help="4-bit loop steps to time beside ATTN_KV4_BLOCK_N")
+    ap.add_argument("--forms", default=",".join(FORMS), help="prologue forms (FORMS) to time beside the default")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median of their medians)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -91,54 +121,67 @@ def main(argv=None) -> int:
     default_bn = decoder.ATTN_KV4_BLOCK_N
     rows, checks = [], 0
     batches = [int(v) for v in args.batches.split(",")]
-    for b in batches:
+    forms = [f for f in args.forms.split(",") if f]
+    unknown = [f for f in forms if f not in FORMS]
+    if unknown:
+        ap.error(f"--forms: unknown {unknown}; known: {', '.join(FORMS)}")
+    for context, b in ((c, b) for c in (int(v) for v in args.context.split(",")) for b in batches):
         for bits in (16, 4):
-            one = cache_bytes(b, args.context, bits)
+            one = cache_bytes(b, context, bits)
             copies = max(2, math.ceil(ROTATE_BYTES / one))
-            sets = [_inputs(b, args.context, device, bits, g) for _ in range(copies)]
+            sets = [_inputs(b, context, device, bits, g) for _ in range(copies)]
             outs = [torch.empty(b, HEADS * D, dtype=torch.bfloat16, device=device) for _ in range(copies)]
             kv = kv4 if bits == 4 else None
-            variants = [("default", None, default_bn)]
-            variants += [(f"chunk {c}", c, default_bn) for c in (int(v) for v in args.chunks.split(","))]
+            variants = [("default", None, default_bn, {})]
+            variants += [(f"chunk {c}", c, default_bn, {}) for c in (int(v) for v in args.chunks.split(",") if v)]
             if bits == 4:
-                variants += [(f"{bn} keys a step", None, bn) for bn in (int(v) for v in args.block_ns.split(","))]
+                variants += [(f"{bn} keys a step", None, bn, {})
+                             for bn in (int(v) for v in args.block_ns.split(",") if v)]
+            variants += [(f"form {f}", None, default_bn, FORMS[f]) for f in forms if bits == 4 or f in FORMS_16]
+            def call(i, chunk):
+                qkv, pos, cos, sin, kc, vc, sc = sets[i]
+                return decode_rope_attention(qkv, pos, cos, sin, kc, vc, HEADS, KV_HEADS, D ** -0.5, chunk=chunk,
+                                             out=outs[i], kernel="triton", kv=kv, scales=sc)
+
             base = None
-            for name, chunk, bn in variants:
-                decoder.ATTN_KV4_BLOCK_N = bn
-                try:
-                    def call(i, chunk=chunk):
-                        qkv, pos, cos, sin, kc, vc, sc = sets[i]
-                        return decode_rope_attention(qkv, pos, cos, sin, kc, vc, HEADS, KV_HEADS, D ** -0.5,
-                                                     chunk=chunk, out=outs[i], kernel="triton", kv=kv, scales=sc)
-                    got = call(0).float().clone()
-                    if base is None:
-                        base = got
-                        if b == batches[0]:  # the default cut against the PyTorch reference, once a format
-                            qkv, pos, cos, sin, kc, vc, sc = sets[0]
-                            ref = decode_rope_attention_reference(qkv, pos, cos, sin, kc, vc, HEADS, KV_HEADS,
-                                                                  D ** -0.5, kv=kv, scales=sc).float()
-                            off = ((got - ref).abs() > RTOL * ref.abs() + ATOL).float().mean().item()
-                            assert off <= REF_OFF_MAX, f"b={b} kv{bits}: {100 * off:.2f} % of outputs off the reference"
-                            checks += 1
-                    bad = ((got - base).abs() > RTOL * base.abs() + ATOL).sum().item()
-                    assert bad == 0, f"b={b} kv{bits} {name}: {bad} outputs off the default cut's"
-                    checks += 1
-                    t = time_calls([lambda i=i: call(i) for i in range(copies)], min_us=3000.0, replays=21)
-                finally:
-                    decoder.ATTN_KV4_BLOCK_N = default_bn
-                plan = decoder._AttnPlan.make(device, b, HEADS, KV_HEADS, args.context + 8, D, chunk,
+            for name, chunk, bn, flags in variants:  # every variant checked before any is timed
+                with _settings(bn, flags):
+                    got = call(0, chunk).float().clone()
+                if base is None:
+                    base = got
+                    if b == batches[0]:  # the default cut against the PyTorch reference, once a format and context
+                        qkv, pos, cos, sin, kc, vc, sc = sets[0]
+                        ref = decode_rope_attention_reference(qkv, pos, cos, sin, kc, vc, HEADS, KV_HEADS,
+                                                              D ** -0.5, kv=kv, scales=sc).float()
+                        off = ((got - ref).abs() > RTOL * ref.abs() + ATOL).float().mean().item()
+                        assert off <= REF_OFF_MAX, f"b={b} kv{bits}: {100 * off:.2f} % of outputs off the reference"
+                        checks += 1
+                bad = ((got - base).abs() > RTOL * base.abs() + ATOL).sum().item()
+                assert bad == 0, f"b={b} kv{bits} {name}: {bad} outputs off the default cut's"
+                checks += 1
+            times = {name: [] for name, *_ in variants}
+            for _ in range(args.rounds):  # interleaved: each round times every variant once
+                for name, chunk, bn, flags in variants:
+                    with _settings(bn, flags):
+                        times[name].append(time_calls([lambda i=i, c=chunk: call(i, c) for i in range(copies)],
+                                                      min_us=3000.0, replays=21))
+            for name, chunk, bn, flags in variants:
+                us = statistics.median(t.median_us for t in times[name])
+                spread = max(max(t.spread_us for t in times[name]),
+                             max(t.median_us for t in times[name]) - min(t.median_us for t in times[name]))
+                plan = decoder._AttnPlan.make(device, b, HEADS, KV_HEADS, context + 8, D, chunk,
                                               decoder.ATTN_KV4_PROGRAMS_PER_SM if bits == 4 else None,
                                               bn if bits == 4 else decoder.ATTN_BLOCK_N)
-                rows.append({"batch": b, "kv_bits": bits, "variant": name, "chunk": plan.chunk, "nsplit": plan.nsplit,
-                             "us": t.median_us, "spread_us": t.spread_us, "cache_mb": one / 1e6,
-                             "tb_s": one / (t.median_us * 1e-6) / 1e12})
-                print(f"b={b} kv{bits} {name}: {t.median_us:.2f} µs (chunk {plan.chunk}, {plan.nsplit} a head)",
-                      flush=True)
-    print(f"\n{checks} checks passed; context {args.context}, Llama-3-8B attention shape")
-    print("| batch | KV bits | variant | chunk × splits | µs | spread | cache MB | TB/s |")
-    print("|---|---|---|---|---|---|---|---|")
+                rows.append({"context": context, "batch": b, "kv_bits": bits, "variant": name, "chunk": plan.chunk,
+                             "nsplit": plan.nsplit, "us": us, "spread_us": spread, "cache_mb": one / 1e6,
+                             "tb_s": one / (us * 1e-6) / 1e12})
+                print(f"context {context} b={b} kv{bits} {name}: {us:.2f} µs (chunk {plan.chunk}, {plan.nsplit} a "
+                      "head)", flush=True)
+    print(f"\n{checks} checks passed; Llama-3-8B attention shape; medians of {args.rounds} interleaved rounds")
+    print("| context | batch | KV bits | variant | chunk × splits | µs | spread | cache MB | TB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['kv_bits']} | {r['variant']} | {r['chunk']} × {r['nsplit']} | {r['us']:.2f} | "
+        print(f"| {r['context']} | {r['batch']} | {r['kv_bits']} | {r['variant']} | {r['chunk']} × {r['nsplit']} | {r['us']:.2f} | "
               f"±{r['spread_us']:.2f} | {r['cache_mb']:.1f} | {r['tb_s']:.2f} |")
     if args.out:
         out = Path(args.out)

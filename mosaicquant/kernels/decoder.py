@@ -126,6 +126,17 @@ ATTN_KV4_BIASED = True
 ATTN_KV4_ASM = True
 ATTN_KV4_BLOCK_N = 128
 ATTN_KV4_STAGES = 2
+# decode_rope_attention's new token: the program whose chunk holds it writes its key and value into the cache and,
+# after a CTA barrier, its loop reads them back as one more cached key (ATTN_NEW_CACHED), rather than adding them to
+# the online softmax from registers after the loop. Over a 4-bit cache the new key's and value's quantizer reduces
+# each row's (min, max) pairs in one reduction (ATTN_KV4_MINMAX; the same bits) rather than four. Measured (v43,
+# benchmarks/attention_kv4.py, Llama-3-8B attention, µs a call at batch 4 / 16 / 32, context 575, registers form ->
+# both): 4-bit cache 14.30 / 17.58 / 23.50 -> 9.80 / 15.36 / 20.56 (the min-max reduction alone 13.01 / 17.10 /
+# 22.51), 16-bit cache 8.84 / 15.81 / 23.76 -> 8.56 / 15.03 / 23.19. Where the new key starts a loop step of its
+# own (position a multiple of the step: 64 keys at 16 bits, 128 at 4 bits) that step costs one more iteration:
+# at context 512 the 16-bit cache took 7.93 / 14.88 / 21.90 -> 8.06 / 15.23 / 22.67, the 4-bit one still gained.
+ATTN_NEW_CACHED = True
+ATTN_KV4_MINMAX = True
 # The 4-bit cache's kernels compiled without fused multiply-adds (the grid's range as methods.quant rounds it); with
 # them the step was the same within 0.3 % (v20), and the GPU's scales differed from the reference's in the last bit.
 KV4_NO_FP_FUSION = True
@@ -304,7 +315,13 @@ def _hadamard_halves_dot(x1, x2, HP, D: tl.constexpr, DT: tl.constexpr, BITS: tl
 
 
 @triton.jit
-def _kv4_quantize(x1, x2, clip, SYM: tl.constexpr):
+def _min_max(lo_a, hi_a, lo_b, hi_b):
+    """Combine of a ``(min, max)`` pair reduction."""
+    return tl.minimum(lo_a, lo_b), tl.maximum(hi_a, hi_b)
+
+
+@triton.jit
+def _kv4_quantize(x1, x2, clip, SYM: tl.constexpr, MINMAX: tl.constexpr = True):
     """One 4-bit group per row of ``[x1 | x2]`` (halves ``[R, D/2]``, fp32): :func:`kv4_quantize_reference`'s
     operations (``methods.quant``'s grid: IEEE divisions, ties to even). Returns the packed bytes ``[R, D/2]``
     (channel ``j`` in the low nibble of byte ``j``, channel ``j + D/2`` in its high nibble), the scales and
@@ -312,7 +329,10 @@ def _kv4_quantize(x1, x2, clip, SYM: tl.constexpr):
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     if SYM:
-        amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
+        if MINMAX:
+            amax = tl.max(tl.maximum(tl.abs(x1), tl.abs(x2)), axis=1)
+        else:
+            amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
         scale = tl.math.div_rn(amax * clip, 7.0)
         scale = tl.where(scale > 0, scale, 1.0)
         zero = scale * 0.0 + 8.0
@@ -322,8 +342,13 @@ def _kv4_quantize(x1, x2, clip, SYM: tl.constexpr):
         u2 = tl.minimum(tl.maximum(round_half_even(tl.minimum(tl.maximum(
             quant_div(x2, scale[:, None]), -9.0), 9.0)), -8.0), 7.0) + 8.0
     else:
-        lo = tl.minimum(tl.minimum(tl.min(x1, axis=1), tl.min(x2, axis=1)), 0.0) * clip
-        hi = tl.maximum(tl.maximum(tl.max(x1, axis=1), tl.max(x2, axis=1)), 0.0) * clip
+        if MINMAX:  # one reduction of (min, max) pairs over the halves' element-wise minima and maxima (exact)
+            lo, hi = tl.reduce((tl.minimum(x1, x2), tl.maximum(x1, x2)), 1, _min_max)
+        else:  # four reductions, one a half and extreme
+            lo = tl.minimum(tl.min(x1, axis=1), tl.min(x2, axis=1))
+            hi = tl.maximum(tl.max(x1, axis=1), tl.max(x2, axis=1))
+        lo = tl.minimum(lo, 0.0) * clip
+        hi = tl.maximum(hi, 0.0) * clip
         scale = tl.math.div_rn(hi - lo, 15.0)
         scale = tl.where(scale > 0, scale, 1.0)
         zero = round_half_even(tl.math.div_rn(-lo, scale))
@@ -345,10 +370,10 @@ def _kv4_unpack(packed, scale, zero):
 
 
 @triton.jit
-def _kv4_store(x1, x2, CP, SP, ZP, at, sat, mask, clip, SYM: tl.constexpr):
+def _kv4_store(x1, x2, CP, SP, ZP, at, sat, mask, clip, SYM: tl.constexpr, MINMAX: tl.constexpr = True):
     """Quantize rows ``[x1 | x2]`` (:func:`_kv4_quantize`) and store them at ``CP + at`` (``[R, D/2]`` offsets),
     their scales and zeros at ``SP + sat``, ``ZP + sat`` (``[R, 1]``); returns their fp32 dequantized halves."""
-    packed, scale, zero = _kv4_quantize(x1, x2, clip, SYM)
+    packed, scale, zero = _kv4_quantize(x1, x2, clip, SYM, MINMAX)
     tl.store(CP + at, packed, mask=mask)
     tl.store(SP + sat, scale[:, None], mask=mask)
     tl.store(ZP + sat, zero[:, None], mask=mask)
@@ -900,12 +925,14 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
                       QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr, DOT_F32: tl.constexpr,
                       DIRECT: tl.constexpr, ROT: tl.constexpr, KV4: tl.constexpr, SYM: tl.constexpr,
                       CHAIN: tl.constexpr, ROT_DOT: tl.constexpr = True, KV4_BIASED: tl.constexpr = False,
-                      KV4_ASM: tl.constexpr = False):
+                      KV4_ASM: tl.constexpr = False, NEW_CACHED: tl.constexpr = False,
+                      KV4_MINMAX: tl.constexpr = True):
     # _attn_split_kernel's programs (a KV head of a sequence, a chunk of its cache), doing rope_kv's
     # work for their head too: the G queries and the new key rotated from the qkv row; the program
-    # whose chunk holds the position writes the new key and value into the cache and adds them from
-    # registers, outside the loop (a tile edited in registers is not loaded straight into the dot
-    # operands: 192 registers a thread and 100 KB of shared memory against 94 and 70 KB).
+    # whose chunk holds the position writes the new key and value into the cache, and its loop reads
+    # them back after a CTA barrier (NEW_CACHED), or adds them from registers after the loop (a tile
+    # edited in registers is not loaded straight into the dot operands: 192 registers a thread and
+    # 100 KB of shared memory against 94 and 70 KB).
     # ROT: QuaRot's Q/K Hadamard after RoPE; KV4: the cache is 4-bit (_kv4_quantize, _attend_chunk_kv4).
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -954,13 +981,18 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
             at = base + pos * stride_cl + dh
             sat = sbase + pos + tl.zeros([1, 1], tl.int64)
             mine = tl.zeros([1, 1], tl.int32) == 0
-            kd1, kd2 = _kv4_store(k1, k2, KC, KS, KZ, at, sat, mine, clip, SYM)
+            kd1, kd2 = _kv4_store(k1, k2, KC, KS, KZ, at, sat, mine, clip, SYM, KV4_MINMAX)
             vd1, vd2 = _kv4_store(tl.load(v_row + dh).to(tl.float32), tl.load(v_row + HALF + dh).to(tl.float32), VC,
-                                  VS, VZ, at, sat, mine, clip, SYM)
-        m, l_sum, acc1, acc2 = _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start,
-                                                 tl.minimum(end, pos), stride_cl, scale_log2, GP, D, BLOCK_N, DT,
-                                                 BITS, DOT_F32, KV4_BIASED, KV4_ASM)
-        if owner:  # the new key and value, dequantized in registers: one more step of the online softmax
+                                  VS, VZ, at, sat, mine, clip, SYM, KV4_MINMAX)
+        if NEW_CACHED:  # the loop reads the new key and value back from the cache, after the CTA's barrier
+            tl.debug_barrier()
+            loop_end = end
+        else:
+            loop_end = tl.minimum(end, pos)
+        m, l_sum, acc1, acc2 = _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, loop_end,
+                                                 stride_cl, scale_log2, GP, D, BLOCK_N, DT, BITS, DOT_F32,
+                                                 KV4_BIASED, KV4_ASM)
+        if owner and not NEW_CACHED:  # the new key and value, dequantized in registers: one more softmax step
             s_new = (tl.sum(q1.to(tl.float32) * kd1, axis=1) + tl.sum(q2.to(tl.float32) * kd2, axis=1)) * scale_log2
             m_new = tl.maximum(m, s_new)
             p = tl.exp2(s_new - m_new)
@@ -983,10 +1015,15 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
             q = q.to(tl.float32)
         else:
             q = q.to(DT)
-        # the keys cached before: the plain loop (loads straight into the dot operands)
-        m, l_sum, acc = _attend_chunk(q, KC, VC, base, start, tl.minimum(end, pos), stride_cl, scale_log2,
-                                      GP, D, BLOCK_N, DT, DOT_F32)
-        if owner:  # the new key and value, from registers: one more step of the online softmax
+        if NEW_CACHED:  # the loop reads the new key and value back from the cache, after the CTA's barrier
+            tl.debug_barrier()
+            loop_end = end
+        else:
+            loop_end = tl.minimum(end, pos)
+        # the keys cached before (and the new one, NEW_CACHED): the plain loop (loads straight into the dot operands)
+        m, l_sum, acc = _attend_chunk(q, KC, VC, base, start, loop_end, stride_cl, scale_log2, GP, D, BLOCK_N, DT,
+                                      DOT_F32)
+        if owner and not NEW_CACHED:  # the new key and value, from registers: one more step of the online softmax
             s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale_log2
             m_new = tl.maximum(m, s_new)
             p = tl.exp2(s_new - m_new)
@@ -1144,13 +1181,12 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
 
     Each program of the attention (a KV head of a sequence, a chunk of its cache) rotates its
     query heads and the head's new key itself (:func:`rope_kv`'s roundings); the program whose chunk
-    holds the token's position writes the new key and value into the cache and adds them to its
-    online softmax from registers, after its loop over the keys cached before (which loads straight
-    into the dot operands, as :func:`decode_attention`'s does). :func:`decode_attention`'s kernel
-    then combines the chunks; where the cache is one chunk, the programs write the output themselves
-    instead (:data:`ATTN_DIRECT_ONE_CHUNK`). The cache ends up as :func:`rope_kv` leaves it; the
-    output agrees with the two ops to attention's bf16 accuracy (the new key's score is an fp32 sum of
-    its own).
+    holds the token's position writes the new key and value into the cache and, after a CTA
+    barrier, reads them back in its loop as one more cached key (:data:`ATTN_NEW_CACHED`; the loop
+    loads straight into the dot operands, as :func:`decode_attention`'s does).
+    :func:`decode_attention`'s kernel then combines the chunks; where the cache is one chunk, the
+    programs write the output themselves instead (:data:`ATTN_DIRECT_ONE_CHUNK`). The cache ends up
+    as :func:`rope_kv` leaves it; the output agrees with the two ops to attention's bf16 accuracy.
 
     Measured on the H200 (``benchmarks/NOTES.md`` v18): also combining in the attention kernel (the
     last chunk of a head to finish, by a counter) and prefetching the chunk's cached keys into L2
@@ -1205,7 +1241,8 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
         stride_cl=k_cache.stride(2), stride_ob=out.stride(0), HKV=kv_heads, NSPLIT=p.nsplit, G=p.g, GP=p.gp, D=d,
         BLOCK_N=block_n, QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype),
         HP=_sylvester_on(d // 2, qkv.device, qkv.dtype) if rot_dot else cos, DOT_F32=triton_interpreting(),
-        DIRECT=direct, CHAIN=chain, ROT_DOT=rot_dot, **_kv4_loop_args(qkv.dtype, packed),
+        DIRECT=direct, CHAIN=chain, ROT_DOT=rot_dot, NEW_CACHED=bool(ATTN_NEW_CACHED),
+        KV4_MINMAX=bool(ATTN_KV4_MINMAX), **_kv4_loop_args(qkv.dtype, packed),
         num_warps=ATTN_KV4_WARPS if packed else 4, **_kv_args(kv, scales, cos), **chain_launch(chain))
     if direct:
         return out

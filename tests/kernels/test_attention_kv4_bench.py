@@ -1,4 +1,5 @@
-"""``benchmarks/attention_kv4.py``: the bytes it divides by are the bytes of the caches it builds."""
+"""``benchmarks/attention_kv4.py``: the bytes it divides by are the bytes of the caches it builds; its prologue forms
+name the decoder's constants and are undone after their calls."""
 
 from __future__ import annotations
 
@@ -23,3 +24,20 @@ def test_cache_bytes_are_the_built_caches_bytes_a_token(bits):
     assert ak.cache_bytes(b, context, bits) == built // length * context
     # 72 bytes a head and token for a 4-bit key or value against 256 at 16 bits (D = 128)
     assert ak.cache_bytes(1, 1, bits) == ak.KV_HEADS * 2 * (72 if bits == 4 else 256)
+
+
+def test_forms_set_decoder_constants_and_restore_them():
+    from mosaicquant.kernels import decoder
+
+    for name, flags in ak.FORMS.items():
+        for k, v in flags.items():
+            assert isinstance(getattr(decoder, k), bool) and isinstance(v, bool), (name, k)
+    assert set(ak.FORMS_16) <= set(ak.FORMS)
+    before = {k: getattr(decoder, k) for k in ("ATTN_NEW_CACHED", "ATTN_KV4_MINMAX", "ATTN_KV4_BLOCK_N")}
+    flags = {k: not before[k] for k in ("ATTN_NEW_CACHED", "ATTN_KV4_MINMAX")}
+    with pytest.raises(RuntimeError):
+        with ak._settings(64, flags):
+            assert decoder.ATTN_KV4_BLOCK_N == 64
+            assert all(getattr(decoder, k) == v for k, v in flags.items())
+            raise RuntimeError("a failed call")
+    assert {k: getattr(decoder, k) for k in before} == before

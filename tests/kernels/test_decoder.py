@@ -255,6 +255,13 @@ def test_decode_rope_attention_is_rope_kv_then_attention(heads, kv_heads, d, qk_
                           rtol=0, atol=1e-2)
 
 
+@pytest.mark.parametrize("heads,kv_heads,d,qk_norm,chunk", [(8, 2, 64, False, None), (6, 2, 128, True, 64)])
+def test_new_token_from_registers_over_the_16bit_cache(heads, kv_heads, d, qk_norm, chunk, monkeypatch):
+    # the form before ATTN_NEW_CACHED: the new key and value added to the softmax from registers after the loop
+    monkeypatch.setattr(decoder, "ATTN_NEW_CACHED", False)
+    test_decode_rope_attention_is_rope_kv_then_attention(heads, kv_heads, d, qk_norm, chunk, True, monkeypatch)
+
+
 def _kv4_cache(b, kv_heads, length, d, g):
     """Random packed caches and scales (every slot holds something: a slot the kernel must write shows)."""
     kc = torch.randint(0, 256, (b, kv_heads, length, d // 2), dtype=torch.uint8, generator=g)
@@ -355,6 +362,16 @@ def test_4bit_attention_loop_variants(biased, block_n, chunk, monkeypatch):
     _check_4bit_attention(8, 2, 64, False, True, chunk)
 
 
+@pytest.mark.parametrize("new_cached,minmax", [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize("heads,kv_heads,symmetric", [(8, 2, False), (4, 4, True)])
+def test_4bit_attention_prologue_forms(new_cached, minmax, heads, kv_heads, symmetric, monkeypatch):
+    # the new key and value from registers or read back by the loop, the quantizer's four reductions or one
+    # min-max reduction: the same attention, and the same cache (_check_4bit_attention checks both)
+    monkeypatch.setattr(decoder, "ATTN_NEW_CACHED", new_cached)
+    monkeypatch.setattr(decoder, "ATTN_KV4_MINMAX", minmax)
+    _check_4bit_attention(heads, kv_heads, 64, symmetric, True, None)
+
+
 @pytest.mark.parametrize("rotate", [True, False])
 def test_4bit_attention_in_fp16(rotate):
     # an FP16 model: the biased integers converted by the compiler (the byte permutes are BF16's)
@@ -404,9 +421,11 @@ def _check_4bit_attention(heads, kv_heads, d, symmetric, rotate, chunk, dtype=BF
     others = torch.ones(length, dtype=torch.bool)
     others[pos[1]] = False
     assert torch.equal(kc.cpu()[1][:, others], kr[1][:, others]), "only the new token's slot is written"
-    # a position-0 token attends only its own value, dequantized
+    # a position-0 token attends only its own value, dequantized (to attention's accuracy: the loop rounds p·scale
+    # to the 16-bit dtype for its dot, and the new token is one of the loop's keys)
     own = kv4_dequantize_reference(vr[0, :, 0], sr.v_scale[0, :, 0], sr.v_zero[0, :, 0], torch.float32)
-    assert torch.allclose(y[0].reshape(heads, d), own.repeat_interleave(heads // kv_heads, 0), rtol=0, atol=1e-2)
+    assert torch.allclose(y[0].reshape(heads, d), own.repeat_interleave(heads // kv_heads, 0), rtol=ATTN_RTOL,
+                          atol=ATTN_ATOL)
 
 
 @pytest.mark.parametrize("chunk", [None, 64])
