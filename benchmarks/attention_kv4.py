@@ -11,11 +11,12 @@ each at its default cut (``decoder.attention_splits``; over the 4-bit cache from
 chunk a head) and at explicit chunks (``--chunks``; more programs, then the combining kernel), the 4-bit loop at
 ``--block-ns`` keys a step, and the prologue's forms (``--forms``, :data:`FORMS`: the new key and value added from
 registers rather than read back by the loop, the quantizer's four reductions rather than one min-max reduction,
-the Q/K Hadamard on the tensor cores; each form sets ``decoder``'s constants for its calls). Every call's caches are one of several copies
-rotated through more than L2 (a layer's cache is read once a decode step, after other layers' weights have passed
-through L2). Each variant's output is checked against the default cut's (and that one against
-``decode_rope_attention_reference`` at the smallest batch) first; CUDA graphs, medians; µs a call, the cache bytes
-it reads (keys, values, and the 4-bit cache's scales and zero points), and their rate.
+the Q/K Hadamard on the tensor cores; each form sets ``decoder``'s constants for its calls). Every call's caches
+are one of several copies rotated through more than L2 (a layer's cache is read once a decode step, after other
+layers' weights have passed through L2). Each variant's output is checked against the default cut's (and that one
+against ``decode_rope_attention_reference`` at the smallest batch) first; CUDA graphs, medians of ``--rounds``
+interleaved rounds; µs a call, the cache bytes it reads (keys, values, and the 4-bit cache's scales and zero points),
+and their rate.
 
     PYTHONPATH=. python3 benchmarks/attention_kv4.py [--batches 4,16,32] [--context 512[,575]] [--chunks 128,256]
         [--block-ns 64] [--forms v42,minmax] [--rounds 3] [--out DIR]
@@ -112,6 +113,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median of their medians)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    forms = [f for f in args.forms.split(",") if f]
+    unknown = [f for f in forms if f not in FORMS]
+    if unknown:
+        ap.error(f"--forms: unknown {unknown}; known: {', '.join(FORMS)}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if not torch.cuda.is_available():
         print("attention_kv4.py times GPU kernels: no CUDA device here")
         return 2
@@ -121,10 +128,6 @@ def main(argv=None) -> int:
     default_bn = decoder.ATTN_KV4_BLOCK_N
     rows, checks = [], 0
     batches = [int(v) for v in args.batches.split(",")]
-    forms = [f for f in args.forms.split(",") if f]
-    unknown = [f for f in forms if f not in FORMS]
-    if unknown:
-        ap.error(f"--forms: unknown {unknown}; known: {', '.join(FORMS)}")
     for context, b in ((c, b) for c in (int(v) for v in args.context.split(",")) for b in batches):
         for bits in (16, 4):
             one = cache_bytes(b, context, bits)
@@ -138,6 +141,7 @@ def main(argv=None) -> int:
                 variants += [(f"{bn} keys a step", None, bn, {})
                              for bn in (int(v) for v in args.block_ns.split(",") if v)]
             variants += [(f"form {f}", None, default_bn, FORMS[f]) for f in forms if bits == 4 or f in FORMS_16]
+
             def call(i, chunk):
                 qkv, pos, cos, sin, kc, vc, sc = sets[i]
                 return decode_rope_attention(qkv, pos, cos, sin, kc, vc, HEADS, KV_HEADS, D ** -0.5, chunk=chunk,
@@ -181,8 +185,8 @@ def main(argv=None) -> int:
     print("| context | batch | KV bits | variant | chunk × splits | µs | spread | cache MB | TB/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['context']} | {r['batch']} | {r['kv_bits']} | {r['variant']} | {r['chunk']} × {r['nsplit']} | {r['us']:.2f} | "
-              f"±{r['spread_us']:.2f} | {r['cache_mb']:.1f} | {r['tb_s']:.2f} |")
+        print(f"| {r['context']} | {r['batch']} | {r['kv_bits']} | {r['variant']} | {r['chunk']} × {r['nsplit']} | "
+              f"{r['us']:.2f} | ±{r['spread_us']:.2f} | {r['cache_mb']:.1f} | {r['tb_s']:.2f} |")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

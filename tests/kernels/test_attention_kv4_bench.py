@@ -41,3 +41,10 @@ def test_forms_set_decoder_constants_and_restore_them():
             assert all(getattr(decoder, k) == v for k, v in flags.items())
             raise RuntimeError("a failed call")
     assert {k: getattr(decoder, k) for k in before} == before
+
+
+@pytest.mark.parametrize("argv,named", [(["--rounds", "0"], "--rounds"), (["--forms", "v42,nope"], "nope")])
+def test_bad_arguments_are_refused_before_any_work(argv, named, capsys):
+    with pytest.raises(SystemExit) as exc:
+        ak.main(argv)
+    assert exc.value.code == 2 and named in capsys.readouterr().err
