@@ -137,6 +137,10 @@ ATTN_KV4_STAGES = 2
 # at context 512 the 16-bit cache took 7.93 / 14.88 / 21.90 -> 8.06 / 15.23 / 22.67, the 4-bit one still gained.
 ATTN_NEW_CACHED = True
 ATTN_KV4_MINMAX = True
+# Triton's interpreter runs a reduction with a combine function of its own element by element in Python (the CPU
+# tests' prefill cache writes took minutes more): there the quantizer takes the four reductions, the same bits,
+# unless this is set (a test sets it, to run the one-reduction form on the interpreter too).
+KV4_MINMAX_INTERPRETED = False
 # The 4-bit cache's kernels compiled without fused multiply-adds (the grid's range as methods.quant rounds it); with
 # them the step was the same within 0.3 % (v20), and the GPU's scales differed from the reference's in the last bit.
 KV4_NO_FP_FUSION = True
@@ -387,7 +391,7 @@ def _rope_kv_kernel(QKV, POS, COS, SIN, QN, KN, QOUT, KC, VC, KS, KZ, VS, VZ, KD
                     HQ: tl.constexpr, HKV: tl.constexpr, HQP: tl.constexpr, HKVP: tl.constexpr,
                     D: tl.constexpr, QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr,
                     ROT: tl.constexpr, KV4: tl.constexpr, SYM: tl.constexpr, DEQ: tl.constexpr,
-                    CHAIN: tl.constexpr):
+                    CHAIN: tl.constexpr, KV4_MINMAX: tl.constexpr = True):
     chain_start(CHAIN)
     t = tl.program_id(0).to(tl.int64)
     b = t // tokens_per_seq
@@ -414,8 +418,8 @@ def _rope_kv_kernel(QKV, POS, COS, SIN, QN, KN, QOUT, KC, VC, KS, KZ, VS, VZ, KD
     if KV4:
         at = b * stride_cb + hk * stride_ch + pos * stride_cl + d[None, :]
         sat = b * stride_sb + hk * stride_sh + pos
-        kd1, kd2 = _kv4_store(k1, k2, KC, KS, KZ, at, sat, mk, clip, SYM)
-        vd1, vd2 = _kv4_store(v1.to(tl.float32), v2.to(tl.float32), VC, VS, VZ, at, sat, mk, clip, SYM)
+        kd1, kd2 = _kv4_store(k1, k2, KC, KS, KZ, at, sat, mk, clip, SYM, KV4_MINMAX)
+        vd1, vd2 = _kv4_store(v1.to(tl.float32), v2.to(tl.float32), VC, VS, VZ, at, sat, mk, clip, SYM, KV4_MINMAX)
         if DEQ:  # the dequantized keys and values in DT, as methods.kvcache's simulation rounds them
             deq = b * stride_db + hk * stride_dh + pos * stride_dl + d[None, :]
             tl.store(KD + deq, rnd(kd1, DT, BITS).to(DT), mask=mk)
@@ -641,6 +645,12 @@ def _kv_args(kv: KVFormat | None, scales: KVScales | None, fallback: torch.Tenso
                 **({"enable_fp_fusion": False} if quantized and KV4_NO_FP_FUSION else {}))
 
 
+def _kv4_minmax() -> bool:
+    """Whether the 4-bit quantizer takes its one min-max reduction (:data:`ATTN_KV4_MINMAX`,
+    :data:`KV4_MINMAX_INTERPRETED`)."""
+    return bool(ATTN_KV4_MINMAX) and (not triton_interpreting() or bool(KV4_MINMAX_INTERPRETED))
+
+
 def _kv4_loop_args(dtype: torch.dtype, packed: bool) -> dict:
     """The 4-bit loop's variant flags (:data:`ATTN_KV4_BIASED` and the rest); the byte-permute conversion only
     compiled (the interpreter runs no inline PTX) and for BF16; the stages only over a 4-bit cache."""
@@ -718,7 +728,7 @@ def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
             stride_dl=kd.stride(2) if dequant is not None else 0,
             HQ=heads, HKV=kv_heads, HQP=triton.next_power_of_2(heads), HKVP=triton.next_power_of_2(kv_heads), D=d,
             QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype), DEQ=dequant is not None,
-            CHAIN=chain, num_warps=4, **_kv_args(kv, scales, cos), **chain_launch(chain))
+            CHAIN=chain, KV4_MINMAX=_kv4_minmax(), num_warps=4, **_kv_args(kv, scales, cos), **chain_launch(chain))
     return out
 
 
@@ -1241,8 +1251,8 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
         stride_cl=k_cache.stride(2), stride_ob=out.stride(0), HKV=kv_heads, NSPLIT=p.nsplit, G=p.g, GP=p.gp, D=d,
         BLOCK_N=block_n, QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype),
         HP=_sylvester_on(d // 2, qkv.device, qkv.dtype) if rot_dot else cos, DOT_F32=triton_interpreting(),
-        DIRECT=direct, CHAIN=chain, ROT_DOT=rot_dot, NEW_CACHED=bool(ATTN_NEW_CACHED),
-        KV4_MINMAX=bool(ATTN_KV4_MINMAX), **_kv4_loop_args(qkv.dtype, packed),
+        DIRECT=direct, CHAIN=chain, ROT_DOT=rot_dot, NEW_CACHED=bool(ATTN_NEW_CACHED), KV4_MINMAX=_kv4_minmax(),
+        **_kv4_loop_args(qkv.dtype, packed),
         num_warps=ATTN_KV4_WARPS if packed else 4, **_kv_args(kv, scales, cos), **chain_launch(chain))
     if direct:
         return out

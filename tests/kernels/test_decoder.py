@@ -296,6 +296,15 @@ def test_kv4_quantizer_is_the_methods_fake_quantizer(symmetric, clip):
     assert scale[0, 0] == 1 and (zero == 8).all() == symmetric
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_rope_kv_one_minmax_reduction_on_the_interpreter(symmetric, monkeypatch):
+    # the quantizer's one min-max reduction, which the GPU runs, on the interpreter too (it takes the four
+    # reductions there by default, the same bits): the same cache as the reference's
+    monkeypatch.setattr(decoder, "KV4_MINMAX_INTERPRETED", True)
+    assert decoder._kv4_minmax() == decoder.ATTN_KV4_MINMAX
+    test_rope_kv_writes_the_4bit_cache(4, 2, 32, False, symmetric, False)
+
+
 @pytest.mark.parametrize("heads,kv_heads,d,qk_norm", [(8, 2, 64, False), (6, 2, 32, True)])
 @pytest.mark.parametrize("symmetric,rotate", [(False, True), (True, False)])
 def test_rope_kv_writes_the_4bit_cache(heads, kv_heads, d, qk_norm, symmetric, rotate):
@@ -369,6 +378,7 @@ def test_4bit_attention_prologue_forms(new_cached, minmax, heads, kv_heads, symm
     # min-max reduction: the same attention, and the same cache (_check_4bit_attention checks both)
     monkeypatch.setattr(decoder, "ATTN_NEW_CACHED", new_cached)
     monkeypatch.setattr(decoder, "ATTN_KV4_MINMAX", minmax)
+    monkeypatch.setattr(decoder, "KV4_MINMAX_INTERPRETED", True)  # the GPU's form on the interpreter too
     _check_4bit_attention(heads, kv_heads, 64, symmetric, True, None)
 
 
