@@ -137,9 +137,9 @@ ATTN_KV4_STAGES = 2
 # at context 512 the 16-bit cache took 7.93 / 14.88 / 21.90 -> 8.06 / 15.23 / 22.67, the 4-bit one still gained.
 ATTN_NEW_CACHED = True
 ATTN_KV4_MINMAX = True
-# Triton's interpreter runs a reduction with a combine function of its own element by element in Python (the CPU
-# tests' prefill cache writes took minutes more): there the quantizer takes the four reductions, the same bits,
-# unless this is set (a test sets it, to run the one-reduction form on the interpreter too).
+# Triton's interpreter runs a reduction with a combine function of its own element by element in Python (a CPU
+# test's prefill cache writes: ~7 s against ~2 s with numpy's reductions): there the quantizer takes the four
+# reductions, the same bits, unless this is set (a test sets it, to run the one-reduction form on the interpreter).
 KV4_MINMAX_INTERPRETED = False
 # The 4-bit cache's kernels compiled without fused multiply-adds (the grid's range as methods.quant rounds it); with
 # them the step was the same within 0.3 % (v20), and the GPU's scales differed from the reference's in the last bit.
