@@ -9,9 +9,10 @@ sequence (a list: each context is its own set of rows), for each batch: ``decode
 
 each at its default cut (``decoder.attention_splits``; over the 4-bit cache from ~132 sequence × KV-head pairs one
 chunk a head) and at explicit chunks (``--chunks``; more programs, then the combining kernel), the 4-bit loop at
-``--block-ns`` keys a step, and the prologue's forms (``--forms``, :data:`FORMS`: the new key and value added from
-registers rather than read back by the loop, the quantizer's four reductions rather than one min-max reduction,
-the Q/K Hadamard on the tensor cores; each form sets ``decoder``'s constants for its calls). Every call's caches
+``--block-ns`` keys a step, and the kernel's forms (``--forms``, :data:`FORMS`: the new key and value added from
+registers rather than read back by the loop, the quantizer's row extremes in four reductions or one of two kinds,
+the Q/K Hadamard on the tensor cores, the 4-bit loop's step cut in slices of one softmax a warp; each form sets
+``decoder``'s constants for its calls). Every call's caches
 are one of several copies rotated through more than L2 (a layer's cache is read once a decode step, after other
 layers' weights have passed through L2). Each variant's output is checked against the default cut's (and that one
 against ``decode_rope_attention_reference`` at the smallest batch) first; CUDA graphs, medians of ``--rounds``
@@ -19,7 +20,7 @@ interleaved rounds; µs a call, the cache bytes it reads (keys, values, and the 
 and their rate.
 
     PYTHONPATH=. python3 benchmarks/attention_kv4.py [--batches 4,16,32] [--context 512[,575]] [--chunks 128,256]
-        [--block-ns 64] [--forms v42,minmax] [--rounds 3] [--out DIR]
+        [--block-ns 64] [--forms v42,joined] [--rounds 3] [--out DIR]
 """
 
 from __future__ import annotations
@@ -49,14 +50,22 @@ RTOL, ATOL = 2.0**-6, 4e-3
 # reference's (tests/kernels/test_decoder.py checks the kernel's own cache for that reason); a wrong kernel is off
 # nearly everywhere
 REF_OFF_MAX = 0.01
-# The prologue's forms (decoder constants set for a variant's calls; the default form is the module's own). "v42":
+# The kernel's forms (decoder constants set for a variant's calls; the default form is the module's own). "v42":
 # the new key and value added to the softmax from registers after the loop, the quantizer's four reductions a row;
-# "minmax": its one min-max reduction, the new token still from registers; "rot_dot": the Q/K Hadamard on the
-# tensor cores (the ±1 matrix loaded) rather than in butterflies. The 16-bit cache has only the first switch.
+# "four", "pairs", "joined": the quantizer's row extremes (decoder.KV4_MINMAX_FORMS) with the new token read back;
+# "rot_dot": the Q/K Hadamard on the tensor cores (the ±1 matrix loaded) rather than in butterflies; "splitS" and
+# "splitS_N": the 4-bit loop's step cut in S slices, one online softmax a warp (decoder.ATTN_KV4_SPLIT), at the
+# default step or at N keys a step. The 16-bit cache has only the first switch.
 FORMS = {
-    "v42": {"ATTN_NEW_CACHED": False, "ATTN_KV4_MINMAX": False},
-    "minmax": {"ATTN_NEW_CACHED": False},
+    "v42": {"ATTN_NEW_CACHED": False, "ATTN_KV4_MINMAX": "four"},
+    "four": {"ATTN_KV4_MINMAX": "four"},
+    "pairs": {"ATTN_KV4_MINMAX": "pairs"},
+    "joined": {"ATTN_KV4_MINMAX": "joined"},
     "rot_dot": {"ATTN_ROTATE_BY_DOT": True},
+    "split4": {"ATTN_KV4_SPLIT": 4},
+    "split4_64": {"ATTN_KV4_SPLIT": 4, "ATTN_KV4_BLOCK_N": 64},
+    "split2": {"ATTN_KV4_SPLIT": 2},
+    "split4_joined": {"ATTN_KV4_SPLIT": 4, "ATTN_KV4_MINMAX": "joined"},
 }
 FORMS_16 = ("v42",)
 
@@ -109,7 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", default="512", help="cached tokens a sequence (comma-separated: several)")
     ap.add_argument("--chunks", default="128,256", help="explicit chunks to time beside the default cut")
     ap.add_argument("--block-ns", default="64", help="4-bit loop steps to time beside ATTN_KV4_BLOCK_N")
-    ap.add_argument("--forms", default=",".join(FORMS), help="prologue forms (FORMS) to time beside the default")
+    ap.add_argument("--forms", default=",".join(FORMS), help="forms (FORMS) to time beside the default")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median of their medians)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -140,7 +149,9 @@ def main(argv=None) -> int:
             if bits == 4:
                 variants += [(f"{bn} keys a step", None, bn, {})
                              for bn in (int(v) for v in args.block_ns.split(",") if v)]
-            variants += [(f"form {f}", None, default_bn, FORMS[f]) for f in forms if bits == 4 or f in FORMS_16]
+            variants += [(f"form {f}", None, FORMS[f].get("ATTN_KV4_BLOCK_N", default_bn),
+                          {k: v for k, v in FORMS[f].items() if k != "ATTN_KV4_BLOCK_N"})
+                         for f in forms if bits == 4 or f in FORMS_16]
 
             def call(i, chunk):
                 qkv, pos, cos, sin, kc, vc, sc = sets[i]

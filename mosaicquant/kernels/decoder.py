@@ -126,6 +126,9 @@ ATTN_KV4_BIASED = True
 ATTN_KV4_ASM = True
 ATTN_KV4_BLOCK_N = 128
 ATTN_KV4_STAGES = 2
+# The 4-bit loop's step cut in this many slices of consecutive keys, one online softmax a slice (batched dots laid
+# one slice a warp), combined after the loop (_attend_chunk_kv4_split); 1: one softmax over the step.
+ATTN_KV4_SPLIT = 1
 # decode_rope_attention's new token: the program whose chunk holds it writes its key and value into the cache and,
 # after a CTA barrier, its loop reads them back as one more cached key (ATTN_NEW_CACHED), rather than adding them to
 # the online softmax from registers after the loop. Over a 4-bit cache the new key's and value's quantizer reduces
@@ -135,11 +138,17 @@ ATTN_KV4_STAGES = 2
 # 22.51), 16-bit cache 8.84 / 15.81 / 23.76 -> 8.56 / 15.03 / 23.19. Where the new key starts a loop step of its
 # own (position a multiple of the step: 64 keys at 16 bits, 128 at 4 bits) that step costs one more iteration:
 # at context 512 the 16-bit cache took 7.93 / 14.88 / 21.90 -> 8.06 / 15.23 / 22.67, the 4-bit one still gained.
+# ATTN_KV4_MINMAX names the quantizer's row extremes (all exact, the same bits): "four" reductions (a min and a max
+# of each half), "pairs" (one tl.reduce over (min, max) pairs with its own combine) or "joined" (one max over the
+# joined (max, -min) pairs: no combine function of its own, 38 CTA barriers before the first product against the
+# pairs' 44 in the offline sm_90 compile, and about half the warp shuffles).
 ATTN_NEW_CACHED = True
-ATTN_KV4_MINMAX = True
+ATTN_KV4_MINMAX = "pairs"
+KV4_MINMAX_FORMS = ("four", "pairs", "joined")
 # Triton's interpreter runs a reduction with a combine function of its own element by element in Python (a CPU
-# test's prefill cache writes: ~7 s against ~2 s with numpy's reductions): there the quantizer takes the four
-# reductions, the same bits, unless this is set (a test sets it, to run the one-reduction form on the interpreter).
+# test's prefill cache writes: ~7 s against ~2 s with numpy's reductions): there "pairs" takes the four reductions,
+# the same bits, unless this is set (a test sets it, to run the pairs' form on the interpreter). "joined" runs as
+# numpy's max there.
 KV4_MINMAX_INTERPRETED = False
 # The 4-bit cache's kernels compiled without fused multiply-adds (the grid's range as methods.quant rounds it); with
 # them the step was the same within 0.3 % (v20), and the GPU's scales differed from the reference's in the last bit.
@@ -325,7 +334,7 @@ def _min_max(lo_a, hi_a, lo_b, hi_b):
 
 
 @triton.jit
-def _kv4_quantize(x1, x2, clip, SYM: tl.constexpr, MINMAX: tl.constexpr = True):
+def _kv4_quantize(x1, x2, clip, SYM: tl.constexpr, MINMAX: tl.constexpr = 1):
     """One 4-bit group per row of ``[x1 | x2]`` (halves ``[R, D/2]``, fp32): :func:`kv4_quantize_reference`'s
     operations (``methods.quant``'s grid: IEEE divisions, ties to even). Returns the packed bytes ``[R, D/2]``
     (channel ``j`` in the low nibble of byte ``j``, channel ``j + D/2`` in its high nibble), the scales and
@@ -333,7 +342,7 @@ def _kv4_quantize(x1, x2, clip, SYM: tl.constexpr, MINMAX: tl.constexpr = True):
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     if SYM:
-        if MINMAX:
+        if MINMAX > 0:
             amax = tl.max(tl.maximum(tl.abs(x1), tl.abs(x2)), axis=1)
         else:
             amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
@@ -346,7 +355,10 @@ def _kv4_quantize(x1, x2, clip, SYM: tl.constexpr, MINMAX: tl.constexpr = True):
         u2 = tl.minimum(tl.maximum(round_half_even(tl.minimum(tl.maximum(
             quant_div(x2, scale[:, None]), -9.0), 9.0)), -8.0), 7.0) + 8.0
     else:
-        if MINMAX:  # one reduction of (min, max) pairs over the halves' element-wise minima and maxima (exact)
+        if MINMAX == 2:  # one max over the joined (max, -min) pairs of the halves' element-wise extremes (exact)
+            hi, neg_lo = tl.split(tl.max(tl.join(tl.maximum(x1, x2), -tl.minimum(x1, x2)), axis=1))
+            lo = -neg_lo
+        elif MINMAX == 1:  # one reduction of (min, max) pairs with its own combine function (exact)
             lo, hi = tl.reduce((tl.minimum(x1, x2), tl.maximum(x1, x2)), 1, _min_max)
         else:  # four reductions, one a half and extreme
             lo = tl.minimum(tl.min(x1, axis=1), tl.min(x2, axis=1))
@@ -374,7 +386,7 @@ def _kv4_unpack(packed, scale, zero):
 
 
 @triton.jit
-def _kv4_store(x1, x2, CP, SP, ZP, at, sat, mask, clip, SYM: tl.constexpr, MINMAX: tl.constexpr = True):
+def _kv4_store(x1, x2, CP, SP, ZP, at, sat, mask, clip, SYM: tl.constexpr, MINMAX: tl.constexpr = 1):
     """Quantize rows ``[x1 | x2]`` (:func:`_kv4_quantize`) and store them at ``CP + at`` (``[R, D/2]`` offsets),
     their scales and zeros at ``SP + sat``, ``ZP + sat`` (``[R, 1]``); returns their fp32 dequantized halves."""
     packed, scale, zero = _kv4_quantize(x1, x2, clip, SYM, MINMAX)
@@ -391,7 +403,7 @@ def _rope_kv_kernel(QKV, POS, COS, SIN, QN, KN, QOUT, KC, VC, KS, KZ, VS, VZ, KD
                     HQ: tl.constexpr, HKV: tl.constexpr, HQP: tl.constexpr, HKVP: tl.constexpr,
                     D: tl.constexpr, QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr,
                     ROT: tl.constexpr, KV4: tl.constexpr, SYM: tl.constexpr, DEQ: tl.constexpr,
-                    CHAIN: tl.constexpr, KV4_MINMAX: tl.constexpr = True):
+                    CHAIN: tl.constexpr, KV4_MINMAX: tl.constexpr = 1):
     chain_start(CHAIN)
     t = tl.program_id(0).to(tl.int64)
     b = t // tokens_per_seq
@@ -645,17 +657,25 @@ def _kv_args(kv: KVFormat | None, scales: KVScales | None, fallback: torch.Tenso
                 **({"enable_fp_fusion": False} if quantized and KV4_NO_FP_FUSION else {}))
 
 
-def _kv4_minmax() -> bool:
-    """Whether the 4-bit quantizer takes its one min-max reduction (:data:`ATTN_KV4_MINMAX`,
-    :data:`KV4_MINMAX_INTERPRETED`)."""
-    return bool(ATTN_KV4_MINMAX) and (not triton_interpreting() or bool(KV4_MINMAX_INTERPRETED))
+def _kv4_minmax() -> int:
+    """The 4-bit quantizer's form of its row extremes as the kernels' ``MINMAX`` constant: 0 four reductions,
+    1 the pairs' reduction, 2 the joined max (:data:`ATTN_KV4_MINMAX`, :data:`KV4_MINMAX_INTERPRETED`)."""
+    if ATTN_KV4_MINMAX not in KV4_MINMAX_FORMS:
+        raise ValueError(f"decoder.ATTN_KV4_MINMAX = {ATTN_KV4_MINMAX!r}; allowed: {', '.join(KV4_MINMAX_FORMS)}")
+    form = KV4_MINMAX_FORMS.index(ATTN_KV4_MINMAX)
+    return 0 if form == 1 and triton_interpreting() and not KV4_MINMAX_INTERPRETED else form
 
 
 def _kv4_loop_args(dtype: torch.dtype, packed: bool) -> dict:
     """The 4-bit loop's variant flags (:data:`ATTN_KV4_BIASED` and the rest); the byte-permute conversion only
     compiled (the interpreter runs no inline PTX) and for BF16; the stages only over a 4-bit cache."""
+    split, block_n = ATTN_KV4_SPLIT, ATTN_KV4_BLOCK_N
+    if packed and not (isinstance(split, int) and split >= 1 and split & (split - 1) == 0
+                       and block_n % split == 0 and (split == 1 or block_n // split >= 16)):
+        raise ValueError(f"decoder.ATTN_KV4_SPLIT = {split!r} with ATTN_KV4_BLOCK_N = {block_n}: allowed a power "
+                         "of two dividing the step into slices of at least 16 keys (tl.dot's least size)")
     stages = {} if ATTN_KV4_STAGES is None or not packed else {"num_stages": int(ATTN_KV4_STAGES)}
-    return dict(KV4_BIASED=bool(ATTN_KV4_BIASED),
+    return dict(KV4_BIASED=bool(ATTN_KV4_BIASED), KV4_SPLIT=int(ATTN_KV4_SPLIT) if packed else 1,
                 KV4_ASM=bool(ATTN_KV4_ASM) and dtype == torch.bfloat16 and not triton_interpreting(), **stages)
 
 
@@ -797,6 +817,23 @@ def _kv4_nibbles(packed, DT: tl.constexpr, BIASED: tl.constexpr, USE_ASM: tl.con
 
 
 @triton.jit
+def _kv4_step(KC, VC, KS, KZ, VS, VZ, off, tile_mask, sn, valid, bias, KD: tl.constexpr, BIASED: tl.constexpr,
+              USE_ASM: tl.constexpr):
+    """One loop step's 4-bit keys and values (packed bytes at ``off`` under ``tile_mask``) as the dots' integers
+    (:func:`_kv4_nibbles`), and their scales and zero points (at ``sn`` under ``valid``; zeros biased by
+    ``bias``)."""
+    kb = tl.load(KC + off, mask=tile_mask, other=0)
+    vb = tl.load(VC + off, mask=tile_mask, other=0)
+    ks = tl.load(KS + sn, mask=valid, other=0.0)
+    kz = tl.load(KZ + sn, mask=valid, other=0.0) + bias
+    vs = tl.load(VS + sn, mask=valid, other=0.0)
+    vz = tl.load(VZ + sn, mask=valid, other=0.0) + bias
+    k_lo, k_hi = _kv4_nibbles(kb, KD, BIASED, USE_ASM)
+    v_lo, v_hi = _kv4_nibbles(vb, KD, BIASED, USE_ASM)
+    return k_lo, k_hi, v_lo, v_hi, ks, kz, vs, vz
+
+
+@triton.jit
 def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, stride_cl, scale_log2,
                       GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
                       BITS: tl.constexpr, DOT_F32: tl.constexpr, BIASED: tl.constexpr = False,
@@ -831,15 +868,8 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < end
         off = base + n[:, None].to(tl.int64) * stride_cl + dh[None, :]
-        kb = tl.load(KC + off, mask=valid[:, None], other=0)
-        vb = tl.load(VC + off, mask=valid[:, None], other=0)
-        sn = sbase + n
-        ks = tl.load(KS + sn, mask=valid, other=0.0)
-        kz = tl.load(KZ + sn, mask=valid, other=0.0) + bias
-        vs = tl.load(VS + sn, mask=valid, other=0.0)
-        vz = tl.load(VZ + sn, mask=valid, other=0.0) + bias
-        k_lo, k_hi = _kv4_nibbles(kb, KD, BIASED, USE_ASM)
-        v_lo, v_hi = _kv4_nibbles(vb, KD, BIASED, USE_ASM)
+        k_lo, k_hi, v_lo, v_hi, ks, kz, vs, vz = _kv4_step(KC, VC, KS, KZ, VS, VZ, off, valid[:, None], sbase + n,
+                                                           valid, bias, KD, BIASED, USE_ASM)
         raw = tl.dot(q1, tl.trans(k_lo)) + tl.dot(q2, tl.trans(k_hi))
         s = (raw - qsum[:, None] * kz[None, :]) * (ks * scale_log2)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -853,6 +883,63 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
         acc2 = acc2 * alpha[:, None] + (tl.dot(pw.to(KD), v_hi) - corr)
         m = m_new
     return m, l_sum, acc1, acc2
+
+
+@triton.jit
+def _attend_chunk_kv4_split(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, stride_cl, scale_log2,
+                            GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr,
+                            DT: tl.constexpr, BITS: tl.constexpr, DOT_F32: tl.constexpr, BIASED: tl.constexpr,
+                            USE_ASM: tl.constexpr):
+    """:func:`_attend_chunk_kv4` with each step's ``BLOCK_N`` keys cut in ``WS`` slices of consecutive keys, one
+    online softmax a slice (batched dots over the slices, which the compiler lays one a warp: the row maxima and
+    sums reduce inside a warp), the slices' states combined once after the loop. Returns the same four values."""
+    HALF: tl.constexpr = D // 2
+    BW: tl.constexpr = BLOCK_N // WS
+    dh = tl.arange(0, HALF)
+    q1f = q1.to(tl.float32)
+    q2f = q2.to(tl.float32)
+    qsum = tl.sum(q1f, axis=1) + tl.sum(q2f, axis=1)
+    if DOT_F32:
+        q1 = q1f
+        q2 = q2f
+    else:
+        q1 = q1.to(DT)
+        q2 = q2.to(DT)
+    KD: tl.constexpr = tl.float32 if DOT_F32 else DT
+    q1 = tl.broadcast_to(q1[None, :, :], (WS, GP, HALF))
+    q2 = tl.broadcast_to(q2[None, :, :], (WS, GP, HALF))
+    bias = 128.0 if BIASED else 0.0
+    m = tl.full([WS, GP], float("-inf"), tl.float32)
+    l_sum = tl.zeros([WS, GP], tl.float32)
+    zsum = tl.zeros([WS, GP], tl.float32)
+    acc1 = tl.zeros([WS, GP, HALF], tl.float32)
+    acc2 = tl.zeros([WS, GP, HALF], tl.float32)
+    slot = tl.arange(0, WS)[:, None] * BW + tl.arange(0, BW)[None, :]  # [WS, BW]: the step's keys, a slice a row
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + slot
+        valid = n < end
+        off = base + n[:, :, None].to(tl.int64) * stride_cl + dh[None, None, :]
+        k_lo, k_hi, v_lo, v_hi, ks, kz, vs, vz = _kv4_step(KC, VC, KS, KZ, VS, VZ, off, valid[:, :, None],
+                                                           sbase + n, valid, bias, KD, BIASED, USE_ASM)
+        raw = tl.dot(q1, tl.trans(k_lo, (0, 2, 1))) + tl.dot(q2, tl.trans(k_hi, (0, 2, 1)))  # [WS, GP, BW]
+        s = (raw - qsum[None, :, None] * kz[:, None, :]) * (ks * scale_log2)[:, None, :]
+        s = tl.where(valid[:, None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=2))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a slice with no key yet: its terms stay zero
+        p = tl.exp2(s - m_use[:, :, None])
+        alpha = tl.exp2(m - m_use)
+        l_sum = l_sum * alpha + tl.sum(p, axis=2)
+        pw = rnd(p * vs[:, None, :], DT, BITS)
+        # the dots accumulate into the rescaled sums; the zero points' term, one number a row, apart
+        zsum = zsum * alpha + tl.sum(pw * vz[:, None, :], axis=2)
+        acc1 = tl.dot(pw.to(KD), v_lo, acc1 * alpha[:, :, None])
+        acc2 = tl.dot(pw.to(KD), v_hi, acc2 * alpha[:, :, None])
+        m = m_new
+    m_all = tl.max(m, axis=0)
+    w = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])  # [WS, GP]; 0 for an empty slice
+    zw = (zsum * w)[:, :, None]
+    return (m_all, tl.sum(l_sum * w, axis=0), tl.sum(acc1 * w[:, :, None] - zw, axis=0),
+            tl.sum(acc2 * w[:, :, None] - zw, axis=0))
 
 
 @triton.jit
@@ -936,7 +1023,7 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
                       DIRECT: tl.constexpr, ROT: tl.constexpr, KV4: tl.constexpr, SYM: tl.constexpr,
                       CHAIN: tl.constexpr, ROT_DOT: tl.constexpr = True, KV4_BIASED: tl.constexpr = False,
                       KV4_ASM: tl.constexpr = False, NEW_CACHED: tl.constexpr = False,
-                      KV4_MINMAX: tl.constexpr = True):
+                      KV4_MINMAX: tl.constexpr = 1, KV4_SPLIT: tl.constexpr = 1):
     # _attn_split_kernel's programs (a KV head of a sequence, a chunk of its cache), doing rope_kv's
     # work for their head too: the G queries and the new key rotated from the qkv row; the program
     # whose chunk holds the position writes the new key and value into the cache, and its loop reads
@@ -999,9 +1086,14 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
             loop_end = end
         else:
             loop_end = tl.minimum(end, pos)
-        m, l_sum, acc1, acc2 = _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, loop_end,
-                                                 stride_cl, scale_log2, GP, D, BLOCK_N, DT, BITS, DOT_F32,
-                                                 KV4_BIASED, KV4_ASM)
+        if KV4_SPLIT > 1:
+            m, l_sum, acc1, acc2 = _attend_chunk_kv4_split(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start,
+                                                           loop_end, stride_cl, scale_log2, GP, D, BLOCK_N,
+                                                           KV4_SPLIT, DT, BITS, DOT_F32, KV4_BIASED, KV4_ASM)
+        else:
+            m, l_sum, acc1, acc2 = _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, loop_end,
+                                                     stride_cl, scale_log2, GP, D, BLOCK_N, DT, BITS, DOT_F32,
+                                                     KV4_BIASED, KV4_ASM)
         if owner and not NEW_CACHED:  # the new key and value, dequantized in registers: one more softmax step
             s_new = (tl.sum(q1.to(tl.float32) * kd1, axis=1) + tl.sum(q2.to(tl.float32) * kd2, axis=1)) * scale_log2
             m_new = tl.maximum(m, s_new)

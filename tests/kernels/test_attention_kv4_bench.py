@@ -31,10 +31,16 @@ def test_forms_set_decoder_constants_and_restore_them():
 
     for name, flags in ak.FORMS.items():
         for k, v in flags.items():
-            assert isinstance(getattr(decoder, k), bool) and isinstance(v, bool), (name, k)
+            assert type(getattr(decoder, k)) is type(v), (name, k)
+            if k == "ATTN_KV4_MINMAX":
+                assert v in decoder.KV4_MINMAX_FORMS, (name, v)
+            if k in ("ATTN_KV4_SPLIT", "ATTN_KV4_BLOCK_N"):  # slices of whole warps' keys (4 warps a program)
+                assert v >= 1 and (flags.get("ATTN_KV4_BLOCK_N", decoder.ATTN_KV4_BLOCK_N)
+                                   % flags.get("ATTN_KV4_SPLIT", 1) == 0), (name, k, v)
     assert set(ak.FORMS_16) <= set(ak.FORMS)
     before = {k: getattr(decoder, k) for k in ("ATTN_NEW_CACHED", "ATTN_KV4_MINMAX", "ATTN_KV4_BLOCK_N")}
-    flags = {k: not before[k] for k in ("ATTN_NEW_CACHED", "ATTN_KV4_MINMAX")}
+    other = next(f for f in decoder.KV4_MINMAX_FORMS if f != before["ATTN_KV4_MINMAX"])
+    flags = {"ATTN_NEW_CACHED": not before["ATTN_NEW_CACHED"], "ATTN_KV4_MINMAX": other}
     with pytest.raises(RuntimeError):
         with ak._settings(64, flags):
             assert decoder.ATTN_KV4_BLOCK_N == 64

@@ -296,13 +296,27 @@ def test_kv4_quantizer_is_the_methods_fake_quantizer(symmetric, clip):
     assert scale[0, 0] == 1 and (zero == 8).all() == symmetric
 
 
+@pytest.mark.parametrize("form", ["pairs", "joined"])
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_rope_kv_one_minmax_reduction_on_the_interpreter(symmetric, monkeypatch):
-    # the quantizer's one min-max reduction, which the GPU runs, on the interpreter too (it takes the four
-    # reductions there by default, the same bits): the same cache as the reference's
+def test_rope_kv_one_minmax_reduction_on_the_interpreter(form, symmetric, monkeypatch):
+    # the quantizer's one-reduction forms, which the GPU runs, on the interpreter too (the pairs' form takes the
+    # four reductions there by default, the same bits): the same cache as the reference's
+    monkeypatch.setattr(decoder, "ATTN_KV4_MINMAX", form)
     monkeypatch.setattr(decoder, "KV4_MINMAX_INTERPRETED", True)
-    assert decoder._kv4_minmax() == decoder.ATTN_KV4_MINMAX
+    assert decoder._kv4_minmax() == decoder.KV4_MINMAX_FORMS.index(form) > 0
     test_rope_kv_writes_the_4bit_cache(4, 2, 32, False, symmetric, False)
+
+
+def test_kv4_minmax_forms_on_the_interpreter_and_a_bad_name(monkeypatch):
+    monkeypatch.setattr(decoder, "triton_interpreting", lambda: True)
+    for form, interpreted, want in (("four", False, 0), ("pairs", False, 0), ("pairs", True, 1),
+                                    ("joined", False, 2), ("joined", True, 2)):
+        monkeypatch.setattr(decoder, "ATTN_KV4_MINMAX", form)
+        monkeypatch.setattr(decoder, "KV4_MINMAX_INTERPRETED", interpreted)
+        assert decoder._kv4_minmax() == want, (form, interpreted)
+    monkeypatch.setattr(decoder, "ATTN_KV4_MINMAX", True)
+    with pytest.raises(ValueError, match="ATTN_KV4_MINMAX = True; allowed: four, pairs, joined"):
+        decoder._kv4_minmax()
 
 
 @pytest.mark.parametrize("heads,kv_heads,d,qk_norm", [(8, 2, 64, False), (6, 2, 32, True)])
@@ -371,11 +385,32 @@ def test_4bit_attention_loop_variants(biased, block_n, chunk, monkeypatch):
     _check_4bit_attention(8, 2, 64, False, True, chunk)
 
 
-@pytest.mark.parametrize("new_cached,minmax", [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize("split,block_n", [(4, 128), (2, 64), (4, 64)])
+@pytest.mark.parametrize("chunk", [None, 128])
+def test_4bit_attention_split_loop(split, block_n, chunk, monkeypatch):
+    # the loop's step cut in slices of one online softmax each, combined after the loop: positions 0, 36 and 63
+    # leave whole slices of a step without a key (their terms must stay zero, not NaN)
+    monkeypatch.setattr(decoder, "ATTN_KV4_SPLIT", split)
+    monkeypatch.setattr(decoder, "ATTN_KV4_BLOCK_N", block_n)
+    _check_4bit_attention(8, 2, 64, False, True, chunk)
+    if split == 4 and block_n == 128 and chunk is None:
+        _check_4bit_attention(4, 4, 64, True, False, None, torch.float16)
+
+
+@pytest.mark.parametrize("split,block_n", [(3, 128), (0, 128), (8, 64), (4.0, 128)])
+def test_4bit_attention_split_refused(split, block_n, monkeypatch):
+    monkeypatch.setattr(decoder, "ATTN_KV4_SPLIT", split)
+    monkeypatch.setattr(decoder, "ATTN_KV4_BLOCK_N", block_n)
+    with pytest.raises(ValueError, match=f"ATTN_KV4_SPLIT = {split!r} with ATTN_KV4_BLOCK_N = {block_n}"):
+        decoder._kv4_loop_args(BF16, True)
+    assert "KV4_SPLIT" in decoder._kv4_loop_args(BF16, False)  # a 16-bit cache does not read it
+
+
+@pytest.mark.parametrize("new_cached,minmax", [(False, "four"), (False, "pairs"), (True, "four"), (True, "joined")])
 @pytest.mark.parametrize("heads,kv_heads,symmetric", [(8, 2, False), (4, 4, True)])
 def test_4bit_attention_prologue_forms(new_cached, minmax, heads, kv_heads, symmetric, monkeypatch):
     # the new key and value from registers or read back by the loop, the quantizer's four reductions or one
-    # min-max reduction: the same attention, and the same cache (_check_4bit_attention checks both)
+    # (pairs or joined): the same attention, and the same cache (_check_4bit_attention checks both)
     monkeypatch.setattr(decoder, "ATTN_NEW_CACHED", new_cached)
     monkeypatch.setattr(decoder, "ATTN_KV4_MINMAX", minmax)
     monkeypatch.setattr(decoder, "KV4_MINMAX_INTERPRETED", True)  # the GPU's form on the interpreter too
