@@ -12,8 +12,9 @@ as kernels of their own), ``fused_sh`` / ``fused_nsh`` (SiLU·mul inside ``down_
 online Hadamard + quantizer, or in a kernel of its own), ``transformers`` (eager).
 
 Variants (``--variant LABEL:VAR=VALUE[,VAR=VALUE]``, repeatable): environment settings the
-kernels read at launch (e.g. ``MOSAICQUANT_PDL_CHAIN``, ``MOSAICQUANT_PREFETCH_MIB``) or numeric
-constants named by module (``mosaicquant.kernels._tiles.DENSE_PREFETCH_MIB=16``), each
+kernels read at launch (e.g. ``MOSAICQUANT_PDL_CHAIN``, ``MOSAICQUANT_PREFETCH_MIB``) or
+constants named by module (``mosaicquant.kernels._tiles.DENSE_PREFETCH_MIB=16``,
+``mosaicquant.kernels.decoder.ATTN_KV4_MINMAX=joined``), each
 timed on the same model right after the others (``--rounds`` times, interleaved); the row's
 runtime reads ``fused[LABEL]``. With programmatic dependent launch a kernel's programs may start
 before its predecessor ends and wait, so the profiler's per-kernel times then include waiting:
@@ -206,8 +207,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 
 class _Env:
-    """Environment variables (and ``mosaicquant.<module>.<NAME>`` constants, numbers cast to the constant's type)
-    set for a ``with`` block, restored after."""
+    """Environment variables (and ``mosaicquant.<module>.<NAME>`` constants: numbers cast to the constant's type, the
+    text itself for a constant that is a string) set for a ``with`` block, restored after."""
 
     def __init__(self, env: dict[str, str]):
         self.env, self.saved, self.saved_attrs = env, {}, {}
@@ -224,7 +225,11 @@ class _Env:
             if k.startswith("mosaicquant."):
                 mod, attr = self._target(k)
                 self.saved_attrs[k] = getattr(mod, attr)
-                cur, val = getattr(mod, attr), float(v)  # a constant that is None takes an int where v is whole
+                cur = getattr(mod, attr)
+                if isinstance(cur, str):  # a named form (decoder.ATTN_KV4_MINMAX): the text itself
+                    setattr(mod, attr, v)
+                    continue
+                val = float(v)  # a constant that is None takes an int where v is whole
                 setattr(mod, attr, (int(val) if val.is_integer() else val) if cur is None else type(cur)(val))
             else:
                 self.saved[k] = os.environ.get(k)

@@ -8,15 +8,23 @@ and value before its loop. The launcher runs on CPU tensors; the launch is repla
 for ``GPUTarget("cuda", 90, 32)`` (``offline_regs.py``'s stand-in driver), ``cuobjdump`` reads the cubin's
 registers, and the PTX is read up to its first ``mma.sync``: the CTA barriers (``bar.sync``), warp shuffles and
 shared-memory loads and stores there are those of the prologue (RoPE, the rotation, the new key's and value's
-quantizer) and of the loop's first loads. Leaves the process's Triton driver replaced: run it on its own.
+quantizer) and of the loop's first loads. The loop itself is read from the SASS (``cuobjdump -sass``): the
+instructions between the kernel's longest backward branch and its target, one step of the loop as the GPU
+issues it, with its CTA barriers (``BAR``), shared-memory loads and stores (``LDS``/``LDSM``, ``STS``), spill
+reloads (``LDL``) and tensor-core products (``HMMA``). ``--set NAME=VALUE`` (repeatable) sets a ``decoder``
+constant first (``ATTN_KV4_SPLIT=4``, ``ATTN_KV4_MINMAX=joined``: the text for a constant that is a string, else
+a number of the constant's type). Leaves the process's Triton driver replaced: run it on its own.
 
-    python3 benchmarks/offline_attention.py
+    python3 benchmarks/offline_attention.py [--set ATTN_KV4_SPLIT=4 --set ATTN_KV4_MINMAX=joined]
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
 import importlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,14 +42,46 @@ from offline_regs import _CompileOnlyDriver, compile_only  # noqa: E402
 HEADS, KV_HEADS, D, BATCH, SLOTS, CHUNK = 32, 8, 128, 32, 520, 640
 REGS_PER_SM, SMEM_PER_SM = 65536, 227 * 1024
 COUNTED = ("bar.sync", "shfl.sync", "ld.shared", "st.shared", "div.rn")
+LOOP_COUNTED = ("BAR", "LDS", "STS", "LDL", "HMMA")
+_SASS = re.compile(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
+_BRANCH = re.compile(r"\bBRA\s+(?:!?U?P\w+,\s*)?0x([0-9a-f]+)")
 
 
-def main() -> int:
+def loop_counts(sass: str) -> tuple[int, collections.Counter]:
+    """Instructions in the SASS's widest backward branch (the attention loop: its target to the branch) and their
+    opcodes' counts (``LDS`` counts ``LDSM`` too)."""
+    code = [(int(a, 16), t) for a, t in _SASS.findall(sass)]
+    spans = [(int(m.group(1), 16), at) for at, t in code if (m := _BRANCH.search(t)) and int(m.group(1), 16) < at]
+    if not spans:
+        raise ValueError("no backward branch in the kernel's SASS: no loop to count")
+    lo, hi = max(spans, key=lambda span: span[1] - span[0])
+    body = [t for at, t in code if lo <= at <= hi]
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+    ops["LDS"] += ops.pop("LDSM", 0)
+    return len(body), ops
+
+
+def _set(dec, item: str) -> None:
+    name, eq, text = item.partition("=")
+    if not eq or not hasattr(dec, name):
+        raise SystemExit(f"--set {item!r}: expected NAME=VALUE with NAME a constant of mosaicquant.kernels.decoder")
+    cur = getattr(dec, name)
+    setattr(dec, name, text if isinstance(cur, str) else type(cur)(float(text)) if cur is not None
+            else int(float(text)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a decoder constant set before compiling (repeatable)")
+    args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("offline_attention.py compiles for the GPU: unset TRITON_INTERPRET", file=sys.stderr)
         return 2
-    driver.set_active(_CompileOnlyDriver())
     dec = importlib.import_module("mosaicquant.kernels.decoder")
+    for item in args.set:
+        _set(dec, item)
+    driver.set_active(_CompileOnlyDriver())
     dec.check_triton_device = lambda device: None
     dec.resolve_kernel = lambda kernel, device: "triton"
     compiled = compile_only(dec, "_rope_attn_kernel")
@@ -49,9 +89,12 @@ def main() -> int:
     qkv = torch.zeros(BATCH, (HEADS + 2 * KV_HEADS) * D, dtype=torch.bfloat16)
     pos = torch.full((BATCH,), SLOTS - 8)
     cos = torch.zeros(SLOTS, D, dtype=torch.bfloat16)
+    if args.set:
+        print("decoder:", ", ".join(args.set))
     print("| cache | registers a thread | shared bytes | programs an SM | PTX lines before the first product / all | "
-          + " | ".join(f"`{c}` before / all" for c in COUNTED) + " |")
-    print("|---" * (5 + len(COUNTED)) + "|")
+          + " | ".join(f"`{c}` before / all" for c in COUNTED) + " | loop: SASS instructions a step | "
+          + " | ".join(f"loop `{c}`" for c in LOOP_COUNTED) + " |")
+    print("|---" * (6 + len(COUNTED) + len(LOOP_COUNTED)) + "|")
     for name, kv in (("BF16", None), ("4-bit, Q/K Hadamard (QuaRot)", dec.KVFormat(4, False, 0.95, True)),
                      ("4-bit, no Hadamard", dec.KVFormat(4, False, 0.95, False))):
         if kv is None:
@@ -68,6 +111,8 @@ def main() -> int:
             fh.flush()
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", fh.name], capture_output=True, text=True,
                                    check=True).stdout
+            n_loop, ops = loop_counts(subprocess.run([cuobjdump, "-sass", fh.name], capture_output=True, text=True,
+                                                     check=True).stdout)
         regs = int(next(t.split(":")[1] for t in usage.split() if t.startswith("REG:")))
         spills = [t for t in usage.split() if t.startswith(("STACK:", "LOCAL:")) and not t.endswith(":0")]
         warps = ck.metadata.num_warps
@@ -78,7 +123,8 @@ def main() -> int:
         counts = " | ".join(f"{sum(c in line for line in ptx[:first])} / {sum(c in line for line in ptx)}"
                             for c in COUNTED)
         print(f"| {name} | {regs}{' (spills: ' + ', '.join(spills) + ')' if spills else ''} | {shared} | {per_sm} | "
-              f"{first} / {len(ptx)} | {counts} |", flush=True)
+              f"{first} / {len(ptx)} | {counts} | {n_loop} | " + " | ".join(str(ops[c]) for c in LOOP_COUNTED) + " |",
+              flush=True)
     return 0
 
 
