@@ -11,10 +11,10 @@ each at its default cut (``decoder.attention_splits``; over the 4-bit cache from
 chunk a head) and at explicit chunks (``--chunks``; more programs, then the combining kernel), the 4-bit loop at
 ``--block-ns`` keys a step, and the kernel's forms (``--forms``, :data:`FORMS`: the new key and value added from
 registers rather than read back by the loop, the quantizer's row extremes in four reductions or one of two kinds,
-the Q/K Hadamard on the tensor cores, the 4-bit loop's step cut in slices of one softmax a warp; each form sets
-``decoder``'s constants for its calls). Every call's caches
-are one of several copies rotated through more than L2 (a layer's cache is read once a decode step, after other
-layers' weights have passed through L2). Each variant's output is checked against the default cut's (and that one
+the Q/K Hadamard on the tensor cores, the 4-bit loop's step cut in slices of one softmax a warp, its zero points'
+term summed by a dot; each form sets ``decoder``'s constants for its calls). Every call's caches are one of several
+copies rotated through more than L2 (a layer's cache is read once a decode step, after other layers' weights have
+passed through L2). Each variant's output is checked against the default cut's (and that one
 against ``decode_rope_attention_reference`` at the smallest batch) first; CUDA graphs, medians of ``--rounds``
 interleaved rounds; µs a call, the cache bytes it reads (keys, values, and the 4-bit cache's scales and zero points),
 and their rate.
@@ -55,7 +55,8 @@ REF_OFF_MAX = 0.01
 # "four", "pairs", "joined": the quantizer's row extremes (decoder.KV4_MINMAX_FORMS) with the new token read back;
 # "rot_dot": the Q/K Hadamard on the tensor cores (the ±1 matrix loaded) rather than in butterflies; "splitS" and
 # "splitS_N": the 4-bit loop's step cut in S slices, one online softmax a warp (decoder.ATTN_KV4_SPLIT), at the
-# default step or at N keys a step. The 16-bit cache has only the first switch.
+# default step or at N keys a step; "zdot": the zero points' term summed by a dot (decoder.ATTN_KV4_ZDOT). The
+# 16-bit cache has only the first switch.
 FORMS = {
     "v42": {"ATTN_NEW_CACHED": False, "ATTN_KV4_MINMAX": "four"},
     "four": {"ATTN_KV4_MINMAX": "four"},
@@ -66,6 +67,8 @@ FORMS = {
     "split4_64": {"ATTN_KV4_SPLIT": 4, "ATTN_KV4_BLOCK_N": 64},
     "split2": {"ATTN_KV4_SPLIT": 2},
     "split4_joined": {"ATTN_KV4_SPLIT": 4, "ATTN_KV4_MINMAX": "joined"},
+    "zdot": {"ATTN_KV4_ZDOT": True},
+    "split4_64_zdot": {"ATTN_KV4_SPLIT": 4, "ATTN_KV4_BLOCK_N": 64, "ATTN_KV4_ZDOT": True},
 }
 FORMS_16 = ("v42",)
 

@@ -129,6 +129,10 @@ ATTN_KV4_STAGES = 2
 # The 4-bit loop's step cut in this many slices of consecutive keys, one online softmax a slice (batched dots laid
 # one slice a warp), combined after the loop (_attend_chunk_kv4_split); 1: one softmax over the step.
 ATTN_KV4_SPLIT = 1
+# The 4-bit loop's zero-point term summed by a dot (_attend_chunk_kv4's ZDOT): its zero points then load with the
+# step's other tiles, ahead (the software pipeline takes only loads that feed a dot), and the default loop loses the
+# term's cross-warp sum.
+ATTN_KV4_ZDOT = False
 # decode_rope_attention's new token: the program whose chunk holds it writes its key and value into the cache and,
 # after a CTA barrier, its loop reads them back as one more cached key (ATTN_NEW_CACHED), rather than adding them to
 # the online softmax from registers after the loop. Over a 4-bit cache the new key's and value's quantizer reduces
@@ -676,6 +680,7 @@ def _kv4_loop_args(dtype: torch.dtype, packed: bool) -> dict:
                          "of two dividing the step into slices of at least 16 keys (tl.dot's least size)")
     stages = {} if ATTN_KV4_STAGES is None or not packed else {"num_stages": int(ATTN_KV4_STAGES)}
     return dict(KV4_BIASED=bool(ATTN_KV4_BIASED), KV4_SPLIT=int(ATTN_KV4_SPLIT) if packed else 1,
+                KV4_ZDOT=bool(ATTN_KV4_ZDOT),
                 KV4_ASM=bool(ATTN_KV4_ASM) and dtype == torch.bfloat16 and not triton_interpreting(), **stages)
 
 
@@ -837,7 +842,7 @@ def _kv4_step(KC, VC, KS, KZ, VS, VZ, off, tile_mask, sn, valid, bias, KD: tl.co
 def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, stride_cl, scale_log2,
                       GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
                       BITS: tl.constexpr, DOT_F32: tl.constexpr, BIASED: tl.constexpr = False,
-                      USE_ASM: tl.constexpr = False):
+                      USE_ASM: tl.constexpr = False, ZDOT: tl.constexpr = False):
     """:func:`_attend_chunk` over a 4-bit cache (:func:`_kv4_quantize`'s bytes; scales and zeros at ``sbase``
     along the cache): the integers go into the dots as they are, each key's scale and zero apply to its
     scores, ``s·(q·u - z·Σq)``, and each value's to the probabilities, ``Σ_n (p·s)_n (u_n - z_n)`` with
@@ -846,6 +851,10 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
     ``BIASED``: the integers enter the dots as ``128 + u`` (:func:`_kv4_nibbles`) and the zero points as
     ``128 + z`` (exact values, and each product with a 16-bit query or probability exact in fp32; the sums
     round at 128 + u's scale, well inside the output's 16-bit tolerance).
+
+    ``ZDOT``: the zero points' term ``Σ_n (p·s)_n z_n`` summed by the tensor cores, a dot with the zero points as
+    16 equal columns accumulated across the loop and taken off the value sums after it (their products are exact
+    in fp32 as the summed ones are); the value dots accumulate into the rescaled sums.
     """
     HALF: tl.constexpr = D // 2
     dh = tl.arange(0, HALF)
@@ -864,6 +873,7 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
     l_sum = tl.zeros([GP], tl.float32)
     acc1 = tl.zeros([GP, HALF], tl.float32)
     acc2 = tl.zeros([GP, HALF], tl.float32)
+    zacc = tl.zeros([GP, 16], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < end
@@ -878,10 +888,19 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
         alpha = tl.exp2(m - m_new)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         pw = rnd(p * vs[None, :], DT, BITS)
-        corr = tl.sum(pw * vz[None, :], axis=1)[:, None]
-        acc1 = acc1 * alpha[:, None] + (tl.dot(pw.to(KD), v_lo) - corr)
-        acc2 = acc2 * alpha[:, None] + (tl.dot(pw.to(KD), v_hi) - corr)
+        if ZDOT:
+            zacc = tl.dot(pw.to(KD), tl.broadcast_to(vz[:, None], (BLOCK_N, 16)).to(KD), zacc * alpha[:, None])
+            acc1 = tl.dot(pw.to(KD), v_lo, acc1 * alpha[:, None])
+            acc2 = tl.dot(pw.to(KD), v_hi, acc2 * alpha[:, None])
+        else:
+            corr = tl.sum(pw * vz[None, :], axis=1)[:, None]
+            acc1 = acc1 * alpha[:, None] + (tl.dot(pw.to(KD), v_lo) - corr)
+            acc2 = acc2 * alpha[:, None] + (tl.dot(pw.to(KD), v_hi) - corr)
         m = m_new
+    if ZDOT:  # its 16 columns are equal
+        z = tl.max(zacc, axis=1)[:, None]
+        acc1 -= z
+        acc2 -= z
     return m, l_sum, acc1, acc2
 
 
@@ -889,7 +908,7 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
 def _attend_chunk_kv4_split(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, stride_cl, scale_log2,
                             GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr,
                             DT: tl.constexpr, BITS: tl.constexpr, DOT_F32: tl.constexpr, BIASED: tl.constexpr,
-                            USE_ASM: tl.constexpr):
+                            USE_ASM: tl.constexpr, ZDOT: tl.constexpr = False):
     """:func:`_attend_chunk_kv4` with each step's ``BLOCK_N`` keys cut in ``WS`` slices of consecutive keys, one
     online softmax a slice (batched dots over the slices, which the compiler lays one a warp: the row maxima and
     sums reduce inside a warp), the slices' states combined once after the loop. Returns the same four values."""
@@ -912,6 +931,7 @@ def _attend_chunk_kv4_split(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, 
     m = tl.full([WS, GP], float("-inf"), tl.float32)
     l_sum = tl.zeros([WS, GP], tl.float32)
     zsum = tl.zeros([WS, GP], tl.float32)
+    zacc = tl.zeros([WS, GP, 16], tl.float32)
     acc1 = tl.zeros([WS, GP, HALF], tl.float32)
     acc2 = tl.zeros([WS, GP, HALF], tl.float32)
     slot = tl.arange(0, WS)[:, None] * BW + tl.arange(0, BW)[None, :]  # [WS, BW]: the step's keys, a slice a row
@@ -931,10 +951,16 @@ def _attend_chunk_kv4_split(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, 
         l_sum = l_sum * alpha + tl.sum(p, axis=2)
         pw = rnd(p * vs[:, None, :], DT, BITS)
         # the dots accumulate into the rescaled sums; the zero points' term, one number a row, apart
-        zsum = zsum * alpha + tl.sum(pw * vz[:, None, :], axis=2)
+        if ZDOT:
+            zacc = tl.dot(pw.to(KD), tl.broadcast_to(vz[:, :, None], (WS, BW, 16)).to(KD),
+                          zacc * alpha[:, :, None])
+        else:
+            zsum = zsum * alpha + tl.sum(pw * vz[:, None, :], axis=2)
         acc1 = tl.dot(pw.to(KD), v_lo, acc1 * alpha[:, :, None])
         acc2 = tl.dot(pw.to(KD), v_hi, acc2 * alpha[:, :, None])
         m = m_new
+    if ZDOT:  # its 16 columns are equal
+        zsum = tl.max(zacc, axis=2)
     m_all = tl.max(m, axis=0)
     w = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])  # [WS, GP]; 0 for an empty slice
     zw = (zsum * w)[:, :, None]
@@ -1023,7 +1049,7 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
                       DIRECT: tl.constexpr, ROT: tl.constexpr, KV4: tl.constexpr, SYM: tl.constexpr,
                       CHAIN: tl.constexpr, ROT_DOT: tl.constexpr = True, KV4_BIASED: tl.constexpr = False,
                       KV4_ASM: tl.constexpr = False, NEW_CACHED: tl.constexpr = False,
-                      KV4_MINMAX: tl.constexpr = 1, KV4_SPLIT: tl.constexpr = 1):
+                      KV4_MINMAX: tl.constexpr = 1, KV4_SPLIT: tl.constexpr = 1, KV4_ZDOT: tl.constexpr = False):
     # _attn_split_kernel's programs (a KV head of a sequence, a chunk of its cache), doing rope_kv's
     # work for their head too: the G queries and the new key rotated from the qkv row; the program
     # whose chunk holds the position writes the new key and value into the cache, and its loop reads
@@ -1089,11 +1115,12 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
         if KV4_SPLIT > 1:
             m, l_sum, acc1, acc2 = _attend_chunk_kv4_split(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start,
                                                            loop_end, stride_cl, scale_log2, GP, D, BLOCK_N,
-                                                           KV4_SPLIT, DT, BITS, DOT_F32, KV4_BIASED, KV4_ASM)
+                                                           KV4_SPLIT, DT, BITS, DOT_F32, KV4_BIASED, KV4_ASM,
+                                                           KV4_ZDOT)
         else:
             m, l_sum, acc1, acc2 = _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, loop_end,
                                                      stride_cl, scale_log2, GP, D, BLOCK_N, DT, BITS, DOT_F32,
-                                                     KV4_BIASED, KV4_ASM)
+                                                     KV4_BIASED, KV4_ASM, KV4_ZDOT)
         if owner and not NEW_CACHED:  # the new key and value, dequantized in registers: one more softmax step
             s_new = (tl.sum(q1.to(tl.float32) * kd1, axis=1) + tl.sum(q2.to(tl.float32) * kd2, axis=1)) * scale_log2
             m_new = tl.maximum(m, s_new)

@@ -385,15 +385,18 @@ def test_4bit_attention_loop_variants(biased, block_n, chunk, monkeypatch):
     _check_4bit_attention(8, 2, 64, False, True, chunk)
 
 
-@pytest.mark.parametrize("split,block_n", [(4, 128), (2, 64), (4, 64)])
+@pytest.mark.parametrize("split,block_n,zdot", [(4, 128, False), (2, 64, False), (4, 64, True), (1, 128, True),
+                                                (1, 64, True)])
 @pytest.mark.parametrize("chunk", [None, 128])
-def test_4bit_attention_split_loop(split, block_n, chunk, monkeypatch):
+def test_4bit_attention_split_loop(split, block_n, zdot, chunk, monkeypatch):
     # the loop's step cut in slices of one online softmax each, combined after the loop: positions 0, 36 and 63
-    # leave whole slices of a step without a key (their terms must stay zero, not NaN)
+    # leave whole slices of a step without a key (their terms must stay zero, not NaN); the zero points' term
+    # summed by a dot, with one softmax a step or a slice
     monkeypatch.setattr(decoder, "ATTN_KV4_SPLIT", split)
     monkeypatch.setattr(decoder, "ATTN_KV4_BLOCK_N", block_n)
+    monkeypatch.setattr(decoder, "ATTN_KV4_ZDOT", zdot)
     _check_4bit_attention(8, 2, 64, False, True, chunk)
-    if split == 4 and block_n == 128 and chunk is None:
+    if block_n == 128 and chunk is None:
         _check_4bit_attention(4, 4, 64, True, False, None, torch.float16)
 
 
