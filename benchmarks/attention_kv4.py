@@ -11,8 +11,8 @@ each at its default cut (``decoder.attention_splits``; over the 4-bit cache from
 chunk a head) and at explicit chunks (``--chunks``; more programs, then the combining kernel), the 4-bit loop at
 ``--block-ns`` keys a step, and the kernel's forms (``--forms``, :data:`FORMS`: the new key and value added from
 registers rather than read back by the loop, the quantizer's row extremes in four reductions or one of two kinds,
-the Q/K Hadamard on the tensor cores, the 4-bit loop's step cut in slices of one softmax a warp, its zero points'
-term summed by a dot; each form sets ``decoder``'s constants for its calls). Every call's caches are one of several
+the Q/K Hadamard on the tensor cores, the 4-bit loop's zero-point term summed by a dot; each form sets
+``decoder``'s constants for its calls). Every call's caches are one of several
 copies rotated through more than L2 (a layer's cache is read once a decode step, after other layers' weights have
 passed through L2). Each variant's output is checked against the default cut's (and that one
 against ``decode_rope_attention_reference`` at the smallest batch) first; CUDA graphs, medians of ``--rounds``
@@ -53,22 +53,18 @@ REF_OFF_MAX = 0.01
 # The kernel's forms (decoder constants set for a variant's calls; the default form is the module's own). "v42":
 # the new key and value added to the softmax from registers after the loop, the quantizer's four reductions a row;
 # "four", "pairs", "joined": the quantizer's row extremes (decoder.KV4_MINMAX_FORMS) with the new token read back;
-# "rot_dot": the Q/K Hadamard on the tensor cores (the ±1 matrix loaded) rather than in butterflies; "splitS" and
-# "splitS_N": the 4-bit loop's step cut in S slices, one online softmax a warp (decoder.ATTN_KV4_SPLIT), at the
-# default step or at N keys a step; "zdot": the zero points' term summed by a dot (decoder.ATTN_KV4_ZDOT). The
-# 16-bit cache has only the first switch.
+# "rot_dot": the Q/K Hadamard on the tensor cores (the ±1 matrix loaded) rather than in butterflies; "zdot" and
+# "zdot_64": the 4-bit loop's zero-point term summed by a dot (decoder.ATTN_KV4_ZDOT), at the default step or at 64
+# keys a step; "joined_zdot" both untimed forms together. The 16-bit cache has only the first switch.
 FORMS = {
     "v42": {"ATTN_NEW_CACHED": False, "ATTN_KV4_MINMAX": "four"},
     "four": {"ATTN_KV4_MINMAX": "four"},
     "pairs": {"ATTN_KV4_MINMAX": "pairs"},
     "joined": {"ATTN_KV4_MINMAX": "joined"},
     "rot_dot": {"ATTN_ROTATE_BY_DOT": True},
-    "split4": {"ATTN_KV4_SPLIT": 4},
-    "split4_64": {"ATTN_KV4_SPLIT": 4, "ATTN_KV4_BLOCK_N": 64},
-    "split2": {"ATTN_KV4_SPLIT": 2},
-    "split4_joined": {"ATTN_KV4_SPLIT": 4, "ATTN_KV4_MINMAX": "joined"},
     "zdot": {"ATTN_KV4_ZDOT": True},
-    "split4_64_zdot": {"ATTN_KV4_SPLIT": 4, "ATTN_KV4_BLOCK_N": 64, "ATTN_KV4_ZDOT": True},
+    "zdot_64": {"ATTN_KV4_ZDOT": True, "ATTN_KV4_BLOCK_N": 64},
+    "joined_zdot": {"ATTN_KV4_MINMAX": "joined", "ATTN_KV4_ZDOT": True},
 }
 FORMS_16 = ("v42",)
 

@@ -12,10 +12,10 @@ quantizer) and of the loop's first loads. The loop itself is read from the SASS 
 instructions between the kernel's longest backward branch and its target, one step of the loop as the GPU
 issues it, with its CTA barriers (``BAR``), shared-memory loads and stores (``LDS``/``LDSM``, ``STS``), spill
 reloads (``LDL``) and tensor-core products (``HMMA``). ``--set NAME=VALUE`` (repeatable) sets a ``decoder``
-constant first (``ATTN_KV4_SPLIT=4``, ``ATTN_KV4_MINMAX=joined``: the text for a constant that is a string, else
+constant first (``ATTN_KV4_ZDOT=1``, ``ATTN_KV4_MINMAX=joined``: the text for a constant that is a string, else
 a number of the constant's type). Leaves the process's Triton driver replaced: run it on its own.
 
-    python3 benchmarks/offline_attention.py [--set ATTN_KV4_SPLIT=4 --set ATTN_KV4_MINMAX=joined]
+    python3 benchmarks/offline_attention.py [--set ATTN_KV4_ZDOT=1 --set ATTN_KV4_MINMAX=joined]
 """
 
 from __future__ import annotations

@@ -126,9 +126,6 @@ ATTN_KV4_BIASED = True
 ATTN_KV4_ASM = True
 ATTN_KV4_BLOCK_N = 128
 ATTN_KV4_STAGES = 2
-# The 4-bit loop's step cut in this many slices of consecutive keys, one online softmax a slice (batched dots laid
-# one slice a warp), combined after the loop (_attend_chunk_kv4_split); 1: one softmax over the step.
-ATTN_KV4_SPLIT = 1
 # The 4-bit loop's zero-point term summed by a dot (_attend_chunk_kv4's ZDOT): its zero points then load with the
 # step's other tiles, ahead (the software pipeline takes only loads that feed a dot), and the default loop loses the
 # term's cross-warp sum.
@@ -673,14 +670,8 @@ def _kv4_minmax() -> int:
 def _kv4_loop_args(dtype: torch.dtype, packed: bool) -> dict:
     """The 4-bit loop's variant flags (:data:`ATTN_KV4_BIASED` and the rest); the byte-permute conversion only
     compiled (the interpreter runs no inline PTX) and for BF16; the stages only over a 4-bit cache."""
-    split, block_n = ATTN_KV4_SPLIT, ATTN_KV4_BLOCK_N
-    if packed and not (isinstance(split, int) and split >= 1 and split & (split - 1) == 0
-                       and block_n % split == 0 and (split == 1 or block_n // split >= 16)):
-        raise ValueError(f"decoder.ATTN_KV4_SPLIT = {split!r} with ATTN_KV4_BLOCK_N = {block_n}: allowed a power "
-                         "of two dividing the step into slices of at least 16 keys (tl.dot's least size)")
     stages = {} if ATTN_KV4_STAGES is None or not packed else {"num_stages": int(ATTN_KV4_STAGES)}
-    return dict(KV4_BIASED=bool(ATTN_KV4_BIASED), KV4_SPLIT=int(ATTN_KV4_SPLIT) if packed else 1,
-                KV4_ZDOT=bool(ATTN_KV4_ZDOT),
+    return dict(KV4_BIASED=bool(ATTN_KV4_BIASED), KV4_ZDOT=bool(ATTN_KV4_ZDOT),
                 KV4_ASM=bool(ATTN_KV4_ASM) and dtype == torch.bfloat16 and not triton_interpreting(), **stages)
 
 
@@ -822,23 +813,6 @@ def _kv4_nibbles(packed, DT: tl.constexpr, BIASED: tl.constexpr, USE_ASM: tl.con
 
 
 @triton.jit
-def _kv4_step(KC, VC, KS, KZ, VS, VZ, off, tile_mask, sn, valid, bias, KD: tl.constexpr, BIASED: tl.constexpr,
-              USE_ASM: tl.constexpr):
-    """One loop step's 4-bit keys and values (packed bytes at ``off`` under ``tile_mask``) as the dots' integers
-    (:func:`_kv4_nibbles`), and their scales and zero points (at ``sn`` under ``valid``; zeros biased by
-    ``bias``)."""
-    kb = tl.load(KC + off, mask=tile_mask, other=0)
-    vb = tl.load(VC + off, mask=tile_mask, other=0)
-    ks = tl.load(KS + sn, mask=valid, other=0.0)
-    kz = tl.load(KZ + sn, mask=valid, other=0.0) + bias
-    vs = tl.load(VS + sn, mask=valid, other=0.0)
-    vz = tl.load(VZ + sn, mask=valid, other=0.0) + bias
-    k_lo, k_hi = _kv4_nibbles(kb, KD, BIASED, USE_ASM)
-    v_lo, v_hi = _kv4_nibbles(vb, KD, BIASED, USE_ASM)
-    return k_lo, k_hi, v_lo, v_hi, ks, kz, vs, vz
-
-
-@triton.jit
 def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, stride_cl, scale_log2,
                       GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
                       BITS: tl.constexpr, DOT_F32: tl.constexpr, BIASED: tl.constexpr = False,
@@ -878,8 +852,15 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < end
         off = base + n[:, None].to(tl.int64) * stride_cl + dh[None, :]
-        k_lo, k_hi, v_lo, v_hi, ks, kz, vs, vz = _kv4_step(KC, VC, KS, KZ, VS, VZ, off, valid[:, None], sbase + n,
-                                                           valid, bias, KD, BIASED, USE_ASM)
+        kb = tl.load(KC + off, mask=valid[:, None], other=0)
+        vb = tl.load(VC + off, mask=valid[:, None], other=0)
+        sn = sbase + n
+        ks = tl.load(KS + sn, mask=valid, other=0.0)
+        kz = tl.load(KZ + sn, mask=valid, other=0.0) + bias
+        vs = tl.load(VS + sn, mask=valid, other=0.0)
+        vz = tl.load(VZ + sn, mask=valid, other=0.0) + bias
+        k_lo, k_hi = _kv4_nibbles(kb, KD, BIASED, USE_ASM)
+        v_lo, v_hi = _kv4_nibbles(vb, KD, BIASED, USE_ASM)
         raw = tl.dot(q1, tl.trans(k_lo)) + tl.dot(q2, tl.trans(k_hi))
         s = (raw - qsum[:, None] * kz[None, :]) * (ks * scale_log2)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -902,70 +883,6 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
         acc1 -= z
         acc2 -= z
     return m, l_sum, acc1, acc2
-
-
-@triton.jit
-def _attend_chunk_kv4_split(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, stride_cl, scale_log2,
-                            GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr,
-                            DT: tl.constexpr, BITS: tl.constexpr, DOT_F32: tl.constexpr, BIASED: tl.constexpr,
-                            USE_ASM: tl.constexpr, ZDOT: tl.constexpr = False):
-    """:func:`_attend_chunk_kv4` with each step's ``BLOCK_N`` keys cut in ``WS`` slices of consecutive keys, one
-    online softmax a slice (batched dots over the slices, which the compiler lays one a warp: the row maxima and
-    sums reduce inside a warp), the slices' states combined once after the loop. Returns the same four values."""
-    HALF: tl.constexpr = D // 2
-    BW: tl.constexpr = BLOCK_N // WS
-    dh = tl.arange(0, HALF)
-    q1f = q1.to(tl.float32)
-    q2f = q2.to(tl.float32)
-    qsum = tl.sum(q1f, axis=1) + tl.sum(q2f, axis=1)
-    if DOT_F32:
-        q1 = q1f
-        q2 = q2f
-    else:
-        q1 = q1.to(DT)
-        q2 = q2.to(DT)
-    KD: tl.constexpr = tl.float32 if DOT_F32 else DT
-    q1 = tl.broadcast_to(q1[None, :, :], (WS, GP, HALF))
-    q2 = tl.broadcast_to(q2[None, :, :], (WS, GP, HALF))
-    bias = 128.0 if BIASED else 0.0
-    m = tl.full([WS, GP], float("-inf"), tl.float32)
-    l_sum = tl.zeros([WS, GP], tl.float32)
-    zsum = tl.zeros([WS, GP], tl.float32)
-    zacc = tl.zeros([WS, GP, 16], tl.float32)
-    acc1 = tl.zeros([WS, GP, HALF], tl.float32)
-    acc2 = tl.zeros([WS, GP, HALF], tl.float32)
-    slot = tl.arange(0, WS)[:, None] * BW + tl.arange(0, BW)[None, :]  # [WS, BW]: the step's keys, a slice a row
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + slot
-        valid = n < end
-        off = base + n[:, :, None].to(tl.int64) * stride_cl + dh[None, None, :]
-        k_lo, k_hi, v_lo, v_hi, ks, kz, vs, vz = _kv4_step(KC, VC, KS, KZ, VS, VZ, off, valid[:, :, None],
-                                                           sbase + n, valid, bias, KD, BIASED, USE_ASM)
-        raw = tl.dot(q1, tl.trans(k_lo, (0, 2, 1))) + tl.dot(q2, tl.trans(k_hi, (0, 2, 1)))  # [WS, GP, BW]
-        s = (raw - qsum[None, :, None] * kz[:, None, :]) * (ks * scale_log2)[:, None, :]
-        s = tl.where(valid[:, None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=2))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a slice with no key yet: its terms stay zero
-        p = tl.exp2(s - m_use[:, :, None])
-        alpha = tl.exp2(m - m_use)
-        l_sum = l_sum * alpha + tl.sum(p, axis=2)
-        pw = rnd(p * vs[:, None, :], DT, BITS)
-        # the dots accumulate into the rescaled sums; the zero points' term, one number a row, apart
-        if ZDOT:
-            zacc = tl.dot(pw.to(KD), tl.broadcast_to(vz[:, :, None], (WS, BW, 16)).to(KD),
-                          zacc * alpha[:, :, None])
-        else:
-            zsum = zsum * alpha + tl.sum(pw * vz[:, None, :], axis=2)
-        acc1 = tl.dot(pw.to(KD), v_lo, acc1 * alpha[:, :, None])
-        acc2 = tl.dot(pw.to(KD), v_hi, acc2 * alpha[:, :, None])
-        m = m_new
-    if ZDOT:  # its 16 columns are equal
-        zsum = tl.max(zacc, axis=2)
-    m_all = tl.max(m, axis=0)
-    w = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])  # [WS, GP]; 0 for an empty slice
-    zw = (zsum * w)[:, :, None]
-    return (m_all, tl.sum(l_sum * w, axis=0), tl.sum(acc1 * w[:, :, None] - zw, axis=0),
-            tl.sum(acc2 * w[:, :, None] - zw, axis=0))
 
 
 @triton.jit
@@ -1049,7 +966,7 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
                       DIRECT: tl.constexpr, ROT: tl.constexpr, KV4: tl.constexpr, SYM: tl.constexpr,
                       CHAIN: tl.constexpr, ROT_DOT: tl.constexpr = True, KV4_BIASED: tl.constexpr = False,
                       KV4_ASM: tl.constexpr = False, NEW_CACHED: tl.constexpr = False,
-                      KV4_MINMAX: tl.constexpr = 1, KV4_SPLIT: tl.constexpr = 1, KV4_ZDOT: tl.constexpr = False):
+                      KV4_MINMAX: tl.constexpr = 1, KV4_ZDOT: tl.constexpr = False):
     # _attn_split_kernel's programs (a KV head of a sequence, a chunk of its cache), doing rope_kv's
     # work for their head too: the G queries and the new key rotated from the qkv row; the program
     # whose chunk holds the position writes the new key and value into the cache, and its loop reads
@@ -1112,15 +1029,9 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
             loop_end = end
         else:
             loop_end = tl.minimum(end, pos)
-        if KV4_SPLIT > 1:
-            m, l_sum, acc1, acc2 = _attend_chunk_kv4_split(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start,
-                                                           loop_end, stride_cl, scale_log2, GP, D, BLOCK_N,
-                                                           KV4_SPLIT, DT, BITS, DOT_F32, KV4_BIASED, KV4_ASM,
-                                                           KV4_ZDOT)
-        else:
-            m, l_sum, acc1, acc2 = _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, loop_end,
-                                                     stride_cl, scale_log2, GP, D, BLOCK_N, DT, BITS, DOT_F32,
-                                                     KV4_BIASED, KV4_ASM, KV4_ZDOT)
+        m, l_sum, acc1, acc2 = _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, loop_end,
+                                                 stride_cl, scale_log2, GP, D, BLOCK_N, DT, BITS, DOT_F32,
+                                                 KV4_BIASED, KV4_ASM, KV4_ZDOT)
         if owner and not NEW_CACHED:  # the new key and value, dequantized in registers: one more softmax step
             s_new = (tl.sum(q1.to(tl.float32) * kd1, axis=1) + tl.sum(q2.to(tl.float32) * kd2, axis=1)) * scale_log2
             m_new = tl.maximum(m, s_new)

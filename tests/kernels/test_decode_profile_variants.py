@@ -16,18 +16,18 @@ from mosaicquant.kernels import decoder  # noqa: E402
 
 
 def test_variant_constants_take_their_types_and_are_restored():
-    label, env = dp.parse_variant("split:mosaicquant.kernels.decoder.ATTN_KV4_SPLIT=4,"
+    label, env = dp.parse_variant("v:mosaicquant.kernels.decoder.ATTN_KV4_BLOCK_N=64,"
                                   "mosaicquant.kernels.decoder.ATTN_KV4_MINMAX=joined,"
                                   "mosaicquant.kernels.decoder.ATTN_NEW_CACHED=0")
-    assert label == "split" and len(env) == 3
-    before = (decoder.ATTN_KV4_SPLIT, decoder.ATTN_KV4_MINMAX, decoder.ATTN_NEW_CACHED)
+    assert label == "v" and len(env) == 3
+    before = (decoder.ATTN_KV4_BLOCK_N, decoder.ATTN_KV4_MINMAX, decoder.ATTN_NEW_CACHED)
     with pytest.raises(RuntimeError):
         with dp._Env(env):
-            assert decoder.ATTN_KV4_SPLIT == 4 and type(decoder.ATTN_KV4_SPLIT) is int
+            assert decoder.ATTN_KV4_BLOCK_N == 64 and type(decoder.ATTN_KV4_BLOCK_N) is int
             assert decoder.ATTN_KV4_MINMAX == "joined"
             assert decoder.ATTN_NEW_CACHED is False
             raise RuntimeError("a failed step")
-    assert (decoder.ATTN_KV4_SPLIT, decoder.ATTN_KV4_MINMAX, decoder.ATTN_NEW_CACHED) == before
+    assert (decoder.ATTN_KV4_BLOCK_N, decoder.ATTN_KV4_MINMAX, decoder.ATTN_NEW_CACHED) == before
 
 
 @pytest.mark.parametrize("text", ["x:A", "x:=1", ":A=1", "x:"])

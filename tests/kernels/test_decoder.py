@@ -385,28 +385,15 @@ def test_4bit_attention_loop_variants(biased, block_n, chunk, monkeypatch):
     _check_4bit_attention(8, 2, 64, False, True, chunk)
 
 
-@pytest.mark.parametrize("split,block_n,zdot", [(4, 128, False), (2, 64, False), (4, 64, True), (1, 128, True),
-                                                (1, 64, True)])
+@pytest.mark.parametrize("block_n", [128, 64])
 @pytest.mark.parametrize("chunk", [None, 128])
-def test_4bit_attention_split_loop(split, block_n, zdot, chunk, monkeypatch):
-    # the loop's step cut in slices of one online softmax each, combined after the loop: positions 0, 36 and 63
-    # leave whole slices of a step without a key (their terms must stay zero, not NaN); the zero points' term
-    # summed by a dot, with one softmax a step or a slice
-    monkeypatch.setattr(decoder, "ATTN_KV4_SPLIT", split)
+def test_4bit_attention_zero_points_by_dot(block_n, chunk, monkeypatch):
+    # the zero points' term summed by a dot across the loop and taken off the value sums after it
+    monkeypatch.setattr(decoder, "ATTN_KV4_ZDOT", True)
     monkeypatch.setattr(decoder, "ATTN_KV4_BLOCK_N", block_n)
-    monkeypatch.setattr(decoder, "ATTN_KV4_ZDOT", zdot)
     _check_4bit_attention(8, 2, 64, False, True, chunk)
     if block_n == 128 and chunk is None:
         _check_4bit_attention(4, 4, 64, True, False, None, torch.float16)
-
-
-@pytest.mark.parametrize("split,block_n", [(3, 128), (0, 128), (8, 64), (4.0, 128)])
-def test_4bit_attention_split_refused(split, block_n, monkeypatch):
-    monkeypatch.setattr(decoder, "ATTN_KV4_SPLIT", split)
-    monkeypatch.setattr(decoder, "ATTN_KV4_BLOCK_N", block_n)
-    with pytest.raises(ValueError, match=f"ATTN_KV4_SPLIT = {split!r} with ATTN_KV4_BLOCK_N = {block_n}"):
-        decoder._kv4_loop_args(BF16, True)
-    assert "KV4_SPLIT" in decoder._kv4_loop_args(BF16, False)  # a 16-bit cache does not read it
 
 
 @pytest.mark.parametrize("new_cached,minmax", [(False, "four"), (False, "pairs"), (True, "four"), (True, "joined")])

@@ -41,12 +41,14 @@ def test_loop_counts_refuse_straight_code():
 
 
 def test_set_takes_the_constants_type_and_refuses_other_names(monkeypatch):
-    for name in ("ATTN_KV4_SPLIT", "ATTN_KV4_MINMAX", "ATTN_NEW_CACHED", "ATTN_KV4_STAGES"):
+    for name in ("ATTN_KV4_BLOCK_N", "ATTN_KV4_MINMAX", "ATTN_NEW_CACHED", "ATTN_KV4_ZDOT"):
         monkeypatch.setattr(decoder, name, getattr(decoder, name))  # restored after the test
-    oa._set(decoder, "ATTN_KV4_SPLIT=4")
+    oa._set(decoder, "ATTN_KV4_BLOCK_N=64")
+    oa._set(decoder, "ATTN_KV4_ZDOT=1")
     oa._set(decoder, "ATTN_KV4_MINMAX=joined")
     oa._set(decoder, "ATTN_NEW_CACHED=0")
-    assert (decoder.ATTN_KV4_SPLIT, decoder.ATTN_KV4_MINMAX, decoder.ATTN_NEW_CACHED) == (4, "joined", False)
-    for bad in ("NOT_A_CONSTANT=1", "ATTN_KV4_SPLIT"):
+    assert (decoder.ATTN_KV4_BLOCK_N, decoder.ATTN_KV4_MINMAX, decoder.ATTN_NEW_CACHED, decoder.ATTN_KV4_ZDOT) == (
+        64, "joined", False, True)
+    for bad in ("NOT_A_CONSTANT=1", "ATTN_KV4_ZDOT"):
         with pytest.raises(SystemExit, match="expected NAME=VALUE"):
             oa._set(decoder, bad)
