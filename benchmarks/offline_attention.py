@@ -10,10 +10,11 @@ registers, and the PTX is read up to its first ``mma.sync``: the CTA barriers (`
 shared-memory loads and stores there are those of the prologue (RoPE, the rotation, the new key's and value's
 quantizer) and of the loop's first loads. The loop itself is read from the SASS (``cuobjdump -sass``): the
 instructions between the kernel's longest backward branch and its target, one step of the loop as the GPU
-issues it, with its CTA barriers (``BAR``), shared-memory loads and stores (``LDS``/``LDSM``, ``STS``), spill
-reloads (``LDL``) and tensor-core products (``HMMA``). ``--set NAME=VALUE`` (repeatable) sets a ``decoder``
-constant first (``ATTN_KV4_ZDOT=1``, ``ATTN_KV4_MINMAX=joined``: the text for a constant that is a string, else
-a number of the constant's type). Leaves the process's Triton driver replaced: run it on its own.
+issues it, with its CTA barriers (``BAR``), shared-memory loads and stores (``LDS``/``LDSM``, ``STS``), global
+loads it waits for (``LDG``; the pipelined copies are ``LDGSTS``), spill reloads (``LDL``) and tensor-core products
+(``HMMA``). ``--set NAME=VALUE`` (repeatable) sets a ``decoder`` constant first (``ATTN_KV4_ZDOT=1``,
+``ATTN_KV4_MINMAX=joined``: the text for a constant that is a string, else a number of the constant's type).
+Leaves the process's Triton driver replaced: run it on its own.
 
     python3 benchmarks/offline_attention.py [--set ATTN_KV4_ZDOT=1 --set ATTN_KV4_MINMAX=joined]
 """
@@ -42,7 +43,7 @@ from offline_regs import _CompileOnlyDriver, compile_only  # noqa: E402
 HEADS, KV_HEADS, D, BATCH, SLOTS, CHUNK = 32, 8, 128, 32, 520, 640
 REGS_PER_SM, SMEM_PER_SM = 65536, 227 * 1024
 COUNTED = ("bar.sync", "shfl.sync", "ld.shared", "st.shared", "div.rn")
-LOOP_COUNTED = ("BAR", "LDS", "STS", "LDL", "HMMA")
+LOOP_COUNTED = ("BAR", "LDS", "STS", "LDG", "LDL", "HMMA")
 _SASS = re.compile(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
 _BRANCH = re.compile(r"\bBRA\s+(?:!?U?P\w+,\s*)?0x([0-9a-f]+)")
 
