@@ -166,8 +166,9 @@ def resolve_model(spec: str) -> ModelSource:
         The :class:`ModelSource`.
 
     Raises:
-        UserInputError: empty spec; unknown built-in name (with did-you-mean); a path that
-            does not exist; a folder without ``config.json``; a file that is not ``.gguf``.
+        UserInputError: empty spec; unknown name (with did-you-mean over the built-in and the
+            ``-shapes`` models); a path that does not exist; a folder without ``config.json``; a file
+            that is not ``.gguf``.
 
     Example:
         >>> resolve_model("smollm2-135m").kind
@@ -208,7 +209,9 @@ def resolve_model(spec: str) -> ModelSource:
         raise UserInputError(f"Model path {spec!r} does not exist (resolved to {path.absolute()})")
     if _HUB_ID.fullmatch(spec):
         return ModelSource(spec, "hub", spec, spec, f"Hugging Face hub model {spec}")
-    raise unknown_name("model", spec, BUILTIN_MODELS)
+    err = unknown_name("model", spec, [*BUILTIN_MODELS, *shapes.SHAPE_MODELS])
+    raise UserInputError(f"{err} (the -shapes models: random weights at a real model's shapes, for the speed "
+                         "suites); or give a Hugging Face model folder, a .gguf file or a hub id 'org/name'")
 
 
 def _require_gguf_support(what: str) -> None:

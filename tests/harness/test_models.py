@@ -29,8 +29,16 @@ def test_builtin_name_resolves_without_loading():
 
 
 def test_unknown_builtin_name_suggests_the_close_one():
-    with pytest.raises(UserInputError, match=r"Unknown model 'smollm2-13m'. Did you mean: smollm2-135m\? Available: smollm2-135m"):
+    with pytest.raises(UserInputError, match=r"Unknown model 'smollm2-13m'. Did you mean: smollm2-135m\? Available: ") as exc:
         models.resolve_model("smollm2-13m")
+    # every name a run takes: the built-in model and the speed suites' shape models, and the other kinds of spec
+    assert all(name in str(exc.value) for name in ("smollm2-135m", "llama-3-8b-shapes", "qwen3-32b-shapes"))
+    assert "a .gguf file or a hub id" in str(exc.value)
+
+
+def test_unknown_name_suggests_a_shape_model():
+    with pytest.raises(UserInputError, match=r"Unknown model 'llama-3-8b'. Did you mean: llama-3-8b-shapes"):
+        models.resolve_model("llama-3-8b")
 
 
 @pytest.mark.parametrize("spec", ["./no-such-model", "/nonexistent/dir/model.gguf", "weights.gguf", "a/b/c", "~/nowhere-xyz"])
