@@ -103,7 +103,7 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_ls(args) -> int:
-    from mosaicquant.harness import data, models
+    from mosaicquant.harness import data, models, shapes
     from mosaicquant.harness.registry import BACKENDS, METHODS, SUITES
 
     what = args.what
@@ -125,6 +125,9 @@ def _cmd_ls(args) -> int:
         print("models (built-in; also a local folder, a .gguf file or a hub id):")
         for name, info in models.BUILTIN_MODELS.items():
             print(f"  {name:<16} {getattr(info, 'description', info)}")
+        print("shape models (random weights at a real model's shapes; the throughput, latency and memory suites):")
+        for name, shape in shapes.SHAPE_MODELS.items():
+            print(f"  {name:<20} {shape.description}")
     if what in ("all", "corpora"):
         print("corpora:")
         for name, info in data.CORPORA.items():

@@ -140,11 +140,11 @@ def read_record(path: str | Path) -> dict[str, Any]:
         return json.load(fh)
 
 
-def load_records(out_dir: str | Path) -> list[dict[str, Any]]:
+def load_records(out_dir: str | Path, required: bool = False) -> list[dict[str, Any]]:
     """All records (``*.json`` with our schema) in a results directory, sorted by file name.
 
     Raises:
-        UserInputError: the directory does not exist.
+        UserInputError: the directory does not exist, or (``required``) it holds no record.
     """
     p = Path(out_dir)
     if not p.is_dir():
@@ -158,6 +158,9 @@ def load_records(out_dir: str | Path) -> list[dict[str, Any]]:
         if isinstance(rec, dict) and rec.get("schema") == SCHEMA:
             rec["_path"] = str(f)
             records.append(rec)
+    if required and not records:
+        raise UserInputError(f"results directory {str(p)!r} holds no result records (JSON files with schema "
+                             f"{SCHEMA!r})")
     return records
 
 

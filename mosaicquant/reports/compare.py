@@ -37,7 +37,7 @@ from typing import Any
 import pandas as pd
 
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.results import SCHEMA, load_records
+from mosaicquant.harness.results import load_records
 from mosaicquant.reports.cells import Cell, MetricSummary, aggregate_cells, format_number, natural_key
 from mosaicquant.reports.speed import runtime_of
 
@@ -301,14 +301,6 @@ def compare_records(base_records: list[dict[str, Any]], new_records: list[dict[s
     return result
 
 
-def _load(directory: str | Path) -> list[dict[str, Any]]:
-    records = load_records(directory)
-    if not records:
-        raise UserInputError(f"results directory {str(directory)!r} holds no result records "
-                             f"(JSON files with schema {SCHEMA!r})")
-    return records
-
-
 def code_versions(records: list[dict[str, Any]]) -> list[str]:
     """The distinct code versions behind ``records``, as ``commit[*]/source fingerprint`` (``*``: uncommitted
     changes; ``?`` where a record predates the field), sorted."""
@@ -340,7 +332,7 @@ def compare_dirs(base_dir: str | Path, new_dir: str | Path, fail_on: str | None 
         0
     """
     thresholds = parse_fail_on(fail_on) if fail_on is not None else None
-    base_records, new_records = _load(base_dir), _load(new_dir)
+    base_records, new_records = load_records(base_dir, required=True), load_records(new_dir, required=True)
     return compare_records(base_records, new_records, thresholds, str(base_dir), str(new_dir))
 
 

@@ -228,12 +228,13 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
         The path of the Markdown report.
 
     Raises:
-        UserInputError: the directory does not exist.
+        UserInputError: the directory does not exist or holds no result records (a report of nothing is a wrong
+            directory more often than not; no file is written).
     """
     from mosaicquant.reports.plots import draw_figures
 
     results_dir = Path(results_dir)
-    records = load_records(results_dir)
+    records = load_records(results_dir, required=True)
     df = summary_table(records)
     caveats = sorted({r["model"].get("caveat") for r in records if r["model"].get("caveat")})
     out_path = Path(out_path) if out_path else results_dir / "report.md"

@@ -175,5 +175,6 @@ def test_yaml_spec_and_ls(tmp_path, tiny_llama_dir, tiny_corpus, capsys):
     assert sorted(r["method"]["label"] for r in load_records(tmp_path / "y")) == ["fp16", "rtn:abits=16"]
     assert main(["ls"]) == 0
     out = capsys.readouterr().out
-    for name in ("fp16", "rtn", "mosaicquant", "accuracy", "memory", "analysis", "smollm2-135m", "enwiki-sample"):
+    for name in ("fp16", "rtn", "mosaicquant", "accuracy", "memory", "analysis", "smollm2-135m", "enwiki-sample",
+                 "llama-3-8b-shapes", "qwen3-32b-shapes"):
         assert name in out

@@ -146,6 +146,15 @@ def test_report_cli_puts_figures_next_to_output(tmp_path, write_cell, speed_metr
     assert "budget_sweep.png" in target.read_text()
 
 
+def test_report_of_a_directory_without_records_is_exit_2_and_writes_nothing(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.json").write_text('{"schema": "something else"}')
+    assert main(["report", str(empty)]) == 2
+    assert "holds no result records" in capsys.readouterr().err
+    assert sorted(p.name for p in empty.iterdir()) == ["notes.json"]
+
+
 def test_decode_speedup_is_geometric_mean_over_shared_batches(tmp_path, write_cell, speed_metrics):
     throughput, _ = speed_metrics
     write_cell(tmp_path, SPEED, "fp16", "throughput", throughput({4: 100.0, 8: 200.0, 16: 300.0}))
