@@ -12,12 +12,11 @@ chunk a head) and at explicit chunks (``--chunks``; more programs, then the comb
 ``--block-ns`` keys a step, and the kernel's forms (``--forms``, :data:`FORMS`: the new key and value added from
 registers rather than read back by the loop, the quantizer's row extremes in four reductions or one of two kinds,
 the Q/K Hadamard on the tensor cores, the 4-bit loop's zero-point term summed by a dot; each form sets
-``decoder``'s constants for its calls). Every call's caches are one of several
-copies rotated through more than L2 (a layer's cache is read once a decode step, after other layers' weights have
-passed through L2). Each variant's output is checked against the default cut's (and that one
-against ``decode_rope_attention_reference`` at the smallest batch) first; CUDA graphs, medians of ``--rounds``
-interleaved rounds; µs a call, the cache bytes it reads (keys, values, and the 4-bit cache's scales and zero points),
-and their rate.
+``decoder``'s constants for its calls). Every call's caches are one of several copies rotated through more than L2
+(a layer's cache is read once a decode step, after other layers' weights have passed through L2). Each variant's
+output is checked against the default cut's (and that one against ``decode_rope_attention_reference`` at the
+smallest batch) first; CUDA graphs, medians of ``--rounds`` interleaved rounds; µs a call, the cache bytes it reads
+(keys, values, and the 4-bit cache's scales and zero points), and their rate.
 
     PYTHONPATH=. python3 benchmarks/attention_kv4.py [--batches 4,16,32] [--context 512[,575]] [--chunks 128,256]
         [--block-ns 64] [--forms v42,joined] [--rounds 3] [--out DIR]

@@ -63,12 +63,19 @@ def loop_counts(sass: str) -> tuple[int, collections.Counter]:
 
 
 def _set(dec, item: str) -> None:
+    """``NAME=VALUE`` set on ``dec``: the text for a string constant, else a number of the constant's type."""
     name, eq, text = item.partition("=")
     if not eq or not hasattr(dec, name):
         raise SystemExit(f"--set {item!r}: expected NAME=VALUE with NAME a constant of mosaicquant.kernels.decoder")
     cur = getattr(dec, name)
-    setattr(dec, name, text if isinstance(cur, str) else type(cur)(float(text)) if cur is not None
-            else int(float(text)))
+    if isinstance(cur, str):
+        setattr(dec, name, text)
+        return
+    try:
+        value = float(text)
+    except ValueError:
+        raise SystemExit(f"--set {item!r}: {name} takes a number, got {text!r}") from None
+    setattr(dec, name, type(cur)(value) if cur is not None else int(value))
 
 
 def main(argv=None) -> int:

@@ -52,3 +52,5 @@ def test_set_takes_the_constants_type_and_refuses_other_names(monkeypatch):
     for bad in ("NOT_A_CONSTANT=1", "ATTN_KV4_ZDOT"):
         with pytest.raises(SystemExit, match="expected NAME=VALUE"):
             oa._set(decoder, bad)
+    with pytest.raises(SystemExit, match="ATTN_KV4_BLOCK_N takes a number, got 'x'"):
+        oa._set(decoder, "ATTN_KV4_BLOCK_N=x")
