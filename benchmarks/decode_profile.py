@@ -206,6 +206,20 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return label.strip(), env
 
 
+def set_constant(module, attr: str, text: str) -> None:
+    """``module.attr`` set from ``text``: the text itself for a constant that is a string, else a number of the
+    constant's type (a constant that is None takes an int where the number is whole)."""
+    cur = getattr(module, attr)
+    if isinstance(cur, str):  # a named form (decoder.ATTN_KV4_MINMAX)
+        setattr(module, attr, text)
+        return
+    try:
+        val = float(text)
+    except ValueError:
+        raise SystemExit(f"{attr} takes a number, got {text!r}") from None
+    setattr(module, attr, (int(val) if val.is_integer() else val) if cur is None else type(cur)(val))
+
+
 class _Env:
     """Environment variables (and ``mosaicquant.<module>.<NAME>`` constants: numbers cast to the constant's type, the
     text itself for a constant that is a string) set for a ``with`` block, restored after."""
@@ -225,12 +239,7 @@ class _Env:
             if k.startswith("mosaicquant."):
                 mod, attr = self._target(k)
                 self.saved_attrs[k] = getattr(mod, attr)
-                cur = getattr(mod, attr)
-                if isinstance(cur, str):  # a named form (decoder.ATTN_KV4_MINMAX): the text itself
-                    setattr(mod, attr, v)
-                    continue
-                val = float(v)  # a constant that is None takes an int where v is whole
-                setattr(mod, attr, (int(val) if val.is_integer() else val) if cur is None else type(cur)(val))
+                set_constant(mod, attr, v)
             else:
                 self.saved[k] = os.environ.get(k)
                 os.environ[k] = v

@@ -38,6 +38,7 @@ from triton.runtime.driver import driver
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from decode_profile import set_constant  # noqa: E402
 from offline_regs import _CompileOnlyDriver, compile_only  # noqa: E402
 
 HEADS, KV_HEADS, D, BATCH, SLOTS, CHUNK = 32, 8, 128, 32, 520, 640
@@ -63,19 +64,11 @@ def loop_counts(sass: str) -> tuple[int, collections.Counter]:
 
 
 def _set(dec, item: str) -> None:
-    """``NAME=VALUE`` set on ``dec``: the text for a string constant, else a number of the constant's type."""
+    """``NAME=VALUE`` set on ``dec`` (:func:`decode_profile.set_constant`'s typing)."""
     name, eq, text = item.partition("=")
     if not eq or not hasattr(dec, name):
         raise SystemExit(f"--set {item!r}: expected NAME=VALUE with NAME a constant of mosaicquant.kernels.decoder")
-    cur = getattr(dec, name)
-    if isinstance(cur, str):
-        setattr(dec, name, text)
-        return
-    try:
-        value = float(text)
-    except ValueError:
-        raise SystemExit(f"--set {item!r}: {name} takes a number, got {text!r}") from None
-    setattr(dec, name, type(cur)(value) if cur is not None else int(value))
+    set_constant(dec, name, text)
 
 
 def main(argv=None) -> int:

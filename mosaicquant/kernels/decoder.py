@@ -994,6 +994,7 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
                                  QN, KN, pos, stride_cos, eps, D, QK_NORM, DT, BITS)
     d = tl.arange(0, D)
     owner = (start <= pos) & (pos < start + chunk)
+    loop_end = end if NEW_CACHED else tl.minimum(end, pos)  # the new token read back by the loop, or added after it
     v_row = row + (HKV * (G + 1) + h) * D
     if ROT:
         if ROT_DOT:
@@ -1026,9 +1027,6 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
                                   VS, VZ, at, sat, mine, clip, SYM, KV4_MINMAX)
         if NEW_CACHED:  # the loop reads the new key and value back from the cache, after the CTA's barrier
             tl.debug_barrier()
-            loop_end = end
-        else:
-            loop_end = tl.minimum(end, pos)
         m, l_sum, acc1, acc2 = _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, loop_end,
                                                  stride_cl, scale_log2, GP, D, BLOCK_N, DT, BITS, DOT_F32,
                                                  KV4_BIASED, KV4_ASM, KV4_ZDOT)
@@ -1057,9 +1055,6 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
             q = q.to(DT)
         if NEW_CACHED:  # the loop reads the new key and value back from the cache, after the CTA's barrier
             tl.debug_barrier()
-            loop_end = end
-        else:
-            loop_end = tl.minimum(end, pos)
         # the keys cached before (and the new one, NEW_CACHED): the plain loop (loads straight into the dot operands)
         m, l_sum, acc = _attend_chunk(q, KC, VC, base, start, loop_end, stride_cl, scale_log2, GP, D, BLOCK_N, DT,
                                       DOT_F32)
