@@ -50,6 +50,7 @@ __all__ = [
     "LoadedModel",
     "resolve_model",
     "load_model",
+    "check_finite_weights",
     "converted_builtin_folder",
 ]
 
@@ -293,6 +294,42 @@ def _check_builtin(model, builtin: BuiltinModel, folder: Path) -> None:
         )
 
 
+def check_finite_weights(model: torch.nn.Module, what: str, *, shown: int = 3) -> None:
+    """Refuse a model whose floating parameters or buffers hold a NaN or an infinity.
+
+    Such a checkpoint (a corrupted file, a failed conversion, an overflowed fine-tune) would
+    otherwise fail late and vaguely: NaN perplexity after a full evaluation pass, or a quantizer's
+    error after calibration. One pass over the tensors costs far less than either. Tensors shared
+    between modules (tied embeddings) are counted once.
+
+    Args:
+        model: the loaded model.
+        what: how the error names the model (its spec).
+        shown: how many offending tensors the message names (the count of all follows).
+
+    Raises:
+        AssetError: naming the first ``shown`` tensors with their NaN and infinity counts.
+    """
+    bad: list[str] = []
+    seen: set[int] = set()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if not tensor.is_floating_point() or tensor.device.type == "meta" or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        finite = torch.isfinite(tensor)
+        if bool(finite.all()):
+            continue
+        n_nan = int(torch.isnan(tensor).sum())
+        n_inf = int((~finite).sum()) - n_nan
+        bad.append(f"{name} ({n_nan:,} NaN, {n_inf:,} Inf of {tensor.numel():,} values)")
+    if bad:
+        listed = "; ".join(bad[:shown]) + (f"; and {len(bad) - shown} more" if len(bad) > shown else "")
+        raise AssetError(
+            f"Model '{what}' has non-finite weights in {len(bad)} tensor(s): {listed}. Its checkpoint is "
+            "corrupted or was saved after an overflow; nothing can be quantized or evaluated from it"
+        )
+
+
 def load_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                device_map: str | None = None) -> LoadedModel:
     """Load a model spec (see :func:`resolve_model`) with its tokenizer, in eval mode.
@@ -311,8 +348,9 @@ def load_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | t
 
     Raises:
         UserInputError: bad spec, dtype, device or device_map.
-        AssetError: a built-in cannot be fetched, GGUF support packages are missing, or a hub
-            model cannot be reached (e.g. offline or ``MOSAICQUANT_OFFLINE=1``).
+        AssetError: a built-in cannot be fetched, GGUF support packages are missing, a hub
+            model cannot be reached (e.g. offline or ``MOSAICQUANT_OFFLINE=1``), or the loaded
+            weights hold a NaN or an infinity (:func:`check_finite_weights`).
     """
     source = resolve_model(spec)
     target = _check_dtype_device(dtype, device)
@@ -365,6 +403,7 @@ def load_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | t
                 f"Could not load hub model '{spec}' (no local folder of that name exists either): {first_line}; {hint}"
             ) from error
         description = source.description
+    check_finite_weights(model, spec)
     model.eval()
     if device_map is None:
         model.to(target)

@@ -121,6 +121,32 @@ def test_bad_dtype_and_device_are_rejected(tiny_llama_folder, kwargs, pattern):
         models.load_model(str(folder), **kwargs)
 
 
+def test_non_finite_weights_are_refused_naming_the_tensors(tiny_llama_folder):
+    _, model = tiny_llama_folder
+    models.check_finite_weights(model, "tiny")  # the clean model passes
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[3, 5] = float("nan")
+        model.model.layers[0].self_attn.q_proj.weight[0, :2] = float("inf")
+        model.model.layers[0].self_attn.q_proj.weight[1, 0] = float("nan")
+    with pytest.raises(AssetError) as info:
+        models.check_finite_weights(model, "tiny")
+    message = str(info.value)
+    assert "Model 'tiny' has non-finite weights in 2 tensor(s)" in message
+    assert "model.layers.0.self_attn.q_proj.weight (1 NaN, 2 Inf of 2,304 values)" in message
+    assert "model.layers.1.mlp.down_proj.weight (1 NaN, 0 Inf of 3,840 values)" in message
+    with pytest.raises(AssetError, match=r"in 2 tensor\(s\): model.layers.0.self_attn.q_proj.weight .*; and 1 more"):
+        models.check_finite_weights(model, "tiny", shown=1)
+
+
+def test_a_saved_model_with_a_nan_weight_fails_at_load(tiny_llama_folder):
+    folder, model = tiny_llama_folder
+    with torch.no_grad():
+        model.lm_head.weight[7, 1] = float("nan")
+    model.save_pretrained(folder)
+    with pytest.raises(AssetError, match=r"lm_head.weight \(1 NaN, 0 Inf"):
+        models.load_model(str(folder))
+
+
 def test_smollm2_loads_through_the_fetch_path_with_the_documented_shapes():
     loaded = models.load_model("smollm2-135m")
     model = loaded.model

