@@ -130,6 +130,10 @@ ATTN_KV4_STAGES = 2
 # step's other tiles, ahead (the software pipeline takes only loads that feed a dot), and the default loop loses the
 # term's cross-warp sum.
 ATTN_KV4_ZDOT = False
+# The rounded p·s converted to the dots' dtype once for the step's value dots (and the zero points' dot), rather than
+# once a dot (_attend_chunk_kv4's PW_ONCE). Offline (sm_90, QuaRot's kernel at batch 32) the loop then holds 11 CTA
+# barriers a step against 13, at 210 registers against 208; not yet timed, so off.
+ATTN_KV4_PW_ONCE = False
 # decode_rope_attention's new token: the program whose chunk holds it writes its key and value into the cache and,
 # after a CTA barrier, its loop reads them back as one more cached key (ATTN_NEW_CACHED), rather than adding them to
 # the online softmax from registers after the loop. Over a 4-bit cache the new key's and value's quantizer reduces
@@ -671,7 +675,7 @@ def _kv4_loop_args(dtype: torch.dtype, packed: bool) -> dict:
     """The 4-bit loop's variant flags (:data:`ATTN_KV4_BIASED` and the rest); the byte-permute conversion only
     compiled (the interpreter runs no inline PTX) and for BF16; the stages only over a 4-bit cache."""
     stages = {} if ATTN_KV4_STAGES is None or not packed else {"num_stages": int(ATTN_KV4_STAGES)}
-    return dict(KV4_BIASED=bool(ATTN_KV4_BIASED), KV4_ZDOT=bool(ATTN_KV4_ZDOT),
+    return dict(KV4_BIASED=bool(ATTN_KV4_BIASED), KV4_ZDOT=bool(ATTN_KV4_ZDOT), KV4_PW_ONCE=bool(ATTN_KV4_PW_ONCE),
                 KV4_ASM=bool(ATTN_KV4_ASM) and dtype == torch.bfloat16 and not triton_interpreting(), **stages)
 
 
@@ -816,7 +820,7 @@ def _kv4_nibbles(packed, DT: tl.constexpr, BIASED: tl.constexpr, USE_ASM: tl.con
 def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, stride_cl, scale_log2,
                       GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
                       BITS: tl.constexpr, DOT_F32: tl.constexpr, BIASED: tl.constexpr = False,
-                      USE_ASM: tl.constexpr = False, ZDOT: tl.constexpr = False):
+                      USE_ASM: tl.constexpr = False, ZDOT: tl.constexpr = False, PW_ONCE: tl.constexpr = False):
     """:func:`_attend_chunk` over a 4-bit cache (:func:`_kv4_quantize`'s bytes; scales and zeros at ``sbase``
     along the cache): the integers go into the dots as they are, each key's scale and zero apply to its
     scores, ``s·(q·u - z·Σq)``, and each value's to the probabilities, ``Σ_n (p·s)_n (u_n - z_n)`` with
@@ -829,6 +833,9 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
     ``ZDOT``: the zero points' term ``Σ_n (p·s)_n z_n`` summed by the tensor cores, a dot with the zero points as
     16 equal columns accumulated across the loop and taken off the value sums after it (their products are exact
     in fp32 as the summed ones are); the value dots accumulate into the rescaled sums.
+
+    ``PW_ONCE``: ``p·s`` converted to the dots' dtype once a step for all its dots (the same values: the
+    conversion of a value already rounded to ``DT`` is exact), not once a dot.
     """
     HALF: tl.constexpr = D // 2
     dh = tl.arange(0, HALF)
@@ -869,14 +876,18 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
         alpha = tl.exp2(m - m_new)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         pw = rnd(p * vs[None, :], DT, BITS)
+        if PW_ONCE:  # each dot's .to(KD) below is then the identity
+            pd = pw.to(KD)
+        else:
+            pd = pw
         if ZDOT:
-            zacc = tl.dot(pw.to(KD), tl.broadcast_to(vz[:, None], (BLOCK_N, 16)).to(KD), zacc * alpha[:, None])
-            acc1 = tl.dot(pw.to(KD), v_lo, acc1 * alpha[:, None])
-            acc2 = tl.dot(pw.to(KD), v_hi, acc2 * alpha[:, None])
+            zacc = tl.dot(pd.to(KD), tl.broadcast_to(vz[:, None], (BLOCK_N, 16)).to(KD), zacc * alpha[:, None])
+            acc1 = tl.dot(pd.to(KD), v_lo, acc1 * alpha[:, None])
+            acc2 = tl.dot(pd.to(KD), v_hi, acc2 * alpha[:, None])
         else:
             corr = tl.sum(pw * vz[None, :], axis=1)[:, None]
-            acc1 = acc1 * alpha[:, None] + (tl.dot(pw.to(KD), v_lo) - corr)
-            acc2 = acc2 * alpha[:, None] + (tl.dot(pw.to(KD), v_hi) - corr)
+            acc1 = acc1 * alpha[:, None] + (tl.dot(pd.to(KD), v_lo) - corr)
+            acc2 = acc2 * alpha[:, None] + (tl.dot(pd.to(KD), v_hi) - corr)
         m = m_new
     if ZDOT:  # its 16 columns are equal
         z = tl.max(zacc, axis=1)[:, None]
@@ -966,7 +977,8 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
                       DIRECT: tl.constexpr, ROT: tl.constexpr, KV4: tl.constexpr, SYM: tl.constexpr,
                       CHAIN: tl.constexpr, ROT_DOT: tl.constexpr = True, KV4_BIASED: tl.constexpr = False,
                       KV4_ASM: tl.constexpr = False, NEW_CACHED: tl.constexpr = False,
-                      KV4_MINMAX: tl.constexpr = 1, KV4_ZDOT: tl.constexpr = False):
+                      KV4_MINMAX: tl.constexpr = 1, KV4_ZDOT: tl.constexpr = False,
+                      KV4_PW_ONCE: tl.constexpr = False):
     # _attn_split_kernel's programs (a KV head of a sequence, a chunk of its cache), doing rope_kv's
     # work for their head too: the G queries and the new key rotated from the qkv row; the program
     # whose chunk holds the position writes the new key and value into the cache, and its loop reads
@@ -1029,7 +1041,7 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
             tl.debug_barrier()
         m, l_sum, acc1, acc2 = _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, loop_end,
                                                  stride_cl, scale_log2, GP, D, BLOCK_N, DT, BITS, DOT_F32,
-                                                 KV4_BIASED, KV4_ASM, KV4_ZDOT)
+                                                 KV4_BIASED, KV4_ASM, KV4_ZDOT, KV4_PW_ONCE)
         if owner and not NEW_CACHED:  # the new key and value, dequantized in registers: one more softmax step
             s_new = (tl.sum(q1.to(tl.float32) * kd1, axis=1) + tl.sum(q2.to(tl.float32) * kd2, axis=1)) * scale_log2
             m_new = tl.maximum(m, s_new)

@@ -396,6 +396,15 @@ def test_4bit_attention_zero_points_by_dot(block_n, chunk, monkeypatch):
         _check_4bit_attention(4, 4, 64, True, False, None, torch.float16)
 
 
+@pytest.mark.parametrize("zdot", [False, True])
+def test_4bit_attention_probabilities_converted_once(zdot, monkeypatch):
+    # p·s converted to the dots' dtype once a step for all of its dots: the same attention
+    monkeypatch.setattr(decoder, "ATTN_KV4_PW_ONCE", True)
+    monkeypatch.setattr(decoder, "ATTN_KV4_ZDOT", zdot)
+    assert decoder._kv4_loop_args(BF16, True)["KV4_PW_ONCE"] is True
+    _check_4bit_attention(8, 2, 64, False, True, 128 if zdot else None)
+
+
 @pytest.mark.parametrize("new_cached,minmax", [(False, "four"), (False, "pairs"), (True, "four"), (True, "joined")])
 @pytest.mark.parametrize("heads,kv_heads,symmetric", [(8, 2, False), (4, 4, True)])
 def test_4bit_attention_prologue_forms(new_cached, minmax, heads, kv_heads, symmetric, monkeypatch):
