@@ -54,9 +54,9 @@ REF_OFF_MAX = 0.01
 # "four", "pairs", "joined": the quantizer's row extremes (decoder.KV4_MINMAX_FORMS) with the new token read back;
 # "rot_dot": the Q/K Hadamard on the tensor cores (the ±1 matrix loaded) rather than in butterflies; "zdot" and
 # "zdot_64": the 4-bit loop's zero-point term summed by a dot (decoder.ATTN_KV4_ZDOT), at the default step or at 64
-# keys a step; "joined_zdot" both untimed forms together; "pw_once" and "zdot_pw_once": p·s converted to the dots'
-# dtype once a step (decoder.ATTN_KV4_PW_ONCE), alone and with the zero points' dot. The 16-bit cache has only the
-# first switch.
+# keys a step; "joined_zdot" both untimed forms together; "pw_once": p·s converted to the dots' dtype once a step
+# (decoder.ATTN_KV4_PW_ONCE; with "zdot" the compiler already converts once: the same SASS). The 16-bit cache has
+# only the first switch.
 FORMS = {
     "v42": {"ATTN_NEW_CACHED": False, "ATTN_KV4_MINMAX": "four"},
     "four": {"ATTN_KV4_MINMAX": "four"},
@@ -67,7 +67,6 @@ FORMS = {
     "zdot_64": {"ATTN_KV4_ZDOT": True, "ATTN_KV4_BLOCK_N": 64},
     "joined_zdot": {"ATTN_KV4_MINMAX": "joined", "ATTN_KV4_ZDOT": True},
     "pw_once": {"ATTN_KV4_PW_ONCE": True},
-    "zdot_pw_once": {"ATTN_KV4_ZDOT": True, "ATTN_KV4_PW_ONCE": True},
 }
 FORMS_16 = ("v42",)
 

@@ -132,7 +132,8 @@ ATTN_KV4_STAGES = 2
 ATTN_KV4_ZDOT = False
 # The rounded p·s converted to the dots' dtype once for the step's value dots (and the zero points' dot), rather than
 # once a dot (_attend_chunk_kv4's PW_ONCE). Offline (sm_90, QuaRot's kernel at batch 32) the loop then holds 11 CTA
-# barriers a step against 13, at 210 registers against 208; not yet timed, so off.
+# barriers a step against 13, at 210 registers against 208; not yet timed, so off. With ATTN_KV4_ZDOT the compiler
+# already converts once (the same SASS with or without this switch).
 ATTN_KV4_PW_ONCE = False
 # decode_rope_attention's new token: the program whose chunk holds it writes its key and value into the cache and,
 # after a CTA barrier, its loop reads them back as one more cached key (ATTN_NEW_CACHED), rather than adding them to
