@@ -4,7 +4,8 @@ BF16 cuBLAS streams gate/up's weights at ~4.1 TB/s at 4 tokens (nvjet tiles 128 
 of weights in flight a CTA), the 4-bit packed kernel at ~3.2 TB/s (the wide tiles: 16 KB a step, 3 stages). This
 script times ``QuantLinear`` (BF16 in, BF16 out, activation quantizer included) on each Llama-3-8B linear, dense and
 with 10 % random 128 x 128 kept blocks (ZipperEngine), at decode sizes, for variants of the module constants that set
-those tiles (``_tiles.WIDE_DECODE_STAGES``, ``WIDE_DECODE_BLOCK_KP``, ``DECODE_STAGES``). The variants change where
+those tiles (``_tiles.WIDE_DECODE_STAGES``, ``WIDE_DECODE_BLOCK_KP``, ``DECODE_STAGES``), and the tail walk's row
+scales loaded a kept block ahead (``sahead``: ``_tiles.WALK_SCALES_AHEAD``). The variants change where
 the bytes wait, not the arithmetic: each variant's output must equal the default's bit for bit, and the default's
 must match the PyTorch reference. ``swsh17`` changes the route instead (kept blocks on the swapped GEMM's decode
 tiles from 17 tokens, ``_tiles.SWAP_DECODE_SHARED_MIN_M``) and is checked against the reference. Weights are rotated through more than L2; medians of interleaved rounds.
@@ -46,6 +47,8 @@ VARIANTS = {
     "wkp256s4": {"WIDE_DECODE_BLOCK_KP": 256, "WIDE_DECODE_STAGES": 4},
     "ds3": {"DECODE_STAGES": 3},
     "ds6": {"DECODE_STAGES": 6},
+    # the tail walk's row scales loaded a kept block ahead below WALK_STAGES_MIN_M tokens (the same bits)
+    "sahead": {"WALK_SCALES_AHEAD": True},
     # a route, not a depth: layers with kept blocks take the swapped GEMM's decode tiles (the shared walk) from 17
     # tokens instead of the packed kernels; checked against the reference, not the defaults' bits
     "swsh17": {"SWAP_DECODE_SHARED_MIN_M": 17},

@@ -314,6 +314,12 @@ WALK_STAGES_MIN_M = 17
 # (gate/up's 8-warp tiles at 32 tokens: 128 -> 172 registers a thread, two waves). Its tail calls at 5-8 tokens are
 # o_proj and down_proj. GEMM alone, without PDL, it was level to 5 % slower at 8-32 tokens.
 WALK_PRELOAD_MAX_M = 8
+# ZipperEngine's tail walk on tensor-core dots loads each kept block's row scales one block ahead (read at each launch;
+# the same bits), in calls below WALK_STAGES_MIN_M tokens. There, at the launch's 3 stages, the software pipeline
+# leaves the scales (they multiply the dots' result) as plain loads issued at the top of a block's step and waited for
+# after its dots; from WALK_STAGES_MIN_M its 5 stages already copy them ahead (compiled for sm_90, gate/up: 2 LDG in
+# the walk loop's SASS at 8 and 16 tokens, none at 32). Not yet timed, so off.
+WALK_SCALES_AHEAD = False
 
 # ZipperEngine's "auto" mode runs the kept blocks in programs of their own ("parallel": one per block
 # and 64- or 128-row slice, summed into the dense tiles' counted fix-up) for calls of PARALLEL_MIN_M to

@@ -142,7 +142,7 @@ def _zipper_kernel(
     USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     X16: tl.constexpr = False, DP4A_TOKENS: tl.constexpr = 0,
     FOLD: tl.constexpr = 0, FHB: tl.constexpr = 64, FSPLIT8: tl.constexpr = False, LATE_SIGNAL: tl.constexpr = False,
-    WALK_STAGES: tl.constexpr = None, WALK_PRELOAD: tl.constexpr = False,
+    WALK_STAGES: tl.constexpr = None, WALK_PRELOAD: tl.constexpr = False, WALK_SCALES_AHEAD: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -237,8 +237,18 @@ def _zipper_kernel(
             r_acc = mac_int4(tl.zeros([BM, BN], dtype=tl.int32), a0, r0, USE_DOT, USE_ASM, X16)
             y += r_acc.to(tl.float32) * s0[None, :]
             p_begin += SPLIT_K
+        if WALK_SCALES_AHEAD:  # the first walked block's row scales (an absent block: never used)
+            s_next = tl.load(res_scale_ptr + p_begin * BN_RES + res_rows, mask=(res_rows >= 0) & (p_begin < last),
+                             other=0.0)
         for p in tl.range(p_begin, last, SPLIT_K, num_stages=WALK_STAGES):
             block_col = tl.load(coords_ptr + 2 * p + 1)
+            if WALK_SCALES_AHEAD:
+                # this block's row scales were loaded a step before; the next block's load now, consumed a step
+                # later (the pipeliner stages only loads that feed a dot, so these would wait within the step)
+                r_scale = s_next.to(tl.float32)
+                p_next = p + SPLIT_K
+                s_next = tl.load(res_scale_ptr + p_next * BN_RES + res_rows, mask=(res_rows >= 0) & (p_next < last),
+                                 other=0.0)
             r_acc = tl.zeros([BM, BN], dtype=tl.int32)
             for chunk in tl.static_range(0, BKP_RES, RKP):
                 kp = block_col * BKP_RES + chunk + tl.arange(0, RKP)
@@ -246,7 +256,8 @@ def _zipper_kernel(
                 r = tl.load(res_val_ptr + p * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES
                             + (chunk + tl.arange(0, RKP))[:, None])
                 r_acc = mac_int4(r_acc, a, r, USE_DOT, USE_ASM, X16)
-            r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows).to(tl.float32)
+            if not WALK_SCALES_AHEAD:
+                r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows).to(tl.float32)
             y += r_acc.to(tl.float32) * r_scale[None, :]
 
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
@@ -592,6 +603,7 @@ def zipper_gemm_triton(
         X16=bool(x16) and cfg.use_dot and k < X16_MAX_K, DP4A_TOKENS=dp4a_tokens,
         WALK_STAGES=walk_stages(m) if fuse == "tail" and not dp4a_tokens else None,
         WALK_PRELOAD=fuse == "tail" and not dp4a_tokens and 0 < m <= _tiles.WALK_PRELOAD_MAX_M,
+        WALK_SCALES_AHEAD=bool(_tiles.WALK_SCALES_AHEAD) and fuse == "tail" and not dp4a_tokens and walk_stages(m) is None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl), **fold_consts,
     )
     return out

@@ -372,6 +372,63 @@ def test_walk_preload_writes_the_same_bits(monkeypatch, m, split):
 
 
 @needs_triton()
+@pytest.mark.parametrize("m,split,preload,k,fraction", [(8, 2, True, 1000, 0.3), (8, 2, True, 2000, 0.6),
+                                                        (13, 3, False, 2000, 0.6)])
+def test_walk_scales_ahead_writes_the_same_bits(monkeypatch, m, split, preload, k, fraction):
+    # WALK_SCALES_AHEAD loads each kept block's row scales a block ahead: programs that walk no block (a row with fewer
+    # blocks than splits) or several, with and without the first block preloaded (the walk then starts a block on)
+    from mosaicquant.kernels import _tiles
+
+    n, block = 384, (128, 128)
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, fraction, seed=53)
+    per_row = torch.diff(residual.row_ptr.long())
+    if fraction < 0.5:
+        assert per_row.min() < split
+    else:  # every program walks at least two blocks in its loop (after the preloaded one, if any)
+        assert per_row.min() >= (3 if preload else 2) * split
+    args = (a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k, _dev(residual),
+            bias.to(DEVICE))
+    config = TileConfig(block_m=16, block_n=64, block_kp=128, split_k=split, num_stages=3)
+    ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
+    monkeypatch.setattr(_tiles, "WALK_PRELOAD_MAX_M", m if preload else 0)
+    outs = {}
+    for ahead in (False, True):
+        monkeypatch.setattr(_tiles, "WALK_SCALES_AHEAD", ahead)
+        outs[ahead] = zipper_gemm_triton(*args, mode="tail", config=config, residual_walk="dot")
+        assert_close_bf16(outs[ahead], ref, f"zipper tail, scales ahead={ahead}")
+    assert torch.equal(outs[False], outs[True]), f"{(outs[False] != outs[True]).sum()} differ"
+
+
+@needs_triton()
+def test_walk_scales_ahead_applies_below_the_staged_walks(monkeypatch):
+    # the switch reaches tensor-core tail walks of fewer than WALK_STAGES_MIN_M tokens only (from there the walk's
+    # deeper pipeline copies the scales ahead itself), never the dp4a walk; off by default
+    import importlib
+
+    from mosaicquant.kernels import _tiles
+
+    zmod = importlib.import_module("mosaicquant.kernels.zipper")
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs["WALK_SCALES_AHEAD"])
+
+    monkeypatch.setattr(zmod, "_zipper_kernel", Spy())
+    assert _tiles.WALK_SCALES_AHEAD is False
+    n, k, block = 256, 512, (128, 128)
+    cases = [(8, "dot", True), (_tiles.WALK_STAGES_MIN_M - 1, "dot", True), (_tiles.WALK_STAGES_MIN_M, "dot", False),
+             (4, "dp4a", False)]
+    for switch in (False, True):
+        monkeypatch.setattr(_tiles, "WALK_SCALES_AHEAD", switch)
+        for m, walk, expected in cases:
+            a_packed, a_scale, qweight, w_scale, residual, _ = _case(m, n, k, block, 0.3, seed=m)
+            zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
+                               _dev(residual), mode="tail", residual_walk=walk)
+            assert seen[-1] is (expected and switch), (switch, m, walk, seen[-1])
+
+
+@needs_triton()
 def test_walk_preload_applies_up_to_its_token_count(monkeypatch):
     # the default rule: tail-walk calls of at most WALK_PRELOAD_MAX_M tokens preload, larger ones do not, and the
     # dp4a walk (no tensor-core walk to preload) does not; 0 switches it off
