@@ -371,6 +371,21 @@ def test_walk_preload_writes_the_same_bits(monkeypatch, m, split):
     assert torch.equal(outs[False], outs[True]), f"{(outs[False] != outs[True]).sum()} differ"
 
 
+def _spy_kernel_constant(monkeypatch, name):
+    """``_zipper_kernel``'s launches replaced by a spy: the returned list collects each launch's constant ``name``."""
+    import importlib
+
+    zmod = importlib.import_module("mosaicquant.kernels.zipper")
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs[name])
+
+    monkeypatch.setattr(zmod, "_zipper_kernel", Spy())
+    return seen
+
+
 @needs_triton()
 @pytest.mark.parametrize("m,split,preload,k,fraction", [(8, 2, True, 1000, 0.3), (8, 2, True, 2000, 0.6),
                                                         (13, 3, False, 2000, 0.6)])
@@ -403,18 +418,9 @@ def test_walk_scales_ahead_writes_the_same_bits(monkeypatch, m, split, preload, 
 def test_walk_scales_ahead_applies_below_the_staged_walks(monkeypatch):
     # the switch reaches tensor-core tail walks of fewer than WALK_STAGES_MIN_M tokens only (from there the walk's
     # deeper pipeline copies the scales ahead itself), never the dp4a walk; off by default
-    import importlib
-
     from mosaicquant.kernels import _tiles
 
-    zmod = importlib.import_module("mosaicquant.kernels.zipper")
-    seen = []
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.append(kwargs["WALK_SCALES_AHEAD"])
-
-    monkeypatch.setattr(zmod, "_zipper_kernel", Spy())
+    seen = _spy_kernel_constant(monkeypatch, "WALK_SCALES_AHEAD")
     assert _tiles.WALK_SCALES_AHEAD is False
     n, k, block = 256, 512, (128, 128)
     cases = [(8, "dot", True), (_tiles.WALK_STAGES_MIN_M - 1, "dot", True), (_tiles.WALK_STAGES_MIN_M, "dot", False),
@@ -432,18 +438,9 @@ def test_walk_scales_ahead_applies_below_the_staged_walks(monkeypatch):
 def test_walk_preload_applies_up_to_its_token_count(monkeypatch):
     # the default rule: tail-walk calls of at most WALK_PRELOAD_MAX_M tokens preload, larger ones do not, and the
     # dp4a walk (no tensor-core walk to preload) does not; 0 switches it off
-    import importlib
-
     from mosaicquant.kernels import _tiles
 
-    zmod = importlib.import_module("mosaicquant.kernels.zipper")
-    seen = []
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.append(kwargs["WALK_PRELOAD"])
-
-    monkeypatch.setattr(zmod, "_zipper_kernel", Spy())
+    seen = _spy_kernel_constant(monkeypatch, "WALK_PRELOAD")
     n, k, block = 256, 512, (128, 128)
     assert _tiles.WALK_PRELOAD_MAX_M == 8
     for m, walk, expected in [(5, "dot", True), (8, "dot", True), (9, "dot", False), (4, "dp4a", False)]:
