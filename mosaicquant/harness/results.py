@@ -36,6 +36,7 @@ __all__ = [
     "write_record",
     "read_record",
     "load_records",
+    "skipped_note",
     "environment",
     "git_info",
     "source_fingerprint",
@@ -136,12 +137,19 @@ def _json_default(obj):
 
 
 def read_record(path: str | Path) -> dict[str, Any]:
-    with open(path) as fh:
+    with open(path, encoding="utf-8") as fh:
         return json.load(fh)
 
 
-def load_records(out_dir: str | Path, required: bool = False) -> list[dict[str, Any]]:
+def load_records(out_dir: str | Path, required: bool = False,
+                 skipped: list[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
     """All records (``*.json`` with our schema) in a results directory, sorted by file name.
+
+    A ``*.json`` file that cannot be read as JSON (cut short, not UTF-8 text, unreadable) is
+    left out, and so is JSON of another schema (other tools' output kept next to the records).
+    The first kind may be a damaged record, so it is not left out silently: ``skipped``, when
+    given, receives ``(file name, why)`` for each such file, for the caller to show
+    (:func:`skipped_note`).
 
     Raises:
         UserInputError: the directory does not exist, or (``required``) it holds no record.
@@ -150,18 +158,42 @@ def load_records(out_dir: str | Path, required: bool = False) -> list[dict[str, 
     if not p.is_dir():
         raise UserInputError(f"results directory {str(p)!r} does not exist")
     records = []
+    unreadable: list[tuple[str, str]] = []
     for f in sorted(p.glob("*.json")):
         try:
             rec = read_record(f)
-        except (OSError, json.JSONDecodeError):
+        except UnicodeDecodeError:
+            unreadable.append((f.name, "not UTF-8 text"))
+            continue
+        except json.JSONDecodeError as exc:
+            unreadable.append((f.name, f"not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})"))
+            continue
+        except OSError as exc:
+            unreadable.append((f.name, f"cannot be read: {exc.strerror or exc}"))
             continue
         if isinstance(rec, dict) and rec.get("schema") == SCHEMA:
             rec["_path"] = str(f)
             records.append(rec)
+    if skipped is not None:
+        skipped.extend(unreadable)
     if required and not records:
         raise UserInputError(f"results directory {str(p)!r} holds no result records (JSON files with schema "
-                             f"{SCHEMA!r})")
+                             f"{SCHEMA!r})" + (f"; {skipped_note(unreadable)}" if unreadable else ""))
     return records
+
+
+def skipped_note(skipped: list[tuple[str, str]], shown: int = 5) -> str:
+    """One line naming the files :func:`load_records` skipped as unreadable (the first ``shown``, then a count).
+
+    Example:
+        >>> skipped_note([("a.json", "not UTF-8 text")])
+        'skipped 1 *.json file that is not readable JSON: a.json (not UTF-8 text)'
+    """
+    n = len(skipped)
+    names = ", ".join(f"{name} ({why})" for name, why in skipped[:shown])
+    more = f", and {n - shown} more" if n > shown else ""
+    return (f"skipped {n} *.json file{'s' if n != 1 else ''} that {'are' if n != 1 else 'is'} not readable JSON: "
+            f"{names}{more}")
 
 
 def git_info() -> dict[str, Any]:

@@ -10,7 +10,8 @@ import pytest
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.harness.cli import main
 from mosaicquant.harness.results import (
-    SCHEMA, ensure_writable_dir, environment, git_info, load_records, record_path, source_fingerprint, write_record,
+    SCHEMA, ensure_writable_dir, environment, git_info, load_records, record_path, skipped_note, source_fingerprint,
+    write_record,
 )
 
 
@@ -23,6 +24,24 @@ def test_atomic_write_and_load(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"schema": "something-else"}))
     recs = load_records(tmp_path)
     assert len(recs) == 1 and recs[0]["_path"].endswith("a.json")
+
+
+def test_unreadable_json_files_are_skipped_and_named(tmp_path):
+    write_record(tmp_path / "a.json", {"schema": SCHEMA, "status": "ok"})
+    # a record saved as UTF-16 (e.g. by an editor) and one cut short (a full disk)
+    (tmp_path / "b_utf16.json").write_bytes(json.dumps({"schema": SCHEMA}).encode("utf-16"))
+    (tmp_path / "c_cut.json").write_text('{"schema": "%s", "status": "o' % SCHEMA)
+    (tmp_path / "d_other.json").write_text(json.dumps({"schema": "something-else"}))
+    skipped = []
+    recs = load_records(tmp_path, skipped=skipped)
+    assert [r["_path"].rsplit("/", 1)[1] for r in recs] == ["a.json"]
+    assert [name for name, _ in skipped] == ["b_utf16.json", "c_cut.json"]
+    assert skipped[0][1] == "not UTF-8 text" and skipped[1][1].startswith("not valid JSON: "), skipped
+    assert skipped_note(skipped).startswith("skipped 2 *.json files that are not readable JSON: b_utf16.json (")
+    # a directory of unreadable files only: the refusal names them
+    (tmp_path / "a.json").unlink()
+    with pytest.raises(UserInputError, match=r"holds no result records .*; skipped 2 \*\.json files"):
+        load_records(tmp_path, required=True)
 
 
 def test_failed_write_leaves_previous_record(tmp_path, monkeypatch):
