@@ -37,7 +37,7 @@ from typing import Any
 import pandas as pd
 
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.results import load_records
+from mosaicquant.harness.results import load_records, skipped_note
 from mosaicquant.reports.cells import Cell, MetricSummary, aggregate_cells, format_number, natural_key
 from mosaicquant.reports.speed import runtime_of
 
@@ -133,6 +133,8 @@ class Comparison:
     not_compared: list[tuple[str, str, str, str]] = field(default_factory=list)
     base_code: list[str] = field(default_factory=list)
     new_code: list[str] = field(default_factory=list)
+    base_skipped: list[tuple[str, str]] = field(default_factory=list)
+    new_skipped: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def regressions(self) -> list[ComparedMetric]:
@@ -157,8 +159,13 @@ class Comparison:
         """Human-readable text: header, table, unmatched cells, summary line."""
         from mosaicquant.reports.tables import render_markdown
 
-        lines = [f"base: {self.base_dir}" + (f" (code: {', '.join(self.base_code)})" if self.base_code else ""),
-                 f"new:  {self.new_dir}" + (f" (code: {', '.join(self.new_code)})" if self.new_code else ""), ""]
+        lines = []
+        for side, folder, code, skipped in (("base: ", self.base_dir, self.base_code, self.base_skipped),
+                                            ("new:  ", self.new_dir, self.new_code, self.new_skipped)):
+            lines.append(side + folder + (f" (code: {', '.join(code)})" if code else ""))
+            if skipped:  # perhaps a damaged record, whose cell is then missing on that side
+                lines.append(f"      {skipped_note(skipped)}")
+        lines.append("")
         if self.rows:
             lines.append(render_markdown(self.table()))
         else:
@@ -187,6 +194,8 @@ class Comparison:
         return {
             "schema": "mosaicquant.compare/1", "base": self.base_dir, "new": self.new_dir,
             "base_code": self.base_code, "new_code": self.new_code,
+            "base_skipped": [{"file": f, "why": w} for f, w in self.base_skipped],
+            "new_skipped": [{"file": f, "why": w} for f, w in self.new_skipped],
             "fail_on": [asdict(t) for t in self.thresholds], "rows": rows,
             "only_in_base": [list(k) for k in self.only_in_base], "only_in_new": [list(k) for k in self.only_in_new],
             "not_compared": [{"cell": list(k[:3]), "why": k[3]} for k in self.not_compared],
@@ -332,8 +341,13 @@ def compare_dirs(base_dir: str | Path, new_dir: str | Path, fail_on: str | None 
         0
     """
     thresholds = parse_fail_on(fail_on) if fail_on is not None else None
-    base_records, new_records = load_records(base_dir, required=True), load_records(new_dir, required=True)
-    return compare_records(base_records, new_records, thresholds, str(base_dir), str(new_dir))
+    base_skipped: list[tuple[str, str]] = []
+    new_skipped: list[tuple[str, str]] = []
+    base_records = load_records(base_dir, required=True, skipped=base_skipped)
+    new_records = load_records(new_dir, required=True, skipped=new_skipped)
+    result = compare_records(base_records, new_records, thresholds, str(base_dir), str(new_dir))
+    result.base_skipped, result.new_skipped = base_skipped, new_skipped
+    return result
 
 
 def write_json(result: Comparison, path: str | Path) -> Path:

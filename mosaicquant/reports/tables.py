@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from mosaicquant.harness.results import load_records
+from mosaicquant.harness.results import load_records, skipped_note
 from mosaicquant.reports.cells import aggregate_cells, format_number, natural_key, record_note
 
 __all__ = ["records_frame", "summary_table", "render_markdown", "provenance_section", "write_tables"]
@@ -234,12 +234,16 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
     from mosaicquant.reports.plots import draw_figures
 
     results_dir = Path(results_dir)
-    records = load_records(results_dir, required=True)
+    skipped: list[tuple[str, str]] = []
+    records = load_records(results_dir, required=True, skipped=skipped)
     df = summary_table(records)
     caveats = sorted({r["model"].get("caveat") for r in records if r["model"].get("caveat")})
     out_path = Path(out_path) if out_path else results_dir / "report.md"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     parts = [f"# MosaicQuant results: {results_dir}\n", f"{len(records)} records.\n"]
+    if skipped:  # perhaps a damaged record: its cell would be missing without a word
+        note = skipped_note(skipped)
+        parts.append(f"{note[0].upper()}{note[1:]}.\n")
     corpora = sorted({r.get("corpus") for r in records if r.get("corpus")})
     if corpora:
         parts.append(f"Perplexity corpus: {', '.join(corpora)}.\n")

@@ -185,3 +185,16 @@ def test_each_side_names_the_code_its_records_ran(tmp_path, write_cell, speed_me
     saved = json.loads((tmp_path / "c.json").read_text())
     assert saved["base_code"] == ["aaaaaaaaaa/1111222233334444"]
     assert saved["new_code"] == ["?/?", "bbbbbbbbbb*/5555666677778888"]
+
+
+def test_unreadable_files_are_named_per_side(tmp_path, write_cell, speed_metrics, capsys):
+    base, new = _sets(tmp_path, write_cell, speed_metrics)
+    (tmp_path / "new" / "cut.json").write_text('{"schema": "mosaicquant.result/1", "metr')
+    (tmp_path / "new" / "utf16.json").write_bytes('{"schema": "mosaicquant.result/1"}'.encode("utf-16"))
+    assert main(["compare", base, new, "--json", str(tmp_path / "c.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("base: ") and lines[1].startswith("new:  ")
+    assert lines[2].strip().startswith("skipped 2 *.json files that are not readable JSON: cut.json (not valid JSON")
+    assert "utf16.json (not UTF-8 text)" in lines[2]
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert saved["base_skipped"] == [] and [s["file"] for s in saved["new_skipped"]] == ["cut.json", "utf16.json"]

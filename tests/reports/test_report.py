@@ -286,3 +286,16 @@ def test_provenance_names_the_code_and_machine_of_each_record(tmp_path, write_ce
     assert "| 0123456789* | eeeeffff00001111 | NVIDIA H200 | 2.11.0 | 3.6.0 | 1 |" in section
     assert "| – | – | CPU | – | – | 1 |" in section
     assert "These records come from more than one code version or machine." in section
+
+
+def test_unreadable_json_files_are_named_in_the_report(tmp_path, write_cell, speed_metrics, capsys):
+    out = tmp_path / "res"
+    write_cell(out, SPEED, "fp16", "throughput", speed_metrics[0]({4: 400.0}))
+    rtn = write_cell(out, SPEED, "rtn", "throughput", speed_metrics[0]({4: 900.0}))
+    rtn.write_bytes(rtn.read_text().encode("utf-16"))  # a record re-saved by an editor
+    (out / "cut.json").write_text('{"schema": "mosaicquant.result/1", "metr')
+    assert main(["report", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    line = next(x for x in report.splitlines() if x.startswith("Skipped 2 *.json files"))
+    assert f"{rtn.name} (not UTF-8 text)" in line and "cut.json (not valid JSON: " in line, line
+    assert "| rtn |" not in report  # the unreadable record has no row: the line above says why
