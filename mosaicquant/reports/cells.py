@@ -77,9 +77,11 @@ class Cell:
 
 
 def format_number(value: float | None) -> str:
-    """Three significant digits, thousands separators from 1000 up, empty for a missing value."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    """Three significant digits, thousands separators from 1000 up, ``NaN`` for a NaN, empty for a missing value."""
+    if value is None:
         return ""
+    if math.isnan(value):
+        return "NaN"
     if math.isinf(value):
         return "inf" if value > 0 else "-inf"
     if abs(value) >= 1000:
@@ -126,7 +128,8 @@ def _summaries(values: dict[str, list[dict[str, Any]]]) -> dict[str, MetricSumma
             continue
         mean = sum(nums) / len(nums)
         candidates = []
-        recorded = [float(m["spread"]) for m in ms if m.get("spread") is not None]
+        # a NaN spread says nothing about the spread: left out, so it cannot hide a change
+        recorded = [float(m["spread"]) for m in ms if m.get("spread") is not None and not math.isnan(m["spread"])]
         if recorded:
             candidates.append(math.sqrt(sum(s * s for s in recorded) / len(recorded)))
         if len(nums) >= 2:

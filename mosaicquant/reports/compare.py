@@ -17,6 +17,10 @@ Rules:
   spread counts as 0). Beyond PCT but within the spread is reported as ``within spread``.
 - A watched metric whose base cell is ``ok`` but whose new cell has a failed or unavailable
   record (any seed) is a regression too: the number CI tracks is gone or incomplete.
+- A metric that is NaN in the new set (a number in base) is printed as ``not a number in new``,
+  a regression when watched; NaN in base is printed as not compared (there is nothing to hold
+  the new value to). From an infinite base (a collapsed perplexity) a finite value is a ±100%
+  change.
 - Cells present in only one set, and cells whose base has no numbers, are listed, never dropped.
 - Without ``--fail-on`` every metric the matched cells share is compared and nothing fails.
 
@@ -100,7 +104,9 @@ class ComparedMetric:
         threshold: the percent it is held to, None when not watched.
         noise: the combined spread ``sqrt(s_base² + s_new²)``.
         verdict: ``REGRESSION``, ``within spread``, ``improved``, ``ok``, ``FAILED in new``
-            (or ``UNAVAILABLE in new``), ``missing in new``, ``new metric``, or ``""`` (not watched).
+            (or ``UNAVAILABLE in new``), ``missing in new``, ``new metric``, ``not a number in new``
+            (``REGRESSION: not a number in new`` when watched), ``not compared: not a number in base``,
+            or ``""`` (not watched).
     """
 
     model: str
@@ -230,8 +236,19 @@ def _compare_metric(cell: Cell, name: str, base: MetricSummary | None, new: Metr
     if base is None or new is None:
         row.verdict = "new metric" if base is None else "missing in new"
         return row
-    delta = new.value - base.value
-    if base.value != 0:
+    # every comparison with NaN is false: without these, a NaN would pass as "ok"
+    if math.isnan(base.value):
+        row.verdict = "not compared: not a number in base" + (" and new" if math.isnan(new.value) else "")
+        return row
+    if math.isnan(new.value):
+        row.regression = threshold is not None
+        row.verdict = ("REGRESSION: " if row.regression else "") + "not a number in new"
+        return row
+    delta = 0.0 if new.value == base.value else new.value - base.value  # inf - inf is NaN
+    if math.isinf(base.value):
+        # from an infinite base (e.g. a collapsed perplexity) the relative change tends to ±100%
+        row.change = 0.0 if delta == 0 else math.copysign(1.0, delta)
+    elif base.value != 0:
         row.change = delta / abs(base.value)
     else:
         row.change = 0.0 if delta == 0 else math.copysign(math.inf, delta)

@@ -16,6 +16,7 @@ speed-up, and the report says so.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Iterable
 
@@ -125,7 +126,7 @@ def _cell_text(value: MetricSummary | None, ratio: float | None, with_spread: bo
     if value is None:
         return ""
     text = format_number(value.value)
-    if with_spread and value.spread is not None:
+    if with_spread and value.spread is not None and not math.isnan(value.spread):
         text += f" ±{value.spread:.2g}" if abs(value.spread) < 1000 else f" ±{format_number(value.spread)}"
     if ratio is not None:
         text += f" ({ratio:.2f}×)"

@@ -10,6 +10,7 @@ embedded, plus ``summary.csv``, ``summary.tex`` and ``records_long.csv``.
 
 from __future__ import annotations
 
+import math
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
@@ -76,7 +77,8 @@ def _shown(suite: str, name: str) -> bool:
 def summary_table(records: list[dict[str, Any]]) -> pd.DataFrame:
     """Wide table: model, method, bits, KV bits, execution path, one column per shown metric.
 
-    Metrics are the mean over seeds; ``n_seeds`` says how many.
+    Metrics are the mean over seeds; ``n_seeds`` says how many. A mean that is NaN is the string
+    ``"NaN"``, so that it stays apart from a metric the row did not measure (an empty cell).
     """
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for rec in records:
@@ -111,7 +113,9 @@ def summary_table(records: list[dict[str, Any]]) -> pd.DataFrame:
             # the speed suites time a kernel path, the accuracy suite may simulate the method
             row["exec path"] = "; ".join(p for p in (row["exec path"], f"speed: {speed_path}") if p)
         for col, v in vals.items():
-            row[col] = sum(v) / len(v)
+            mean = sum(v) / len(v)
+            # a NaN result is shown as such (a string keeps it apart from an empty cell: not measured)
+            row[col] = "NaN" if math.isnan(mean) else mean
             row["n_seeds"] = max(row.get("n_seeds", 0), len(v))
         row["notes"] = "; ".join(fails)
         out.append(row)

@@ -198,3 +198,36 @@ def test_unreadable_files_are_named_per_side(tmp_path, write_cell, speed_metrics
     assert "utf16.json (not UTF-8 text)" in lines[2]
     saved = json.loads((tmp_path / "c.json").read_text())
     assert saved["base_skipped"] == [] and [s["file"] for s in saved["new_skipped"]] == ["cut.json", "utf16.json"]
+
+
+def test_a_nan_is_never_ok(tmp_path, write_cell, capsys):
+    acc = "smollm2-135m"
+    base, new = tmp_path / "base", tmp_path / "new"
+    for folder, rtn, quarot in ((base, 900.0, float("nan")), (new, float("nan"), 27.0)):
+        write_cell(folder, acc, "fp16", "accuracy", {"ppl": (13.9, False)})
+        write_cell(folder, acc, "rtn", "accuracy", {"ppl": (rtn, False)})
+        write_cell(folder, acc, "quarot", "accuracy", {"ppl": (quarot, False)})
+    assert main(["compare", str(base), str(new), "--fail-on", "ppl:5%"]) == 1
+    out = capsys.readouterr().out
+    assert "| 900.0 | NaN |  | 5% |" in _row(out, "rtn", "ppl"), out
+    assert _row(out, "rtn", "ppl").rstrip(" |").endswith("REGRESSION: not a number in new")
+    # NaN in base: nothing to hold the new value to
+    assert _row(out, "quarot", "ppl").rstrip(" |").endswith("not compared: not a number in base")
+    assert "1 regression(s) in 3 watched" in out
+    # not watched: printed as such, and nothing fails
+    assert main(["compare", str(base), str(new)]) == 0
+    assert _row(capsys.readouterr().out, "rtn", "ppl").rstrip(" |").endswith("| not a number in new")
+
+
+def test_from_an_infinite_base_the_direction_decides(tmp_path, write_cell, capsys):
+    acc = "smollm2-135m"
+    base, new = tmp_path / "base", tmp_path / "new"
+    write_cell(base, acc, "rtn", "accuracy", {"ppl": (float("inf"), False)})
+    write_cell(new, acc, "rtn", "accuracy", {"ppl": (25.0, False)})
+    write_cell(base, acc, "quarot", "accuracy", {"ppl": (float("inf"), False)})
+    write_cell(new, acc, "quarot", "accuracy", {"ppl": (float("inf"), False)})
+    assert main(["compare", str(base), str(new), "--fail-on", "ppl:5%"]) == 0
+    out = capsys.readouterr().out
+    assert "| inf | 25.00 | -100.00% | 5% |" in _row(out, "rtn", "ppl") and "improved" in _row(out, "rtn", "ppl")
+    assert "| inf | inf | +0.00% | 5% |" in _row(out, "quarot", "ppl") and "| ok |" in _row(out, "quarot", "ppl")
+    assert main(["compare", str(new), str(base), "--fail-on", "ppl:5%"]) == 1  # collapsing is a regression

@@ -299,3 +299,17 @@ def test_unreadable_json_files_are_named_in_the_report(tmp_path, write_cell, spe
     line = next(x for x in report.splitlines() if x.startswith("Skipped 2 *.json files"))
     assert f"{rtn.name} (not UTF-8 text)" in line and "cut.json (not valid JSON: " in line, line
     assert "| rtn |" not in report  # the unreadable record has no row: the line above says why
+
+
+def test_a_nan_result_shows_as_nan_not_as_an_empty_cell(tmp_path, write_cell, speed_metrics):
+    out = tmp_path / "res"
+    write_cell(out, ACC, "fp16", "accuracy", {"ppl": (13.9, False)})
+    write_cell(out, ACC, "rtn", "accuracy", {"ppl": (float("nan"), False)})
+    write_cell(out, ACC, "quarot", "memory", {"total_quantized_linears": (5.1e7, False, "bytes"),
+                                              "base_values": (5e7, False, "bytes")})
+    report = write_tables(out).read_text()
+    summary = report.split("## Summary")[1].split("## Figures")[0]
+    header = next(x for x in summary.splitlines() if x.startswith("| model |")).split(" | ")
+    ppl = header.index("accuracy/ppl")
+    cells = {x.split(" | ")[1]: x.split(" | ") for x in summary.splitlines() if x.startswith(f"| {ACC} |")}
+    assert cells["rtn"][ppl] == "NaN" and cells["quarot"][ppl] == "" and cells["fp16"][ppl] == "13.90"
