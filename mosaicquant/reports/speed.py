@@ -115,11 +115,24 @@ def _runtime_note(cell: Cell, ref: Cell | None) -> str | None:
             "no end-to-end speed-up shown")
 
 
-def speedup(method: MetricSummary | None, fp16: MetricSummary | None) -> float | None:
-    """How many times faster than fp16 (above 1 is faster), or None without both values."""
-    if method is None or fp16 is None or method.value <= 0 or fp16.value <= 0:
+def _ratio_of(value: float, ref: float) -> float | None:
+    """``value / ref`` for two finite positive numbers, else None (a NaN, an infinity or a zero has no ratio)."""
+    if not (math.isfinite(value) and math.isfinite(ref) and value > 0 and ref > 0):
         return None
-    return method.value / fp16.value if method.higher_is_better else fp16.value / method.value
+    return value / ref
+
+
+def speedup(method: MetricSummary | None, fp16: MetricSummary | None) -> float | None:
+    """How many times faster than fp16 (above 1 is faster), or None without two finite positive values.
+
+    A NaN, infinite or zero value (a broken measurement) gives no speed-up rather than a
+    ``nan×`` in a table or a point a log-scaled figure cannot draw.
+    """
+    if method is None or fp16 is None:
+        return None
+    if method.higher_is_better:
+        return _ratio_of(method.value, fp16.value)
+    return _ratio_of(fp16.value, method.value)
 
 
 def _cell_text(value: MetricSummary | None, ratio: float | None, with_spread: bool = True) -> str:
@@ -190,9 +203,10 @@ def energy_table(group: list[Cell]) -> pd.DataFrame:
         row = {"method": cell.method}
         for b in batches:
             e, r = energy.get(b), ref_energy.get(b)
-            text = "" if e is None else f"{e.value:.3g}"
-            if e is not None and r is not None and r.value > 0:
-                text += f" ({e.value / r.value:.2f}×)"
+            text = "" if e is None else (f"{e.value:.3g}" if math.isfinite(e.value) else format_number(e.value))
+            ratio = None if e is None or r is None else _ratio_of(e.value, r.value)
+            if ratio is not None:
+                text += f" ({ratio:.2f}×)"
             row[f"b{b} J/tok"] = text
             row[f"b{b} W"] = "" if power.get(b) is None else f"{power[b].value:.0f}"
         rows.append(row)

@@ -313,3 +313,37 @@ def test_a_nan_result_shows_as_nan_not_as_an_empty_cell(tmp_path, write_cell, sp
     ppl = header.index("accuracy/ppl")
     cells = {x.split(" | ")[1]: x.split(" | ") for x in summary.splitlines() if x.startswith(f"| {ACC} |")}
     assert cells["rtn"][ppl] == "NaN" and cells["quarot"][ppl] == "" and cells["fp16"][ppl] == "13.90"
+
+
+def test_a_nan_fp16_speed_gives_no_speedup_and_no_crash(tmp_path, write_cell, speed_metrics):
+    throughput, latency = speed_metrics
+    out = tmp_path / "res"
+    for label, ppl in PPL.items():
+        write_cell(out, ACC, label, "accuracy", {"ppl": (ppl, False)})
+    nan = float("nan")
+    write_cell(out, SPEED, "fp16", "throughput", throughput({4: nan, 8: 800.0}))
+    write_cell(out, SPEED, "rtn", "throughput", throughput({4: 1000.0, 8: 1600.0}))
+    write_cell(out, SPEED, "mosaicquant", "throughput", throughput({4: 800.0, 8: 1400.0}))
+    write_cell(out, SPEED, "fp16", "latency", latency({1: nan, 64: 20.0}))
+    write_cell(out, SPEED, "rtn", "latency", latency({1: 5.0, 64: 10.0}))
+    cells = aggregate_cells(load_records(out))
+    fp16 = cells[(SPEED, "fp16", "throughput")]
+    # the speed-up is over the batches with a number on both sides
+    assert decode_speedup(cells[(SPEED, "rtn", "throughput")], fp16) == (pytest.approx(2.0), [8])
+    report = write_tables(out).read_text()
+    assert "nan×" not in report.lower()
+    rtn = next(x for x in report.split(f"### Throughput on {SPEED}")[1].splitlines() if x.startswith("| rtn |"))
+    assert "| 1,000 ±1 | 1,600 ±1 (2.00×) |" in rtn, rtn
+    qkv = next(x for x in report.split(f"### Latency on {SPEED}")[1].splitlines() if x.startswith("| rtn | qkv_proj"))
+    assert "| 5.00 | 10.00 (2.00×) |" in qkv, qkv
+    assert f"pareto__{ACC}__{SPEED}.png" in _embedded(report) and f"speedup_vs_m__{SPEED}.png" in _embedded(report)
+    _assert_png(out / f"pareto__{ACC}__{SPEED}.png")
+
+    # no batch with a number on both sides: no speed-up at all, so no Pareto figure (and no crash)
+    only = tmp_path / "only"
+    write_cell(only, ACC, "fp16", "accuracy", {"ppl": (13.9, False)})
+    write_cell(only, ACC, "rtn", "accuracy", {"ppl": (900.0, False)})
+    write_cell(only, SPEED, "fp16", "throughput", throughput({4: nan}))
+    write_cell(only, SPEED, "rtn", "throughput", throughput({4: 1000.0}))
+    report = write_tables(only).read_text()
+    assert _pngs(only) == [] and "nan×" not in report.lower()
