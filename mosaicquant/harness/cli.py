@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="render tables and figures from a results directory")
     rep.add_argument("dir", help="results directory")
-    rep.add_argument("-o", "--output", help="Markdown file to write (default DIR/report.md); figures go next to it")
+    rep.add_argument("-o", "--output", help="Markdown file to write (default DIR/report.md); the figures, summary.csv, "
+                                            "summary.tex and records_long.csv go next to it (DIR is only read)")
 
     cmp = sub.add_parser("compare", help="compare two results directories; exit 1 on a regression",
                          description="Match cells by (model, method, suite), average seeds, and print every "

@@ -5,18 +5,22 @@ row — a failed cell shows ``failed: <error>`` instead of numbers, and a method
 not run (``"status": "unavailable"``) shows its reason — so a report never hides a missing
 result. :func:`write_tables` writes ``report.md`` with the summary, the speed tables
 (:mod:`mosaicquant.reports.speed`) and the figures (:mod:`mosaicquant.reports.plots`)
-embedded, plus ``summary.csv``, ``summary.tex`` and ``records_long.csv``.
+embedded, plus ``summary.csv``, ``summary.tex`` and ``records_long.csv``, all in the folder of the
+report file (the results directory unless told otherwise).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from mosaicquant.harness.errors import UserInputError
 from mosaicquant.harness.results import load_records, skipped_note
 from mosaicquant.reports.cells import aggregate_cells, format_number, natural_key, record_note
 
@@ -218,11 +222,32 @@ def provenance_section(records: list[dict[str, Any]]) -> list[str]:
     return lines + [""]
 
 
+def _check_output(out_path: Path) -> None:
+    """Refuse an output that cannot be written before any work: a folder given as the report file,
+    or a folder that cannot be created or written to.
+
+    Raises:
+        UserInputError: naming the path and the reason.
+    """
+    if out_path.is_dir():
+        raise UserInputError(f"report file {str(out_path)!r} is a directory: give the Markdown file to write, "
+                             f"e.g. {str(out_path / 'report.md')!r}")
+    folder = out_path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UserInputError(f"cannot write the report into {str(folder)!r}: {exc.strerror or exc}") from None
+
+
 def write_tables(results_dir: str | Path, out_path: str | Path | None = None) -> Path:
     """Write ``report.md`` (tables and figures), ``summary.csv``, ``summary.tex`` and ``records_long.csv``.
 
-    Figures are PNG files written next to ``report.md`` and embedded by file name; the CSV and
-    LaTeX tables go next to the records.
+    Every output goes into the folder of the Markdown file: the figures (PNG files, embedded
+    by file name) and the tables. By default that is the results directory; with ``out_path``
+    elsewhere, the results directory is only read.
 
     Args:
         results_dir: a results directory (one report per directory).
@@ -233,17 +258,18 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
 
     Raises:
         UserInputError: the directory does not exist or holds no result records (a report of nothing is a wrong
-            directory more often than not; no file is written).
+            directory more often than not; no file is written), or an output cannot be written (naming it).
     """
     from mosaicquant.reports.plots import draw_figures
 
     results_dir = Path(results_dir)
     skipped: list[tuple[str, str]] = []
     records = load_records(results_dir, required=True, skipped=skipped)
+    out_path = Path(out_path) if out_path else results_dir / "report.md"
+    _check_output(out_path)
+    out_dir = out_path.parent
     df = summary_table(records)
     caveats = sorted({r["model"].get("caveat") for r in records if r["model"].get("caveat")})
-    out_path = Path(out_path) if out_path else results_dir / "report.md"
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     parts = [f"# MosaicQuant results: {results_dir}\n", f"{len(records)} records.\n"]
     if skipped:  # perhaps a damaged record: its cell would be missing without a word
         note = skipped_note(skipped)
@@ -256,19 +282,22 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
     parts.append("## Summary\n")
     parts.append(render_markdown(df))
     parts.extend(_speed_sections(records))
-    figures, notes = draw_figures(records, out_path.parent)
-    if figures or notes:
-        parts.append("## Figures\n")
-    parts.extend(f"- {note}" for note in notes)
-    if notes:
-        parts.append("")
-    for fig in figures:
-        parts.append(f"![{fig.path.stem}]({fig.path.name})\n")
-        parts.append(f"*{fig.caption}*\n")
-    parts.extend(provenance_section(records))
-    out_path.write_text("\n".join(parts))
-    df.to_csv(results_dir / "summary.csv", index=False)
-    records_frame(records).to_csv(results_dir / "records_long.csv", index=False)
-    if not df.empty:
-        (results_dir / "summary.tex").write_text(df.to_latex(index=False, float_format="%.3g", na_rep=""))
+    try:
+        figures, notes = draw_figures(records, out_dir)
+        if figures or notes:
+            parts.append("## Figures\n")
+        parts.extend(f"- {note}" for note in notes)
+        if notes:
+            parts.append("")
+        for fig in figures:
+            parts.append(f"![{fig.path.stem}]({fig.path.name})\n")
+            parts.append(f"*{fig.caption}*\n")
+        parts.extend(provenance_section(records))
+        out_path.write_text("\n".join(parts))
+        df.to_csv(out_dir / "summary.csv", index=False)
+        records_frame(records).to_csv(out_dir / "records_long.csv", index=False)
+        if not df.empty:
+            (out_dir / "summary.tex").write_text(df.to_latex(index=False, float_format="%.3g", na_rep=""))
+    except OSError as exc:  # e.g. a full disk, or a figure's name taken by a folder
+        raise UserInputError(f"cannot write {str(exc.filename or out_dir)!r}: {exc.strerror or exc}") from None
     return out_path

@@ -140,10 +140,45 @@ def test_records_long_csv_has_spread_and_notes(tmp_path, write_cell, speed_metri
 def test_report_cli_puts_figures_next_to_output(tmp_path, write_cell, speed_metrics, capsys):
     out = tmp_path / "res"
     _full_set(out, write_cell, speed_metrics)
+    before = sorted(p.name for p in out.iterdir())
     target = tmp_path / "elsewhere" / "report.md"
     assert main(["report", str(out), "-o", str(target)]) == 0
     assert (target.parent / "budget_sweep.png").exists() and not (out / "budget_sweep.png").exists()
     assert "budget_sweep.png" in target.read_text()
+    # every output goes next to the report file; the results directory is only read
+    for name in ("summary.csv", "summary.tex", "records_long.csv"):
+        assert (target.parent / name).stat().st_size > 0, name
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_an_output_that_cannot_be_written_is_one_line_exit_2(tmp_path, write_cell, speed_metrics, capsys):
+    out = tmp_path / "res"
+    _full_set(out, write_cell, speed_metrics)
+    before = sorted(p.name for p in out.iterdir())
+
+    def one_line_error():
+        captured = capsys.readouterr()
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("mosaicquant: error: ") and "Traceback" not in captured.err, err
+        return err[0]
+
+    # -o naming an existing folder: refused before anything is written (figures would land beside it)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    assert main(["report", str(out), "-o", str(folder)]) == 2
+    assert f"report file '{folder}' is a directory" in one_line_error()
+    assert not list(tmp_path.glob("*.png")) and not list(folder.iterdir())
+    # a report folder that cannot be created (a file is in the way)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["report", str(out), "-o", str(blocker / "sub" / "report.md")]) == 2
+    assert f"cannot write the report into '{blocker / 'sub'}'" in one_line_error()
+    # a failure while writing (here a figure's file name is taken by a folder) names the path
+    (out / "budget_sweep.png").mkdir()
+    assert main(["report", str(out)]) == 2
+    assert f"cannot write '{out / 'budget_sweep.png'}': Is a directory" in one_line_error()
+    assert sorted(p.name for p in out.iterdir() if p.suffix != ".png") == sorted(
+        n for n in before if not n.endswith(".png"))
 
 
 def test_report_of_a_directory_without_records_is_exit_2_and_writes_nothing(tmp_path, capsys):
