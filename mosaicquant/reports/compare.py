@@ -17,12 +17,17 @@ Rules:
   spread counts as 0). Beyond PCT but within the spread is reported as ``within spread``.
 - A watched metric whose base cell is ``ok`` but whose new cell has a failed or unavailable
   record (any seed) is a regression too: the number CI tracks is gone or incomplete.
+- So is a watched metric of a base cell that has no counterpart in the new set, whether the
+  metric is gone from the cell or the whole cell is (not run, or its record unreadable:
+  :func:`compare_dirs` names the files it could not read): ``missing in new``.
 - A metric that is NaN in the new set (a number in base) is printed as ``not a number in new``,
   a regression when watched; NaN in base is printed as not compared (there is nothing to hold
   the new value to). From an infinite base (a collapsed perplexity) a finite value is a ±100%
   change.
-- Cells present in only one set, and cells whose base has no numbers, are listed, never dropped.
-- Without ``--fail-on`` every metric the matched cells share is compared and nothing fails.
+- Cells present in only one set, cells whose base has no numbers, and cells with a failed or
+  unavailable record in the new set (with its error or reason) are listed, never dropped.
+- Without ``--fail-on`` every metric of the matched base cells is compared (one the new cell
+  lacks is printed as ``missing in new``) and nothing fails.
 
 Exit codes (see :func:`mosaicquant.harness.cli.main`): 0 no regression, 1 a regression,
 2 bad input.
@@ -137,6 +142,7 @@ class Comparison:
     only_in_base: list[tuple[str, str, str]] = field(default_factory=list)
     only_in_new: list[tuple[str, str, str]] = field(default_factory=list)
     not_compared: list[tuple[str, str, str, str]] = field(default_factory=list)
+    failed_in_new: list[tuple[str, str, str, str, str]] = field(default_factory=list)
     base_code: list[str] = field(default_factory=list)
     new_code: list[str] = field(default_factory=list)
     base_skipped: list[tuple[str, str]] = field(default_factory=list)
@@ -183,6 +189,9 @@ class Comparison:
         if self.not_compared:
             lines.append(f"Cells not compared ({len(self.not_compared)}):")
             lines.extend(f"  - {m} | {meth} | {s}: {why}" for m, meth, s, why in self.not_compared)
+        if self.failed_in_new:
+            lines.append(f"Cells failed or unavailable in new ({len(self.failed_in_new)}):")
+            lines.extend(f"  - {m} | {meth} | {s}: {why}" for m, meth, s, _, why in self.failed_in_new)
         watched = [r for r in self.rows if r.threshold is not None]
         rule = ", ".join(f"{t.pattern}:{t.percent:g}%" for t in self.thresholds) or "none (nothing can fail)"
         lines.append(f"{len(self.regressions)} regression(s) in {len(watched)} watched of {len(self.rows)} "
@@ -205,6 +214,7 @@ class Comparison:
             "fail_on": [asdict(t) for t in self.thresholds], "rows": rows,
             "only_in_base": [list(k) for k in self.only_in_base], "only_in_new": [list(k) for k in self.only_in_new],
             "not_compared": [{"cell": list(k[:3]), "why": k[3]} for k in self.not_compared],
+            "failed_in_new": [{"cell": list(k[:3]), "status": k[3], "why": k[4]} for k in self.failed_in_new],
             "regressions": len(self.regressions), "exit_code": self.exit_code,
         }
 
@@ -235,6 +245,7 @@ def _compare_metric(cell: Cell, name: str, base: MetricSummary | None, new: Metr
                          verdict="", regression=False)
     if base is None or new is None:
         row.verdict = "new metric" if base is None else "missing in new"
+        row.regression = new is None and threshold is not None  # the number CI holds is gone
         return row
     # every comparison with NaN is false: without these, a NaN would pass as "ok"
     if math.isnan(base.value):
@@ -294,15 +305,26 @@ def compare_records(base_records: list[dict[str, Any]], new_records: list[dict[s
     for key, base in base_cells.items():
         new = new_cells.get(key)
         if new is None:
+            # listed under "only in base"; a watched number it held is gone, which CI must not pass
+            for name in sorted(base.metrics, key=natural_key):
+                threshold = _threshold_for(name, thresholds)
+                if threshold is not None:
+                    result.rows.append(_compare_metric(base, name, base.metrics[name], None, threshold,
+                                                       f"{len(base.ok_seeds)}/0"))
+                    result.rows[-1].note = "no such cell in new"
             continue
         if not base.metrics:
             why = f"base has no numbers ({base.note or 'no metrics'})"
             result.not_compared.append((*key, why + (f"; new: {new.note}" if new.note else "")))
             continue
+        if new.status != "ok":
+            result.failed_in_new.append((*key, new.status, new.note))
         if thresholds:
             shown = [n for n in dict.fromkeys([*base.metrics, *new.metrics]) if _threshold_for(n, thresholds)]
+        elif new.metrics:
+            shown = list(base.metrics)
         else:
-            shown = [n for n in base.metrics if n in new.metrics]
+            shown = []  # no numbers at all in new: the cell is listed with its error instead
         shown.sort(key=natural_key)
         seeds = f"{len(base.ok_seeds)}/{len(new.ok_seeds)}"
         new_broken = new.status != "ok" and base.status == "ok"

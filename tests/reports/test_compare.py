@@ -100,11 +100,13 @@ def test_unmatched_and_failed_cells_are_listed_and_json(tmp_path, write_cell, sp
     assert "Cells only in base (1):\n  - llama-3-8b-shapes | quarot | throughput" in out
     assert "Cells only in new (1):\n  - llama-3-8b-shapes | spinquant | throughput" in out
     assert "FAILED in new (seed 0 failed: RuntimeError: boom)" in _row(out, "atom", "decode_tok_s/b4")
+    # the watched number of the cell that is gone from new regresses too
+    assert "missing in new (no such cell in new)" in _row(out, "quarot", "decode_tok_s/b4")
     data = json.loads(report.read_text())
-    assert data["exit_code"] == 1 and data["regressions"] == 1
+    assert data["exit_code"] == 1 and data["regressions"] == 2
     assert data["only_in_base"] == [[MODEL, "quarot", "throughput"]]
     failed = [r for r in data["rows"] if r["regression"]]
-    assert [(r["method"], r["metric"]) for r in failed] == [("atom", "decode_tok_s/b4")]
+    assert [(r["method"], r["metric"]) for r in failed] == [("atom", "decode_tok_s/b4"), ("quarot", "decode_tok_s/b4")]
 
 
 def test_without_fail_on_everything_shared_is_compared_and_nothing_fails(tmp_path, write_cell, speed_metrics,
@@ -231,3 +233,53 @@ def test_from_an_infinite_base_the_direction_decides(tmp_path, write_cell, capsy
     assert "| inf | 25.00 | -100.00% | 5% |" in _row(out, "rtn", "ppl") and "improved" in _row(out, "rtn", "ppl")
     assert "| inf | inf | +0.00% | 5% |" in _row(out, "quarot", "ppl") and "| ok |" in _row(out, "quarot", "ppl")
     assert main(["compare", str(new), str(base), "--fail-on", "ppl:5%"]) == 1  # collapsing is a regression
+
+
+def test_without_fail_on_failed_cells_and_missing_metrics_are_listed(tmp_path, write_cell, speed_metrics, capsys):
+    throughput, _ = speed_metrics
+    base, new = _sets(tmp_path, write_cell, speed_metrics)
+    write_cell(base, MODEL, "atom", "throughput", throughput({4: 800.0}))
+    write_cell(new, MODEL, "atom", "throughput", status="failed", error={"type": "RuntimeError", "message": "boom"})
+    write_cell(base, MODEL, "quarot", "throughput", throughput({4: 800.0}))
+    write_cell(new, MODEL, "quarot", "throughput", status="unavailable", reason="needs CUDA")
+    write_cell(base, MODEL, "spinquant", "throughput", throughput({4: 800.0, 8: 1500.0}))
+    write_cell(new, MODEL, "spinquant", "throughput", throughput({4: 800.0}))  # b8 no longer measured
+    assert main(["compare", base, new, "--json", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    assert ("Cells failed or unavailable in new (2):\n"
+            f"  - {MODEL} | atom | throughput: seed 0 failed: RuntimeError: boom\n"
+            f"  - {MODEL} | quarot | throughput: seed 0 not available: needs CUDA") in out, out
+    assert _row(out, "spinquant", "decode_tok_s/b8").rstrip(" |").endswith("| missing in new")
+    assert "0 regression(s)" in out
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert saved["failed_in_new"] == [
+        {"cell": [MODEL, "atom", "throughput"], "status": "failed", "why": "seed 0 failed: RuntimeError: boom"},
+        {"cell": [MODEL, "quarot", "throughput"], "status": "unavailable", "why": "seed 0 not available: needs CUDA"}]
+    assert [(r["method"], r["verdict"]) for r in saved["rows"] if r["metric"] == "decode_tok_s/b8"] == [
+        ("fp16", ""), ("rtn", ""), ("spinquant", "missing in new")]
+
+
+def test_watched_numbers_gone_from_new_are_regressions(tmp_path, write_cell, speed_metrics, capsys):
+    acc = "smollm2-135m"
+    base, new = _sets(tmp_path, write_cell, speed_metrics)
+    for label, ppl in (("fp16", 13.9), ("rtn", 900.0)):
+        write_cell(base, acc, label, "accuracy", {"ppl": (ppl, False)})
+    # NEW ran no accuracy cell at all: every watched perplexity is gone
+    assert main(["compare", base, new, "--fail-on", "ppl:1%"]) == 1
+    out = capsys.readouterr().out
+    assert _row(out, "rtn", "ppl").rstrip(" |").endswith("| missing in new (no such cell in new)")
+    assert "2 regression(s) in 2 watched of 2 compared metrics" in out
+    # NEW's rtn record is cut short (unreadable): its cell is gone, and the file is named
+    for label, ppl in (("fp16", 13.9), ("rtn", 2000.0)):
+        path = write_cell(new, acc, label, "accuracy", {"ppl": (ppl, False)})
+    path.write_text(path.read_text()[:100])
+    assert main(["compare", base, new, "--fail-on", "ppl:1%"]) == 1
+    out = capsys.readouterr().out
+    assert "missing in new (no such cell in new)" in _row(out, "rtn", "ppl") and "| ok |" in _row(out, "fp16", "ppl")
+    assert f"skipped 1 *.json file that is not readable JSON: {path.name}" in out
+    # a watched metric gone from a cell that is still there
+    write_cell(new, acc, "rtn", "accuracy", {"ppl_wikitext": (20.0, False)})
+    assert main(["compare", base, new, "--fail-on", "ppl:1%"]) == 1
+    assert _row(capsys.readouterr().out, "rtn", "ppl").rstrip(" |").endswith("| missing in new")
+    # a --fail-on metric that matches nothing in either set is still bad input
+    assert main(["compare", base, new, "--fail-on", "ppl_c4:1%"]) == 2
