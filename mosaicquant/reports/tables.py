@@ -78,20 +78,40 @@ def _shown(suite: str, name: str) -> bool:
     return patterns is None or any(fnmatchcase(name, p) for p in patterns)
 
 
+def _row_key(rec: dict[str, Any]) -> tuple[str, str]:
+    """(model, method) of a record's summary row; an analysis config has a row of its own."""
+    key = (rec["model"]["name"], rec["method"]["label"])
+    if rec["suite"]["name"] == "analysis":
+        # one row per analysis config: it analyses the float model, not the cell's method
+        cfg = rec["suite"]["config"]
+        key = (key[0], f"{key[1]} [analysis: {cfg.get('transform')}, {cfg.get('base')} base, block {cfg.get('block')}]")
+    return key
+
+
+def _split_suites(records: list[dict[str, Any]]) -> set[str]:
+    """The suites that some row ran in more than one configuration (suite label)."""
+    labels: dict[tuple[tuple[str, str], str], set[str]] = {}
+    for rec in records:
+        labels.setdefault((_row_key(rec), rec["suite"]["name"]), set()).add(rec["suite"]["label"])
+    return {suite for (_, suite), seen in labels.items() if len(seen) > 1}
+
+
 def summary_table(records: list[dict[str, Any]]) -> pd.DataFrame:
     """Wide table: model, method, bits, KV bits, execution path, one column per shown metric.
 
     Metrics are the mean over seeds; ``n_seeds`` says how many. A mean that is NaN is the string
     ``"NaN"``, so that it stays apart from a metric the row did not measure (an empty cell).
+
+    Columns are ``suite/metric``; where a row ran a suite in more than one configuration (e.g.
+    ``accuracy:max_chunks=8`` and ``accuracy:seqlen=512``), every column of that suite is named
+    by the suite label instead (``accuracy:seqlen=512/ppl``): the numbers of two configurations
+    are never averaged.
     """
+    split = _split_suites(records)
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for rec in records:
-        key = (rec["model"]["name"], rec["method"]["label"])
+        key = _row_key(rec)
         suite = rec["suite"]["name"]
-        if suite == "analysis":
-            # one row per analysis config: it analyses the float model, not the cell's method
-            cfg = rec["suite"]["config"]
-            key = (key[0], f"{key[1]} [analysis: {cfg.get('transform')}, {cfg.get('base')} base, block {cfg.get('block')}]")
         info = rec.get("method_info") or {}
         row = rows.setdefault(key, {"model": key[0], "method": key[1], "W": None, "A": None, "KV": None,
                                     "exec path": None, "_speed_path": None, "_vals": {}, "_fail": []})
@@ -106,7 +126,7 @@ def summary_table(records: list[dict[str, Any]]) -> pd.DataFrame:
         for name, m in (rec.get("metrics") or {}).items():
             if not _shown(suite, name):
                 continue
-            col = f"{suite}/{name}"
+            col = f"{rec['suite']['label'] if suite in split else suite}/{name}"
             row["_vals"].setdefault(col, []).append(m["value"])
     out = []
     for row in rows.values():

@@ -9,7 +9,7 @@ from mosaicquant.harness.cli import main
 from mosaicquant.harness.results import load_records
 from mosaicquant.reports.cells import aggregate_cells
 from mosaicquant.reports.plots import _label_points, _new_figure, budget_sweeps, decode_speedup, pareto_front, plot_budget_sweep
-from mosaicquant.reports.tables import write_tables
+from mosaicquant.reports.tables import summary_table, write_tables
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ACC, SPEED = "smollm2-135m", "llama-3-8b-shapes"
@@ -382,3 +382,24 @@ def test_a_nan_fp16_speed_gives_no_speedup_and_no_crash(tmp_path, write_cell, sp
     write_cell(only, SPEED, "rtn", "throughput", throughput({4: 1000.0}))
     report = write_tables(only).read_text()
     assert _pngs(only) == [] and "nan×" not in report.lower()
+
+
+def test_two_configurations_of_a_suite_are_never_averaged(tmp_path, write_cell):
+    out = tmp_path / "res"
+    for label, ppl in (("fp16", 13.91), ("rtn", 900.0)):
+        write_cell(out, ACC, label, "accuracy:max_chunks=8", {"ppl": (ppl, False)}, suite_config={"max_chunks": 8})
+        write_cell(out, ACC, label, "accuracy:seqlen=512", {"ppl": (3 * ppl, False)}, suite_config={"seqlen": 512})
+    write_cell(out, ACC, "quarot", "accuracy:seqlen=512", {"ppl": (81.0, False)}, suite_config={"seqlen": 512})
+    write_cell(out, ACC, "fp16", "memory", {"total_quantized_linears": (5.1e7, False, "bytes")})
+    df = summary_table(load_records(out)).set_index("method")
+    metric_cols = [c for c in df.columns if "/" in c]
+    assert metric_cols == ["accuracy:max_chunks=8/ppl", "accuracy:seqlen=512/ppl", "memory/total_quantized_linears"]
+    assert df.loc["fp16", "accuracy:max_chunks=8/ppl"] == pytest.approx(13.91)
+    assert df.loc["fp16", "accuracy:seqlen=512/ppl"] == pytest.approx(41.73)
+    assert df.loc["quarot", "accuracy:seqlen=512/ppl"] == pytest.approx(81.0)
+    assert df.loc["fp16", "n_seeds"] == 1
+    # one configuration per row: the plain suite/metric names of earlier reports
+    one = tmp_path / "one"
+    write_cell(one, ACC, "fp16", "accuracy:max_chunks=8", {"ppl": (13.91, False)})
+    write_cell(one, ACC, "rtn", "accuracy:seqlen=512", {"ppl": (900.0, False)})
+    assert [c for c in summary_table(load_records(one)).columns if "/" in c] == ["accuracy/ppl"]
