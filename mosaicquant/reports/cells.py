@@ -46,13 +46,18 @@ class MetricSummary:
 
 @dataclass
 class Cell:
-    """The records of one (model, method label, suite label)."""
+    """The records of one (model, method label, suite label).
+
+    ``backend`` names the engine that ran the cell (``mosaicquant run --backend``, e.g.
+    ``tensorrt-llm``; its label is then ``spec@backend``), ``None`` for the in-process default.
+    """
 
     model: str
     method: str
     suite: str
     method_name: str
     suite_name: str
+    backend: str | None = None
     method_config: dict[str, Any] = field(default_factory=dict)
     suite_config: dict[str, Any] = field(default_factory=dict)
     method_info: dict[str, Any] = field(default_factory=dict)
@@ -160,7 +165,7 @@ def aggregate_cells(records: list[dict[str, Any]]) -> dict[tuple[str, str, str],
         cell = cells.get(key)
         if cell is None:
             cell = cells[key] = Cell(model=key[0], method=key[1], suite=key[2], method_name=rec["method"]["name"],
-                                     suite_name=rec["suite"]["name"],
+                                     suite_name=rec["suite"]["name"], backend=rec["method"].get("backend"),
                                      method_config=dict(rec["method"].get("config") or {}),
                                      suite_config=dict(rec["suite"].get("config") or {}))
             values[key] = {}

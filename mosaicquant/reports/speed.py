@@ -12,6 +12,12 @@ A speed-up is relative to the ``fp16`` cell of the same model and suite label (s
 directory): ``method / fp16`` for a higher-is-better metric, ``fp16 / method`` for a
 lower-is-better one, so above 1 is always faster. Without an ``fp16`` cell there is no
 speed-up, and the report says so.
+
+Cells run by another engine (``mosaicquant run --backend``, e.g. ``tensorrt-llm``) record that
+engine's own metrics (``output_throughput``, ``request_latency_p50_ms``, ...), measured on its
+own workload: they are kept out of the groups above and shown per backend
+(:func:`backend_groups`, :func:`backend_table`), with speed-ups against the same backend's
+``fp16`` cell (``fp16@tensorrt-llm``).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from typing import Iterable
 
 import pandas as pd
 
-from mosaicquant.reports.cells import FP16_LABEL, Cell, MetricSummary, format_number
+from mosaicquant.harness.backends import backend_label
+from mosaicquant.reports.cells import FP16_LABEL, Cell, MetricSummary, format_number, natural_key
 
 __all__ = [
     "DECODE_RE",
@@ -38,6 +45,9 @@ __all__ = [
     "energy_table",
     "latency_table",
     "step_table",
+    "backend_groups",
+    "backend_fp16_cell",
+    "backend_table",
 ]
 
 DECODE_RE = re.compile(r"^decode_tok_s/b(\d+)$")
@@ -51,10 +61,13 @@ LAYER_ORDER = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def suite_groups(cells: Iterable[Cell], suite_name: str) -> dict[tuple[str, str], list[Cell]]:
-    """``{(model, suite label): [cells]}`` of one suite, ``fp16`` first, then in record order."""
+    """``{(model, suite label): [cells]}`` of one suite run in-process, ``fp16`` first, then in record order.
+
+    Cells run by another backend are left out (see :func:`backend_groups`).
+    """
     groups: dict[tuple[str, str], list[Cell]] = {}
     for cell in cells:
-        if cell.suite_name == suite_name:
+        if cell.suite_name == suite_name and cell.backend is None:
             groups.setdefault((cell.model, cell.suite), []).append(cell)
     return {k: sorted(v, key=lambda c: c.method != FP16_LABEL) for k, v in groups.items()}
 
@@ -257,5 +270,53 @@ def step_table(group: list[Cell]) -> pd.DataFrame:
         for n in names:
             row[f"{n} ms"] = _cell_text(steps.get(n), speedup(steps.get(n), ref_steps.get(n)) if comparable else None)
         row["notes"] = "; ".join(n for n in (cell.note, _runtime_note(cell, ref)) if n) or None
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def backend_groups(cells: Iterable[Cell]) -> dict[tuple[str, str, str], list[Cell]]:
+    """``{(model, backend, suite label): [cells]}`` of the cells another backend ran, the backend's
+    ``fp16`` first, then in record order."""
+    groups: dict[tuple[str, str, str], list[Cell]] = {}
+    for cell in cells:
+        if cell.backend is not None:
+            groups.setdefault((cell.model, cell.backend, cell.suite), []).append(cell)
+    return {k: sorted(v, key=lambda c: c.method != backend_label(FP16_LABEL, k[1])) for k, v in groups.items()}
+
+
+def backend_fp16_cell(group: list[Cell]) -> Cell | None:
+    """The cell of a backend group whose method is ``fp16`` run by that backend, if it has numbers."""
+    return next((c for c in group if c.backend and c.method == backend_label(FP16_LABEL, c.backend) and c.metrics),
+                None)
+
+
+def _is_speed_unit(unit: str | None) -> bool:
+    """A time or a rate: what a speed-up can be taken of (not a count or length describing the workload)."""
+    return bool(unit) and (unit in ("s", "ms", "us", "µs") or "/s" in unit)
+
+
+def backend_table(group: list[Cell]) -> pd.DataFrame:
+    """One row per metric the group's records hold, one column per method with numbers.
+
+    Units and directions are the records'. Each value is the mean ±spread (where recorded), with
+    the speed-up vs the backend's ``fp16`` cell in brackets for times and rates; a metric of
+    another unit (a request count, a token length) describes the workload and has neither a
+    direction nor a speed-up. Cells without numbers are not columns: their notes say why.
+    """
+    measured = [c for c in group if c.metrics]
+    if not measured:
+        return pd.DataFrame()
+    ref = backend_fp16_cell(group)
+    names = sorted({n for c in measured for n in c.metrics}, key=natural_key)
+    rows = []
+    for name in names:
+        first = next(c.metrics[name] for c in measured if name in c.metrics)
+        speed = _is_speed_unit(first.unit)
+        row = {"metric": name, "unit": first.unit or "", "better": ("higher" if first.higher_is_better else "lower")
+               if speed else ""}
+        for cell in measured:
+            value = cell.metrics.get(name)
+            ratio = speedup(value, ref.metrics.get(name)) if speed and ref is not None else None
+            row[cell.method] = _cell_text(value, ratio)
         rows.append(row)
     return pd.DataFrame(rows)

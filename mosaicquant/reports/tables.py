@@ -22,7 +22,7 @@ import pandas as pd
 
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.harness.results import load_records, skipped_note
-from mosaicquant.reports.cells import aggregate_cells, format_number, natural_key, record_note
+from mosaicquant.reports.cells import FP16_LABEL, aggregate_cells, format_number, natural_key, record_note
 
 __all__ = ["records_frame", "summary_table", "render_markdown", "provenance_section", "write_tables"]
 
@@ -175,8 +175,13 @@ def render_markdown(df: pd.DataFrame) -> str:
 
 
 def _speed_sections(records: list[dict[str, Any]]) -> list[str]:
-    """Markdown of the throughput, per-layer latency and step-time tables, one set per (model, suite label)."""
+    """Markdown of the throughput, per-layer latency and step-time tables, one set per (model, suite label),
+    then one table per (model, backend, suite label) of the cells another backend ran."""
+    from mosaicquant.harness.backends import backend_label
     from mosaicquant.reports.speed import (
+        backend_fp16_cell,
+        backend_groups,
+        backend_table,
         energy_table,
         fp16_cell,
         latency_table,
@@ -212,6 +217,29 @@ def _speed_sections(records: list[dict[str, Any]]) -> list[str]:
                 parts.append("Linear layer time (µs) per number of tokens M, with the speed-up in brackets "
                              "(spreads are in `records_long.csv`):\n")
                 parts.append(render_markdown(latency_table(group)))
+    titles = {"throughput": "Throughput", "latency": "Latency"}
+    order = list(titles)  # as above: throughput, then latency, then any other suite a backend ran
+    groups = sorted(backend_groups(cells).items(), key=lambda kv: order.index(kv[1][0].suite_name)
+                    if kv[1][0].suite_name in order else len(order))
+    for (model, backend, label), group in groups:
+        fp16 = backend_label(FP16_LABEL, backend)
+        parts.append(f"### {titles.get(group[0].suite_name, group[0].suite_name)} on {model} (`{label}`), "
+                     f"run by {backend}\n")
+        table = backend_table(group)
+        if not table.empty:
+            parts.append(f"The metrics the {backend} backend recorded, as its engine measured them on its own "
+                         "workload (not comparable with the in-process tables): each value is the mean over seeds "
+                         f"(± its spread where recorded), then in brackets the speed-up vs the `{fp16}` row of the "
+                         "same model in this directory (above 1× is faster), for times and rates; the other "
+                         "values describe the workload.\n")
+            if backend_fp16_cell(group) is None:
+                parts.append(f"No `{fp16}` row for {model} in this directory: values are shown without "
+                             "speed-ups.\n")
+            parts.append(render_markdown(table))
+        parts.extend(f"- `{c.method}`: {c.note or 'no metrics recorded'}" for c in group
+                     if not c.metrics or c.note)
+        if any(not c.metrics or c.note for c in group):
+            parts.append("")
     if parts:
         parts.insert(0, "## Speed\n")
     return parts

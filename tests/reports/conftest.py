@@ -2,25 +2,40 @@
 
 import pytest
 
+from mosaicquant.harness.backends import backend_label, backend_record_path
 from mosaicquant.harness.results import SCHEMA, Metric, record_path, write_record
 
 DEFAULT_INFO = {"wbits": 4, "abits": 4, "kv_bits": 16, "exec_path": "triton (ZipperEngine)"}
 
 
 def _write(out_dir, model, method, suite, metrics=None, *, seed=0, status="ok", config=None, info=None,
-           error=None, reason=None, method_name=None, suite_config=None, git=None, env=None):
-    """Write one record; ``metrics`` maps a name to ``Metric`` arguments ``(value, higher_is_better, unit, spread)``."""
+           error=None, reason=None, method_name=None, suite_config=None, git=None, env=None, backend=None):
+    """Write one record; ``metrics`` maps a name to ``Metric`` arguments ``(value, higher_is_better, unit, spread)``
+    or to a ``Metric``.
+
+    With ``backend``, the record is the one :func:`mosaicquant.harness.backends.run_backend_cells` writes for
+    the method spec ``method`` run by that backend (label ``method@backend``, its own file).
+    """
+    label = backend_label(method, backend) if backend else method
     record = {
         "schema": SCHEMA,
         "model": {"name": model, "spec": model},
-        "method": {"name": method_name or method.split(":")[0], "label": method, "config": config or {}},
+        "method": {"name": method_name or method.split(":")[0], "label": label, "config": config or {}},
         "suite": {"name": suite.split(":")[0], "label": suite, "config": suite_config or {}},
         "seed": seed,
         "status": status,
         "method_info": DEFAULT_INFO if info is None else info,
-        "metrics": {name: Metric(*args).to_dict() for name, args in (metrics or {}).items()},
+        "metrics": {name: (args if isinstance(args, Metric) else Metric(*args)).to_dict()
+                    for name, args in (metrics or {}).items()},
         "error": error,
     }
+    if backend:
+        record["method"].update(spec_label=method, backend=backend)
+        record["backend"] = {"name": backend, "config": {}, "reason": reason, "commands": []}
+        record["stage"] = None if status == "ok" else "backend"
+        if status != "ok" and error is None:
+            record["error"] = {"type": status, "message": reason}
+        return write_record(backend_record_path(out_dir, model, method, suite, seed, backend), record)
     if reason is not None:
         record["reason"] = reason
     if git is not None:

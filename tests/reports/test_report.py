@@ -403,3 +403,45 @@ def test_two_configurations_of_a_suite_are_never_averaged(tmp_path, write_cell):
     write_cell(one, ACC, "fp16", "accuracy:max_chunks=8", {"ppl": (13.91, False)})
     write_cell(one, ACC, "rtn", "accuracy:seqlen=512", {"ppl": (900.0, False)})
     assert [c for c in summary_table(load_records(one)).columns if "/" in c] == ["accuracy/ppl"]
+
+
+def test_backend_cells_have_their_own_table_with_their_metrics(tmp_path, write_cell, speed_metrics):
+    from dataclasses import replace
+    from pathlib import Path
+
+    from mosaicquant.baselines.tensorrt_llm import parse_trtllm_bench
+
+    fixtures = Path(__file__).parents[1] / "baselines" / "fixtures"
+    overview = parse_trtllm_bench((fixtures / "trtllm_bench_perf_overview.txt").read_text()).metrics
+    legacy = parse_trtllm_bench((fixtures / "trtllm_bench_pytorch_legacy.txt").read_text()).metrics
+
+    def faster(metrics, factor):
+        # a method `factor` times as fast: rates up, times down; the workload's counts unchanged
+        return {k: replace(m, value=m.value * factor if m.higher_is_better else m.value / factor)
+                if m.unit not in (None, "tokens") else m for k, m in metrics.items()}
+
+    out, trt = tmp_path / "res", "tensorrt-llm"
+    write_cell(out, ACC, "fp16", "throughput", overview, backend=trt)
+    write_cell(out, ACC, "modelopt:recipe=fp8", "throughput", faster(overview, 2.0), backend=trt,
+               method_name="modelopt")
+    write_cell(out, ACC, "modelopt", "throughput", status="unavailable", reason="no CUDA GPU", backend=trt)
+    write_cell(out, ACC, "modelopt:recipe=fp8", "latency", faster(legacy, 1.25), backend=trt, method_name="modelopt")
+    # in-process cells of the same model and suite keep their own table
+    write_cell(out, ACC, "fp16", "throughput", speed_metrics[0]({4: 400.0}))
+    write_cell(out, ACC, "rtn", "throughput", speed_metrics[0]({4: 1000.0}))
+    report = write_tables(out).read_text()
+
+    in_process = report.split(f"### Throughput on {ACC} (`throughput`)\n")[1].split("###")[0]
+    assert "@tensorrt-llm" not in in_process and "No `fp16`" not in in_process and "(2.50×)" in in_process
+    section = report.split(f"### Throughput on {ACC} (`throughput`), run by tensorrt-llm\n")[1].split("###")[0]
+    rows = {x.split(" | ")[0].strip("| "): x for x in section.splitlines() if x.startswith("| ")}
+    assert rows["metric"] == "| metric | unit | better | fp16@tensorrt-llm | modelopt:recipe=fp8@tensorrt-llm |"
+    assert sorted(n for n in rows if n not in ("metric", "---|---|---|---|---|")) == sorted(overview)
+    assert rows["output_throughput"] == "| output_throughput | tok/s | higher | 5,531 (1.00×) | 11,061 (2.00×) |"
+    assert rows["ttft_p50_ms"] == "| ttft_p50_ms | ms | lower | 52,270 (1.00×) | 26,135 (2.00×) |"
+    assert "- `modelopt@tensorrt-llm`: seed 0 not available: no CUDA GPU" in section
+    # no fp16 run by the backend: values without speed-ups; the workload's counts have no direction
+    latency = report.split(f"### Latency on {ACC} (`latency`), run by tensorrt-llm\n")[1].split("##")[0]
+    assert f"No `fp16@tensorrt-llm` row for {ACC} in this directory" in latency
+    assert "×)" not in latency.split("| metric |")[1]
+    assert "| num_requests |  |  | 3,000 |" in latency and "| total_latency_ms | ms | lower | 14,851 |" in latency
