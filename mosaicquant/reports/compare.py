@@ -199,14 +199,15 @@ class Comparison:
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-safe dict (non-finite changes become None)."""
+        """A dict that is strict JSON: a non-finite change becomes None, and any other NaN or infinity
+        (a ``base`` or ``new`` value) the string ``"NaN"``, ``"inf"`` or ``"-inf"`` (JSON has no such numbers)."""
         rows = []
         for r in self.rows:
             d = asdict(r)
             d["change_percent"] = None if r.change is None or not math.isfinite(r.change) else 100 * r.change
             del d["change"]
             rows.append(d)
-        return {
+        return _strict_json({
             "schema": "mosaicquant.compare/1", "base": self.base_dir, "new": self.new_dir,
             "base_code": self.base_code, "new_code": self.new_code,
             "base_skipped": [{"file": f, "why": w} for f, w in self.base_skipped],
@@ -216,7 +217,18 @@ class Comparison:
             "not_compared": [{"cell": list(k[:3]), "why": k[3]} for k in self.not_compared],
             "failed_in_new": [{"cell": list(k[:3]), "status": k[3], "why": k[4]} for k in self.failed_in_new],
             "regressions": len(self.regressions), "exit_code": self.exit_code,
-        }
+        })
+
+
+def _strict_json(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float replaced by ``"NaN"``, ``"inf"`` or ``"-inf"``."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "NaN" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: _strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict_json(v) for v in obj]
+    return obj
 
 
 def _families(names: set[str]) -> list[str]:
@@ -397,7 +409,7 @@ def write_json(result: Comparison, path: str | Path) -> Path:
     """
     path = Path(path)
     try:
-        path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        path.write_text(json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n")
     except OSError as exc:
         raise UserInputError(f"cannot write --json file {str(path)!r}: {exc.strerror or exc}") from None
     return path

@@ -283,3 +283,21 @@ def test_watched_numbers_gone_from_new_are_regressions(tmp_path, write_cell, spe
     assert _row(capsys.readouterr().out, "rtn", "ppl").rstrip(" |").endswith("| missing in new")
     # a --fail-on metric that matches nothing in either set is still bad input
     assert main(["compare", base, new, "--fail-on", "ppl_c4:1%"]) == 2
+
+
+def test_json_is_strict_with_nan_and_infinite_values(tmp_path, write_cell, capsys):
+    acc = "smollm2-135m"
+    base, new = tmp_path / "base", tmp_path / "new"
+    write_cell(base, acc, "rtn", "accuracy", {"ppl": (900.0, False, None, float("inf"))})
+    write_cell(new, acc, "rtn", "accuracy", {"ppl": (float("nan"), False)})
+    write_cell(base, acc, "quarot", "accuracy", {"ppl": (float("inf"), False)})
+    write_cell(new, acc, "quarot", "accuracy", {"ppl": (25.0, False)})
+    assert main(["compare", str(base), str(new), "--fail-on", "ppl:5%", "--json", str(tmp_path / "c.json")]) == 1
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    saved = json.loads((tmp_path / "c.json").read_text(), parse_constant=refuse)
+    rows = {r["method"]: r for r in saved["rows"]}
+    assert (rows["rtn"]["base"], rows["rtn"]["new"], rows["rtn"]["regression"]) == (900.0, "NaN", True)
+    assert (rows["quarot"]["base"], rows["quarot"]["new"], rows["quarot"]["change_percent"]) == ("inf", 25.0, -100.0)
