@@ -24,6 +24,7 @@ not drawn and :func:`draw_figures` returns a note saying so.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -65,9 +66,21 @@ class Figure:
     caption: str
 
 
-def _name(model: str, suite_label: str, suite_name: str) -> str:
+def _model_names(cells: list[Cell]) -> dict[str, str]:
+    """File-name part of each model: the slug of its last path part (``org/X`` -> ``X``), with a short hash
+    of the full name where two models would share it (``/a/run1/model`` and ``/a/run2/model``), so that
+    no figure overwrites another's."""
+    slugs = {c.model: _slug(Path(c.model).name or c.model) for c in cells}
+    taken: dict[str, int] = {}
+    for slug in slugs.values():
+        taken[slug] = taken.get(slug, 0) + 1
+    return {model: slug if taken[slug] == 1 else f"{slug}-{hashlib.sha256(model.encode()).hexdigest()[:6]}"
+            for model, slug in slugs.items()}
+
+
+def _name(names: dict[str, str], model: str, suite_label: str, suite_name: str) -> str:
     """File-name part of a (model, suite label): the suite label only when it has options."""
-    return _slug(Path(model).name or model) + ("" if suite_label == suite_name else f"_{_slug(suite_label)}")
+    return names[model] + ("" if suite_label == suite_name else f"_{_slug(suite_label)}")
 
 
 def _new_figure(nrows: int, ncols: int, figsize: tuple[float, float], **kwargs):
@@ -174,6 +187,7 @@ def plot_pareto(cells: list[Cell], out_dir: str | Path) -> tuple[list[Figure], l
     """
     out_dir = Path(out_dir)
     figures, notes = [], []
+    names = _model_names(cells)
     accuracy = _ppl_groups(cells)
     if not accuracy:
         return figures, notes
@@ -213,8 +227,8 @@ def plot_pareto(cells: list[Cell], out_dir: str | Path) -> tuple[list[Figure], l
             ax.set_ylabel(f"perplexity on {acc_model} ({acc_suite}), lower is better", fontsize=8)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-            path = _save(fig, out_dir / f"pareto__{_name(acc_model, acc_suite, 'accuracy')}__"
-                                        f"{_name(speed_model, speed_suite, 'throughput')}.png")
+            path = _save(fig, out_dir / f"pareto__{_name(names, acc_model, acc_suite, 'accuracy')}__"
+                                        f"{_name(names, speed_model, speed_suite, 'throughput')}.png")
             caption = (f"Accuracy against decode speed: perplexity on {acc_model}, decode speed-up vs fp16 on "
                        f"{speed_model}; the grey line joins the Pareto-optimal methods.")
             if left_out:
@@ -227,6 +241,7 @@ def plot_speedup_vs_m(cells: list[Cell], out_dir: str | Path) -> tuple[list[Figu
     """Per latency group: one panel per linear layer, speed-up vs fp16 against M, one line per method."""
     out_dir = Path(out_dir)
     figures, notes = [], []
+    names = _model_names(cells)
     for (model, suite), group in suite_groups(cells, "latency").items():
         methods = [c for c in group if c.method != FP16_LABEL and linear_points(c)]
         if not methods:
@@ -251,7 +266,7 @@ def plot_speedup_vs_m(cells: list[Cell], out_dir: str | Path) -> tuple[list[Figu
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel(f"speed-up vs fp16 on {model}")
         axes[0][-1].legend(fontsize=7)
-        path = _save(fig, out_dir / f"speedup_vs_m__{_name(model, suite, 'latency')}.png")
+        path = _save(fig, out_dir / f"speedup_vs_m__{_name(names, model, suite, 'latency')}.png")
         figures.append(Figure(path, f"Linear-layer speed-up vs fp16 against the number of tokens M, per layer, "
                                     f"on {model} (above 1 is faster)."))
     return figures, notes
@@ -261,6 +276,7 @@ def plot_memory(cells: list[Cell], out_dir: str | Path) -> list[Figure]:
     """Per memory group: stacked weight bytes by part per method, and peak device memory if measured."""
     out_dir = Path(out_dir)
     figures = []
+    names = _model_names(cells)
     for (model, suite), group in suite_groups(cells, "memory").items():
         rows = [c for c in group if "total_quantized_linears" in c.metrics]
         if not rows:
@@ -285,7 +301,7 @@ def plot_memory(cells: list[Cell], out_dir: str | Path) -> list[Figure]:
             ax2.invert_yaxis()
             ax2.set_xlabel("peak device memory of one forward pass (MiB)")
             ax2.grid(axis="x", alpha=0.3)
-        path = _save(fig, out_dir / f"memory__{_name(model, suite, 'memory')}.png")
+        path = _save(fig, out_dir / f"memory__{_name(names, model, suite, 'memory')}.png")
         figures.append(Figure(path, f"Weight memory per method on {model}, stacked by part"
                                     + (", and peak device memory." if peaks else ".")))
     return figures

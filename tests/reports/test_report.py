@@ -445,3 +445,19 @@ def test_backend_cells_have_their_own_table_with_their_metrics(tmp_path, write_c
     assert f"No `fp16@tensorrt-llm` row for {ACC} in this directory" in latency
     assert "×)" not in latency.split("| metric |")[1]
     assert "| num_requests |  |  | 3,000 |" in latency and "| total_latency_ms | ms | lower | 14,851 |" in latency
+
+
+def test_figures_of_models_with_the_same_last_name_do_not_overwrite_each_other(tmp_path, write_cell):
+    out = tmp_path / "res"
+    models = ("/ckpt/run1/model", "/ckpt/run2/model", "org1/X", "org2/X", "smollm2-135m")
+    for i, model in enumerate(models):
+        write_cell(out, model, "rtn", "memory", {"base_values": (1e6 * (i + 1), False, "bytes"),
+                                                 "total_quantized_linears": (1e6 * (i + 1), False, "bytes")})
+    report = write_tables(out).read_text()
+    pngs = _pngs(out)
+    assert len(pngs) == len(models) and sorted(_embedded(report)) == pngs, pngs
+    assert "memory__smollm2-135m.png" in pngs  # a name no other model shares stays as it was
+    assert sum(p.startswith("memory__model-") for p in pngs) == 2 and sum(p.startswith("memory__X-") for p in pngs) == 2
+    captions = list(_embedded(report).values())
+    for model in models:  # each figure's caption names its own model
+        assert sum(c.startswith(f"Weight memory per method on {model},") for c in captions) == 1, model
