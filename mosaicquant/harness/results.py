@@ -79,8 +79,12 @@ def record_path(out_dir: str | Path, model: str, method_label: str, suite_label:
     return Path(out_dir) / name
 
 
-def ensure_writable_dir(path: str | Path) -> Path:
+def ensure_writable_dir(path: str | Path, what: str = "results directory") -> Path:
     """Create ``path`` if needed and check a file can be written there.
+
+    Args:
+        path: the directory.
+        what: how the error names it.
 
     Raises:
         UserInputError: naming the directory and the reason.
@@ -92,7 +96,7 @@ def ensure_writable_dir(path: str | Path) -> Path:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise UserInputError(f"results directory {str(p)!r} is not writable: {exc.strerror or exc}") from None
+        raise UserInputError(f"{what} {str(p)!r} is not writable: {exc.strerror or exc}") from None
     return p
 
 

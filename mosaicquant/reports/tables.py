@@ -12,8 +12,6 @@ report file (the results directory unless told otherwise).
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,7 @@ from typing import Any
 import pandas as pd
 
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.results import load_records, skipped_note
+from mosaicquant.harness.results import ensure_writable_dir, load_records, skipped_note
 from mosaicquant.reports.cells import FP16_LABEL, aggregate_cells, format_number, natural_key, record_note
 
 __all__ = ["records_frame", "summary_table", "render_markdown", "provenance_section", "write_tables"]
@@ -280,14 +278,7 @@ def _check_output(out_path: Path) -> None:
     if out_path.is_dir():
         raise UserInputError(f"report file {str(out_path)!r} is a directory: give the Markdown file to write, "
                              f"e.g. {str(out_path / 'report.md')!r}")
-    folder = out_path.parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise UserInputError(f"cannot write the report into {str(folder)!r}: {exc.strerror or exc}") from None
+    ensure_writable_dir(out_path.parent, what="report folder")
 
 
 def write_tables(results_dir: str | Path, out_path: str | Path | None = None) -> Path:

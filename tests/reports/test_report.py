@@ -172,7 +172,7 @@ def test_an_output_that_cannot_be_written_is_one_line_exit_2(tmp_path, write_cel
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert main(["report", str(out), "-o", str(blocker / "sub" / "report.md")]) == 2
-    assert f"cannot write the report into '{blocker / 'sub'}'" in one_line_error()
+    assert f"report folder '{blocker / 'sub'}' is not writable" in one_line_error()
     # a failure while writing (here a figure's file name is taken by a folder) names the path
     (out / "budget_sweep.png").mkdir()
     assert main(["report", str(out)]) == 2
