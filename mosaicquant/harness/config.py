@@ -27,12 +27,24 @@ import yaml
 
 from mosaicquant.harness.errors import UserInputError
 
-__all__ = ["Config", "check_choice", "check_range", "coerce_value", "parse_kv_pairs"]
+__all__ = ["Config", "check_choice", "check_range", "coerce_value", "format_number", "parse_kv_pairs"]
 
 C = TypeVar("C", bound="Config")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+
+
+def format_number(value: float) -> str:
+    """Short text of a number that reads back as the same number.
+
+    ``f"{v:g}"`` (``0.1``, ``1e-05``, ``1``) where it round-trips, else ``repr`` (``0.1234567``): two
+    different values never get the same text, so labels built from it name one config each.
+    """
+    if isinstance(value, float):
+        short = f"{value:g}"
+        return short if float(short) == value else repr(value)
+    return str(value)
 
 
 def check_choice(name: str, value: Any, allowed) -> None:

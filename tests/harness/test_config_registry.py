@@ -137,3 +137,15 @@ def test_values_with_commas_in_a_list():
     specs = parse_plugin_list("accuracy,analysis:budgets=0.1,0.3:scores=hessian,delta:layers=all,memory", "suite")
     assert [s.name for s in specs] == ["accuracy", "analysis", "memory"]
     assert specs[1].config.budgets == "0.1,0.3" and specs[1].config.scores == "hessian,delta"
+
+
+def test_float_labels_name_one_value_each():
+    # a label that rounds would make two configs one cell (and reuse one's record for the other)
+    specs = parse_plugin_list("rtn:a_clip=0.1234567,rtn:a_clip=0.1234568,rtn:a_clip=0.5,rtn:a_clip=0.5000001,"
+                              "rtn:a_clip=0.9999999", "method")
+    labels = [s.label for s in specs]
+    assert labels == ["rtn:a_clip=0.1234567", "rtn:a_clip=0.1234568", "rtn:a_clip=0.5", "rtn:a_clip=0.5000001",
+                      "rtn:a_clip=0.9999999"]
+    # short values keep their short labels
+    assert [s.label for s in parse_plugin_list("mosaicquant:budget=0.250,mosaicquant:budget=1e-5", "method")] == [
+        "mosaicquant:budget=0.25", "mosaicquant:budget=1e-05"]
