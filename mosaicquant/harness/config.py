@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from typing import Any, ClassVar, TypeVar
@@ -55,19 +56,32 @@ def check_choice(name: str, value: Any, allowed) -> None:
 
 
 def check_range(name: str, value, lo=None, hi=None, *, integer: bool = False, extra=()) -> None:
-    """Raise unless ``lo <= value <= hi`` (bounds optional) or ``value in extra``."""
+    """Raise unless ``lo <= value <= hi`` (bounds optional) or ``value in extra``.
+
+    NaN and the infinities are never in range (a comparison with NaN is false, so NaN would pass
+    any bound), whether or not a bound is given.
+    """
     if value in extra and not isinstance(value, bool):
         return
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if integer:
-        ok = ok and float(value).is_integer()
+    if ok and not math.isfinite(value):
+        ok = False
+    if ok and integer:
+        ok = float(value).is_integer()
     if ok and lo is not None and value < lo:
         ok = False
     if ok and hi is not None and value > hi:
         ok = False
     if not ok:
         kind = "integers" if integer else "numbers"
-        span = f"{lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}"
+        if lo is not None and hi is not None:
+            span = f"{lo}..{hi}"
+        elif lo is not None:
+            span = f">= {lo}"
+        elif hi is not None:
+            span = f"<= {hi}"
+        else:
+            span = "of any size"
         more = f" or {', '.join(map(str, extra))}" if extra else ""
         raise UserInputError(f"{name}={value!r} is out of range: allowed {kind} {span}{more}")
 

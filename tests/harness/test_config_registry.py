@@ -133,6 +133,17 @@ def test_check_range_message():
         check_range("budget", 1.5, 0, 1)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_check_range_refuses_nan_and_infinities(value):
+    # every comparison with NaN is false: without its own check NaN passes any bound
+    with pytest.raises(UserInputError, match=r"budget=(nan|inf|-inf) is out of range: allowed numbers 0..1"):
+        check_range("budget", value, 0, 1)
+    with pytest.raises(UserInputError, match=r"lr=(nan|inf|-inf) is out of range: allowed numbers >= 0"):
+        check_range("lr", value, 0, None)
+    with pytest.raises(UserInputError, match=r"is out of range: allowed integers >= 1"):
+        check_range("calib_samples", value, 1, None, integer=True)
+
+
 def test_values_with_commas_in_a_list():
     specs = parse_plugin_list("accuracy,analysis:budgets=0.1,0.3:scores=hessian,delta:layers=all,memory", "suite")
     assert [s.name for s in specs] == ["accuracy", "analysis", "memory"]

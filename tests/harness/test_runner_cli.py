@@ -29,6 +29,8 @@ def _run(tmp_path, model, corpus, methods, suites="accuracy:seqlen=32", extra=()
         (["--methods", "rnt"], "Unknown method 'rnt'. Did you mean: rtn?"),
         (["--methods", "rtn:wbits=9"], "wbits=9 is out of range: allowed integers 2..8 or 16"),
         (["--methods", "mosaicquant:budget=1.5"], "budget=1.5 is out of range: allowed numbers 0.0..1.0"),
+        (["--methods", "mosaicquant:budget=nan"], "budget=nan is out of range: allowed numbers 0.0..1.0"),
+        (["--methods", "rtn:a_clip=NaN"], "a_clip=nan is out of range: allowed numbers 0.01..1.0"),
         (["--methods", "mosaicquant:block=64x63"], "block='64x63'"),
         (["--suites", "acuracy"], "Unknown suite 'acuracy'. Did you mean: accuracy?"),
         (["--model", "smollm2-13m"], "Unknown model 'smollm2-13m'. Did you mean: smollm2-135m?"),
