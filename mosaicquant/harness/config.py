@@ -186,6 +186,15 @@ class Config:
     def validate(self) -> None:
         """Check field values; subclasses raise :class:`UserInputError`."""
 
+    def set_canonical(self, name: str, value: Any) -> None:
+        """Store ``value``, the one text of field ``name``'s value (called from :meth:`validate`).
+
+        A value that can be written several ways (a block shape ``16`` or ``16x16``, a number list
+        ``0.1,0.3`` or ``0.10,0.30``) is kept in one form, so configs that mean the same compare
+        equal, match the defaults and get one label (one cell, one record).
+        """
+        object.__setattr__(self, name, value)
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]

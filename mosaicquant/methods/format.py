@@ -49,7 +49,7 @@ import torch
 
 from mosaicquant.methods.quant import Quantized
 
-__all__ = ["pack_int4", "unpack_int4", "PackedW4", "ResidualBlocks", "parse_block_shape", "residual_shifts",
+__all__ = ["pack_int4", "unpack_int4", "PackedW4", "ResidualBlocks", "parse_block_shape", "block_shape_text", "residual_shifts",
            "POW2_SHIFT_RANGE"]
 
 # residual scales s_w * 2^-j, j in this range, run in the base's accumulator (see residual_shifts)
@@ -112,6 +112,17 @@ def parse_block_shape(block: int | str | tuple[int, int]) -> tuple[int, int]:
             f"block={block!r}: rows must be >= 1 and columns an even number >= 2, got {bn}x{bk}"
         )
     return int(bn), int(bk)
+
+
+def block_shape_text(block: int | str | tuple[int, int]) -> str:
+    """The one text of a block shape: ``"B"`` for a square block, else ``"BNxBK"`` (``"16x16"`` → ``"16"``,
+    ``"64X128"`` → ``"64x128"``), so one shape written two ways is one config.
+
+    Raises:
+        ValueError: as :func:`parse_block_shape`.
+    """
+    bn, bk = parse_block_shape(block)
+    return str(bn) if bn == bk else f"{bn}x{bk}"
 
 
 @dataclass

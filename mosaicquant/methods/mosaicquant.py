@@ -50,7 +50,7 @@ from mosaicquant.harness.config import Config, check_choice, check_range
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.harness.registry import register_method
 from mosaicquant.methods.calibration import calibrate_layerwise
-from mosaicquant.methods.format import PackedW4, ResidualBlocks, parse_block_shape
+from mosaicquant.methods.format import PackedW4, ResidualBlocks, block_shape_text, parse_block_shape
 from mosaicquant.methods.gptq import gptq_quantize
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant
 from mosaicquant.methods.qlinear import ActQuantSpec, FakeQuantLinear, input_transform_of, quantize_weight, set_module, weight_memory
@@ -68,7 +68,8 @@ class MosaicQuantConfig(Config):
 
     Attributes:
         budget: fraction of residual blocks kept per layer, 0..1 (0 = dense base only).
-        block: residual block shape, ``"B"`` or ``"BNxBK"`` (rows × columns).
+        block: residual block shape, ``"B"`` or ``"BNxBK"`` (rows × columns); kept as ``"B"`` when square,
+            so ``16x16`` and ``16`` are one config.
         score: block selection: hessian (default), delta, frobenius, random, exact-greedy.
         transform: rotation (default), smoothquant or none.
         online_o: with rotation, also rotate the o_proj input online.
@@ -130,7 +131,7 @@ class MosaicQuantConfig(Config):
     def validate(self):
         check_range("budget", self.budget, 0.0, 1.0)
         try:
-            parse_block_shape(self.block)
+            self.set_canonical("block", block_shape_text(self.block))
         except ValueError as exc:
             raise UserInputError(str(exc)) from None
         check_choice("score", self.score, SCORES)

@@ -160,3 +160,22 @@ def test_float_labels_name_one_value_each():
     # short values keep their short labels
     assert [s.label for s in parse_plugin_list("mosaicquant:budget=0.250,mosaicquant:budget=1e-5", "method")] == [
         "mosaicquant:budget=0.25", "mosaicquant:budget=1e-05"]
+
+
+def test_one_value_written_two_ways_is_one_config():
+    # block shapes: case, a square written out, the default written out
+    specs = parse_plugin_list("mosaicquant:block=16,mosaicquant:block=16x16,mosaicquant:block=64X128,"
+                              "mosaicquant:block=64x128,mosaicquant:block=128x128,mosaicquant", "method")
+    assert [s.label for s in specs] == ["mosaicquant:block=16", "mosaicquant:block=64x128", "mosaicquant"]
+    assert parse_plugin_spec("mosaicquant:block=64X128", "method").config.block_shape == (64, 128)
+    # number and index lists of the analysis suite
+    specs = parse_plugin_list("analysis:budgets=0.1,0.3,analysis:budgets=0.10,0.30,analysis:budgets=0.05,0.1,0.20,0.3"
+                              ":block=64x64", "suite")
+    assert [s.label for s in specs] == ["analysis:budgets=0.1,0.3", "analysis"]
+    same = [parse_plugin_spec({"name": "analysis", "layers": text}, "suite") for text in ("3,0,0", "0,3", "0;03")]
+    assert {s.label for s in same} == {"analysis:layers=0,3"}
+    assert parse_plugin_spec({"name": "analysis", "layers": "every:06"}, "suite").label == "analysis"
+    with pytest.raises(UserInputError, match=r"layers='x': expected 'all', 'every:K' \(K >= 1\) or a comma list"):
+        parse_plugin_spec({"name": "analysis", "layers": "x"}, "suite")
+    with pytest.raises(UserInputError, match=r"budgets='0.1,x': expected comma-separated fractions"):
+        parse_plugin_spec({"name": "analysis", "budgets": "0.1,x"}, "suite")

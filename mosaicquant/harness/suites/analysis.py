@@ -15,13 +15,13 @@ import copy
 from dataclasses import dataclass
 
 from mosaicquant.harness import data as data_mod
-from mosaicquant.harness.config import Config, check_choice, check_range
+from mosaicquant.harness.config import Config, check_choice, check_range, format_number
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.harness.registry import register_suite
 from mosaicquant.harness.results import Metric
 from mosaicquant.methods.analysis import BLOCK_SCORES, AnalysisSpec, distortion_analysis, parse_layers
 from mosaicquant.methods.calibration import decoder_layers
-from mosaicquant.methods.format import parse_block_shape
+from mosaicquant.methods.format import block_shape_text, parse_block_shape
 from mosaicquant.methods.mosaicquant import apply_transform
 
 HELDOUT_SEED_OFFSET = 100_003
@@ -34,11 +34,11 @@ class AnalysisConfig(Config):
     Attributes:
         transform: rotation, smoothquant or none (as MosaicQuant's).
         base: dense base, rtn or gptq.
-        block: block shape, ``B`` or ``BNxBK``.
-        budgets: comma-separated fractions of blocks.
+        block: block shape, ``B`` or ``BNxBK`` (kept as ``B`` when square).
+        budgets: comma-separated fractions of blocks (kept in their shortest exact text: ``0.10`` is ``0.1``).
         scores: comma-separated block scores (hessian, delta, exact-greedy, frobenius, random).
         channel: also evaluate input/output channel allocation at equal budget.
-        layers: ``all``, ``every:K`` or a comma list of layer indices.
+        layers: ``all``, ``every:K`` or a comma list of layer indices (kept sorted, each once).
         online_o: with rotation, also rotate the o_proj input online.
     """
 
@@ -57,14 +57,41 @@ class AnalysisConfig(Config):
         check_choice("transform", self.transform, ("rotation", "smoothquant", "none"))
         check_choice("base", self.base, ("rtn", "gptq"))
         try:
-            parse_block_shape(self.block)
-            budgets = [float(b) for b in self.budgets.split(",")]
+            self.set_canonical("block", block_shape_text(self.block))
         except ValueError as exc:
             raise UserInputError(f"analysis: {exc}") from None
+        try:
+            budgets = [float(b) for b in self.budgets.split(",")]
+        except ValueError:
+            raise UserInputError(f"budgets={self.budgets!r}: expected comma-separated fractions, "
+                                 "e.g. 0.1,0.3") from None
         for b in budgets:
             check_range("budget", b, 0.0, 1.0)
+        self.set_canonical("budgets", ",".join(format_number(b) for b in budgets))
         for s in self.scores.split(","):
             check_choice("score", s, BLOCK_SCORES)
+        self.set_canonical("layers", _layers_text(self.layers))
+
+
+def _layers_text(layers: str) -> str:
+    """The one text of a ``layers`` value: ``all``, ``every:K``, or the indices sorted, each once.
+
+    Raises:
+        UserInputError: not ``all``, ``every:K`` (K >= 1) or a comma list of integers.
+    """
+    text = str(layers).strip()
+    try:
+        if text == "all":
+            return text
+        if text.startswith("every:"):
+            step = int(text.split(":", 1)[1])
+            if step < 1:
+                raise ValueError
+            return f"every:{step}"
+        return ",".join(str(i) for i in sorted({int(p) for p in text.replace(";", ",").split(",")}))
+    except ValueError:
+        raise UserInputError(f"layers={layers!r}: expected 'all', 'every:K' (K >= 1) or a comma list "
+                             "of layer indices, e.g. 0,5") from None
 
 
 @register_suite("analysis", config=AnalysisConfig, description=AnalysisConfig.description)
