@@ -173,6 +173,8 @@ class Config:
 
     #: one-line description shown by ``mosaicquant ls``
     description: ClassVar[str] = ""
+    #: ``str`` options whose value is a comma-separated list (tuple and list options are lists anyway)
+    list_options: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -198,6 +200,21 @@ class Config:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def list_option_names(cls) -> list[str]:
+        """Options whose value is a comma-separated list: tuple or list fields, and :attr:`list_options`.
+
+        On the command line a comma inside a method or suite item continues such a value
+        (``zeroshot:tasks=piqa,lambada``) instead of starting the next item.
+        """
+        hints = typing.get_type_hints(cls)
+        out = []
+        for name in cls.field_names():
+            base, _ = _unwrap_optional(hints.get(name, Any))
+            if name in cls.list_options or typing.get_origin(base) in (tuple, list):
+                out.append(name)
+        return out
 
     @classmethod
     def from_dict(cls: type[C], data: dict[str, Any] | None) -> C:

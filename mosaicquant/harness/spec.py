@@ -23,6 +23,7 @@ Command-line options override the file's values.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,12 +109,18 @@ def parse_plugin_list(text: str | list, kind: str) -> list[PluginSpec]:
     return out
 
 
+_LIST_ELEMENT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|\d+[xX]\d+")
+
+
 def _split_top(text: str, kind: str) -> list[str]:
     """Split a comma-separated list of ``name[:key=value...]`` items.
 
-    A value may itself hold commas (``analysis:budgets=0.1,0.3``): a comma-separated piece
-    continues the previous item when that item has options and the piece does not start
-    with a registered name.
+    A value may itself hold commas (``analysis:budgets=0.1,0.3``, ``zeroshot:tasks=piqa,lambada``):
+    a comma-separated piece continues the previous item's last value when that item has options,
+    the piece does not start with a registered name, and either the piece starts with what looks
+    like an element of a list (a number or a shape such as ``64x128``) or that option holds a list
+    (see :meth:`Config.list_option_names`). Anything else starts a new item, so a misspelt name
+    after an option (``rtn:wbits=8,fp17``) is reported as an unknown name, not as a bad value.
     """
     from mosaicquant.harness.registry import METHODS, SUITES
 
@@ -121,11 +128,23 @@ def _split_top(text: str, kind: str) -> list[str]:
     out: list[str] = []
     for piece in str(text).split(","):
         head = piece.strip().split(":", 1)[0]
-        if out and "=" in out[-1] and head not in names:
+        if out and "=" in out[-1] and head not in names and (
+                _LIST_ELEMENT.fullmatch(head.strip()) or _last_option_is_list(out[-1], kind)):
             out[-1] = out[-1] + "," + piece.strip()
         else:
             out.append(piece.strip())
     return out
+
+
+def _last_option_is_list(item: str, kind: str) -> bool:
+    """Whether the last ``key=value`` of ``item`` (``name:...:key=value``) sets a list option."""
+    name, _, rest = item.partition(":")
+    key = rest.rsplit(":", 1)[-1].partition("=")[0].strip().replace("-", "_")
+    try:
+        entry = get_method(name) if kind == "method" else get_suite(name)
+    except UserInputError:
+        return False  # an unknown name is reported when the item is parsed
+    return key in entry.config.list_option_names()
 
 
 @dataclass

@@ -179,3 +179,16 @@ def test_one_value_written_two_ways_is_one_config():
         parse_plugin_spec({"name": "analysis", "layers": "x"}, "suite")
     with pytest.raises(UserInputError, match=r"budgets='0.1,x': expected comma-separated fractions"):
         parse_plugin_spec({"name": "analysis", "budgets": "0.1,x"}, "suite")
+
+
+def test_a_name_after_an_option_starts_a_new_item():
+    # a misspelt name after an option is an unknown name, not part of the option's value
+    with pytest.raises(UserInputError, match=r"Unknown method 'fp17'\. Did you mean: fp16\?"):
+        parse_plugin_list("rtn:wbits=8,fp17", "method")
+    with pytest.raises(UserInputError, match=r"Unknown suite 'memroy'\. Did you mean: memory\?"):
+        parse_plugin_list("memory,accuracy:seqlen=64,memroy", "suite")
+    # numbers, shapes and the elements of list options still continue the value
+    specs = parse_plugin_list("latency:groups=qkv_proj,o_proj:ms=1,16,throughput:batches=4,8", "suite")
+    assert [s.label for s in specs] == ["latency:ms=1,16:groups=qkv_proj,o_proj", "throughput:batches=4,8"]
+    specs = parse_plugin_list("zeroshot:tasks=piqa,lambada:limit=3", "suite")
+    assert [s.name for s in specs] == ["zeroshot"] and specs[0].config.tasks == ("piqa", "lambada")

@@ -33,6 +33,8 @@ def _run(tmp_path, model, corpus, methods, suites="accuracy:seqlen=32", extra=()
         (["--methods", "rtn:a_clip=NaN"], "a_clip=nan is out of range: allowed numbers 0.01..1.0"),
         (["--methods", "mosaicquant:block=64x63"], "block='64x63'"),
         (["--suites", "acuracy"], "Unknown suite 'acuracy'. Did you mean: accuracy?"),
+        (["--methods", "rtn:wbits=8,fp17"], "Unknown method 'fp17'. Did you mean: fp16?"),
+        (["--suites", "memory,accuracy:seqlen=64,memroy"], "Unknown suite 'memroy'. Did you mean: memory?"),
         (["--model", "smollm2-13m"], "Unknown model 'smollm2-13m'. Did you mean: smollm2-135m?"),
         (["--model", "./no/such/folder"], "does not exist"),
         (["--corpus", "enwiki"], "Unknown corpus 'enwiki'."),

@@ -43,6 +43,7 @@ class AnalysisConfig(Config):
     """
 
     description = "distortion recovered vs residual budget per score/allocation (analyses the float model)"
+    list_options = ("budgets", "scores", "layers")
 
     transform: str = "rotation"
     base: str = "rtn"
