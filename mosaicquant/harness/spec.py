@@ -97,15 +97,20 @@ def parse_plugin_spec(item: str | dict, kind: str) -> PluginSpec:
 def parse_plugin_list(text: str | list, kind: str) -> list[PluginSpec]:
     """Parse a comma-separated list (or a YAML list) of plugin specs; duplicates are merged."""
     items = text if isinstance(text, list) else [t for t in _split_top(text, kind) if t.strip()]
+    out = _merge_duplicates([parse_plugin_spec(item, kind) for item in items])
+    if not out:
+        raise UserInputError(f"no {kind}s given")
+    return out
+
+
+def _merge_duplicates(specs: list[PluginSpec]) -> list[PluginSpec]:
+    """``specs`` with each label once, in first-seen order (one config is one cell)."""
     out: list[PluginSpec] = []
     seen = set()
-    for item in items:
-        spec = parse_plugin_spec(item, kind)
+    for spec in specs:
         if spec.label not in seen:
             seen.add(spec.label)
             out.append(spec)
-    if not out:
-        raise UserInputError(f"no {kind}s given")
     return out
 
 
@@ -165,8 +170,10 @@ class RunSpec:
     def validate(self) -> None:
         check_range("calib_samples", self.calib_samples, 1, None, integer=True)
         check_range("calib_seqlen", self.calib_seqlen, 2, None, integer=True)
+        if not self.seeds:
+            raise UserInputError(f"no seeds given: allowed integers 0..{_MAX_SEED}, e.g. --seeds 0,1")
         for s in self.seeds:
-            check_range("seed", s, 0, 2**31 - 1, integer=True)
+            check_range("seed", s, 0, _MAX_SEED, integer=True)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise UserInputError(f"dtype={self.dtype!r} is not allowed: choose one of 'float32', 'bfloat16', 'float16'")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -190,14 +197,93 @@ class RunSpec:
 _RUN_KEYS = {"model", "methods", "suites", "seeds", "corpus", "calib_samples", "calib_seqlen", "out",
              "device", "dtype", "max_chunks"}
 
+#: integer keys of a run spec and their smallest allowed value
+_INT_KEYS = {"calib_samples": 1, "calib_seqlen": 2, "max_chunks": 1}
+#: string keys of a run spec and what each allows
+_STR_KEYS = {
+    "model": "a built-in name, a local model folder, a .gguf file or a hub id",
+    "corpus": "a corpus name (see 'mosaicquant ls corpora')",
+    "out": "a results directory",
+    "device": "'cpu', 'cuda' or 'cuda:N'",
+    "dtype": "'float32', 'bfloat16' or 'float16'",
+}
+_MAX_SEED = 2**31 - 1
+
+
+def _yaml_error_line(exc: yaml.YAMLError) -> str:
+    """PyYAML's error (several lines with a context excerpt) as one line: the problem and where."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(exc).split())
+
+
+def _check_int(key: str, value: Any) -> int:
+    """``value`` of integer key ``key``, or a one-line error saying what is allowed."""
+    lo = _INT_KEYS[key]
+    if value is None:
+        raise UserInputError(f"{key} is empty: allowed integers >= {lo}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserInputError(f"{key}={value!r} is not an integer: allowed integers >= {lo}")
+    check_range(key, value, lo, None, integer=True)
+    return value
+
+
+def _check_str(key: str, value: Any) -> str:
+    """``value`` of string key ``key``, or a one-line error saying what is allowed."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise UserInputError(f"{key} is empty: give {_STR_KEYS[key]}")
+    if not isinstance(value, str):
+        raise UserInputError(f"{key}={value!r} is not a string: give {_STR_KEYS[key]} (quote it in YAML)")
+    return value
+
+
+def _parse_seeds(value: Any) -> list[int]:
+    """Seeds from ``"0,1"``, ``[0, 1]`` or ``0``: integers in 0..2**31-1, duplicates merged (first order kept).
+
+    Raises:
+        UserInputError: no seed, or a seed that is not an integer (``1.7``, ``true``, ``'abc'``) or out of range.
+    """
+    allowed = f"allowed integers 0..{_MAX_SEED}, e.g. --seeds 0,1 or 'seeds: [0, 1]'"
+    if isinstance(value, str):
+        items: list[Any] = []
+        for text in value.split(","):
+            if not text.strip():
+                continue
+            try:
+                items.append(int(text))
+            except ValueError:
+                raise UserInputError(f"seed {text.strip()!r} in seeds={value!r} is not an integer: {allowed}") from None
+    elif isinstance(value, list):
+        items = value
+    elif value is None:
+        items = []
+    else:
+        items = [value]
+    if not items:
+        raise UserInputError(f"no seeds given: {allowed}")
+    seeds: list[int] = []
+    for seed in items:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise UserInputError(f"seed {seed!r} is not an integer: {allowed}")
+        check_range("seed", seed, 0, _MAX_SEED, integer=True)
+        if seed not in seeds:
+            seeds.append(seed)
+    return seeds
+
 
 def load_run_spec(path: str | None, overrides: dict[str, Any]) -> RunSpec:
     """Merge a YAML run spec (optional) with command-line overrides (``None`` = not given).
 
-    ``max_chunks`` given at the top level is passed to the ``accuracy`` suite.
+    ``max_chunks`` given at the top level is passed to every suite that has that option (the
+    ``accuracy`` suite); suites that become equal by it are merged. Every key is type-checked:
+    integers must be integers (not ``true``, not ``1.5``), strings non-empty strings; repeated
+    seeds are merged.
 
     Raises:
-        UserInputError: unreadable file, unknown keys, missing model/methods/suites, bad values.
+        UserInputError: unreadable file or invalid YAML (one line), unknown keys, missing
+            model/methods/suites, no seeds, a value of the wrong type or out of range.
     """
     data: dict[str, Any] = {}
     if path:
@@ -206,10 +292,10 @@ def load_run_spec(path: str | None, overrides: dict[str, Any]) -> RunSpec:
         except OSError as exc:
             raise UserInputError(f"run spec {path!r} cannot be read: {exc.strerror or exc}") from None
         except yaml.YAMLError as exc:
-            raise UserInputError(f"run spec {path!r} is not valid YAML: {exc}") from None
+            raise UserInputError(f"run spec {path!r} is not valid YAML: {_yaml_error_line(exc)}") from None
         if not isinstance(data, dict):
             raise UserInputError(f"run spec {path!r} must be a mapping of keys to values")
-        unknown = sorted(set(data) - _RUN_KEYS)
+        unknown = sorted(set(data) - _RUN_KEYS, key=str)
         if unknown:
             raise UserInputError(f"run spec {path!r} has unknown keys {unknown}: allowed {sorted(_RUN_KEYS)}")
     for key, value in overrides.items():
@@ -218,33 +304,33 @@ def load_run_spec(path: str | None, overrides: dict[str, Any]) -> RunSpec:
     for key in ("model", "methods", "suites"):
         if not data.get(key):
             raise UserInputError(f"no {key} given: use --{key} (or '{key}:' in the run spec)")
-    suites_raw = data["suites"]
-    suites = parse_plugin_list(suites_raw, "suite")
-    if data.get("max_chunks") is not None:
-        suites = [
-            PluginSpec(s.name, s.config.replace(max_chunks=int(data["max_chunks"])), "suite")
+    for key in ("methods", "suites"):
+        if not isinstance(data[key], (str, list)):
+            raise UserInputError(f"{key}={data[key]!r}: expected a comma-separated string or a list of "
+                                 f"name[:key=value...] specs")
+    given = {key: _check_str(key, data[key]) for key in _STR_KEYS if key in data}
+    ints = {key: _check_int(key, data[key]) for key in _INT_KEYS if key in data
+            if not (key == "max_chunks" and data[key] is None)}
+    seeds = _parse_seeds(data["seeds"]) if "seeds" in data else [0]
+    methods = parse_plugin_list(data["methods"], "method")
+    suites = parse_plugin_list(data["suites"], "suite")
+    if "max_chunks" in ints:
+        suites = _merge_duplicates([
+            PluginSpec(s.name, s.config.replace(max_chunks=ints["max_chunks"]), "suite")
             if "max_chunks" in s.config.field_names() else s
             for s in suites
-        ]
-    seeds = data.get("seeds", [0])
-    if isinstance(seeds, str):
-        try:
-            seeds = [int(s) for s in seeds.split(",") if s.strip()]
-        except ValueError:
-            raise UserInputError(f"seeds={seeds!r}: expected comma-separated integers") from None
-    if isinstance(seeds, int):
-        seeds = [seeds]
+        ])
     spec = RunSpec(
-        model=str(data["model"]),
-        methods=parse_plugin_list(data["methods"], "method"),
+        model=given["model"],
+        methods=methods,
         suites=suites,
-        seeds=[int(s) for s in seeds],
-        corpus=str(data.get("corpus", "enwiki-sample")),
-        calib_samples=int(data.get("calib_samples", 128)),
-        calib_seqlen=int(data.get("calib_seqlen", 2048)),
-        out=str(data.get("out", "results")),
-        device=str(data.get("device", "cpu")),
-        dtype=str(data.get("dtype", "float32")),
+        seeds=seeds,
+        corpus=given.get("corpus", "enwiki-sample"),
+        calib_samples=ints.get("calib_samples", 128),
+        calib_seqlen=ints.get("calib_seqlen", 2048),
+        out=given.get("out", "results"),
+        device=given.get("device", "cpu"),
+        dtype=given.get("dtype", "float32"),
     )
     spec.validate()
     return spec

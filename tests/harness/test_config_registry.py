@@ -192,3 +192,72 @@ def test_a_name_after_an_option_starts_a_new_item():
     assert [s.label for s in specs] == ["latency:ms=1,16:groups=qkv_proj,o_proj", "throughput:batches=4,8"]
     specs = parse_plugin_list("zeroshot:tasks=piqa,lambada:limit=3", "suite")
     assert [s.name for s in specs] == ["zeroshot"] and specs[0].config.tasks == ("piqa", "lambada")
+
+
+_BASE_YAML = "model: smollm2-135m\nmethods: [fp16]\nsuites: [accuracy]\n"
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("seeds: [abc]", r"seed 'abc' is not an integer: allowed integers 0\.\.2147483647"),
+        ("seeds:", r"no seeds given: allowed integers 0\.\.2147483647"),
+        ("seeds: []", r"no seeds given"),
+        ("seeds: 1.7", r"seed 1\.7 is not an integer"),
+        ("seeds: [1.7]", r"seed 1\.7 is not an integer"),
+        ("seeds: true", r"seed True is not an integer"),
+        ("seeds: [0, -1]", r"seed=-1 is out of range: allowed integers 0\.\.2147483647"),
+        ("calib_samples: abc", r"calib_samples='abc' is not an integer: allowed integers >= 1"),
+        ("calib_samples:", r"calib_samples is empty: allowed integers >= 1"),
+        ("calib_samples: true", r"calib_samples=True is not an integer"),
+        ("calib_seqlen: 2.9", r"calib_seqlen=2\.9 is not an integer: allowed integers >= 2"),
+        ("max_chunks: abc", r"max_chunks='abc' is not an integer: allowed integers >= 1"),
+        ("max_chunks: 1.5", r"max_chunks=1\.5 is not an integer"),
+        ("out:", r"out is empty: give a results directory"),
+        ("corpus:", r"corpus is empty: give a corpus name"),
+        ("corpus: 7", r"corpus=7 is not a string"),
+        ("device: ''", r"device is empty: give 'cpu', 'cuda' or 'cuda:N'"),
+        ("dtype:", r"dtype is empty"),
+        ("model: [a, b]", r"model=\['a', 'b'\] is not a string"),
+        ("methods: {name: rtn}", r"methods=\{'name': 'rtn'\}: expected a comma-separated string or a list"),
+    ],
+)
+def test_run_spec_keys_are_type_checked(tmp_path, line, message):
+    # a wrong type is one line naming the key, the value and what is allowed: never a traceback or a truncation
+    key = line.split(":")[0]
+    text = "\n".join(x for x in _BASE_YAML.splitlines() if not x.startswith(key + ":")) + "\n" + line + "\n"
+    f = tmp_path / "run.yaml"
+    f.write_text(text)
+    with pytest.raises(UserInputError, match=message) as err:
+        load_run_spec(str(f), {})
+    assert "\n" not in str(err.value)
+
+
+def test_invalid_yaml_is_one_line(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("model: [\n")
+    with pytest.raises(UserInputError, match=r"is not valid YAML: .* at line 2, column 1$") as err:
+        load_run_spec(str(f), {})
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("seeds", ["", ",", " , "])
+def test_no_seeds_is_an_error(seeds):
+    with pytest.raises(UserInputError, match="no seeds given"):
+        load_run_spec(None, {"model": "m", "methods": "fp16", "suites": "accuracy", "seeds": seeds})
+
+
+def test_repeated_seeds_and_suites_made_equal_by_max_chunks_are_merged():
+    spec = load_run_spec(None, {"model": "m", "methods": "fp16", "suites": "accuracy,accuracy:max_chunks=3",
+                                "seeds": "1,0,1,0", "max_chunks": 3})
+    assert spec.seeds == [1, 0]
+    assert [s.label for s in spec.suites] == ["accuracy:max_chunks=3"]
+    spec = load_run_spec(None, {"model": "m", "methods": "fp16", "suites": "accuracy:max_chunks=3,accuracy",
+                                "seeds": [0, 0]})
+    assert spec.seeds == [0] and [s.label for s in spec.suites] == ["accuracy:max_chunks=3", "accuracy"]
+
+
+@pytest.mark.parametrize("chunks", [0, -2])
+def test_max_chunks_is_checked_without_a_suite_that_uses_it(chunks):
+    with pytest.raises(UserInputError, match=rf"max_chunks={chunks} is out of range: allowed integers >= 1"):
+        load_run_spec(None, {"model": "m", "methods": "fp16", "suites": "memory", "max_chunks": chunks})

@@ -38,6 +38,9 @@ def _run(tmp_path, model, corpus, methods, suites="accuracy:seqlen=32", extra=()
         (["--model", "smollm2-13m"], "Unknown model 'smollm2-13m'. Did you mean: smollm2-135m?"),
         (["--model", "./no/such/folder"], "does not exist"),
         (["--corpus", "enwiki"], "Unknown corpus 'enwiki'."),
+        (["--seeds", ","], "no seeds given"),
+        (["--seeds", ""], "no seeds given"),
+        (["--suites", "memory", "--max-chunks", "0"], "max_chunks=0 is out of range: allowed integers >= 1"),
         (["--out", "/proc/forbidden/results"], "is not writable"),
     ],
 )
@@ -188,6 +191,14 @@ def test_a_groups_model_is_freed_before_the_next_group_builds_its_own(tmp_path, 
         if was_enabled:
             gc.enable()
     assert _GROUP_MODELS[1] is True, "the first group's model was still alive when the second group quantized"
+
+
+def test_invalid_yaml_spec_is_one_line(tmp_path, capsys):
+    spec = tmp_path / "run.yaml"
+    spec.write_text("model: [\n")
+    assert main(["run", "--spec", str(spec)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mosaicquant: error: run spec") and "not valid YAML" in err[0], err
 
 
 def test_yaml_spec_and_ls(tmp_path, tiny_llama_dir, tiny_corpus, capsys):
