@@ -15,6 +15,7 @@ Reports (:mod:`mosaicquant.reports`) read only records.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import hashlib
 import json
 import os
@@ -100,12 +101,26 @@ def ensure_writable_dir(path: str | Path, what: str = "results directory") -> Pa
     return p
 
 
+@functools.lru_cache(maxsize=1)
+def _file_mode() -> int:
+    """The mode ``open()`` gives a new file here: ``0o666`` less the process's umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_record(path: str | Path, record: dict[str, Any]) -> Path:
-    """Write ``record`` as JSON atomically (temp file, fsync, rename)."""
+    """Write ``record`` as JSON atomically (temp file, fsync, rename).
+
+    The file gets the mode a plain ``open()`` would give it (``0o666`` less the umask), not the
+    temporary file's private ``0o600``: others who share a results directory (the workers of a
+    distributed sweep, the people who read the report) can read it.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, _file_mode())
         with os.fdopen(fd, "w") as fh:
             json.dump(record, fh, indent=2, sort_keys=True, default=_json_default)
             fh.write("\n")

@@ -57,6 +57,24 @@ def test_failed_write_leaves_previous_record(tmp_path, monkeypatch):
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o007])
+def test_record_has_the_mode_of_a_plainly_opened_file(tmp_path, umask):
+    # the temporary file is private (0600); a record must be readable by whoever shares the directory
+    from mosaicquant.harness import results
+
+    old = os.umask(umask)
+    results._file_mode.cache_clear()
+    try:
+        p = write_record(tmp_path / "a.json", {"schema": SCHEMA, "v": 1})
+        with open(tmp_path / "plain.json", "w") as fh:
+            fh.write("{}")
+    finally:
+        os.umask(old)
+        results._file_mode.cache_clear()
+    mode = p.stat().st_mode & 0o777
+    assert mode == (tmp_path / "plain.json").stat().st_mode & 0o777 == 0o666 & ~umask, oct(mode)
+
+
 def test_record_paths_distinct_per_cell(tmp_path):
     a = record_path(tmp_path, "smollm2-135m", "rtn:wbits=8:abits=8", "accuracy", 0)
     b = record_path(tmp_path, "smollm2-135m", "rtn", "accuracy", 0)
