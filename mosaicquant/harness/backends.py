@@ -267,10 +267,11 @@ def run_backend_sweep(spec: RunSpec, backend: tuple[Entry, Config], log: Callabl
     entry, config = backend
     result = SweepResult()
     pending = []
+    model = models_mod.model_key(spec.model)
     for method in spec.methods:
         for seed in spec.seeds:
             for suite in spec.suites:
-                path = backend_record_path(spec.out, spec.model, method.label, suite.label, seed, entry.name)
+                path = backend_record_path(spec.out, model, method.label, suite.label, seed, entry.name)
                 cell = Cell(method, suite, seed, path)
                 if is_finished(path):
                     result.skipped.append(path)

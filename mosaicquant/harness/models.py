@@ -49,6 +49,7 @@ __all__ = [
     "ModelSource",
     "LoadedModel",
     "resolve_model",
+    "model_key",
     "load_model",
     "check_finite_weights",
     "converted_builtin_folder",
@@ -213,6 +214,20 @@ def resolve_model(spec: str) -> ModelSource:
     err = unknown_name("model", spec, [*BUILTIN_MODELS, *shapes.SHAPE_MODELS])
     raise UserInputError(f"{err} (the -shapes models: random weights at a real model's shapes, for the speed "
                          "suites); or give a Hugging Face model folder, a .gguf file or a hub id 'org/name'")
+
+
+def model_key(spec: str) -> str:
+    """The model's part of a record's key: one model, one key, however it is written.
+
+    A local folder or ``.gguf`` file is keyed by its resolved absolute path, so ``/data/m``,
+    ``/data/m/``, ``./m`` and ``m`` (from ``/data``) find the same records; a built-in name, a
+    shape model or a hub id is its own key.
+
+    Raises:
+        UserInputError: as :func:`resolve_model`.
+    """
+    source = resolve_model(spec)
+    return source.location if source.kind in ("folder", "gguf") else spec
 
 
 def _require_gguf_support(what: str) -> None:

@@ -107,9 +107,11 @@ class GroupTask:
 
 
 def plan_cells(spec: RunSpec) -> list[Cell]:
-    """All cells of the sweep, in method-major order."""
+    """All cells of the sweep, in method-major order (a local model's records are keyed by its
+    resolved path, see :func:`mosaicquant.harness.models.model_key`)."""
+    model = models_mod.model_key(spec.model)
     return [
-        Cell(m, s, seed, record_path(spec.out, spec.model, m.label, s.label, seed))
+        Cell(m, s, seed, record_path(spec.out, model, m.label, s.label, seed))
         for m in spec.methods for seed in spec.seeds for s in spec.suites
     ]
 

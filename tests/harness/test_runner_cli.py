@@ -121,6 +121,24 @@ def test_sweep_records_resume_failure_and_report(tmp_path, tiny_llama_dir, tiny_
     assert (tmp_path / "res" / "summary.csv").exists() and (tmp_path / "res" / "summary.tex").exists()
 
 
+def test_one_local_model_written_several_ways_is_one_set_of_cells(tmp_path, tiny_llama_dir, tiny_corpus,
+                                                                    monkeypatch, capsys):
+    from pathlib import Path
+
+    folder = Path(tiny_llama_dir)
+    assert _run(tmp_path, str(folder), tiny_corpus, "fp16", suites="memory") == 0
+    files = sorted((tmp_path / "res").glob("*.json"))
+    assert len(files) == 1
+    monkeypatch.chdir(folder.parent)
+    for written in (f"{folder}/", f"./{folder.name}", folder.name):
+        capsys.readouterr()
+        assert _run(tmp_path, written, tiny_corpus, "fp16", suites="memory") == 0
+        assert "1 cells: 1 finished, 0 to run" in capsys.readouterr().out, written
+    assert sorted((tmp_path / "res").glob("*.json")) == files
+    rec = load_records(tmp_path / "res")[0]
+    assert rec["model"]["spec"] == str(folder) and rec["model"]["name"] == folder.name  # as the user wrote it
+
+
 @dataclass(frozen=True)
 class _BoomConfig(Config):
     when: str = "quantize"
