@@ -3,7 +3,9 @@ runs each pending suite on it; each (model, method spec, suite, seed) cell is on
 
 - Validation first: every name, option and path is checked before any model is loaded.
 - Resume: a cell whose record exists with ``"status": "ok"`` is skipped; a failed or
-  missing one is (re)computed.
+  missing one is (re)computed. A finished record made with other run settings that its cell
+  depends on (dtype; the corpus and calibration size it read) stops the sweep before any work
+  (:func:`check_finished_settings`): it is neither reused nor overwritten.
 - Isolation: an exception in a method fails every pending suite of that method spec (each
   recorded as failed with the error); an exception in a suite fails that cell only. The
   sweep goes on. ``KeyboardInterrupt`` stops it; finished records stay.
@@ -49,7 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Cell", "CellOutcome", "GroupTask", "SweepResult", "SweepState", "plan_cells", "plan_groups", "validate_run",
-    "run_group", "run_sweep", "is_finished", "failure_record",
+    "run_group", "run_sweep", "is_finished", "failure_record", "check_finished_settings", "settings_differences",
 ]
 
 
@@ -138,12 +140,78 @@ def plan_groups(spec: RunSpec, pending: list[Cell], device_map: str | None = Non
 
 
 def is_finished(path: Path) -> bool:
+    return finished_record(path) is not None
+
+
+def finished_record(path: Path) -> dict[str, Any] | None:
+    """The record at ``path`` if it exists and says ``"status": "ok"``, else ``None``."""
     if not path.exists():
-        return False
+        return None
     try:
-        return read_record(path).get("status") == "ok"
+        record = read_record(path)
     except (OSError, ValueError):
-        return False
+        return None
+    return record if isinstance(record, dict) and record.get("status") == "ok" else None
+
+
+def settings_differences(spec: RunSpec, record: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """The run settings a finished cell depends on that ``spec`` asks differently.
+
+    What a cell computes is fixed by its key (model, method spec, suite spec, seed) and by the run
+    settings the record stores: the dtype (always), the calibration set's corpus, sample count and
+    length when its method or suite drew one (``calibration`` is ``None`` otherwise), and the
+    corpus whose test split its suite read (``test_corpus``; a record from before that key is
+    taken to have read ``corpus``). The device is not compared: it changes where a cell runs,
+    not what it computes, and a sweep may be finished on another machine.
+
+    Args:
+        spec: this run.
+        record: a finished record of one of its cells.
+
+    Returns:
+        ``(setting, recorded, requested)`` for each difference, in that order; empty if none.
+    """
+    out: list[tuple[str, Any, Any]] = []
+    dtype = (record.get("model") or {}).get("dtype")
+    if dtype is not None and dtype != spec.dtype:
+        out.append(("dtype", dtype, spec.dtype))
+    calibration = record.get("calibration")
+    if isinstance(calibration, dict):
+        for key, setting, requested in (("corpus", "corpus", spec.corpus), ("n_samples", "calib_samples",
+                                        spec.calib_samples), ("seqlen", "calib_seqlen", spec.calib_seqlen)):
+            if key in calibration and calibration[key] != requested:
+                out.append((setting, calibration[key], requested))
+    test_corpus = record["test_corpus"] if "test_corpus" in record else record.get("corpus")
+    if test_corpus is not None and test_corpus != spec.corpus and all(d[0] != "corpus" for d in out):
+        out.append(("corpus", test_corpus, spec.corpus))
+    return out
+
+
+def check_finished_settings(spec: RunSpec, finished: list[tuple[Cell, dict[str, Any]]]) -> None:
+    """Refuse a run whose settings differ from those of finished records it would skip.
+
+    Skipping such a record would report results this run did not ask for; recomputing it would
+    overwrite results another run asked for. Neither happens: the user picks another ``--out``
+    or removes the records.
+
+    Args:
+        spec: this run.
+        finished: the cells whose records are finished, with their records.
+
+    Raises:
+        UserInputError: naming the first such cell, each setting with its recorded and requested
+            value, and how many records differ.
+    """
+    differing = [(cell, diffs) for cell, record in finished if (diffs := settings_differences(spec, record))]
+    if not differing:
+        return
+    cell, diffs = differing[0]
+    shown = ", ".join(f"{setting}={recorded!r} (this run: {requested!r})" for setting, recorded, requested in diffs)
+    more = f"; {len(differing)} finished records differ" if len(differing) > 1 else ""
+    raise UserInputError(
+        f"results directory {str(spec.out)!r} holds a finished record made with other settings: cell "
+        f"{cell.method.label} / {cell.suite.label} / seed {cell.seed} ({cell.path.name}) has {shown}{more}; "
+        "use another --out, or remove those records to recompute them")
 
 
 def validate_run(spec: RunSpec) -> None:
@@ -289,6 +357,19 @@ class SweepState:
         return self._git
 
 
+class _Tracked:
+    """A shared input's getter (calibration or test tokens) that notes whether it was called, so a
+    record says what its cell read."""
+
+    def __init__(self, get: Callable[[], torch.Tensor]):
+        self._get = get
+        self.used = False
+
+    def __call__(self) -> torch.Tensor:
+        self.used = True
+        return self._get()
+
+
 def _record_head(spec: RunSpec, model_meta: dict[str, Any], cell: Cell, env: dict[str, Any],
                  git: dict[str, Any]) -> dict[str, Any]:
     method = cell.method
@@ -300,6 +381,7 @@ def _record_head(spec: RunSpec, model_meta: dict[str, Any], cell: Cell, env: dic
         "seed": cell.seed,
         "corpus": spec.corpus,
         "calibration": None,
+        "test_corpus": None,
         "method_info": {},
         "env": env,
         "git": git,
@@ -358,8 +440,8 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
     meta = state.metadata(device, task.device_map)
     label, seed, method = task.label, task.seed, task.method
     torch.manual_seed(seed)
-    qctx = QuantContext(calibration=state.calibration_for(seed, meta.tokenizer), seed=seed, device=device,
-                        tokenizer=meta.tokenizer, log=log)
+    method_calibration = _Tracked(state.calibration_for(seed, meta.tokenizer))
+    qctx = QuantContext(calibration=method_calibration, seed=seed, device=device, tokenizer=meta.tokenizer, log=log)
     log(f"[mosaicquant] quantizing: {label} (seed {seed})")
     t_q = time.perf_counter()
     model = None
@@ -382,7 +464,7 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         record = _record_head(spec, model_meta, cell, state.env, state.git)
         record["method_info"] = dict(qctx.info)
         record["timing"] = {"quantize_s": round(quant_s, 3)}
-        record["calibration"] = state.calibration_record(seed)
+        record["calibration"] = state.calibration_record(seed) if method_calibration.used else None
         if quant_error is not None:
             status = "unavailable" if isinstance(quant_error, Unavailable) else "failed"
             record.update(status=status, stage="quantize", metrics={}, error=_error_dict(quant_error))
@@ -391,9 +473,11 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
             log(line)
             outcomes.append(CellOutcome(cell.path, status, line))
             continue
+        suite_calibration = _Tracked(state.calibration_for(seed, meta.tokenizer))
+        suite_test = _Tracked(state.test_tokens(meta.tokenizer))
         sctx = SuiteContext(model_name=spec.model, tokenizer=meta.tokenizer, corpus=spec.corpus,
-                            test_tokens=state.test_tokens(meta.tokenizer), seed=seed, device=device,
-                            method_info=qctx.info, calibration=state.calibration_for(seed, meta.tokenizer), log=log)
+                            test_tokens=suite_test, seed=seed, device=device,
+                            method_info=qctx.info, calibration=suite_calibration, log=log)
         t_s = time.perf_counter()
         line = ""
         try:
@@ -411,6 +495,10 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
             log(line)
         record["timing"]["suite_s"] = round(time.perf_counter() - t_s, 3)
         record["method_info"] = dict(qctx.info)
+        # what the cell read, for a rerun to compare its settings with (the suite may draw calibration too)
+        if method_calibration.used or suite_calibration.used:
+            record["calibration"] = state.calibration_record(seed)
+        record["test_corpus"] = spec.corpus if suite_test.used else None
         write_record(cell.path, record)
         if record["status"] == "ok":
             shown = ", ".join(f"{k}={v['value']:.4g}" for k, v in list(record["metrics"].items())[:3])
@@ -451,7 +539,8 @@ def run_sweep(spec: RunSpec, log: Callable[[str], None] = print,
         the paths written, skipped (already finished), failed and unavailable.
 
     Raises:
-        UserInputError: bad spec, unknown backend, or executor settings that do not fit it.
+        UserInputError: bad spec, unknown backend, executor settings that do not fit it, or
+            finished records made with other settings (:func:`check_finished_settings`).
     """
     from mosaicquant.harness.backends import parse_backend_spec, run_backend_sweep
     from mosaicquant.harness.executors import ExecutorSettings, make_executor
@@ -461,15 +550,19 @@ def run_sweep(spec: RunSpec, log: Callable[[str], None] = print,
     if chosen is not None:
         return run_backend_sweep(spec, chosen, log)
     validate_run(spec)
-    runner = make_executor(settings, spec)
     cells = plan_cells(spec)
     result = SweepResult()
     pending = []
+    finished = []
     for cell in cells:
-        if is_finished(cell.path):
+        record = finished_record(cell.path)
+        if record is not None:
+            finished.append((cell, record))
             result.skipped.append(cell.path)
         else:
             pending.append(cell)
+    check_finished_settings(spec, finished)
+    runner = make_executor(settings, spec)
     log(f"[mosaicquant] {len(cells)} cells: {len(result.skipped)} finished, {len(pending)} to run")
     if not pending:
         return result

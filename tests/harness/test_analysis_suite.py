@@ -14,6 +14,8 @@ def test_analysis_records_and_plot(tmp_path, tiny_llama_dir, tiny_corpus):
     assert recs["rtn"]["status"] == "failed" and "--methods fp16" in recs["rtn"]["error"]["message"]
     rec = recs["fp16"]
     assert rec["status"] == "ok"
+    # fp16 does not calibrate, the suite does: the record names the calibration set it read
+    assert rec["calibration"]["n_samples"] == 4 and rec["calibration"]["seqlen"] == 32
     m = {k: v["value"] for k, v in rec["metrics"].items()}
     for score in ("hessian", "delta", "exact-greedy", "frobenius", "random", "channel-in", "channel-out"):
         for budget in ("0.1", "0.3"):

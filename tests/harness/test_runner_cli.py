@@ -2,6 +2,7 @@
 
 import gc
 import json
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -137,6 +138,51 @@ def test_one_local_model_written_several_ways_is_one_set_of_cells(tmp_path, tiny
     assert sorted((tmp_path / "res").glob("*.json")) == files
     rec = load_records(tmp_path / "res")[0]
     assert rec["model"]["spec"] == str(folder) and rec["model"]["name"] == folder.name  # as the user wrote it
+
+
+def test_rerun_with_other_settings_stops_instead_of_reusing_records(tmp_path, tiny_llama_dir, tiny_corpus,
+                                                                      monkeypatch, capsys):
+    from mosaicquant.harness import data
+
+    methods, suites = "fp16,mosaicquant:block=16:budget=0.25:base=rtn", "accuracy:seqlen=32,memory"
+    assert _run(tmp_path, tiny_llama_dir, tiny_corpus, methods, suites=suites) == 0
+    recs = _records(tmp_path / "res")
+    # each record says what its cell read: the calibration set (calibrating methods only), the test split
+    assert recs["fp16|accuracy"]["calibration"] is None and recs["fp16|accuracy"]["test_corpus"] == tiny_corpus
+    assert recs["fp16|memory"]["calibration"] is None and recs["fp16|memory"]["test_corpus"] is None
+    mosaic = recs["mosaicquant:budget=0.25:block=16:base=rtn|memory"]
+    assert mosaic["calibration"]["n_samples"] == 4 and mosaic["test_corpus"] is None
+    mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "res").glob("*.json")}
+    other = data.Corpus(name="tiny-other", description="test text", offline=True,
+                        loader=lambda split: data.CORPORA[tiny_corpus].loader(split)[::-1])
+    monkeypatch.setitem(data.CORPORA, "tiny-other", other)
+    for extra, corpus, message in [
+        (["--dtype", "bfloat16"], tiny_corpus,
+         f"cell fp16 / accuracy:seqlen=32:max_chunks=3 / seed 0 ({os.path.basename(tiny_llama_dir)}__fp16__"),
+        (["--dtype", "bfloat16"], tiny_corpus, "has dtype='float32' (this run: 'bfloat16'); 4 finished records differ"),
+        (["--calib-samples", "2"], tiny_corpus, "has calib_samples=4 (this run: 2); 2 finished records differ"),
+        (["--calib-seqlen", "16"], tiny_corpus, "has calib_seqlen=32 (this run: 16)"),
+        ([], "tiny-other", "has corpus='tiny-text' (this run: 'tiny-other')"),
+    ]:
+        capsys.readouterr()
+        assert _run(tmp_path, tiny_llama_dir, corpus, methods, suites=suites, extra=extra) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0] and "use another --out, or remove those records" in err[0], err
+    assert mtimes == {p: p.stat().st_mtime_ns for p in (tmp_path / "res").glob("*.json")}  # nothing rewritten
+    # a setting no finished cell read does not stop the run: only the fp16 cells, which never calibrate
+    capsys.readouterr()
+    assert _run(tmp_path, tiny_llama_dir, tiny_corpus, "fp16", suites=suites, extra=["--calib-samples", "2"]) == 0
+    assert "2 cells: 2 finished, 0 to run" in capsys.readouterr().out
+
+
+def test_a_record_from_before_test_corpus_is_taken_to_have_read_its_corpus():
+    from mosaicquant.harness.runner import settings_differences
+    from mosaicquant.harness.spec import load_run_spec
+
+    spec = load_run_spec(None, {"model": "m", "methods": "fp16", "suites": "memory", "corpus": "new-text"})
+    old = {"model": {"dtype": "float32"}, "corpus": "old-text", "calibration": None}
+    assert settings_differences(spec, old) == [("corpus", "old-text", "new-text")]
+    assert settings_differences(spec, {**old, "test_corpus": None}) == []
 
 
 @dataclass(frozen=True)
