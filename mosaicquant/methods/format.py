@@ -49,8 +49,8 @@ import torch
 
 from mosaicquant.methods.quant import Quantized
 
-__all__ = ["pack_int4", "unpack_int4", "PackedW4", "ResidualBlocks", "parse_block_shape", "block_shape_text", "residual_shifts",
-           "POW2_SHIFT_RANGE"]
+__all__ = ["pack_int4", "unpack_int4", "PackedW4", "ResidualBlocks", "parse_block_shape", "block_shape_text",
+           "residual_shifts", "POW2_SHIFT_RANGE"]
 
 # residual scales s_w * 2^-j, j in this range, run in the base's accumulator (see residual_shifts)
 POW2_SHIFT_RANGE = (0, 4)
