@@ -21,8 +21,16 @@ from mosaicquant.harness.errors import MosaicQuantError
 __all__ = ["main", "build_parser"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the command line's one-line errors: ``mosaicquant: error: ...`` and exit 2, the usage left to
+    ``--help`` (argparse prints the whole usage first, which pushes the error out of a CI log's last line)."""
+
+    def error(self, message: str):
+        self.exit(2, f"mosaicquant: error: {self.prog}: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mosaicquant", description="W4A4 LLM quantization benchmarking harness")
+    p = _Parser(prog="mosaicquant", description="W4A4 LLM quantization benchmarking harness")
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="run a sweep and write result records")
@@ -169,7 +177,10 @@ def _cmd_fingerprint(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mosaicquant`` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2, one line already printed)
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         if args.command == "run":
             return _cmd_run(args)

@@ -55,6 +55,25 @@ def test_bad_input_is_one_line_exit_2(args, message, capsys):
     assert len(err) == 1 and err[0].startswith("mosaicquant: error:") and message in err[0], err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--model", "smollm2-135m", "--calib-samples", "abc"], "mosaicquant run: argument --calib-samples: "
+                                                                   "invalid int value: 'abc'"),
+    (["ls", "bogus"], "mosaicquant ls: argument what: invalid choice: 'bogus'"),
+    (["report"], "mosaicquant report: the following arguments are required: dir"),
+    ([], "the following arguments are required: command"),
+])
+def test_usage_errors_are_one_line_exit_2(argv, message, capsys):
+    # argparse's own errors too: one line, no usage block before it
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mosaicquant: error:") and message in err[0], err
+
+
+def test_help_exits_0(capsys):
+    assert main(["run", "--help"]) == 0
+    assert "--calib-samples" in capsys.readouterr().out
+
+
 def test_bad_kernel_environment_is_exit_2_before_any_work(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MOSAICQUANT_PDL_CHAIN", "sideways")
     monkeypatch.setenv("MOSAICQUANT_OFFLINE", "1")
