@@ -160,13 +160,32 @@ def read_record(path: str | Path) -> dict[str, Any]:
         return json.load(fh)
 
 
+# what every reader of a record (report, compare) takes from it without asking
+_REQUIRED_FIELDS = (("model", "name"), ("method", "name"), ("method", "label"), ("suite", "name"), ("suite", "label"))
+
+
+def _record_defect(rec: dict[str, Any]) -> str | None:
+    """Why a record of our schema cannot be read (a field its readers need is missing or malformed), else None."""
+    for outer, inner in _REQUIRED_FIELDS:
+        part = rec.get(outer)
+        if not isinstance(part, dict) or not isinstance(part.get(inner), str):
+            return f"a record without {outer}.{inner}"
+    metrics = rec.get("metrics")
+    if metrics is not None and not (isinstance(metrics, dict) and all(
+            isinstance(m, dict) and isinstance(m.get("value"), (int, float)) for m in metrics.values())):
+        return "a record whose metrics are not {name: {value: number, ...}}"
+    return None
+
+
 def load_records(out_dir: str | Path, required: bool = False,
                  skipped: list[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
     """All records (``*.json`` with our schema) in a results directory, sorted by file name.
 
-    A ``*.json`` file that cannot be read as JSON (cut short, not UTF-8 text, unreadable) is
-    left out, and so is JSON of another schema (other tools' output kept next to the records).
-    The first kind may be a damaged record, so it is not left out silently: ``skipped``, when
+    A ``*.json`` file that cannot be read as JSON (cut short, not UTF-8 text, unreadable), or a
+    record of our schema that lacks a field its readers need (``model.name``, ``method.label``,
+    ...; metrics without a number), is left out, and so is JSON of another schema (other tools'
+    output kept next to the records). The first two kinds may be damaged records, so they are not
+    left out silently: ``skipped``, when
     given, receives ``(file name, why)`` for each such file, for the caller to show
     (:func:`skipped_note`).
 
@@ -191,6 +210,10 @@ def load_records(out_dir: str | Path, required: bool = False,
             unreadable.append((f.name, f"cannot be read: {exc.strerror or exc}"))
             continue
         if isinstance(rec, dict) and rec.get("schema") == SCHEMA:
+            defect = _record_defect(rec)
+            if defect is not None:
+                unreadable.append((f.name, defect))
+                continue
             rec["_path"] = str(f)
             records.append(rec)
     if skipped is not None:
@@ -206,12 +229,12 @@ def skipped_note(skipped: list[tuple[str, str]], shown: int = 5) -> str:
 
     Example:
         >>> skipped_note([("a.json", "not UTF-8 text")])
-        'skipped 1 *.json file that is not readable JSON: a.json (not UTF-8 text)'
+        'skipped 1 *.json file that is not a readable record: a.json (not UTF-8 text)'
     """
     n = len(skipped)
     names = ", ".join(f"{name} ({why})" for name, why in skipped[:shown])
     more = f", and {n - shown} more" if n > shown else ""
-    return (f"skipped {n} *.json file{'s' if n != 1 else ''} that {'are' if n != 1 else 'is'} not readable JSON: "
+    return (f"skipped {n} *.json file{'s that are not readable records' if n != 1 else ' that is not a readable record'}: "
             f"{names}{more}")
 
 

@@ -15,8 +15,13 @@ from mosaicquant.harness.results import (
 )
 
 
+def _minimal_record(**extra):
+    return {"schema": SCHEMA, "status": "ok", "model": {"name": "m"}, "method": {"name": "rtn", "label": "rtn"},
+            "suite": {"name": "memory", "label": "memory"}, **extra}
+
+
 def test_atomic_write_and_load(tmp_path):
-    rec = {"schema": SCHEMA, "status": "ok", "metrics": {"ppl": {"value": 17.0}}}
+    rec = _minimal_record(metrics={"ppl": {"value": 17.0}})
     p = write_record(tmp_path / "a.json", rec)
     assert json.loads(p.read_text())["metrics"]["ppl"]["value"] == 17.0
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
@@ -27,20 +32,28 @@ def test_atomic_write_and_load(tmp_path):
 
 
 def test_unreadable_json_files_are_skipped_and_named(tmp_path):
-    write_record(tmp_path / "a.json", {"schema": SCHEMA, "status": "ok"})
+    write_record(tmp_path / "a.json", _minimal_record(metrics={"x": {"value": 1.0, "higher_is_better": True}}))
     # a record saved as UTF-16 (e.g. by an editor) and one cut short (a full disk)
     (tmp_path / "b_utf16.json").write_bytes(json.dumps({"schema": SCHEMA}).encode("utf-16"))
     (tmp_path / "c_cut.json").write_text('{"schema": "%s", "status": "o' % SCHEMA)
     (tmp_path / "d_other.json").write_text(json.dumps({"schema": "something-else"}))
+    # records of our schema that a reader would trip over: no model name, a metric without a number
+    no_model = _minimal_record()
+    del no_model["model"]
+    write_record(tmp_path / "e_no_model.json", no_model)
+    write_record(tmp_path / "f_bad_metric.json", _minimal_record(metrics={"x": {"value": "high"}}))
     skipped = []
     recs = load_records(tmp_path, skipped=skipped)
     assert [r["_path"].rsplit("/", 1)[1] for r in recs] == ["a.json"]
-    assert [name for name, _ in skipped] == ["b_utf16.json", "c_cut.json"]
+    assert [name for name, _ in skipped] == ["b_utf16.json", "c_cut.json", "e_no_model.json", "f_bad_metric.json"]
     assert skipped[0][1] == "not UTF-8 text" and skipped[1][1].startswith("not valid JSON: "), skipped
-    assert skipped_note(skipped).startswith("skipped 2 *.json files that are not readable JSON: b_utf16.json (")
+    assert skipped[2][1] == "a record without model.name", skipped
+    assert skipped[3][1].startswith("a record whose metrics are not"), skipped
+    assert skipped_note(skipped).startswith("skipped 4 *.json files that are not readable records: b_utf16.json (")
+    assert skipped_note(skipped[:1]) == "skipped 1 *.json file that is not a readable record: b_utf16.json (not UTF-8 text)"
     # a directory of unreadable files only: the refusal names them
     (tmp_path / "a.json").unlink()
-    with pytest.raises(UserInputError, match=r"holds no result records .*; skipped 2 \*\.json files"):
+    with pytest.raises(UserInputError, match=r"holds no result records .*; skipped 4 \*\.json files"):
         load_records(tmp_path, required=True)
 
 

@@ -196,7 +196,7 @@ def test_unreadable_files_are_named_per_side(tmp_path, write_cell, speed_metrics
     assert main(["compare", base, new, "--json", str(tmp_path / "c.json")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("base: ") and lines[1].startswith("new:  ")
-    assert lines[2].strip().startswith("skipped 2 *.json files that are not readable JSON: cut.json (not valid JSON")
+    assert lines[2].strip().startswith("skipped 2 *.json files that are not readable records: cut.json (not valid JSON")
     assert "utf16.json (not UTF-8 text)" in lines[2]
     saved = json.loads((tmp_path / "c.json").read_text())
     assert saved["base_skipped"] == [] and [s["file"] for s in saved["new_skipped"]] == ["cut.json", "utf16.json"]
@@ -276,7 +276,7 @@ def test_watched_numbers_gone_from_new_are_regressions(tmp_path, write_cell, spe
     assert main(["compare", base, new, "--fail-on", "ppl:1%"]) == 1
     out = capsys.readouterr().out
     assert "missing in new (no such cell in new)" in _row(out, "rtn", "ppl") and "| ok |" in _row(out, "fp16", "ppl")
-    assert f"skipped 1 *.json file that is not readable JSON: {path.name}" in out
+    assert f"skipped 1 *.json file that is not a readable record: {path.name}" in out
     # a watched metric gone from a cell that is still there
     write_cell(new, acc, "rtn", "accuracy", {"ppl_wikitext": (20.0, False)})
     assert main(["compare", base, new, "--fail-on", "ppl:1%"]) == 1
