@@ -48,6 +48,7 @@ import triton.language as tl
 
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels._common import (
+    check_same_device,
     check_tensor,
     chain_launch,
     chain_mode,
@@ -210,6 +211,7 @@ def _check_norm_inputs(x: torch.Tensor, weight: torch.Tensor, residual: torch.Te
     check_tensor("weight", weight, dtypes=(x.dtype,), shape=(n,))
     if residual is not None:
         check_tensor("residual", residual, dtypes=(x.dtype,), shape=(t, n))
+    check_same_device(x=x, weight=weight, residual=residual)
     return t, n
 
 
@@ -240,6 +242,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
         raise UserInputError("weight must be contiguous")
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
     check_tensor("out", out, dtypes=(x.dtype,), shape=(t, n))
+    check_same_device(x=x, out=out)
     if t:
         res = residual if residual is not None else x
         chain = chain_mode(x.device, t)
@@ -610,6 +613,7 @@ def _check_kv(kv: KVFormat | None, scales: KVScales | None, k_cache: torch.Tenso
         check_tensor(f"scales.{name}", t, dtypes=(torch.float32,), shape=shape)
         if not t.is_contiguous():
             raise UserInputError(f"scales.{name} must be contiguous")
+        check_same_device(k_cache=k_cache, **{f"scales.{name}": t})
 
 
 def _check_rope_args(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, tokens_per_seq, q_norm,
@@ -645,8 +649,29 @@ def _check_rope_args(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads
     if q_norm is not None:
         check_tensor("q_norm", q_norm, dtypes=(qkv.dtype,), shape=(d,))
         check_tensor("k_norm", k_norm, dtypes=(qkv.dtype,), shape=(d,))
+    check_same_device(qkv=qkv, positions=positions, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
+                      q_norm=q_norm, k_norm=k_norm)
     _check_kv(kv, scales, k_cache, d)
+    _check_cpu_range("positions", positions, 0, min(k_cache.shape[2], cos.shape[0]) - 1,
+                     f"the cache holds {k_cache.shape[2]} slots, the cos/sin tables {cos.shape[0]} positions")
     return b, d
+
+
+def _check_cpu_range(name: str, values: torch.Tensor, lo: int, hi: int, why: str) -> None:
+    """``lo <= values <= hi``, checked where the values are on the host (no device synchronisation).
+
+    On a GPU the kernels read positions and lengths on the device, and a host check would
+    synchronise every decode step (and cannot run inside a captured CUDA graph): there they are
+    the caller's contract, as the docstrings say. The decode runtime builds them in range.
+
+    Raises:
+        UserInputError: naming the smallest and largest value and the allowed span.
+    """
+    if values.device.type != "cpu" or not values.numel():
+        return
+    got_lo, got_hi = int(values.min()), int(values.max())
+    if got_lo < lo or got_hi > hi:
+        raise UserInputError(f"{name} span {got_lo}..{got_hi}; allowed {lo}..{hi} ({why})")
 
 
 def _kv_args(kv: KVFormat | None, scales: KVScales | None, fallback: torch.Tensor) -> dict:
@@ -691,7 +716,9 @@ def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
     Args:
         qkv: ``[T, (heads + 2·kv_heads)·D]`` projections of ``T = B · tokens_per_seq`` tokens,
             sequence-major (unit stride along the last dimension).
-        positions: ``[T]`` integer position of each token (where its k/v go in the cache).
+        positions: ``[T]`` integer position of each token (where its k/v go in the cache), in
+            ``0..min(L, P) - 1``: checked where they are on the host; on a GPU they are read on the
+            device, unchecked (a host check would synchronise each step).
         cos, sin: ``[P, D]`` tables in the model's dtype (transformers' rotary embedding at
             positions ``0..P-1``; both halves equal).
         k_cache, v_cache: ``[B, kv_heads, L, D]`` (``L > max(positions)``); with a 4-bit ``kv``
@@ -713,7 +740,8 @@ def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
 
     Raises:
         UserInputError: inconsistent shapes, a head size the kernel cannot take (a power of
-            two from 16 to 256), dtypes that differ, or scales that do not fit the format.
+            two from 16 to 256), dtypes that differ, tensors on different devices, scales that do
+            not fit the format, or host positions outside the cache or the tables.
     """
     b, d = _check_rope_args(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, tokens_per_seq,
                             q_norm, k_norm, kv, scales)
@@ -726,6 +754,7 @@ def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
                 or dequant[0].stride() != dequant[1].stride() or dequant[0].stride(-1) != 1):
             raise UserInputError(f"dequant tensors {list(dequant[0].shape)} must be [B, kv_heads, L, D] = "
                                  f"[{b}, {kv_heads}, L, {d}], alike and unit-strided along D")
+        check_same_device(qkv=qkv, **{"dequant[0]": dequant[0], "dequant[1]": dequant[1]})
     t = qkv.shape[0]
     if resolve_kernel(kernel, qkv.device) == "torch":
         q = rope_kv_reference(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads, tokens_per_seq,
@@ -734,6 +763,7 @@ def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
     check_triton_device(qkv.device)
     out = torch.empty(t, heads, d, dtype=qkv.dtype, device=qkv.device) if out is None else out
     check_tensor("out", out, dtypes=(qkv.dtype,), shape=(t, heads, d))
+    check_same_device(qkv=qkv, out=out)
     if not out.is_contiguous() or k_cache.stride(-1) != 1 or cos.stride() != sin.stride():
         raise UserInputError("out must be contiguous, the caches unit-strided along D, cos and sin alike")
     if t:
@@ -1124,7 +1154,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Args:
         q: ``[B, heads, D]`` queries (unit stride along D).
         k_cache, v_cache: ``[B, kv_heads, L, D]``; ``heads`` a multiple of ``kv_heads`` (GQA).
-        lengths: ``[B]`` int32 keys to attend per sequence, ``1..L`` (read on the device).
+        lengths: ``[B]`` int32 keys to attend per sequence, ``1..L`` (checked where they are on the
+            host; on a GPU read on the device, unchecked).
         scale: softmax scale (``D^-0.5`` for these models).
         chunk: keys per program (a multiple of 64); default :func:`attention_splits`.
         out: optional ``[B, heads·D]`` output.
@@ -1134,7 +1165,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ``[B, heads·D]`` in q's dtype.
 
     Raises:
-        UserInputError: shapes, dtypes, head sizes or a chunk the kernel cannot take.
+        UserInputError: shapes, dtypes, head sizes or a chunk the kernel cannot take, tensors on
+            different devices, or host lengths outside ``1..L``.
     """
     check_tensor("q", q, dtypes=_HALF, dim=3)
     b, hq, d = q.shape
@@ -1147,6 +1179,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if d < 16 or d > 256 or d & (d - 1):
         raise UserInputError(f"head size {d} is not taken: the kernels need a power of two from 16 to 256")
     hkv, cache_len = k_cache.shape[1], k_cache.shape[2]
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths, out=out)
+    _check_cpu_range("lengths", lengths, 1, cache_len, f"the cache holds {cache_len} keys a sequence")
     if resolve_kernel(kernel, q.device) == "torch":
         y = decode_attention_reference(q, k_cache, v_cache, lengths, scale)
         return y if out is None else out.copy_(y)
@@ -1275,6 +1309,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     p = _AttnPlan.make(qkv.device, b, heads, kv_heads, k_cache.shape[2], d, chunk, per_sm, block_n)
     out = torch.empty(b, heads * d, dtype=qkv.dtype, device=qkv.device) if out is None else out
     check_tensor("out", out, dtypes=(qkv.dtype,), shape=(b, heads * d))
+    check_same_device(qkv=qkv, out=out)
     if out.stride(-1) != 1:
         raise UserInputError("out must be unit-strided along its last dimension")
     pm, pl, pacc = p.partials()
@@ -1339,6 +1374,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None, kernel: str
     n = w // 2
     out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device) if out is None else out
     check_tensor("out", out, dtypes=(gate_up.dtype,), shape=(t, n))
+    check_same_device(gate_up=gate_up, out=out)
     block = min(4096, triton.next_power_of_2(n))
     if t:
         chain = chain_mode(gate_up.device, t)

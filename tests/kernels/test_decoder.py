@@ -522,6 +522,36 @@ def test_kv_format_inputs_are_named():
         decode_rope_attention(qkv, pos, cos, sin, kb, vb, heads, kv_heads, d ** -0.5, scales=sc)
 
 
+def test_devices_and_host_positions_are_checked_before_launch():
+    # tensors on two devices (the meta device stands in for a GPU here) are named before any kernel runs; positions
+    # and lengths on the host must lie in the cache and the tables (the Triton kernel would write and read past them)
+    heads, kv_heads, d, b, length = 4, 2, 32, 2, 16
+    qkv, _, cos, sin = _rope_inputs(1, b, heads, kv_heads, d, length, 3)
+    kb, vb = torch.zeros(b, kv_heads, length, d, dtype=BF16), torch.zeros(b, kv_heads, length, d, dtype=BF16)
+    pos = torch.tensor([1, 2])
+    for kernel in ("torch", "triton"):
+        with pytest.raises(UserInputError, match="tensors must be on one device, .*cos on meta"):
+            rope_kv(qkv, pos, cos.to("meta"), sin, kb, vb, heads, kv_heads, 1, kernel=kernel)
+        with pytest.raises(UserInputError, match="tensors must be on one device, .*k_cache on meta"):
+            decode_rope_attention(qkv, pos, cos, sin, kb.to("meta"), vb.to("meta"), heads, kv_heads, d ** -0.5,
+                                  kernel=kernel)
+        with pytest.raises(UserInputError, match=r"positions span 1\.\.16; allowed 0\.\.15 \(the cache holds 16 slots"):
+            rope_kv(qkv, torch.tensor([1, length]), cos, sin, kb, vb, heads, kv_heads, 1, kernel=kernel)
+        with pytest.raises(UserInputError, match=r"positions span -1\.\.2"):
+            decode_rope_attention(qkv, torch.tensor([-1, 2]), cos, sin, kb, vb, heads, kv_heads, d ** -0.5,
+                                  kernel=kernel)
+        with pytest.raises(UserInputError, match=r"positions span 0\.\.9; allowed 0\.\.7 \(.*tables 8 positions"):
+            rope_kv(qkv, torch.tensor([0, 9]), cos[:8], sin[:8], kb, vb, heads, kv_heads, 1, kernel=kernel)
+        q = qkv[:, :heads * d].reshape(b, heads, d)
+        with pytest.raises(UserInputError, match=r"lengths span 0\.\.3; allowed 1\.\.16"):
+            decode_attention(q, kb, vb, torch.tensor([0, 3], dtype=torch.int32), d ** -0.5, kernel=kernel)
+        with pytest.raises(UserInputError, match="tensors must be on one device, .*lengths on meta"):
+            decode_attention(q, kb, vb, torch.tensor([1, 3], dtype=torch.int32, device="meta"), d ** -0.5,
+                             kernel=kernel)
+        with pytest.raises(UserInputError, match="tensors must be on one device, .*weight on meta"):
+            rmsnorm(qkv, torch.ones(qkv.shape[1], dtype=BF16, device="meta"), 1e-6, kernel=kernel)
+
+
 def test_4bit_attention_chunk_is_a_multiple_of_its_step():
     heads, kv_heads, d, b, length = 4, 2, 32, 2, 256
     qkv, _, cos, sin = _rope_inputs(1, b, heads, kv_heads, d, length, 3)
