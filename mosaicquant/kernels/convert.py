@@ -4,8 +4,8 @@ Every :class:`~mosaicquant.methods.qlinear.FakeQuantLinear` that holds a packed 
 weight (:class:`~mosaicquant.methods.format.PackedW4`, per-output-channel scales) and
 quantizes its activations 4-bit, symmetric, per token, is replaced by a
 :class:`KernelLinear`: the layer's online input transform (if any), then
-:class:`~mosaicquant.kernels.quant_linear.QuantLinear` on the same integers and scales,
-then a cast back to the model's dtype. Layers in a mixed 4-bit + 8-bit format (Atom, ResQ)
+:class:`~mosaicquant.kernels.quant_linear.QuantLinear` on the same integers, scales and
+bias, then a cast back to the model's dtype. Layers in a mixed 4-bit + 8-bit format (Atom, ResQ)
 become :class:`~mosaicquant.kernels.mixed_gemm.MixedQuantLinear`
 (:func:`~mosaicquant.kernels.mixed_gemm.mixed_from_fake`). Any other layer is left as it is and listed in the
 returned report, so a caller can say plainly which layers have no fast path — nothing is
@@ -24,7 +24,7 @@ Two execution changes that keep the layer's function:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -180,6 +180,19 @@ def kernel_path_reason(layer: FakeQuantLinear) -> str | None:
     return None
 
 
+def _packed_with_bias(layer: FakeQuantLinear) -> PackedW4:
+    """``layer.packed`` carrying the bias the simulated layer adds.
+
+    :func:`~mosaicquant.methods.qlinear.fake_quant_linear_from` (RTN, QuaRot, SmoothQuant) keeps the
+    bias on the layer only, ``packed.bias`` ``None``: the kernel layer then takes ``layer.bias``, so it
+    computes the simulated layer's function (Qwen2's q/k/v projections have biases).
+    """
+    packed = layer.packed
+    if packed.bias is None and layer.bias is not None:
+        packed = replace(packed, bias=layer.bias.detach(), meta=dict(packed.meta))
+    return packed
+
+
 def _fusable_group(parent: nn.Module, names: tuple[str, ...]) -> tuple[list[FakeQuantLinear], PackedW4] | None:
     """The members and their stacked weights, or ``None`` when the group cannot be stacked."""
     members = [getattr(parent, n, None) for n in names]
@@ -192,7 +205,7 @@ def _fusable_group(parent: nn.Module, names: tuple[str, ...]) -> tuple[list[Fake
         return None
     device = first.weight.device
     try:
-        return members, PackedW4.concat_outputs([m.packed.to(device) for m in members])
+        return members, PackedW4.concat_outputs([_packed_with_bias(m).to(device) for m in members])
     except ValueError:
         return None
 
@@ -249,7 +262,7 @@ def kernelize(
                 report.mixed.append(name)
             continue
         device = module.weight.device
-        quant = QuantLinear(module.packed.to(device), act_clip_ratio=module.act.clip_ratio, kernel=kernel,
+        quant = QuantLinear(_packed_with_bias(module).to(device), act_clip_ratio=module.act.clip_ratio, kernel=kernel,
                             fused=fused).to(device)
         set_module(model, name, KernelLinear(quant, module.input_transform, fuse_transform))
         report.converted.append(name)

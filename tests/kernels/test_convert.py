@@ -74,6 +74,39 @@ def test_kernel_model_equals_simulated_model(kernel, fuse):
     assert agree >= MIN_ARGMAX_AGREEMENT, f"argmax agreement {agree:.2f}"
 
 
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("triton", marks=needs_triton())])
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused-projections", "separate"])
+def test_layer_biases_are_kept(kernel, fuse):
+    # RTN / QuaRot / SmoothQuant build their layers with fake_quant_linear_from, which keeps the bias on the
+    # simulated layer only (packed.bias is None); Qwen2-style q/k/v carry biases, o_proj here none
+    from torch import nn
+
+    from mosaicquant.methods.qlinear import ActQuantSpec, fake_quant_linear_from, quantize_weight
+
+    torch.manual_seed(0)
+    attn = nn.Module()
+    for name, n, bias in (("q_proj", 64, True), ("k_proj", 32, True), ("v_proj", 32, True), ("o_proj", 64, False)):
+        lin = nn.Linear(64, n, bias=bias)
+        if bias:
+            with torch.no_grad():
+                lin.bias.copy_(torch.randn(n) * 5)
+        layer = fake_quant_linear_from(lin, quantize_weight(lin.weight.data, 4), ActQuantSpec(bits=4), 4)
+        assert layer.packed.bias is None and (layer.bias is not None) == bias
+        layer.output_rounding = torch.bfloat16
+        attn.add_module(name, layer)
+    sim = copy.deepcopy(attn)
+    report = kernelize(attn, kernel=kernel, fuse_projections=fuse)
+    assert len(report.converted) == 4 and report.fused_groups == (["fused_q_k_v"] if fuse else [])
+    attn = attn.to(DEVICE)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            want = getattr(sim, name)(x)
+            got = getattr(attn, name)(x.to(DEVICE)).float().cpu()
+            err = (got - want).abs().max() / want.abs().max()
+            assert err < TORCH_MODEL_REL_TOL, f"{name}: kernel layer deviates from the simulated layer by {err:.3g}"
+
+
 def test_layers_without_a_fast_path_are_reported():
     sim, _ = _tiny_quantized()
     name = "model.layers.0.self_attn.q_proj"
