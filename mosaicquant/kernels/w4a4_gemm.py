@@ -616,8 +616,16 @@ def check_weight_args(
             f"w_scale has {w_scale.shape[1]} groups per channel: the 4-bit GEMM kernels support "
             f"per-output-channel weight scales only (group_size=None), shape [{n}] or [{n}, 1]"
         )
-    if w_scale.reshape(-1).shape[0] != n:
+    flat = w_scale.reshape(-1)
+    if flat.shape[0] != n:
         raise UserInputError(f"w_scale must have {n} entries (one per output channel), got shape {list(w_scale.shape)}")
+    if n > 1 and flat.stride(0) != 1:
+        # the kernels read w_scale.reshape(-1) as n consecutive values; an [N, 1] slice of a wider tensor
+        # passes the last-dimension check (size 1) but its entries are strides apart
+        raise UserInputError(
+            f"w_scale's {n} entries must be consecutive in memory (unit stride), got shape {list(w_scale.shape)} "
+            f"with strides {w_scale.stride()}: pass w_scale.contiguous()"
+        )
     if bias is not None:
         check_tensor("bias", bias, dtypes=(torch.float32,), shape=(n,))
     return n, kp
@@ -646,7 +654,7 @@ def w4a4_gemm_triton(
         a_packed: ``uint8 [M, ceil(K/2)]`` packed activations (unit stride along K).
         a_scale: ``float32 [M]`` per-token scales.
         qweight: ``uint8 [N, ceil(K/2)]`` packed weights.
-        w_scale: ``[N]`` or ``[N, 1]`` per-channel scales (fp16 or fp32).
+        w_scale: ``[N]`` or ``[N, 1]`` per-channel scales (fp16 or fp32), consecutive in memory.
         k: the unpacked K.
         bias: optional ``float32 [N]``.
         out_fp32: write fp32 instead of BF16 (the unfused pipeline adds the residual to it).

@@ -112,6 +112,8 @@ def test_config_nests_in_residual_blocks_and_splits_k_on_the_gpu():
     (lambda a, s, w, ws: gemv_triton(a, s, w, ws, 256, block_kw=6), "block_kw=6"),
     (lambda a, s, w, ws: gemv_triton(a, s, w, ws, 256, split_k=0), "split_k=0"),
     (lambda a, s, w, ws: gemv_triton(a.repeat(2, 1).view(-1)[2:2 + 5 * 128].view(5, 128), s, w, ws, 256), "4-byte"),
+    # an [N, 1] slice of a wider tensor: its entries are 2 apart, the kernel reads them as consecutive
+    (lambda a, s, w, ws: gemv_triton(a, s, w, torch.stack([ws, 2 * ws], 1)[:, :1], 256), r"strides \(2, 1\)"),
 ])
 def test_bad_calls_raise_clear_errors(bad, match):
     gen = torch.Generator().manual_seed(1)

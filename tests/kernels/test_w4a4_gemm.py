@@ -112,6 +112,21 @@ def test_bad_operands_raise_clear_errors():
         w4a4_gemm(a_packed, a_scale[:2], qweight, w_scale, 16, kernel="torch")
 
 
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("triton", marks=needs_triton())])
+def test_scales_whose_entries_are_not_consecutive_are_refused(kernel):
+    # an [N, 1] slice of a wider tensor passes the last-dimension check (size 1), but its N entries are
+    # 2 apart: the kernels read w_scale.reshape(-1) as N consecutive values
+    a_packed, a_scale, qweight, w_scale, _ = [t.to(DEVICE) for t in _operands(3, 8, 16, seed=7)]
+    strided = torch.stack([w_scale, 2 * w_scale], 1)[:, :1]
+    with pytest.raises(UserInputError, match=r"w_scale's 8 entries must be consecutive.*strides \(2, 1\)"):
+        w4a4_gemm(a_packed, a_scale, qweight, strided, 16, kernel=kernel)
+    # an [N, 1] view of N consecutive values is taken, whatever the stride of its size-1 dimension
+    column = torch.stack([w_scale, 2 * w_scale], 0).t()[:, :1]
+    assert column.stride() == (1, 8)
+    want = w4a4_gemm(a_packed, a_scale, qweight, w_scale, 16, kernel=kernel)
+    assert torch.equal(w4a4_gemm(a_packed, a_scale, qweight, column, 16, kernel=kernel), want)
+
+
 @needs_triton()
 @pytest.mark.parametrize("config", ["default", "split3"])
 def test_sixteen_q_unpacking_gives_the_plain_unpacking_result_exactly(config):

@@ -108,6 +108,16 @@ def test_bad_residual_and_mode_raise():
 
 
 @needs_triton()
+def test_scales_whose_entries_are_not_consecutive_are_refused():
+    # an [N, 1] slice of a wider tensor: its entries are 2 apart, the kernel reads them as consecutive
+    a_packed, a_scale, qweight, w_scale, residual, _ = _case(3, 64, 128, (32, 64), 0.5, seed=1)
+    strided = torch.stack([w_scale, 2 * w_scale], 1)[:, :1]
+    with pytest.raises(UserInputError, match=r"w_scale's 64 entries must be consecutive.*strides \(2, 1\)"):
+        zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), strided.to(DEVICE), 128,
+                           _dev(residual))
+
+
+@needs_triton()
 @pytest.mark.parametrize("mode", ["inline", "tail"])
 def test_sixteen_q_unpacking_is_bit_equal_to_the_plain_unpacking(mode):
     m, n, k = 13, 96, 520
