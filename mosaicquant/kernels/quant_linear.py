@@ -198,6 +198,7 @@ class QuantLinear(nn.Module):
         self.block_shape = None
         if residual is not None:
             check_residual(residual, n, k)
+            residual.validate()  # the indices' values, once (built blocks are checked; fields set since are not)
             self.block_shape = tuple(residual.block_shape)
             self.register_buffer("res_coords", residual.coords.contiguous())
             self.register_buffer("res_row_ptr", residual.row_ptr.contiguous())
@@ -234,6 +235,7 @@ class QuantLinear(nn.Module):
         return ResidualBlocks(
             shape=(self.out_features, self.in_features), block_shape=self.block_shape,
             coords=self.res_coords, row_ptr=self.res_row_ptr, values=self.res_values, scales=self.res_scales,
+            check=False,  # checked at construction: no device synchronisation per call
         )
 
     @property

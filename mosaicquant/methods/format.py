@@ -43,10 +43,11 @@ conventions), once; the base and every residual block multiply the same integers
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import torch
 
+from mosaicquant.harness.errors import UserInputError
 from mosaicquant.methods.quant import Quantized
 
 __all__ = ["pack_int4", "unpack_int4", "PackedW4", "ResidualBlocks", "parse_block_shape", "block_shape_text",
@@ -127,7 +128,12 @@ def block_shape_text(block: int | str | tuple[int, int]) -> str:
 
 @dataclass
 class ResidualBlocks:
-    """Kept residual blocks of one layer in the packed format (see module docstring)."""
+    """Kept residual blocks of one layer in the packed format (see module docstring).
+
+    The block indices are checked as the object is built (:meth:`validate`; ``check=False`` skips
+    that, for views of blocks already checked): the kernels follow ``coords`` and ``row_ptr`` without
+    bounds checks.
+    """
 
     shape: tuple[int, int]
     block_shape: tuple[int, int]
@@ -135,6 +141,68 @@ class ResidualBlocks:
     row_ptr: torch.Tensor
     values: torch.Tensor
     scales: torch.Tensor
+    check: InitVar[bool] = True
+
+    def __post_init__(self, check: bool) -> None:
+        if check:
+            self.validate()
+
+    def validate(self) -> None:
+        """Check that ``coords`` and ``row_ptr`` index the block grid as the format says.
+
+        Every kept block inside the :attr:`grid`, the blocks in block-row-major order without repeats
+        (sorted by ``(i, j)``), and ``row_ptr`` the CSR pointer of their block rows (``0`` first,
+        :attr:`num_blocks` last). The kernels take these indices as they are: a block outside the grid
+        reads activations past ``K``, a ``row_ptr`` past the kept blocks reads blocks that are not there.
+
+        It reads the indices (one copy to the host: a device synchronisation on CUDA), so it runs where
+        blocks are built or a layer is constructed (:class:`~mosaicquant.kernels.quant_linear.QuantLinear`),
+        not per call. Tensors on the ``meta`` device (no data) are checked for shape only.
+
+        Raises:
+            UserInputError: (a ``ValueError``) naming the block shape, index tensor, block or pointer
+                that is out of place.
+        """
+        bn, bk = self.block_shape
+        if not (isinstance(bn, int) and isinstance(bk, int) and bn >= 1 and bk >= 2 and bk % 2 == 0):
+            raise UserInputError(f"residual block_shape={tuple(self.block_shape)!r}: rows must be an int >= 1 and "
+                                 f"columns an even int >= 2")
+        nbr, nbc = self.grid
+        for name, t, want in (("coords", self.coords, "[num_blocks, 2]"), ("row_ptr", self.row_ptr, f"[{nbr + 1}]")):
+            if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex \
+                    or t.dtype == torch.bool:
+                what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+                raise UserInputError(f"residual.{name} must be an integer tensor, got {what}")
+        if self.coords.dim() != 2 or self.coords.shape[1] != 2:
+            raise UserInputError(f"residual.coords must have shape [num_blocks, 2], got {list(self.coords.shape)}")
+        if tuple(self.row_ptr.shape) != (nbr + 1,):
+            raise UserInputError(f"residual.row_ptr must have shape [{nbr + 1}] (block rows + 1 of a "
+                                 f"{tuple(self.shape)} layer in {bn}x{bk} blocks), got {list(self.row_ptr.shape)}")
+        if self.coords.is_meta or self.row_ptr.is_meta:
+            return
+        coords = self.coords.detach().to("cpu", torch.int64)
+        row_ptr = self.row_ptr.detach().to("cpu", torch.int64)
+        nb = coords.shape[0]
+        outside = (coords[:, 0] < 0) | (coords[:, 0] >= nbr) | (coords[:, 1] < 0) | (coords[:, 1] >= nbc)
+        if outside.any():
+            b = int(outside.nonzero()[0])
+            raise UserInputError(f"residual block {b} at (i, j) = {tuple(coords[b].tolist())} is outside the "
+                                 f"{nbr}x{nbc} block grid of a {tuple(self.shape)} layer in {bn}x{bk} blocks")
+        key = coords[:, 0] * nbc + coords[:, 1]
+        unordered = key[1:] <= key[:-1]
+        if unordered.any():
+            b = int(unordered.nonzero()[0]) + 1
+            raise UserInputError(f"residual blocks must be in block-row-major order without repeats (sorted by "
+                                 f"(i, j)): block {b} at {tuple(coords[b].tolist())} follows "
+                                 f"{tuple(coords[b - 1].tolist())}")
+        want = torch.zeros(nbr + 1, dtype=torch.int64)
+        want[1:] = torch.cumsum(torch.bincount(coords[:, 0], minlength=nbr), 0)
+        wrong = row_ptr != want
+        if wrong.any():
+            i = int(wrong.nonzero()[0])
+            raise UserInputError(f"residual.row_ptr[{i}] = {int(row_ptr[i])}, but the {nb} kept blocks' rows give "
+                                 f"{int(want[i])}: row_ptr must be the CSR pointer of coords' block rows "
+                                 f"(0 .. {nb})")
 
     @property
     def num_blocks(self) -> int:

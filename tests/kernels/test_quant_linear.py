@@ -95,6 +95,27 @@ def test_bad_arguments_raise():
         QuantLinear(packed, kernel="torch")(torch.randn(2, 63))
 
 
+def test_residual_indices_are_checked_once_at_construction(monkeypatch):
+    from mosaicquant.methods.format import ResidualBlocks
+
+    packed = _packed(96, 200, seed=26)
+    assert packed.residual.num_blocks > 1
+    # a field set after the blocks were built: the layer checks the indices as it is constructed
+    packed.residual.row_ptr = packed.residual.row_ptr.clone()
+    packed.residual.row_ptr[-1] += 2
+    with pytest.raises(UserInputError, match=r"row_ptr\[3\] = .*CSR pointer"):
+        QuantLinear(packed, kernel="torch")
+    packed.residual.row_ptr[-1] -= 2
+    layer = QuantLinear(packed, kernel="torch")
+    # and not per call (reading them would synchronise the device)
+
+    def no_check(self):
+        raise AssertionError("the residual's indices were read in a call")
+
+    monkeypatch.setattr(ResidualBlocks, "validate", no_check)
+    assert layer(torch.randn(3, 200)).shape == (3, 96)
+
+
 def test_kernel_preference_from_env(monkeypatch):
     monkeypatch.setenv(KERNEL_ENV_VAR, "torch")
     assert resolve_kernel() == "torch"

@@ -107,6 +107,36 @@ def test_bad_residual_and_mode_raise():
         zipper_gemm(a_packed, a_scale, qweight, w_scale, 128, residual, kernel="torch", mode="zip")
 
 
+def test_hand_built_blocks_whose_indices_are_out_of_place_are_refused():
+    # the kernels follow coords and row_ptr without bounds checks: they are checked once, as the blocks are built
+    import dataclasses
+
+    residual = _case(3, 64, 128, (32, 64), 0.5, seed=1)[4]
+    assert residual.coords.tolist() == [[0, 0], [1, 1]] and residual.row_ptr.tolist() == [0, 1, 2]
+    cases = [
+        ({"coords": torch.tensor([[0, 5], [1, 1]], dtype=torch.int32)}, r"block 0 at \(i, j\) = \(0, 5\) is outside the 2x2"),
+        ({"coords": torch.tensor([[0, 0], [-1, 1]], dtype=torch.int32)}, r"block 1 .* is outside"),
+        ({"coords": torch.tensor([[1, 1], [0, 0]], dtype=torch.int32)}, "block-row-major order"),
+        ({"coords": torch.tensor([[1, 1], [1, 1]], dtype=torch.int32)}, "without repeats"),
+        ({"row_ptr": torch.tensor([0, 1, 4], dtype=torch.int32)}, r"row_ptr\[2\] = 4, but the 2 kept blocks' rows give 2"),
+        ({"row_ptr": torch.tensor([1, 1, 2], dtype=torch.int32)}, r"row_ptr\[0\] = 1"),
+        ({"row_ptr": torch.tensor([0, 2], dtype=torch.int32)}, r"row_ptr must have shape \[3\]"),
+        ({"coords": torch.tensor([[0.0, 0.0], [1.0, 1.0]])}, "coords must be an integer tensor"),
+    ]
+    for change, match in cases:
+        with pytest.raises(UserInputError, match=match):
+            dataclasses.replace(residual, **change)
+        with pytest.raises(UserInputError, match=match):
+            ResidualBlocks(residual.shape, residual.block_shape, **{**dict(
+                coords=residual.coords, row_ptr=residual.row_ptr, values=residual.values, scales=residual.scales),
+                **change})
+    # check=False skips the indices' values (views of blocks already checked), not the launchers' checks
+    unchecked = ResidualBlocks(residual.shape, residual.block_shape, residual.coords,
+                               torch.tensor([0, 1, 4], dtype=torch.int32), residual.values, residual.scales, check=False)
+    with pytest.raises(UserInputError, match=r"row_ptr\[2\] = 4"):
+        unchecked.validate()
+
+
 @needs_triton()
 def test_scales_whose_entries_are_not_consecutive_are_refused():
     # an [N, 1] slice of a wider tensor: its entries are 2 apart, the kernel reads them as consecutive
