@@ -498,7 +498,7 @@ def _launch(act, a_scale, clip_ratio, m, n, kp, qweight, w_scale, k, bias, resid
 
     check_triton_device(act.device)
     if residual is not None:
-        check_residual(residual, n, k)
+        check_residual(residual, n, k, act.device)
         if residual.num_blocks == 0:
             residual = None
     reason = gemv_reason(max(m, 1), k, residual)

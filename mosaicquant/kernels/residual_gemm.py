@@ -83,10 +83,10 @@ def _check(a_packed, a_scale, dense, residual, k):
         raise UserInputError(f"k={k!r} does not match a_packed with {a_packed.shape[1]} packed columns")
     m = a_packed.shape[0]
     n = residual.shape[0] if isinstance(residual, ResidualBlocks) else -1
-    check_residual(residual, n, k)
+    check_residual(residual, n, k, a_packed.device)
     check_tensor("a_scale", a_scale, dtypes=(torch.float32,), shape=(m,))
     check_tensor("dense", dense, dtypes=(torch.float32,), shape=(m, n))
-    check_same_device(a_packed=a_packed, a_scale=a_scale, dense=dense, residual_values=residual.values)
+    check_same_device(a_packed=a_packed, a_scale=a_scale, dense=dense)
     return m, n
 
 

@@ -1021,11 +1021,10 @@ def w4a4_gemm_swapped_triton(
     if residual_walk not in RESIDUAL_WALKS:
         raise UserInputError(f"residual_walk={residual_walk!r} is not allowed: choose one of {', '.join(RESIDUAL_WALKS)}")
     if residual is not None:
-        check_residual(residual, n, k)
+        check_residual(residual, n, k, a_split.device)
         reason = swapped_residual_reason(residual.block_shape)
         if reason is not None:
             raise UserInputError(reason)
-        check_same_device(a_split=a_split, residual_values=residual.values)
         if residual.num_blocks == 0:
             residual = None
     if residual is not None and residual_walk == "merged" and block_kp != 64:

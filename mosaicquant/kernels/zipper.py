@@ -396,11 +396,19 @@ def _tile_slots(row_ptr_ptr, t, BN: tl.constexpr, BN_RES: tl.constexpr, SPLIT_K:
     return slot_base, expected
 
 
-def check_residual(residual: ResidualBlocks, n: int, k: int) -> None:
+def check_residual(residual: ResidualBlocks, n: int, k: int, device: torch.device | None = None) -> None:
     """Check that a :class:`ResidualBlocks` matches an ``[n, k]`` layer and the kernels' needs.
 
+    Shapes, dtypes, strides and devices only, nothing that reads the tensors (no device
+    synchronisation): the indices' values are checked once, as the blocks are built
+    (:meth:`ResidualBlocks.validate`).
+
+    Args:
+        device: the operands' device, which every residual tensor must be on; ``None``: one
+            device for the residual's tensors.
+
     Raises:
-        UserInputError: naming the mismatching shape, dtype or field.
+        UserInputError: naming the mismatching shape, dtype, field or device.
     """
     if not isinstance(residual, ResidualBlocks):
         raise UserInputError(f"residual must be a ResidualBlocks, got {type(residual).__name__}")
@@ -415,6 +423,12 @@ def check_residual(residual: ResidualBlocks, n: int, k: int) -> None:
     check_tensor("residual.row_ptr", residual.row_ptr, dtypes=(torch.int32,), shape=(nbr + 1,))
     if not residual.values.is_contiguous() or not residual.coords.is_contiguous() or not residual.scales.is_contiguous():
         raise UserInputError("residual.values, .scales and .coords must be contiguous")
+    fields = {f"residual.{f}": getattr(residual, f) for f in ("values", "scales", "coords", "row_ptr")}
+    device = residual.values.device if device is None else device
+    elsewhere = {name: t.device for name, t in fields.items() if t.device != device}
+    if elsewhere:
+        listing = ", ".join(f"{name} on {d}" for name, d in elsewhere.items())
+        raise UserInputError(f"the residual must be on the operands' device {device}, got {listing}")
 
 
 def residual_block_map(residual: ResidualBlocks) -> torch.Tensor:
@@ -480,7 +494,8 @@ def zipper_gemm_triton(
         a_packed, a_scale, qweight, w_scale, k, bias: as :func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_triton`.
         residual: the layer's :class:`ResidualBlocks` (on the same device).
         block_map: :func:`residual_block_map` of ``residual`` (built here when ``None`` and the
-            inline mode needs it; the other modes do not read it).
+            inline mode needs it; the other modes do not read it). Its shape, dtype and device are
+            checked; its entries are not (that would read them: a device synchronisation each call).
         mode: ``"auto"``, ``"inline"``, ``"tail"``, ``"parallel"`` or ``"parallel_rows"`` (see module
             docstring; the parallel modes take one tile of tokens, at most ``config.block_m``).
         out_fp32: write fp32 instead of BF16.
@@ -512,7 +527,7 @@ def zipper_gemm_triton(
             cannot tile, an unknown mode, or a fold this call cannot run.
     """
     m, n, kp = check_gemm_args(a_packed, a_scale, qweight, w_scale, bias, k)
-    check_residual(residual, n, k)
+    check_residual(residual, n, k, a_packed.device)
     check_triton_device(a_packed.device)
     fuse = _resolve_mode(mode, m)
     if residual_walk not in RESIDUAL_WALKS:
@@ -529,6 +544,9 @@ def zipper_gemm_triton(
     dp4a_tokens = triton.next_power_of_2(max(m, 1)) if use_dp4a and dp4a_reason is None else 0
     if block_map is not None:
         check_tensor("block_map", block_map, dtypes=(torch.int32,), shape=residual.grid)
+        if not block_map.is_contiguous() or block_map.device != a_packed.device:
+            raise UserInputError(f"block_map must be contiguous and on the operands' device {a_packed.device}, got "
+                                 f"strides {block_map.stride()} on {block_map.device}")
     elif fuse == "inline":  # only the inline mode reads it
         block_map = residual_block_map(residual)
     out_dtype = torch.float32 if out_fp32 else torch.bfloat16
@@ -654,7 +672,7 @@ def zipper_gemm_reference(
 ) -> torch.Tensor:
     """PyTorch reference of :func:`zipper_gemm_triton`: ``y = s_a⊙(A·Qwᵀ)⊙s_w + Σ_b s_a⊙(A_b·R_bᵀ)⊙s_r (+ bias)``."""
     m, n, _ = check_gemm_args(a_packed, a_scale, qweight, w_scale, bias, k)
-    check_residual(residual, n, k)
+    check_residual(residual, n, k, a_packed.device)
     a_int = unpack_int4(a_packed, k)
     acc = int_matmul(a_int, unpack_int4(qweight, k)).to(torch.float32)
     y = acc * a_scale[:, None] * w_scale.reshape(1, -1).to(torch.float32)

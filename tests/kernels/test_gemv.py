@@ -114,6 +114,9 @@ def test_config_nests_in_residual_blocks_and_splits_k_on_the_gpu():
     (lambda a, s, w, ws: gemv_triton(a.repeat(2, 1).view(-1)[2:2 + 5 * 128].view(5, 128), s, w, ws, 256), "4-byte"),
     # an [N, 1] slice of a wider tensor: its entries are 2 apart, the kernel reads them as consecutive
     (lambda a, s, w, ws: gemv_triton(a, s, w, torch.stack([ws, 2 * ws], 1)[:, :1], 256), r"strides \(2, 1\)"),
+    (lambda a, s, w, ws: gemv_triton(a, s, w, ws, 256, residual=random_residual(32, 256, (32, 64), 0.5,
+                                                                                torch.Generator()).to("meta")),
+     "the residual must be on the operands' device"),
 ])
 def test_bad_calls_raise_clear_errors(bad, match):
     gen = torch.Generator().manual_seed(1)

@@ -138,6 +138,27 @@ def test_hand_built_blocks_whose_indices_are_out_of_place_are_refused():
 
 
 @needs_triton()
+def test_residual_and_block_map_on_another_device_are_refused():
+    a_packed, a_scale, qweight, w_scale, residual, bias = _case(3, 64, 128, (32, 64), 0.5, seed=1)
+    ops = [t.to(DEVICE) for t in (a_packed, a_scale, qweight, w_scale)]
+    meta = residual.to("meta")  # no data: a device no operand is on
+    with pytest.raises(UserInputError, match=r"the residual must be on the operands' device .*residual.values on meta"):
+        zipper_gemm_triton(*ops, 128, meta, bias.to(DEVICE))
+    with pytest.raises(UserInputError, match="residual.values on meta"):
+        zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, 128, meta)
+    dense = torch.zeros(3, 64, device=DEVICE)
+    with pytest.raises(UserInputError, match="residual.values on meta"):
+        residual_add_triton(ops[0], ops[1], dense, meta, 128)
+    block_map = residual_block_map(residual)
+    with pytest.raises(UserInputError, match="block_map must be contiguous and on the operands' device"):
+        zipper_gemm_triton(*ops, 128, _dev(residual), mode="inline", block_map=block_map.to("meta"))
+    wide = torch.cat([block_map, block_map], 1).to(DEVICE)[:, :2]  # rows 4 entries apart
+    with pytest.raises(UserInputError, match=r"block_map must be contiguous .* strides \(4, 1\)"):
+        zipper_gemm_triton(*ops, 128, _dev(residual), mode="inline", block_map=wide)
+    with pytest.raises(UserInputError, match="block_map has dtype int64"):
+        zipper_gemm_triton(*ops, 128, _dev(residual), mode="inline", block_map=block_map.long().to(DEVICE))
+
+@needs_triton()
 def test_scales_whose_entries_are_not_consecutive_are_refused():
     # an [N, 1] slice of a wider tensor: its entries are 2 apart, the kernel reads them as consecutive
     a_packed, a_scale, qweight, w_scale, residual, _ = _case(3, 64, 128, (32, 64), 0.5, seed=1)
