@@ -546,7 +546,8 @@ def mixed_act_quant_triton(
         perm: ``int32``/``int64 [K]`` channel order (low channels in group order, then the
             high channels), or ``None`` for the identity. Must be a permutation of
             ``0..K-1``; the launcher checks its shape and dtype only (no device sync), the
-            reference and :class:`MixedQuantLinear` check its values.
+            reference, :func:`mixed_act_quant` and :class:`MixedQuantLinear` (once, at
+            construction) check its values.
         out: optional preallocated :class:`MixedActs` (contiguous scales).
 
     Returns:
@@ -649,14 +650,17 @@ def mixed_act_quant(
     Args:
         x: ``[M, K]`` activations (BF16, FP16 or FP32).
         fmt: :class:`MixedFormat`.
-        perm: channel order (low channels in group order, then high) or ``None``.
+        perm: channel order (low channels in group order, then high) or ``None``; checked to
+            be a permutation of ``0..K-1`` on either kernel. That reads it (a device
+            synchronisation on CUDA): code that calls with one perm again and again checks it
+            once and calls :func:`mixed_act_quant_triton`, as :class:`MixedQuantLinear` does.
         kernel: ``"auto"`` / ``"triton"`` / ``"torch"`` / ``None``.
 
     Returns:
         :class:`MixedActs`.
 
     Raises:
-        UserInputError: bad input or kernel preference.
+        UserInputError: bad input, a ``perm`` that is not a permutation, or a bad kernel preference.
 
     Example:
         >>> fmt = MixedFormat(k_lo=6, k_hi=2, group_size=4)
@@ -665,6 +669,9 @@ def mixed_act_quant(
         (torch.Size([3, 4]), torch.Size([3, 2]), torch.Size([3, 2]))
     """
     if resolve_kernel(kernel, x.device if isinstance(x, torch.Tensor) else None) == "triton":
+        if perm is not None:  # the launcher checks perm's shape and dtype only: a wrong entry reads past K
+            _check_act_inputs(x, fmt, perm)
+            _check_perm_values(perm, fmt.k)
         return mixed_act_quant_triton(x, fmt, perm)
     return mixed_act_quant_reference(x, fmt, perm)
 
@@ -1012,7 +1019,7 @@ class MixedQuantLinear(nn.Module):
 
     ``forward``: the online input transform (if any, e.g. ResQ's
     :class:`~mosaicquant.baselines.resq.BasisTransform` or an ``OnlineHadamard``), then
-    :func:`mixed_act_quant` (channels gathered through ``perm``), then :func:`mixed_gemm`;
+    the activation quantizer (channels gathered through ``perm``, checked once, here), then :func:`mixed_gemm`;
     the kernel's BF16 output is returned in the input's dtype (as ``KernelLinear`` does).
 
     Args:
@@ -1108,7 +1115,9 @@ class MixedQuantLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
         backend = resolve_kernel(self.kernel, x2.device)
-        acts = mixed_act_quant(x2, self.fmt, self.perm, kernel=backend)
+        # perm was checked at construction: the Triton launcher, unlike mixed_act_quant, does not read it again
+        quant = mixed_act_quant_triton if backend == "triton" else mixed_act_quant_reference
+        acts = quant(x2, self.fmt, self.perm)
         y = mixed_gemm(acts, self.weights, self.fmt, self.bias, kernel=backend)
         return y.reshape(*lead, self.out_features).to(x.dtype)
 

@@ -277,6 +277,35 @@ def test_layers_without_a_mixed_form_get_a_reason():
     assert "not a simulated" in mixed_from_fake(linear)
 
 
+@needs_triton()
+def test_public_quantizer_checks_perm_values_on_the_triton_path_too(monkeypatch):
+    # the Triton launcher checks perm's shape and dtype only: an entry past K gathered channels past the row,
+    # a repeated one quantized a channel twice
+    from mosaicquant.kernels import mixed_gemm as mixed_module
+
+    fmt = FORMATS["atom"]
+    gen = torch.Generator().manual_seed(12)
+    x = _activations(3, fmt.k, gen).to(DEVICE)
+    perm = torch.randperm(fmt.k, generator=gen)
+    past, twice = perm.clone(), perm.clone()
+    past[0] = fmt.k + 100
+    twice[1] = twice[0]
+    for bad in (past, twice):
+        for kernel in ("triton", "torch"):
+            with pytest.raises(UserInputError, match=f"perm must be a permutation of 0..{fmt.k - 1}"):
+                mixed_act_quant(x, fmt, bad.to(DEVICE), kernel=kernel)
+    got = mixed_act_quant(x, fmt, perm.to(DEVICE), kernel="triton")
+    assert torch.equal(got.q_lo.cpu(), mixed_act_quant_reference(x.cpu(), fmt, perm).q_lo)
+    # the layer checks its perm once, at construction, not at each call (that would synchronise the device)
+    layer = MixedQuantLinear(fmt, _random_weights(8, fmt, gen), perm, kernel="triton").to(DEVICE)
+
+    def no_check(perm, k):
+        raise AssertionError("perm's values were read in a call")
+
+    monkeypatch.setattr(mixed_module, "_check_perm_values", no_check)
+    assert layer(x).shape == (3, 8)
+
+
 def test_bad_inputs_raise_clear_errors():
     fmt = FORMATS["resq"]
     gen = torch.Generator().manual_seed(11)
