@@ -55,6 +55,7 @@ from mosaicquant.kernels.gemv import GEMV_MAX_M, gemv_quantize_triton, gemv_reas
 from mosaicquant.kernels.residual_gemm import residual_add
 from mosaicquant.kernels.w4a4_gemm import (
     MERGED_MAX_SHIFT,
+    check_weight_args,
     dense_step_table,
     gated_shape_reason,
     merged_residual_operand,
@@ -192,6 +193,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight", packed.qweight.contiguous())
         self.register_buffer("w_scale", packed.scales.reshape(n).to(torch.float16).contiguous())
         self.register_buffer("bias", None if packed.bias is None else packed.bias.to(torch.float32).reshape(n).contiguous())
+        # the launchers' weight checks, once here too (an odd K's padding nibbles are read once per weight tensor)
+        check_weight_args(self.qweight, self.w_scale, self.bias, k)
         residual = packed.residual
         if residual is not None and residual.num_blocks == 0:
             residual = None

@@ -601,8 +601,12 @@ def check_weight_args(
 ) -> tuple[int, int]:
     """Check the weight side of a 4-bit GEMM (as :func:`check_gemm_args`) and return ``(N, KP)``.
 
+    For an odd ``k`` the weight's padding nibbles must be 0 (the kernels multiply all ``2 * KP`` values): read
+    once per weight tensor, see :func:`_check_padding`.
+
     Raises:
-        UserInputError: naming the wrong dtype, shape, stride or a group-wise scale.
+        UserInputError: naming the wrong dtype, shape, stride, a group-wise scale, or a ``k`` the packed
+            weight does not match.
     """
     check_tensor("qweight", qweight, dtypes=(torch.uint8,), dim=2)
     if not isinstance(k, int) or k < 1:
@@ -628,7 +632,51 @@ def check_weight_args(
         )
     if bias is not None:
         check_tensor("bias", bias, dtypes=(torch.float32,), shape=(n,))
+    if k % 2:
+        _check_padding(qweight, k)
     return n, kp
+
+
+# qweight tensors of an odd K found with zero padding nibbles: id -> (weak reference, data pointer, version counter)
+_CHECKED_PADDING: dict[int, tuple] = {}
+
+
+def _check_padding(qweight: torch.Tensor, k: int) -> None:
+    """An odd ``k``'s padding nibble (the high nibble of each row's last byte) must be 0, as ``pack_int4`` writes it.
+
+    The kernels multiply every value of the packed width, ``2 * ceil(k / 2)``; the reference stops at ``k``. A weight
+    packed for ``k + 1`` values and called with ``k`` would give another result. Reading the column back costs a host
+    synchronisation, so a tensor is read once (until it is written again) and not under a CUDA graph capture, as
+    :func:`_check_row_order` does.
+    """
+    if qweight.is_meta or qweight.numel() == 0 or _checked_before(_CHECKED_PADDING, qweight) or _capturing():
+        return
+    set_pad = (qweight[:, -1] >> 4) != 0
+    if bool(set_pad.any()):
+        kp = qweight.shape[1]
+        raise UserInputError(
+            f"k={k} does not match qweight: its {kp} packed columns hold {2 * kp} values and the padding nibble after "
+            f"value {k} (the high nibble of a row's last byte) is not 0 in row {int(set_pad.nonzero()[0])}; pass the "
+            f"K it was packed for, or pack {k} values (pack_int4 pads with 0)")
+    _remember(_CHECKED_PADDING, qweight)
+
+
+def _checked_before(registry: dict[int, tuple], t: torch.Tensor) -> bool:
+    """Whether ``t`` passed a check recorded in ``registry`` and has not been written since (:func:`_remember`)."""
+    key = registry.get(id(t))
+    return key is not None and key[0]() is t and key[1:] == (t.data_ptr(), _version_of(t))
+
+
+def _remember(registry: dict[int, tuple], t: torch.Tensor) -> None:
+    """Record that ``t`` passed a check (forgetting the tensors since freed)."""
+    for key in [key for key, v in registry.items() if v[0]() is None]:
+        del registry[key]
+    registry[id(t)] = (weakref.ref(t), t.data_ptr(), _version_of(t))
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place write), ``None`` for inference tensors (they keep none)."""
+    return None if t.is_inference() else t._version
 
 
 def w4a4_gemm_triton(
@@ -655,7 +703,7 @@ def w4a4_gemm_triton(
         a_scale: ``float32 [M]`` per-token scales.
         qweight: ``uint8 [N, ceil(K/2)]`` packed weights.
         w_scale: ``[N]`` or ``[N, 1]`` per-channel scales (fp16 or fp32), consecutive in memory.
-        k: the unpacked K.
+        k: the unpacked K; an odd K's padding nibbles 0 (:func:`check_weight_args`).
         bias: optional ``float32 [N]``.
         out_fp32: write fp32 instead of BF16 (the unfused pipeline adds the residual to it).
         config: tiles (default :func:`mosaicquant.kernels._tiles.pick_config`).
@@ -858,18 +906,13 @@ def _check_row_order(row_order: torch.Tensor, block_n: int) -> None:
     """``row_order`` must be a permutation of the weight-row tiles, or tiles go unwritten. Reading it back costs a
     host synchronisation, so a tensor is read once (until it is written again) and not under a CUDA graph capture,
     which does not allow it (``QuantLinear`` builds its order with :func:`row_tile_order`)."""
-    key = _CHECKED_ORDERS.get(id(row_order))
-    if key is not None and key[0]() is row_order and key[1:] == (row_order.data_ptr(), row_order._version):
-        return
-    if _capturing():
+    if _checked_before(_CHECKED_ORDERS, row_order) or _capturing():
         return
     tiles = row_order.numel()
     if not torch.equal(row_order.sort().values.cpu(), torch.arange(tiles, dtype=torch.int32)):
         raise UserInputError(f"row_order must be a permutation of the {tiles} weight-row tiles 0 .. {tiles - 1} of "
                              f"{block_n} rows (row_tile_order builds one)")
-    for k in [k for k, v in _CHECKED_ORDERS.items() if v[0]() is None]:
-        del _CHECKED_ORDERS[k]
-    _CHECKED_ORDERS[id(row_order)] = (weakref.ref(row_order), row_order.data_ptr(), row_order._version)
+    _remember(_CHECKED_ORDERS, row_order)
 
 
 def _capturing() -> bool:

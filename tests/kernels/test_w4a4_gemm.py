@@ -113,6 +113,28 @@ def test_bad_operands_raise_clear_errors():
 
 
 @pytest.mark.parametrize("kernel", ["torch", pytest.param("triton", marks=needs_triton())])
+def test_an_odd_k_must_match_the_packed_weight(kernel):
+    # K = 63 and 64 have the same packed width: the kernels multiply all 64 values, so a weight packed for 64
+    # called with k=63 gave another result than the reference, which stops at 63
+    a_packed, a_scale, qweight, w_scale, _ = [t.to(DEVICE) for t in _operands(4, 32, 64, seed=3)]
+    with pytest.raises(UserInputError, match=r"k=63 does not match qweight: its 32 packed columns hold 64 values"):
+        w4a4_gemm(a_packed, a_scale, qweight, w_scale, 63, kernel=kernel)
+    # packed for 63 values (padding nibble 0): the reference's result
+    ops = _operands(4, 32, 63, seed=3)
+    qweight = ops[2].to(DEVICE)
+    got = w4a4_gemm(ops[0].to(DEVICE), ops[1].to(DEVICE), qweight, ops[3].to(DEVICE), 63, kernel=kernel)
+    assert_close_bf16(got, w4a4_gemm_reference(*ops[:4], 63, out_fp32=True), "k=63")
+    # the padding is read once per weight tensor, and again once the tensor is written
+    from mosaicquant.kernels.w4a4_gemm import _CHECKED_PADDING, _checked_before
+
+    assert _checked_before(_CHECKED_PADDING, qweight)
+    qweight[5, -1] |= 0x30
+    assert not _checked_before(_CHECKED_PADDING, qweight)
+    with pytest.raises(UserInputError, match="is not 0 in row 5"):
+        w4a4_gemm(ops[0].to(DEVICE), ops[1].to(DEVICE), qweight, ops[3].to(DEVICE), 63, kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("triton", marks=needs_triton())])
 def test_scales_whose_entries_are_not_consecutive_are_refused(kernel):
     # an [N, 1] slice of a wider tensor passes the last-dimension check (size 1), but its N entries are
     # 2 apart: the kernels read w_scale.reshape(-1) as N consecutive values
