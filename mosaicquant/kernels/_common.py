@@ -20,6 +20,7 @@ from mosaicquant.harness.errors import UserInputError, unknown_name
 __all__ = [
     "KERNEL_PREFERENCES",
     "KERNEL_ENV_VAR",
+    "kernel_preference",
     "resolve_kernel",
     "triton_interpreting",
     "check_tensor",
@@ -134,6 +135,20 @@ def chain_launch(chain: int) -> dict:
     return {"launch_pdl": True} if chain >= 2 else {}
 
 
+def kernel_preference(kernel: str | None = None) -> str:
+    """The preference ``kernel`` names: ``"auto"``, ``"triton"`` or ``"torch"`` (``None``: read
+    ``MOSAICQUANT_KERNEL``, default ``"auto"``), before :func:`resolve_kernel` picks the backend.
+
+    Raises:
+        UserInputError: an unknown preference.
+    """
+    pref = kernel if kernel is not None else os.environ.get(KERNEL_ENV_VAR, "auto")
+    pref = str(pref).strip().lower()
+    if pref not in KERNEL_PREFERENCES:
+        raise unknown_name("kernel preference", pref, KERNEL_PREFERENCES)
+    return pref
+
+
 def resolve_kernel(kernel: str | None = None, device: torch.device | None = None) -> str:
     """Resolve a kernel preference to the backend that will run: ``"triton"`` or ``"torch"``.
 
@@ -150,10 +165,7 @@ def resolve_kernel(kernel: str | None = None, device: torch.device | None = None
         UserInputError: an unknown preference, or ``"triton"`` where neither CUDA nor the
             interpreter is available.
     """
-    pref = kernel if kernel is not None else os.environ.get(KERNEL_ENV_VAR, "auto")
-    pref = str(pref).strip().lower()
-    if pref not in KERNEL_PREFERENCES:
-        raise unknown_name("kernel preference", pref, KERNEL_PREFERENCES)
+    pref = kernel_preference(kernel)
     on_gpu = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
     can_triton = on_gpu or triton_interpreting()
     if pref == "auto":

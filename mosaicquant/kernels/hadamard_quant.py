@@ -68,6 +68,7 @@ from mosaicquant.kernels._common import (
     check_same_device,
     check_tensor,
     check_triton_device,
+    kernel_preference,
     resolve_kernel,
     triton_interpreting,
 )
@@ -439,7 +440,10 @@ def hadamard_quantize(
         x: ``[M, n]`` activations.
         transform: the online Hadamard applied before quantization.
         clip_ratio: in (0, 1].
-        kernel: ``"auto"`` / ``"triton"`` / ``"torch"`` / ``None``.
+        kernel: ``"auto"`` / ``"triton"`` / ``"torch"`` / ``None`` (``MOSAICQUANT_KERNEL``, default
+            ``"auto"``). ``"auto"`` runs the PyTorch reference where the fused kernel does not take
+            the transform or dtype (:func:`fused_hadamard_reason`: e.g. float32 input, a size
+            without a power-of-two part of 16); ``"triton"`` raises there.
 
     Returns:
         ``(packed uint8 [M, n/2], scale float32 [M])``.
@@ -454,6 +458,10 @@ def hadamard_quantize(
         >>> packed.shape, scale.shape
         (torch.Size([3, 32]), torch.Size([3]))
     """
-    if resolve_kernel(kernel, x.device) == "triton":
+    backend = resolve_kernel(kernel, x.device if isinstance(x, torch.Tensor) else None)
+    if backend == "triton" and kernel_preference(kernel) == "auto" and isinstance(x, torch.Tensor) \
+            and fused_hadamard_reason(transform, x.dtype) is not None:
+        backend = "torch"  # the automatic choice: the reference where the fused kernel does not take the input
+    if backend == "triton":
         return hadamard_quantize_triton(x, transform, clip_ratio)
     return hadamard_quantize_reference(x, transform, clip_ratio)
