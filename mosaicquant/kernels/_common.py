@@ -217,6 +217,20 @@ def check_tensor(
         raise UserInputError(f"{name} must have unit stride along its last dimension, got strides {tensor.stride()}")
 
 
+def check_input_features(x: torch.Tensor, features: int) -> None:
+    """A layer's input ``[..., features]``: a tensor of at least one dimension, the last ``features``.
+
+    Raises:
+        UserInputError: not a tensor, a 0-d tensor, or another last dimension.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise UserInputError(f"input must be a torch.Tensor [..., {features}], got {type(x).__name__}")
+    if x.dim() == 0:
+        raise UserInputError(f"input has shape [] (a 0-d tensor): the layer takes [..., {features}]")
+    if x.shape[-1] != features:
+        raise UserInputError(f"input has {x.shape[-1]} features, the layer takes {features}")
+
+
 def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     """All given tensors on one device; returns it.
 

@@ -66,6 +66,7 @@ from torch import nn
 
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels._common import (
+    check_input_features,
     check_same_device,
     check_tensor,
     check_triton_device,
@@ -1106,10 +1107,9 @@ class MixedQuantLinear(nn.Module):
         """``[..., K]`` float → ``[..., N]`` in ``x``'s dtype (BF16-rounded by the kernel).
 
         Raises:
-            UserInputError: the last dimension is not ``in_features``.
+            UserInputError: a 0-d input, or a last dimension that is not ``in_features``.
         """
-        if x.shape[-1] != self.in_features:
-            raise UserInputError(f"input has {x.shape[-1]} features, the layer takes {self.in_features}")
+        check_input_features(x, self.in_features)
         if self.input_transform is not None:
             x = self.input_transform(x)
         lead = x.shape[:-1]

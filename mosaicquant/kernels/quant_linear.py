@@ -37,7 +37,7 @@ from torch import nn
 
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels import _tiles
-from mosaicquant.kernels._common import resolve_kernel
+from mosaicquant.kernels._common import check_input_features, resolve_kernel
 from mosaicquant.kernels._tiles import (
     GEMV_ROUTE_MAX_M,
     SWAP_DECODE_M,
@@ -268,10 +268,9 @@ class QuantLinear(nn.Module):
         """``[..., K]`` float → ``[..., N]`` BF16.
 
         Raises:
-            UserInputError: the last dimension is not ``in_features``.
+            UserInputError: a 0-d input, or a last dimension that is not ``in_features``.
         """
-        if x.shape[-1] != self.in_features:
-            raise UserInputError(f"input has {x.shape[-1]} features, the layer takes {self.in_features}")
+        check_input_features(x, self.in_features)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
         backend = resolve_kernel(self.kernel, x2.device)

@@ -341,5 +341,7 @@ def test_bad_inputs_raise_clear_errors():
     layer = MixedQuantLinear(fmt, weights, kernel="torch")
     with pytest.raises(UserInputError, match="input has 299 features"):
         layer(x[:, :299])
+    with pytest.raises(UserInputError, match=r"input has shape \[\] \(a 0-d tensor\)"):
+        layer(torch.tensor(1.0))
     with pytest.raises(UserInputError, match="permutation"):
         MixedQuantLinear(fmt, weights, torch.ones(fmt.k, dtype=torch.int64))

@@ -93,6 +93,8 @@ def test_bad_arguments_raise():
         QuantLinear(packed, kernel="torhc")
     with pytest.raises(UserInputError, match="input has 63 features"):
         QuantLinear(packed, kernel="torch")(torch.randn(2, 63))
+    with pytest.raises(UserInputError, match=r"input has shape \[\] \(a 0-d tensor\): the layer takes \[\.\.\., 64\]"):
+        QuantLinear(packed, kernel="torch")(torch.tensor(1.0))  # named, not an IndexError
 
 
 def test_residual_indices_are_checked_once_at_construction(monkeypatch):
