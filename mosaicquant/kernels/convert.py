@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from mosaicquant.kernels._common import resolve_kernel
+from mosaicquant.kernels._common import check_input_features, resolve_kernel
 from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason, hadamard_quantize_triton
 from mosaicquant.kernels.mixed_gemm import mixed_from_fake
 from mosaicquant.kernels.quant_linear import QuantLinear
@@ -52,7 +52,13 @@ SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _run_quant(quant: QuantLinear, x: torch.Tensor, transform: nn.Module | None, fuse_transform: bool) -> torch.Tensor:
-    """``transform`` (if any), activation quantization and the GEMM; output in ``x``'s dtype."""
+    """``transform`` (if any), activation quantization and the GEMM; output in ``x``'s dtype.
+
+    Raises:
+        UserInputError: ``x`` is not ``[..., in_features]`` (checked before the transform, which would fail on it
+            with a less telling error).
+    """
+    check_input_features(x, quant.in_features)
     if transform is not None and fuse_transform:
         backend = resolve_kernel(quant.kernel, x.device)
         if backend == "triton" and fused_hadamard_reason(transform, x.dtype) is None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mosaicquant.harness.context import QuantContext
+from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels.convert import FusedProjections, KernelLinear, ProjectionSlice, kernelize
 from mosaicquant.methods.mosaicquant import MosaicQuantConfig, mosaicquant
 from mosaicquant.methods.qlinear import FakeQuantLinear
@@ -105,6 +106,11 @@ def test_layer_biases_are_kept(kernel, fuse):
             got = getattr(attn, name)(x.to(DEVICE)).float().cpu()
             err = (got - want).abs().max() / want.abs().max()
             assert err < TORCH_MODEL_REL_TOL, f"{name}: kernel layer deviates from the simulated layer by {err:.3g}"
+    if not fuse:  # a converted layer names a bad input (its QuantLinear does, and the online transform comes first)
+        with pytest.raises(UserInputError, match=r"input has shape \[\] \(a 0-d tensor\): the layer takes \[\.\.\., 64\]"):
+            attn.q_proj(torch.tensor(1.0, device=DEVICE))
+        with pytest.raises(UserInputError, match="input has 63 features, the layer takes 64"):
+            attn.o_proj(torch.randn(2, 63, device=DEVICE))
 
 
 def test_layers_without_a_fast_path_are_reported():
