@@ -28,7 +28,7 @@ import yaml
 
 from mosaicquant.harness.errors import UserInputError
 
-__all__ = ["Config", "check_choice", "check_range", "coerce_value", "format_number", "parse_kv_pairs"]
+__all__ = ["Config", "check_choice", "check_range", "coerce_value", "exact_number_text", "parse_kv_pairs"]
 
 C = TypeVar("C", bound="Config")
 
@@ -36,7 +36,7 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def format_number(value: float) -> str:
+def exact_number_text(value: float) -> str:
     """Short text of a number that reads back as the same number.
 
     ``f"{v:g}"`` (``0.1``, ``1e-05``, ``1``) where it round-trips, else ``repr`` (``0.1234567``): two

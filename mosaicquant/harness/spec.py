@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from mosaicquant.harness.config import Config, check_range, format_number, parse_kv_pairs
+from mosaicquant.harness.config import Config, check_range, exact_number_text, parse_kv_pairs
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.harness.registry import Entry, get_method, get_suite
 
@@ -56,13 +56,13 @@ class PluginSpec:
 
 
 def _fmt(value: Any) -> str:
-    """A label's text of an option value; distinct values get distinct text (see :func:`format_number`)."""
+    """A label's text of an option value; distinct values get distinct text (see :func:`exact_number_text`)."""
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (list, tuple)):
         return ",".join(map(str, value))
     if isinstance(value, float):
-        return format_number(value)
+        return exact_number_text(value)
     return str(value)
 
 

@@ -293,9 +293,11 @@ class ResidualBlocks:
         }
 
     def to(self, device) -> "ResidualBlocks":
+        """The same blocks on ``device`` (a move does not change the indices: not checked again, which would
+        copy them back from the device)."""
         return ResidualBlocks(
             self.shape, self.block_shape, self.coords.to(device), self.row_ptr.to(device),
-            self.values.to(device), self.scales.to(device),
+            self.values.to(device), self.scales.to(device), check=False,
         )
 
 

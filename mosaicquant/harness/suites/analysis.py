@@ -15,7 +15,7 @@ import copy
 from dataclasses import dataclass
 
 from mosaicquant.harness import data as data_mod
-from mosaicquant.harness.config import Config, check_choice, check_range, format_number
+from mosaicquant.harness.config import Config, check_choice, check_range, exact_number_text
 from mosaicquant.harness.errors import UserInputError
 from mosaicquant.harness.registry import register_suite
 from mosaicquant.harness.results import Metric
@@ -68,7 +68,7 @@ class AnalysisConfig(Config):
                                  "e.g. 0.1,0.3") from None
         for b in budgets:
             check_range("budget", b, 0.0, 1.0)
-        self.set_canonical("budgets", ",".join(format_number(b) for b in budgets))
+        self.set_canonical("budgets", ",".join(exact_number_text(b) for b in budgets))
         for s in self.scores.split(","):
             check_choice("score", s, BLOCK_SCORES)
         self.set_canonical("layers", _layers_text(self.layers))
