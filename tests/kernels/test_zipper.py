@@ -162,9 +162,12 @@ def test_residual_and_block_map_on_another_device_are_refused():
 def test_scales_whose_entries_are_not_consecutive_are_refused():
     # an [N, 1] slice of a wider tensor: its entries are 2 apart, the kernel reads them as consecutive
     a_packed, a_scale, qweight, w_scale, residual, _ = _case(3, 64, 128, (32, 64), 0.5, seed=1)
-    strided = torch.stack([w_scale, 2 * w_scale], 1)[:, :1]
+    # made on the device: .to() of a tensor with gaps between its entries returns a contiguous copy
+    w_dev = w_scale.to(DEVICE)
+    strided = torch.stack([w_dev, 2 * w_dev], 1)[:, :1]
+    assert strided.stride() == (2, 1)
     with pytest.raises(UserInputError, match=r"w_scale's 64 entries must be consecutive.*strides \(2, 1\)"):
-        zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), strided.to(DEVICE), 128,
+        zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), strided, 128,
                            _dev(residual))
 
 

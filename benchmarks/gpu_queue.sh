@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU queue, one step per call: bash benchmarks/gpu_queue.sh STEP [OUT]
+#   tests   - every kernel test compiled on the GPU
+#   kernels - the ZipperEngine table at the Llama-3-8B linears, M = 1 ... 8192, against BF16 in one run
+#   forms   - the untimed kernel forms (4-bit attention forms, tail-walk scales ahead)
+#   suite   - the throughput suite on the Llama-3-8B shapes, every method with a speed form
+# Logs and records go to OUT (default ./results/gpu_queue); a short table is printed last.
+set -uo pipefail
+step=${1:?step}; out=${2:-results/gpu_queue}
+mkdir -p "$out"
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}. PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+case $step in
+  tests)
+    timeout 420 python3 -m pytest -q -n 14 -m "not slow" -p no:benchmark -p no:cacheprovider --timeout=300 \
+      tests/kernels 2>&1 | tee "$out/kernel_tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -40 ;;
+  kernels)
+    python3 benchmarks/zipper.py --models llama3-8b --layers qkv,o,gate_up,down \
+      --ms 1,4,16,64,128,256,512,2048,8192 --budgets 0,10 --out "$out/zipper" 2>&1 | tee "$out/zipper.log" | tail -60 ;;
+  forms)
+    python3 benchmarks/attention_kv4.py --context 511,512 --chunks "" --block-ns "" \
+      --forms joined,zdot,pw_once --rounds 3 --out "$out/attn" 2>&1 | tee "$out/attn.log" | tail -25
+    python3 benchmarks/decode_depth.py --ms 5,8,12,16 --variants base,sahead --rounds 3 --out "$out/depth" 2>&1 \
+      | tee "$out/depth.log" | tail -25 ;;
+  suite)
+    python3 -m mosaicquant run --model llama-3-8b-shapes \
+      --methods fp16,rtn,quarot,atom,mosaicquant,mosaicquant:budget=0 --suites throughput \
+      --device cuda --dtype bfloat16 --report --out "$out/suite" 2>&1 | tee "$out/suite.log" | tail -60 ;;
+  *) echo "unknown step $step (tests, kernels, forms, suite)"; exit 2 ;;
+esac
