@@ -317,6 +317,10 @@ def test_speed_suites_on_the_gpu(monkeypatch):
     assert {"prefill_tok_s", "decode_tok_s/b4", "decode_tok_s/b8"} <= set(metrics)
     assert all(metrics[k].value > 0 for k in ("prefill_tok_s", "decode_tok_s/b4", "decode_tok_s/b8"))
     assert "ZipperEngine" in ctx.info["exec_path_speed"]
+    # the floor measured in the same run: a step cannot beat the bytes it reads over the copy bandwidth
+    assert ctx.info["speed"]["ceilings"]["copy_gb_s"] > 100
+    assert all(0 < metrics[f"decode_floor_frac/b{b}"].value < 1.5 for b in (4, 8))
+    assert 0 < metrics["prefill_floor_frac"].value < 1.5
     assert ctx.info["speed"]["timing"] == "CUDA graphs (prefill, decode, per-layer)"
     lat = get_suite("latency")
     with torch.no_grad():

@@ -23,6 +23,11 @@ is recorded as unavailable with the reason, never timed on a stand-in. The recor
       ``energy_s`` seconds of replays after the timed ones), ``decode_power_w/b{B}`` (mean power
       of that window) and ``decode_sm_clock_mhz/b{B}`` (sampled at
       the end of the window).
+    * the floor (:mod:`mosaicquant.harness.floor`): the card's copy bandwidth and BF16 / INT8
+      tensor-core rates, measured in the same run (``method_info.speed.ceilings``);
+      ``decode_bytes/b{B}``, the bytes a decode step must read (weights as stored, output head,
+      KV cache), ``decode_floor_frac/b{B}`` = (bytes / copy bandwidth) / step time, and
+      ``prefill_floor_frac`` = (matrix flops / tensor-core rate) / prefill time.
 
 ``latency``
     * ``linear_us/{group}/m{M}``: one linear group of a decoder layer (``qkv_proj`` = q, k and
@@ -45,6 +50,8 @@ import torch
 
 from mosaicquant.harness.config import Config, check_range
 from mosaicquant.harness.errors import Unavailable, UserInputError
+from mosaicquant.harness.floor import decode_bytes, floor_fraction, measure_ceilings, module_bytes, prefill_flops, \
+    quantized_linears
 from mosaicquant.harness.registry import register_suite
 from mosaicquant.harness.results import Metric
 from mosaicquant.harness.runtime import RUNTIMES, FusedDecoder, resolve_runtime
@@ -269,7 +276,8 @@ def measure_linear_group(model, group: str, m: int, device, rotate_mb: int = 180
     """Median µs of one linear group on ``m`` tokens, cycled over layers beyond ``rotate_mb``."""
     layers = _decoder_layers(model)
     modules = [[layer.get_submodule(name) for name in LINEAR_GROUPS[group]] for layer in layers]
-    per_layer = sum(_weight_bytes(mod) for mod in modules[0])
+    seen: set[int] = set()
+    per_layer = sum(module_bytes(mod, seen) for mod in modules[0])
     count = max(1, min(len(layers), -(-rotate_mb * 2**20 // max(per_layer, 1)) + 1))
     k = _in_features(modules[0][0])
     x = torch.randn(m, k, device=device, dtype=_dtype(model))
@@ -288,16 +296,6 @@ def _in_features(module) -> int:
     if hasattr(module, "shape"):
         return int(module.shape[1])
     return int(module.weight.shape[1])
-
-
-def _weight_bytes(module) -> int:
-    group = getattr(module, "group", None)  # a member of a FusedProjections group: its share
-    if group is not None and hasattr(group, "quant"):
-        return sum(group.quant.weight_nbytes().values()) * int(module.out_features) // group.quant.out_features
-    packed = [m for m in module.modules() if hasattr(m, "weight_nbytes")]
-    if packed:
-        return sum(sum(m.weight_nbytes().values()) for m in packed)
-    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
 
 
 def _tok_s(tokens: int, t) -> Metric:
@@ -334,9 +332,17 @@ def throughput(model, config: ThroughputConfig, ctx):
     decoder = _prepare(model, ctx, "throughput", config.cuda_graphs, config.runtime)
     device = ctx.device
     metrics: dict[str, Metric] = {}
+    ceilings = measure_ceilings(device)
+    ctx.method_info["speed"]["ceilings"] = ceilings.as_dict()
     t = measure_prefill(model, config.prefill_batch, config.prefill_len, device, config.replays, config.cuda_graphs,
                         decoder)
     metrics["prefill_tok_s"] = _tok_s(config.prefill_batch * config.prefill_len, t)
+    int8 = quantized_linears(model) and ceilings.int8_tflop_s is not None
+    rate = ceilings.int8_tflop_s if int8 else ceilings.bf16_tflop_s
+    ctx.method_info["speed"]["prefill_floor_rate"] = "INT8 tensor cores" if int8 else "BF16 tensor cores"
+    flops = prefill_flops(model, config.prefill_batch, config.prefill_len)
+    metrics["prefill_floor_frac"] = Metric(floor_fraction(flops / (rate * 1e12) * 1e6, t.median_us),
+                                           higher_is_better=True, unit="of floor")
     telemetry = Telemetry(device)
     if not telemetry.active:
         ctx.method_info.setdefault("speed", {})["telemetry"] = f"none: {telemetry.reason}"
@@ -344,6 +350,11 @@ def throughput(model, config: ThroughputConfig, ctx):
         t = measure_decode(model, b, config.context, device, config.replays, config.cuda_graphs, telemetry,
                            config.energy_s, decoder)
         metrics[f"decode_tok_s/b{b}"] = _tok_s(b, t)
+        nbytes = decode_bytes(model, b, config.context, decoder)
+        metrics[f"decode_bytes/b{b}"] = Metric(float(nbytes), higher_is_better=False, unit="B")
+        metrics[f"decode_floor_frac/b{b}"] = Metric(
+            floor_fraction(nbytes / (ceilings.copy_gb_s * 1e9) * 1e6, t.median_us), higher_is_better=True,
+            unit="of floor")
         w = t.window
         if w is not None:
             if w.energy_j is not None and t.window_calls:
