@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mosaicquant.harness.config import Config, check_range
-from mosaicquant.harness.registry import register_method
+from mosaicquant.config import Config, check_range
+from mosaicquant.registry import register_method
 from mosaicquant.methods.calibration import calibrate_layerwise
 from mosaicquant.methods.gptq import damp, gptq_quantize
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant

@@ -51,8 +51,8 @@ from typing import Any, Literal
 import torch
 
 from mosaicquant.harness.backends import NotAvailableError, import_optional
-from mosaicquant.harness.config import Config, check_range
-from mosaicquant.harness.registry import register_method
+from mosaicquant.config import Config, check_range
+from mosaicquant.registry import register_method
 
 __all__ = ["ModelOptConfig", "Recipe", "RECIPES", "INSTALL_HINT", "import_modelopt", "output_head_name", "modelopt"]
 

@@ -49,8 +49,8 @@ import torch
 from torch import nn
 
 from mosaicquant.baselines.atom import MixedActQuant, WeightSegment, gptq_quantize_segments, mixed_weight_memory
-from mosaicquant.harness.config import Config, check_range
-from mosaicquant.harness.registry import register_method
+from mosaicquant.config import Config, check_range
+from mosaicquant.registry import register_method
 from mosaicquant.methods.calibration import calibrate_layerwise
 from mosaicquant.methods.hadamard import OnlineHadamard, apply_hadamard, is_hadamard_size
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant

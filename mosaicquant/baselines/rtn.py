@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mosaicquant.harness.config import Config, check_range
-from mosaicquant.harness.registry import register_method
+from mosaicquant.config import Config, check_range
+from mosaicquant.registry import register_method
 from mosaicquant.methods.qlinear import ActQuantSpec, fake_quant_linear_from, quantize_weight, replace_linears
 
 

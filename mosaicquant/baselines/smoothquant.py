@@ -38,9 +38,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mosaicquant.harness.config import Config, check_range
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import register_method
+from mosaicquant.config import Config, check_range
+from mosaicquant.errors import UserInputError
+from mosaicquant.registry import register_method
 from mosaicquant.methods.qlinear import ActQuantSpec, fake_quant_linear_from, quantize_weight, replace_linears
 from mosaicquant.methods.quant import Quantized
 from mosaicquant.methods.rotation import model_parts

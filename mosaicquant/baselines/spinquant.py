@@ -61,9 +61,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mosaicquant.baselines.quarot import gptq_quantize_model
-from mosaicquant.harness.config import Config, check_choice, check_range
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import register_method
+from mosaicquant.config import Config, check_choice, check_range
+from mosaicquant.errors import UserInputError
+from mosaicquant.registry import register_method
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant, fake_quantize_ste
 from mosaicquant.methods.qlinear import ActQuantSpec, weight_memory
 from mosaicquant.methods.rotation import ROTATIONS, model_parts, rotate_model

@@ -47,9 +47,9 @@ from typing import Any
 import torch
 
 from mosaicquant.harness.backends import BackendOutcome, BackendRequest
-from mosaicquant.harness.config import Config, check_range
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import register_backend
+from mosaicquant.config import Config, check_range
+from mosaicquant.errors import UserInputError
+from mosaicquant.registry import register_backend
 from mosaicquant.harness.results import Metric
 
 __all__ = [

@@ -43,8 +43,8 @@ import torch
 
 from mosaicquant.baselines.modelopt import output_head_name
 from mosaicquant.harness.backends import NotAvailableError, import_optional
-from mosaicquant.harness.config import Config
-from mosaicquant.harness.registry import register_method
+from mosaicquant.config import Config
+from mosaicquant.registry import register_method
 
 __all__ = ["TorchAOConfig", "INSTALL_HINT", "import_torchao", "recipe_config", "torchao"]
 

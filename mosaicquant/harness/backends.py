@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mosaicquant.harness.config import Config, parse_kv_pairs
-from mosaicquant.harness.errors import Unavailable, UserInputError, unknown_name
+from mosaicquant.config import Config, parse_kv_pairs
+from mosaicquant.errors import Unavailable, UserInputError, unknown_name
 from mosaicquant.harness.results import SCHEMA, Metric, environment, git_info, now_iso, record_path
 
 if TYPE_CHECKING:
-    from mosaicquant.harness.registry import Entry
+    from mosaicquant.registry import Entry
     from mosaicquant.harness.runner import Cell, CellOutcome, SweepResult
     from mosaicquant.harness.spec import RunSpec
 
@@ -227,7 +227,7 @@ def parse_backend_spec(text: str | None) -> tuple[Entry, Config] | None:
     Raises:
         UserInputError: unknown backend (with a did-you-mean) or a bad option.
     """
-    from mosaicquant.harness.registry import BACKENDS
+    from mosaicquant.registry import BACKENDS
 
     if text is None or not str(text).strip():
         return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mosaicquant.harness.errors import MosaicQuantError
+from mosaicquant.errors import MosaicQuantError
 
 __all__ = ["main", "build_parser"]
 
@@ -113,7 +113,7 @@ def _cmd_run(args) -> int:
 
 def _cmd_ls(args) -> int:
     from mosaicquant.harness import data, models, shapes
-    from mosaicquant.harness.registry import BACKENDS, METHODS, SUITES
+    from mosaicquant.registry import BACKENDS, METHODS, SUITES
 
     what = args.what
     if what in ("all", "methods"):

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from mosaicquant.harness import assets, shapes
-from mosaicquant.harness.errors import AssetError, UserInputError, unknown_name
+from mosaicquant.errors import AssetError, UserInputError, unknown_name
 
 __all__ = [
     "BuiltinModel",

@@ -38,7 +38,7 @@ from mosaicquant.harness import data as data_mod
 from mosaicquant.harness import models as models_mod
 from mosaicquant.harness import shapes as shapes_mod
 from mosaicquant.harness.context import QuantContext, SuiteContext
-from mosaicquant.harness.errors import Unavailable, UserInputError
+from mosaicquant.errors import Unavailable, UserInputError
 from mosaicquant.harness.results import (
     SCHEMA, Metric, ensure_writable_dir, environment, git_info, now_iso, read_record, record_path, write_record,
 )

@@ -6,7 +6,7 @@ Two things live here.
    simulated 4-bit layer the W4A4 kernels can run becomes a kernel-backed layer
    (:func:`mosaicquant.kernels.convert.kernelize`: online input transform, activation
    quantization, dense W4A4 GEMM or ZipperEngine). If any quantized layer cannot run on the
-   kernels, it raises :class:`~mosaicquant.harness.errors.Unavailable` naming the layer and
+   kernels, it raises :class:`~mosaicquant.errors.Unavailable` naming the layer and
    the reason: a method with no fast path is never timed on a stand-in.
 
 2. :func:`speed_form` builds a method's *format* on a random-weight shape model
@@ -25,7 +25,7 @@ Two things live here.
    runs it as a 4-bit cache where its kernels can, and the records say ``kv_bits``.
    Methods with no data-free form here
    (``resq``: its PCA bases need data; third-party methods) raise
-   :class:`~mosaicquant.harness.errors.Unavailable`. Methods that need no data at all
+   :class:`~mosaicquant.errors.Unavailable`. Methods that need no data at all
    (``torchao``) run as they are and execute on their own kernels.
 """
 
@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mosaicquant.harness.errors import Unavailable
+from mosaicquant.errors import Unavailable
 from mosaicquant.methods.qlinear import (
     ActQuantSpec,
     FakeQuantLinear,
@@ -331,7 +331,7 @@ def speed_form(method: str, model: nn.Module, config, ctx) -> nn.Module:
         ctx.info.update(wbits=16, abits=16, kv_bits=16, exec_path=FLOAT_PATH, weights="random (speed only)")
         return model
     if method in DATA_FREE_METHODS:
-        from mosaicquant.harness.registry import get_method
+        from mosaicquant.registry import get_method
 
         model = get_method(method).fn(model, config, ctx)
         ctx.info.update(weights="random (speed only)")

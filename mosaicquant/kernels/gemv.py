@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._common import (
     check_same_device,
     check_tensor,

@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._common import (
     check_input_features,
     check_same_device,

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels import _tiles
 from mosaicquant.kernels._common import check_input_features, resolve_kernel
 from mosaicquant.kernels._tiles import (

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.methods.hadamard import apply_hadamard, is_hadamard_size
 from mosaicquant.methods.quant import MAX_BITS, MIN_BITS, fake_quantize
 

@@ -46,9 +46,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mosaicquant.harness.config import Config, check_choice, check_range
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import register_method
+from mosaicquant.config import Config, check_choice, check_range
+from mosaicquant.errors import UserInputError
+from mosaicquant.registry import register_method
 from mosaicquant.methods.calibration import calibrate_layerwise
 from mosaicquant.methods.format import PackedW4, ResidualBlocks, block_shape_text, parse_block_shape
 from mosaicquant.methods.gptq import gptq_quantize

@@ -15,7 +15,7 @@ from mosaicquant.baselines.atom import (
     ragged_groups,
     salient_order,
 )
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.methods.gptq import gptq_quantize_with_error
 from mosaicquant.methods.qlinear import ActQuantSpec
 from mosaicquant.methods.quant import fake_quantize

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from mosaicquant.baselines.modelopt import RECIPES, ModelOptConfig, modelopt, output_head_name
 from mosaicquant.harness.backends import NotAvailableError
 from mosaicquant.harness.context import QuantContext
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 
 mtq = pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt is not installed: "
                           "pip install 'mosaicquant[modelopt]'")

@@ -17,7 +17,7 @@ from mosaicquant.baselines.resq import (
     resq_quantize_linear,
 )
 from mosaicquant.harness.context import QuantContext
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.methods.hadamard import OnlineHadamard, apply_hadamard
 from mosaicquant.methods.kvcache import kv_quant_spec_of
 from mosaicquant.methods.qlinear import ActQuantSpec

@@ -16,7 +16,7 @@ from mosaicquant.baselines.smoothquant import (
     smoothquant,
 )
 from mosaicquant.harness.context import QuantContext
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.methods.qlinear import FakeQuantLinear
 from mosaicquant.methods.smoothing import smooth_model
 

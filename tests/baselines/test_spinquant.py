@@ -20,8 +20,8 @@ from mosaicquant.baselines.spinquant import (
     spinquant,
     train_rotations,
 )
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import get_method
+from mosaicquant.errors import UserInputError
+from mosaicquant.registry import get_method
 from mosaicquant.methods.kvcache import kv_quant_spec_of
 from mosaicquant.methods.qlinear import ActQuantSpec, FakeQuantLinear
 from mosaicquant.methods.rotation import random_orthogonal, rotate_model

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from mosaicquant.baselines.torchao import TorchAOConfig, torchao
 from mosaicquant.harness.backends import NotAvailableError
 from mosaicquant.harness.context import QuantContext
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 
 ao_quant = pytest.importorskip("torchao.quantization", reason="torchao is not installed: pip install "
                                "'mosaicquant[torchao]'")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mosaicquant.harness import assets
-from mosaicquant.harness.errors import AssetError, UserInputError
+from mosaicquant.errors import AssetError, UserInputError
 
 FAKE_PACKAGE = "mqfakeasset"
 FAKE_VERSION = "0.3.1"

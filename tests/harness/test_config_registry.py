@@ -6,9 +6,9 @@ from dataclasses import dataclass
 import pytest
 
 from mosaicquant.baselines.rtn import RTNConfig
-from mosaicquant.harness.config import Config, check_range, parse_kv_pairs
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import Registry, get_method, get_suite
+from mosaicquant.config import Config, check_range, parse_kv_pairs
+from mosaicquant.errors import UserInputError
+from mosaicquant.registry import Registry, get_method, get_suite
 from mosaicquant.harness.spec import load_run_spec, parse_plugin_list, parse_plugin_spec
 
 
@@ -73,8 +73,8 @@ def test_entry_point_plugin_is_loaded(monkeypatch, tmp_path):
     mod = tmp_path / "mq_plugin_demo.py"
     mod.write_text(
         "from dataclasses import dataclass\n"
-        "from mosaicquant.harness.config import Config\n"
-        "from mosaicquant.harness.registry import register_method\n"
+        "from mosaicquant.config import Config\n"
+        "from mosaicquant.registry import register_method\n"
         "@dataclass(frozen=True)\nclass PConfig(Config):\n    k: int = 3\n"
         "@register_method('plugin-demo', config=PConfig)\ndef plugin(model, config, ctx):\n    return model\n"
     )

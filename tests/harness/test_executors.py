@@ -14,10 +14,10 @@ import pytest
 
 from mosaicquant.harness import data
 from mosaicquant.harness.cli import main
-from mosaicquant.harness.config import Config
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.config import Config
+from mosaicquant.errors import UserInputError
 from mosaicquant.harness.executors import ExecutorSettings, gpu_groups, make_executor, task_resources
-from mosaicquant.harness.registry import METHODS, register_method
+from mosaicquant.registry import METHODS, register_method
 from mosaicquant.harness.results import load_records
 from mosaicquant.harness.spec import load_run_spec
 

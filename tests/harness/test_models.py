@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mosaicquant.harness import assets, models
-from mosaicquant.harness.errors import AssetError, UserInputError
+from mosaicquant.errors import AssetError, UserInputError
 
 # A folder model reloaded in bf16 must match the fp32 original to bf16 precision.
 BF16_LOGITS_ATOL = 0.05

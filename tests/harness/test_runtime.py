@@ -7,8 +7,8 @@ import torch
 
 from mosaicquant.harness import runtime, shapes
 from mosaicquant.harness.context import QuantContext
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import get_method
+from mosaicquant.errors import UserInputError
+from mosaicquant.registry import get_method
 from mosaicquant.harness.runtime import FusedDecoder, fused_reason, kv_cache_bytes_per_token, resolve_runtime
 from mosaicquant.harness.speedforms import executable, speed_form
 from mosaicquant.harness.suites import speed

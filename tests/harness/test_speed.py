@@ -10,9 +10,9 @@ import torch
 from mosaicquant.harness import shapes
 from mosaicquant.harness.cli import main
 from mosaicquant.harness.context import QuantContext, SuiteContext
-from mosaicquant.harness.errors import Unavailable, UserInputError
+from mosaicquant.errors import Unavailable, UserInputError
 from mosaicquant.harness.models import resolve_model
-from mosaicquant.harness.registry import get_method, get_suite
+from mosaicquant.registry import get_method, get_suite
 from mosaicquant.harness.results import load_records
 from mosaicquant.harness.speedforms import FLOAT_PATH, executable, speed_form
 from mosaicquant.harness.suites import speed

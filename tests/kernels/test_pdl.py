@@ -17,8 +17,8 @@ from mosaicquant.kernels._common import (
 )
 from mosaicquant.harness import shapes
 from mosaicquant.harness.context import QuantContext
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import get_method
+from mosaicquant.errors import UserInputError
+from mosaicquant.registry import get_method
 from mosaicquant.harness.runtime import FusedDecoder
 from mosaicquant.harness.speedforms import executable, speed_form
 from mosaicquant.harness.suites.speed import fused_decode_step

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mosaicquant.harness.config import Config, check_range
-from mosaicquant.harness.errors import Unavailable
-from mosaicquant.harness.registry import register_suite
+from mosaicquant.config import Config, check_range
+from mosaicquant.errors import Unavailable
+from mosaicquant.registry import register_suite
 from mosaicquant.harness.results import Metric
 from mosaicquant.methods.qlinear import FakeQuantLinear, weight_memory
 

@@ -43,9 +43,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mosaicquant.harness.config import Config, check_range
-from mosaicquant.harness.errors import Unavailable, UserInputError
-from mosaicquant.harness.registry import register_suite
+from mosaicquant.config import Config, check_range
+from mosaicquant.errors import Unavailable, UserInputError
+from mosaicquant.registry import register_suite
 from mosaicquant.harness.results import Metric
 from mosaicquant.harness.runtime import RUNTIMES, FusedDecoder, resolve_runtime
 from mosaicquant.harness.speedforms import executable

@@ -31,9 +31,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from mosaicquant.harness.config import Config, check_choice, check_range
-from mosaicquant.harness.errors import AssetError, MosaicQuantError, UserInputError
-from mosaicquant.harness.registry import register_suite
+from mosaicquant.config import Config, check_choice, check_range
+from mosaicquant.errors import AssetError, MosaicQuantError, UserInputError
+from mosaicquant.registry import register_suite
 from mosaicquant.harness.results import Metric
 from mosaicquant.harness.taskdata import (
     DEFAULT_TASKS,

@@ -15,7 +15,7 @@ A method is ``fn(model, config, ctx) -> model`` (see :class:`QuantContext`); a s
 
 Example:
     >>> from dataclasses import dataclass
-    >>> from mosaicquant.harness.config import Config
+    >>> from mosaicquant.config import Config
     >>> @dataclass(frozen=True)
     ... class NoopConfig(Config):
     ...     pass
@@ -34,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mosaicquant.harness.config import Config
-from mosaicquant.harness.errors import UserInputError, unknown_name
+from mosaicquant.config import Config
+from mosaicquant.errors import UserInputError, unknown_name
 
 __all__ = [
     "Entry",
