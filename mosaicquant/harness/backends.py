@@ -22,16 +22,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mosaicquant.config import Config, parse_kv_pairs
 from mosaicquant.errors import Unavailable, UserInputError, unknown_name
-from mosaicquant.harness.results import SCHEMA, Metric, environment, git_info, now_iso, record_path
-
-if TYPE_CHECKING:
-    from mosaicquant.registry import Entry
-    from mosaicquant.harness.runner import Cell, CellOutcome, SweepResult
-    from mosaicquant.harness.spec import RunSpec
+from mosaicquant.harness import data as data_mod
+from mosaicquant.harness import models as models_mod
+from mosaicquant.harness.results import (
+    SCHEMA, Metric, ensure_writable_dir, environment, git_info, now_iso, record_path, write_record,
+)
+from mosaicquant.harness.runner import Cell, CellOutcome, SweepResult, _error_dict, is_finished
+from mosaicquant.harness.spec import RunSpec
+from mosaicquant.registry import BACKENDS, Entry
 
 __all__ = [
     "DEFAULT_BACKEND", "NotAvailableError", "BackendRequest", "BackendOutcome", "backend_label", "backend_record_path",
@@ -161,10 +163,6 @@ def run_backend_cells(spec: RunSpec, cells: list[Cell], backend: Entry, backend_
         One :class:`~mosaicquant.harness.runner.CellOutcome` per cell; an unavailable cell has
         status ``"unavailable"``.
     """
-    from mosaicquant.harness import models as models_mod
-    from mosaicquant.harness.results import write_record
-    from mosaicquant.harness.runner import CellOutcome, _error_dict
-
     source = models_mod.resolve_model(spec.model)
     env, git = environment(), git_info()
     outcomes = []
@@ -227,8 +225,6 @@ def parse_backend_spec(text: str | None) -> tuple[Entry, Config] | None:
     Raises:
         UserInputError: unknown backend (with a did-you-mean) or a bad option.
     """
-    from mosaicquant.registry import BACKENDS
-
     if text is None or not str(text).strip():
         return None
     name, _, rest = str(text).strip().partition(":")
@@ -255,11 +251,6 @@ def run_backend_sweep(spec: RunSpec, backend: tuple[Entry, Config], log: Callabl
     Raises:
         UserInputError: bad spec, model, corpus or results directory.
     """
-    from mosaicquant.harness import data as data_mod
-    from mosaicquant.harness import models as models_mod
-    from mosaicquant.harness.results import ensure_writable_dir
-    from mosaicquant.harness.runner import Cell, SweepResult, is_finished
-
     spec.validate()
     models_mod.resolve_model(spec.model)
     data_mod.resolve_corpus(spec.corpus)
