@@ -50,6 +50,7 @@ from mosaicquant.kernels._tiles import (
     swapped_mid_config,
     swapped_prefill,
 )
+from mosaicquant.kernels._residual_check import check_residual
 from mosaicquant.kernels.act_quant import quantize_activations, quantize_activations_triton
 from mosaicquant.kernels.gemv import GEMV_MAX_M, gemv_quantize_triton, gemv_reason, gemv_triton
 from mosaicquant.kernels.residual_gemm import residual_add
@@ -69,7 +70,6 @@ from mosaicquant.kernels.w4a4_gemm import (
 from mosaicquant.kernels.norm_fold import NormFold
 from mosaicquant.kernels.zipper import (
     FUSE_MODES,
-    check_residual,
     gated_reason,
     residual_block_map,
     zipper_gemm,
