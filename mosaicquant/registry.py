@@ -73,7 +73,7 @@ BUILTIN_MODULES: dict[str, list[str]] = {
         "mosaicquant.harness.suites.zeroshot",
         "mosaicquant.harness.suites.speed",
     ],
-    "backend": ["mosaicquant.baselines.tensorrt_llm"],
+    "backend": ["mosaicquant.harness.tensorrt_llm"],
 }
 
 

@@ -36,6 +36,7 @@ class Import:
     target: str
     line: int
     module_level: bool  # runs when ``source`` is imported (not in a function, not TYPE_CHECKING-only)
+    type_only: bool = False  # under ``if TYPE_CHECKING:``: never runs
 
 
 def layer_of(module: str) -> int:
@@ -86,20 +87,19 @@ def imports_of(source: str, text: str, is_package: bool, known: set[str]) -> lis
         names = [f"{parent}.{alias.name}" for alias in node.names if f"{parent}.{alias.name}" in known]
         return names if len(names) == len(node.names) else [parent, *names]
 
-    def walk(node, module_level: bool):
+    def walk(node, module_level: bool, type_only: bool):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.Import, ast.ImportFrom)):
-                found.extend(Import(source, t, child.lineno, module_level) for t in targets(child))
+                found.extend(Import(source, t, child.lineno, module_level and not type_only, type_only)
+                             for t in targets(child))
             inner = module_level and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(child, ast.If) and _is_type_checking(child.test):
-                for stmt in child.body:
-                    walk(ast.Module(body=[stmt], type_ignores=[]), False)
-                for stmt in child.orelse:
-                    walk(ast.Module(body=[stmt], type_ignores=[]), inner)
+                walk(ast.Module(body=child.body, type_ignores=[]), inner, True)
+                walk(ast.Module(body=child.orelse, type_ignores=[]), inner, type_only)
                 continue
-            walk(child, inner)
+            walk(child, inner, type_only)
 
-    walk(ast.parse(text), True)
+    walk(ast.parse(text), True, False)
     return found
 
 
@@ -135,10 +135,11 @@ def find_cycle(edges: list[Import], module_level_only: bool = True) -> list[str]
         edges: the imports.
         module_level_only: only the imports that run at import time (the default); with False,
             function-local ones too: a cycle that a function-local import merely hides.
+            ``TYPE_CHECKING`` imports never count: they never run.
     """
     graph: dict[str, set[str]] = {}
     for imp in edges:
-        if imp.module_level or not module_level_only:
+        if imp.module_level or not (module_level_only or imp.type_only):
             graph.setdefault(imp.source, set()).add(imp.target)
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []

@@ -42,7 +42,7 @@ Pipeline:
    iteration only approximates it).
 4. **Fold** the learned rotations into the weights (the same formulas, in float64).
 5. **Weights**: GPTQ layer by layer (percdamp 0.01, act_order, per-channel symmetric with
-   clip search; :func:`mosaicquant.baselines.quarot.gptq_quantize_model`).
+   clip search; :func:`mosaicquant.methods.calibration.gptq_quantize_model`).
    **Activations**: per token, asymmetric, ``a_clip``.
 
 Defaults follow the authors' scripts: activation and KV clip ratios 1.0 (no clipping),
@@ -60,10 +60,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mosaicquant.baselines.quarot import gptq_quantize_model
 from mosaicquant.config import Config, check_choice, check_range
 from mosaicquant.errors import UserInputError
 from mosaicquant.registry import register_method
+from mosaicquant.methods.calibration import gptq_quantize_model
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant, fake_quantize_ste
 from mosaicquant.methods.qlinear import ActQuantSpec, weight_memory
 from mosaicquant.methods.rotation import ROTATIONS, model_parts, rotate_model

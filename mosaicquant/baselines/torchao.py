@@ -41,9 +41,9 @@ from typing import Literal
 
 import torch
 
-from mosaicquant.baselines.modelopt import output_head_name
-from mosaicquant.harness.backends import NotAvailableError, import_optional
+from mosaicquant.errors import NotAvailableError, import_optional
 from mosaicquant.config import Config
+from mosaicquant.methods.qlinear import output_head_name
 from mosaicquant.registry import register_method
 
 __all__ = ["TorchAOConfig", "INSTALL_HINT", "import_torchao", "recipe_config", "torchao"]

@@ -252,7 +252,7 @@ def _mosaicquant(model, config, ctx):
 
 def _atom(model, config, ctx):
     """Atom's format with seeded random salient channels (in place of ``diag(XᵀX)``) and RTN integers."""
-    from mosaicquant.baselines.atom import MixedActQuant, ragged_groups, salient_order
+    from mosaicquant.methods.mixed import MixedActQuant, ragged_groups, salient_order
     from mosaicquant.methods.quant import quantize
 
     gen = torch.Generator().manual_seed(ctx.seed)

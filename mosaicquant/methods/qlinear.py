@@ -28,6 +28,7 @@ __all__ = [
     "ActQuantSpec",
     "FakeQuantLinear",
     "quantizable_linears",
+    "output_head_name",
     "set_module",
     "replace_linears",
     "weight_memory",
@@ -121,6 +122,15 @@ def quantizable_linears(model: nn.Module, skip_output_head: bool = True) -> Iter
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and module is not head:
             yield name, module
+
+
+def output_head_name(model: nn.Module) -> str | None:
+    """Fully-qualified name of the module ``model.get_output_embeddings()`` returns, if any."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None:
+        return None
+    return next((name for name, module in model.named_modules() if module is head), None)
 
 
 def set_module(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mosaicquant.baselines.modelopt import RECIPES, ModelOptConfig, modelopt, output_head_name
-from mosaicquant.harness.backends import NotAvailableError
+from mosaicquant.baselines.modelopt import RECIPES, ModelOptConfig, modelopt
+from mosaicquant.errors import NotAvailableError
 from mosaicquant.harness.context import QuantContext
+from mosaicquant.methods.qlinear import output_head_name
 from mosaicquant.errors import UserInputError
 
 mtq = pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt is not installed: "

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mosaicquant.baselines.torchao import TorchAOConfig, torchao
-from mosaicquant.harness.backends import NotAvailableError
+from mosaicquant.errors import NotAvailableError
 from mosaicquant.harness.context import QuantContext
 from mosaicquant.errors import UserInputError
 

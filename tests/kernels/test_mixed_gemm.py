@@ -116,7 +116,7 @@ def test_act_quant_triton_is_bit_exact(m, name):
 
 
 def test_act_quant_reference_matches_simulated_quantizer():
-    from mosaicquant.baselines.atom import MixedActQuant
+    from mosaicquant.methods.mixed import MixedActQuant
 
     fmt = FORMATS["odd"]
     gen = torch.Generator().manual_seed(2)
