@@ -37,6 +37,15 @@ import torch
 from torch import nn
 
 from mosaicquant.errors import Unavailable
+from mosaicquant.kernels import quant_linear
+from mosaicquant.kernels.convert import FusedProjections, kernelize
+from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason
+from mosaicquant.kernels.mixed_gemm import MixedQuantLinear
+from mosaicquant.methods.calibration import decoder_layers
+from mosaicquant.methods.format import PackedW4, ResidualBlocks
+from mosaicquant.methods.kvcache import enable_kv_quant
+from mosaicquant.methods.mixed import MixedActQuant, ragged_groups, salient_order
+from mosaicquant.methods.mosaicquant import residual_base_scale
 from mosaicquant.methods.qlinear import (
     ActQuantSpec,
     FakeQuantLinear,
@@ -44,6 +53,10 @@ from mosaicquant.methods.qlinear import (
     quantize_weight,
     replace_linears,
 )
+from mosaicquant.methods.quant import quantize
+from mosaicquant.methods.residual import select_residual
+from mosaicquant.methods.rotation import rotate_model
+from mosaicquant.registry import get_method
 
 __all__ = ["executable", "speed_form", "SPEED_FORMS", "DATA_FREE_METHODS", "FLOAT_PATH"]
 
@@ -54,7 +67,6 @@ MID_PROBE_M = (33, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2047)
 
 def _merged_walk_on() -> bool:
     """Whether kernel-backed layers run the swapped GEMM's merged walk where they hold its operands."""
-    from mosaicquant.kernels import quant_linear
 
     return bool(quant_linear.MERGED_WALK)
 
@@ -73,9 +85,6 @@ def executable(model: nn.Module, info: dict) -> str:
     Raises:
         Unavailable: a quantized layer has no kernel path (the message names it and why).
     """
-    from mosaicquant.kernels.convert import FusedProjections, kernelize
-    from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason
-    from mosaicquant.kernels.mixed_gemm import MixedQuantLinear
 
     simulated = [m for m in model.modules() if isinstance(m, FakeQuantLinear)]
     if not simulated and not _has_kernel_layers(model):
@@ -202,8 +211,6 @@ def _smoothquant(model, config, ctx):
 
 def _rotated(online_o: Callable[[object], bool]):
     def form(model, config, ctx):
-        from mosaicquant.methods.rotation import rotate_model
-
         name = type(config).__name__.replace("Config", "").lower()
         _check_w4a4(name, config.wbits, config.abits)
         rotation = getattr(config, "rotation", "hadamard")
@@ -215,12 +222,6 @@ def _rotated(online_o: Callable[[object], bool]):
 
 
 def _mosaicquant(model, config, ctx):
-    from mosaicquant.methods.format import PackedW4, ResidualBlocks
-    from mosaicquant.methods.mosaicquant import residual_base_scale
-    from mosaicquant.methods.quant import quantize
-    from mosaicquant.methods.residual import select_residual
-    from mosaicquant.methods.rotation import rotate_model
-
     _check_w4a4("mosaicquant", config.wbits, config.abits)
     if config.transform == "rotation":
         rotate_model(model, seed=ctx.seed, online_down=True, online_o=config.online_o)
@@ -252,8 +253,6 @@ def _mosaicquant(model, config, ctx):
 
 def _atom(model, config, ctx):
     """Atom's format with seeded random salient channels (in place of ``diag(XᵀX)``) and RTN integers."""
-    from mosaicquant.methods.mixed import MixedActQuant, ragged_groups, salient_order
-    from mosaicquant.methods.quant import quantize
 
     gen = torch.Generator().manual_seed(ctx.seed)
     high = ActQuantSpec(bits=config.outlier_bits, symmetric=True)
@@ -308,8 +307,6 @@ def _kv_spec(config, model: nn.Module):
     if make is None:
         return None
     if "head_dim" in inspect.signature(make).parameters:  # SpinQuant's groups depend on the head size
-        from mosaicquant.methods.calibration import decoder_layers
-
         return make(int(decoder_layers(model)[0].self_attn.head_dim))
     return make()
 
@@ -331,8 +328,6 @@ def speed_form(method: str, model: nn.Module, config, ctx) -> nn.Module:
         ctx.info.update(wbits=16, abits=16, kv_bits=16, exec_path=FLOAT_PATH, weights="random (speed only)")
         return model
     if method in DATA_FREE_METHODS:
-        from mosaicquant.registry import get_method
-
         model = get_method(method).fn(model, config, ctx)
         ctx.info.update(weights="random (speed only)")
         return model
@@ -344,8 +339,6 @@ def speed_form(method: str, model: nn.Module, config, ctx) -> nn.Module:
     spec = _kv_spec(config, model)
     kv = None
     if spec is not None and spec.active:
-        from mosaicquant.methods.kvcache import enable_kv_quant
-
         kv = enable_kv_quant(model, spec)
     ctx.info.update(wbits=config.wbits, abits=config.abits, kv_bits=spec.bits if spec is not None else 16,
                     kv_cache=kv, quantized_linears=n,

@@ -48,6 +48,8 @@ import torch
 
 from mosaicquant.config import Config, check_choice, check_range
 from mosaicquant.errors import UserInputError
+from mosaicquant.methods.rotation import rotate_model
+from mosaicquant.methods.smoothing import collect_input_absmax, smooth_model, smoothing_input_names
 from mosaicquant.registry import register_method
 from mosaicquant.methods.calibration import calibrate_layerwise
 from mosaicquant.methods.format import PackedW4, ResidualBlocks, block_shape_text, parse_block_shape
@@ -180,12 +182,8 @@ def apply_transform(model, transform: str, calib_tokens: torch.Tensor, *, seed: 
             folded into norms and preceding linears) or ``none``.
     """
     if transform == "rotation":
-        from mosaicquant.methods.rotation import rotate_model
-
         return rotate_model(model, seed=seed, online_down=True, online_o=online_o)
     if transform == "smoothquant":
-        from mosaicquant.methods.smoothing import collect_input_absmax, smooth_model, smoothing_input_names
-
         names = smoothing_input_names(model, smooth_vo=True, smooth_up_down=True)
         absmax = collect_input_absmax(model, calib_tokens, names, batch_size=batch_size)
         return smooth_model(model, absmax, alpha, smooth_vo=True, smooth_up_down=True)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mosaicquant.methods.format import PackedW4
-from mosaicquant.methods.quant import check_bits, fake_quantize
+from mosaicquant.methods.quant import check_bits, fake_quantize, quantize, quantize_with_clip_search
 
 __all__ = [
     "ActQuantSpec",
@@ -213,7 +213,6 @@ def quantize_weight(
 
     4-bit symmetric weights get FP16-rounded scales (the packed format's storage type).
     """
-    from mosaicquant.methods.quant import quantize, quantize_with_clip_search
 
     scale_dtype = torch.float16 if bits == 4 and symmetric else None
     if clip_search:
