@@ -37,6 +37,7 @@ from mosaicquant.methods.calibration import gptq_quantize_model
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant
 from mosaicquant.methods.qlinear import ActQuantSpec, weight_memory
 from mosaicquant.methods.rotation import ROTATIONS, rotate_model
+from mosaicquant.methods.speed_form import rotated_speed_form
 from mosaicquant.registry import register_method
 
 __all__ = ["QuaRotConfig", "quarot"]
@@ -101,7 +102,9 @@ class QuaRotConfig(Config):
         return ActQuantSpec(bits=self.abits, symmetric=True, clip_ratio=self.a_clip)
 
 
-@register_method("quarot", config=QuaRotConfig, description=QuaRotConfig.description)
+# o_proj's input gets an online Hadamard, as the method's rotation gives it one
+@register_method("quarot", config=QuaRotConfig, description=QuaRotConfig.description,
+                 speed_form=rotated_speed_form(lambda config: True))
 def quarot(model, config: QuaRotConfig, ctx):
     """Quantize ``model`` in place with QuaRot; fills ``ctx.info``."""
     t0 = time.perf_counter()

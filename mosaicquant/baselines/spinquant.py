@@ -62,11 +62,12 @@ from torch import nn
 
 from mosaicquant.config import Config, check_choice, check_range
 from mosaicquant.errors import UserInputError
-from mosaicquant.registry import register_method
 from mosaicquant.methods.calibration import gptq_quantize_model
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant, fake_quantize_ste
 from mosaicquant.methods.qlinear import ActQuantSpec, weight_memory
 from mosaicquant.methods.rotation import ROTATIONS, model_parts, rotate_model
+from mosaicquant.methods.speed_form import rotated_speed_form
+from mosaicquant.registry import register_method
 
 __all__ = [
     "SpinQuantConfig",
@@ -473,7 +474,9 @@ def train_rotations(
     return result
 
 
-@register_method("spinquant", config=SpinQuantConfig, description=SpinQuantConfig.description)
+# no online Hadamard on o_proj's input: SpinQuant learns that rotation and folds it in
+@register_method("spinquant", config=SpinQuantConfig, description=SpinQuantConfig.description,
+                 speed_form=rotated_speed_form(lambda config: False))
 def spinquant(model, config: SpinQuantConfig, ctx):
     """Quantize ``model`` in place with SpinQuant; fills ``ctx.info``."""
     t0 = time.perf_counter()

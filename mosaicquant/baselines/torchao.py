@@ -41,8 +41,8 @@ from typing import Literal
 
 import torch
 
-from mosaicquant.errors import NotAvailableError, import_optional
 from mosaicquant.config import Config
+from mosaicquant.errors import NotAvailableError, import_optional
 from mosaicquant.methods.qlinear import output_head_name
 from mosaicquant.registry import register_method
 
@@ -97,7 +97,7 @@ def _check_device(recipe: str, version: str, device: torch.device, dtype: torch.
         )
 
 
-@register_method("torchao", config=TorchAOConfig, description=TorchAOConfig.description)
+@register_method("torchao", config=TorchAOConfig, description=TorchAOConfig.description, data_free=True)
 def torchao(model, config: TorchAOConfig, ctx):
     """Quantize every linear but the output head with torchao's ``quantize_``.
 
