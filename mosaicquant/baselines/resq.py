@@ -49,13 +49,13 @@ import torch
 from torch import nn
 
 from mosaicquant.config import Config, check_range
-from mosaicquant.registry import register_method
 from mosaicquant.methods.calibration import calibrate_layerwise
 from mosaicquant.methods.hadamard import OnlineHadamard, apply_hadamard, is_hadamard_size
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant
 from mosaicquant.methods.mixed import MixedActQuant, WeightSegment, gptq_quantize_segments, mixed_weight_memory
 from mosaicquant.methods.qlinear import ActQuantSpec, FakeQuantLinear, input_transform_of, set_module
 from mosaicquant.methods.rotation import random_orthogonal
+from mosaicquant.registry import register_method
 
 __all__ = ["BasisTransform", "pca_basis", "resq_basis", "ResQConfig", "resq_quantize_linear", "resq"]
 

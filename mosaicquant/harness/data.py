@@ -53,8 +53,8 @@ from pathlib import Path
 
 import torch
 
-from mosaicquant.harness import assets
 from mosaicquant.errors import AssetError, UserInputError, unknown_name
+from mosaicquant.harness import assets
 
 __all__ = [
     "CLEANER_VERSION",

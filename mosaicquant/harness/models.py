@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from mosaicquant.harness import assets, shapes
 from mosaicquant.errors import AssetError, UserInputError, unknown_name
+from mosaicquant.harness import assets, shapes
 
 __all__ = [
     "BuiltinModel",

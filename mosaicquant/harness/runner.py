@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
+from mosaicquant.errors import Unavailable, UserInputError
 from mosaicquant.harness import data as data_mod
 from mosaicquant.harness import models as models_mod
 from mosaicquant.harness import shapes as shapes_mod
 from mosaicquant.harness.context import QuantContext, SuiteContext
-from mosaicquant.errors import Unavailable, UserInputError
 from mosaicquant.harness.results import (
     SCHEMA, Metric, ensure_writable_dir, environment, git_info, now_iso, read_record, record_path, write_record,
 )

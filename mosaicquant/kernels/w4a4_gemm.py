@@ -63,8 +63,8 @@ from mosaicquant.kernels._common import (
     triton_interpreting,
     use_pdl,
 )
-from mosaicquant.kernels import _tiles
 from mosaicquant.kernels._residual_check import check_residual
+from mosaicquant.kernels import _tiles
 from mosaicquant.kernels._tiles import (
     DENSE_PREFETCH_MIB,
     LOCK_SLOTS,

@@ -10,9 +10,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mosaicquant.baselines.modelopt import RECIPES, ModelOptConfig, modelopt
 from mosaicquant.errors import NotAvailableError
+from mosaicquant.errors import UserInputError
 from mosaicquant.harness.context import QuantContext
 from mosaicquant.methods.qlinear import output_head_name
-from mosaicquant.errors import UserInputError
 
 mtq = pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt is not installed: "
                           "pip install 'mosaicquant[modelopt]'")

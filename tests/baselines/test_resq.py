@@ -15,8 +15,8 @@ from mosaicquant.baselines.resq import (
     resq_basis,
     resq_quantize_linear,
 )
-from mosaicquant.harness.context import QuantContext
 from mosaicquant.errors import UserInputError
+from mosaicquant.harness.context import QuantContext
 from mosaicquant.methods.hadamard import OnlineHadamard, apply_hadamard
 from mosaicquant.methods.kvcache import kv_quant_spec_of
 from mosaicquant.methods.mixed import MixedActQuant

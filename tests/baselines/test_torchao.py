@@ -10,8 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mosaicquant.baselines.torchao import TorchAOConfig, torchao
 from mosaicquant.errors import NotAvailableError
-from mosaicquant.harness.context import QuantContext
 from mosaicquant.errors import UserInputError
+from mosaicquant.harness.context import QuantContext
 
 ao_quant = pytest.importorskip("torchao.quantization", reason="torchao is not installed: pip install "
                                "'mosaicquant[torchao]'")

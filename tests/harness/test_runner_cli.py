@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from mosaicquant.harness.cli import main
 from mosaicquant.config import Config
-from mosaicquant.registry import METHODS, register_method
+from mosaicquant.harness.cli import main
 from mosaicquant.harness.results import load_records
+from mosaicquant.registry import METHODS, register_method
 
 
 def _records(out):

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from mosaicquant.errors import AssetError, MosaicQuantError, UserInputError
 from mosaicquant.harness import taskdata
 from mosaicquant.harness.assets import pypi_member_path
-from mosaicquant.errors import AssetError, MosaicQuantError, UserInputError
 from mosaicquant.harness.suites.zeroshot import ZeroShotConfig, import_lm_eval, metrics_from_results
 
 HAS_LM_EVAL = importlib.util.find_spec("lm_eval") is not None

@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from mosaicquant.harness.context import QuantContext
 from mosaicquant.errors import UserInputError
+from mosaicquant.harness.context import QuantContext
 from mosaicquant.kernels.convert import FusedProjections, KernelLinear, ProjectionSlice, kernelize
 from mosaicquant.methods.mosaicquant import MosaicQuantConfig, mosaicquant
 from mosaicquant.methods.qlinear import FakeQuantLinear

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from mosaicquant.config import Config, check_range
 from mosaicquant.harness.perplexity import evaluate_perplexity
-from mosaicquant.registry import register_suite
 from mosaicquant.harness.results import Metric
+from mosaicquant.registry import register_suite
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,11 @@ import torch
 
 from mosaicquant.config import Config, check_range
 from mosaicquant.errors import Unavailable
+from mosaicquant.harness.results import Metric
 from mosaicquant.harness.runtime import kv_cache_bytes_per_token
 from mosaicquant.harness.speedforms import executable
-from mosaicquant.registry import register_suite
-from mosaicquant.harness.results import Metric
 from mosaicquant.methods.qlinear import FakeQuantLinear, weight_memory
+from mosaicquant.registry import register_suite
 
 
 @dataclass(frozen=True)

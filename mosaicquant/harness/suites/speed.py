@@ -45,12 +45,12 @@ import torch
 
 from mosaicquant.config import Config, check_range
 from mosaicquant.errors import Unavailable, UserInputError
-from mosaicquant.registry import register_suite
 from mosaicquant.harness.results import Metric
 from mosaicquant.harness.runtime import RUNTIMES, FusedDecoder, resolve_runtime
 from mosaicquant.harness.speedforms import executable
 from mosaicquant.harness.telemetry import Telemetry
 from mosaicquant.harness.timing import time_calls
+from mosaicquant.registry import register_suite
 
 __all__ = ["ThroughputConfig", "LatencyConfig", "throughput", "latency", "LINEAR_GROUPS", "measure_prefill",
            "decode_step", "fused_decode_step", "measure_decode", "measure_linear_group", "SPEED_SUITES"]
