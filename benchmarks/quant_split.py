@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mosaicquant.harness.errors import UserInputError  # noqa: E402
+from mosaicquant.errors import UserInputError  # noqa: E402
 from mosaicquant.harness.timing import time_calls  # noqa: E402
 from mosaicquant.kernels import act_quant, hadamard_quant  # noqa: E402
 from mosaicquant.kernels._token_split import (  # noqa: E402

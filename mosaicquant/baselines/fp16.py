@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mosaicquant.harness.config import Config
-from mosaicquant.harness.registry import register_method
+from mosaicquant.config import Config
+from mosaicquant.registry import register_method
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ TensorRT-LLM does not quantize models itself: its checkpoints come from NVIDIA M
 (``nvidia-modelopt``), whose ``mtq.quantize(model, CFG, forward_loop)`` inserts quantizers,
 calibrates them on a forward loop and fake-quantizes in plain PyTorch. The same quantized model
 is what ``modelopt.torch.export.export_hf_checkpoint`` writes for TensorRT-LLM (see
-:mod:`mosaicquant.baselines.tensorrt_llm`), so the accuracy measured here is the accuracy of the
+:mod:`mosaicquant.harness.tensorrt_llm`), so the accuracy measured here is the accuracy of the
 checkpoint TensorRT-LLM would run (up to its kernels' accumulation order).
 
 - ``int4_awq`` (``INT4_AWQ_CFG``): weights int4, groups of 128 along K, AWQ-lite scales;
@@ -50,45 +50,13 @@ from typing import Any, Literal
 
 import torch
 
-from mosaicquant.harness.backends import NotAvailableError, import_optional
-from mosaicquant.harness.config import Config, check_range
-from mosaicquant.harness.registry import register_method
+from mosaicquant.config import Config, check_range
+from mosaicquant.errors import NotAvailableError
+from mosaicquant.methods.modelopt_recipes import DEFAULT_RECIPE, RECIPES, Recipe, import_modelopt
+from mosaicquant.methods.qlinear import output_head_name
+from mosaicquant.registry import register_method
 
-__all__ = ["ModelOptConfig", "Recipe", "RECIPES", "INSTALL_HINT", "import_modelopt", "output_head_name", "modelopt"]
-
-INSTALL_HINT = "pip install 'mosaicquant[modelopt]' (nvidia-modelopt>=0.47,<0.48)"
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """One TensorRT-LLM quantization recipe as ModelOpt names it.
-
-    Attributes:
-        config_name: the attribute of ``modelopt.torch.quantization`` holding the config.
-        wbits / abits: bits of weights and activations (8 for fp8 e4m3).
-        weights / activations: the formats in words.
-        trtllm_quant_algo: the ``quant_algo`` the exported checkpoint declares to TensorRT-LLM.
-    """
-
-    config_name: str
-    wbits: int
-    abits: int
-    weights: str
-    activations: str
-    trtllm_quant_algo: str
-
-
-RECIPES: dict[str, Recipe] = {
-    "int4_awq": Recipe("INT4_AWQ_CFG", 4, 16, "int4 symmetric, groups of 128 along K, AWQ-lite scales",
-                       "16-bit (unquantized)", "W4A16_AWQ"),
-    "w4a8_awq": Recipe("W4A8_AWQ_BETA_CFG", 4, 8, "int4 symmetric, groups of 128, AWQ-lite scales, fp8 per-tensor "
-                       "second-level scale", "fp8 e4m3, per tensor, static (calibrated max)", "W4A8_AWQ"),
-    "int8_sq": Recipe("INT8_SMOOTHQUANT_CFG", 8, 8, "int8 symmetric, per output channel",
-                      "int8 symmetric, per tensor, static, after SmoothQuant scaling", "W8A8_SQ_PER_CHANNEL"),
-    "fp8": Recipe("FP8_DEFAULT_CFG", 8, 8, "fp8 e4m3, per tensor", "fp8 e4m3, per tensor, static (calibrated max)",
-                  "FP8"),
-}
-
+__all__ = ["ModelOptConfig", "modelopt"]
 
 @dataclass(frozen=True)
 class ModelOptConfig(Config):
@@ -103,29 +71,11 @@ class ModelOptConfig(Config):
     description = ("TensorRT-LLM recipes through NVIDIA ModelOpt (W4A16-AWQ, W4A8-AWQ, W8A8-SmoothQuant, FP8), "
                    "fake-quant")
 
-    recipe: Literal["int4_awq", "w4a8_awq", "int8_sq", "fp8"] = "int4_awq"
+    recipe: Literal["int4_awq", "w4a8_awq", "int8_sq", "fp8"] = DEFAULT_RECIPE
     calib_batch_size: int = 4
 
     def validate(self):
         check_range("calib_batch_size", self.calib_batch_size, 1, None, integer=True)
-
-
-def import_modelopt():
-    """``modelopt.torch.quantization`` and ModelOpt's version.
-
-    Raises:
-        NotAvailableError: ModelOpt is not installed (or fails to import), with what to install.
-    """
-    return import_optional("modelopt.torch.quantization", "modelopt", "NVIDIA ModelOpt", INSTALL_HINT)
-
-
-def output_head_name(model: torch.nn.Module) -> str | None:
-    """Fully-qualified name of the module ``model.get_output_embeddings()`` returns, if any."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    if head is None:
-        return None
-    return next((name for name, module in model.named_modules() if module is head), None)
 
 
 def _recipe_config(mtq, recipe: Recipe, head: str | None) -> dict[str, Any]:

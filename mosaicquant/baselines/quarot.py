@@ -32,23 +32,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch
-from torch import nn
-
-from mosaicquant.harness.config import Config, check_choice, check_range
-from mosaicquant.harness.registry import register_method
-from mosaicquant.methods.calibration import calibrate_layerwise
-from mosaicquant.methods.gptq import gptq_quantize
+from mosaicquant.config import Config, check_choice, check_range
+from mosaicquant.methods.calibration import gptq_quantize_model
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant
-from mosaicquant.methods.qlinear import (
-    ActQuantSpec,
-    fake_quant_linear_from,
-    set_module,
-    weight_memory,
-)
+from mosaicquant.methods.qlinear import ActQuantSpec, weight_memory
 from mosaicquant.methods.rotation import ROTATIONS, rotate_model
+from mosaicquant.methods.speed_form import rotated_speed_form
+from mosaicquant.registry import register_method
 
-__all__ = ["QuaRotConfig", "quarot", "gptq_quantize_model"]
+__all__ = ["QuaRotConfig", "quarot"]
 
 
 @dataclass(frozen=True)
@@ -110,63 +102,9 @@ class QuaRotConfig(Config):
         return ActQuantSpec(bits=self.abits, symmetric=True, clip_ratio=self.a_clip)
 
 
-def gptq_quantize_model(
-    model: nn.Module,
-    calib_tokens: torch.Tensor,
-    *,
-    wbits: int,
-    act: ActQuantSpec,
-    w_group_size: int | None = None,
-    percdamp: float = 0.01,
-    act_order: bool = True,
-    clip_search: bool = True,
-    batch_size: int = 4,
-    log=None,
-) -> int:
-    """Replace every decoder linear by its simulated quantized layer, GPTQ layer by layer.
-
-    Each linear's input Hessian is taken on what it will see (after its online transform,
-    with the earlier layers already quantized); weights are GPTQ'd symmetric with FP16
-    scales when 4-bit (then packed), activations quantized by ``act``. ``wbits=16`` keeps
-    float weights (no Hessians are accumulated) and only installs ``act``.
-
-    Args:
-        model: the (rotated) causal LM; changed in place.
-        calib_tokens: ``LongTensor [n, seqlen]``.
-        wbits: 2..8 or 16.
-        act: the activation quantizer of every replaced linear.
-        w_group_size / percdamp / act_order / clip_search: as :func:`gptq_quantize`.
-        batch_size: calibration sequences per forward pass.
-        log: progress printer or ``None``.
-
-    Returns:
-        The number of linears replaced.
-
-    Raises:
-        ValueError: as :func:`gptq_quantize` (e.g. a group size that does not divide K) or
-            :func:`calibrate_layerwise`.
-    """
-    replaced = 0
-
-    def quantize_layer(index, layer, stats):
-        nonlocal replaced
-        for name, st in stats.items():
-            linear = layer.get_submodule(name)
-            qweight = None
-            if wbits < 16:
-                qweight = gptq_quantize(
-                    linear.weight.data.to(torch.float32), st.hessian, wbits, symmetric=True,
-                    group_size=w_group_size, percdamp=percdamp, act_order=act_order, clip_search=clip_search,
-                    scale_dtype=torch.float16 if wbits == 4 else None)
-            set_module(layer, name, fake_quant_linear_from(linear, qweight, act, wbits))
-            replaced += 1
-
-    calibrate_layerwise(model, calib_tokens, quantize_layer, batch_size=batch_size, keep_hessian=wbits < 16,
-                        log=log)
-    return replaced
-
-
-@register_method("quarot", config=QuaRotConfig, description=QuaRotConfig.description)
+# o_proj's input gets an online Hadamard, as the method's rotation gives it one
+@register_method("quarot", config=QuaRotConfig, description=QuaRotConfig.description,
+                 speed_form=rotated_speed_form(lambda config: True))
 def quarot(model, config: QuaRotConfig, ctx):
     """Quantize ``model`` in place with QuaRot; fills ``ctx.info``."""
     t0 = time.perf_counter()

@@ -12,10 +12,10 @@ i.e. on the inputs the layer will see with the earlier layers already quantized)
    ``y = x Wᵀ = (x U)(W U)ᵀ``: the float function is preserved. The rotations spread each
    subspace's energy evenly over its channels (as Hadamard rotations do in QuaRot), so the
    per-token 4-bit and 8-bit grids see no outlier channel inside a subspace.
-3. **Activations** (:class:`~mosaicquant.baselines.atom.MixedActQuant`): the last ``r``
+3. **Activations** (:class:`~mosaicquant.methods.mixed.MixedActQuant`): the last ``r``
    channels of ``x U`` (the high-variance subspace) 8-bit per token, the first ``K − r``
    4-bit per token; asymmetric with clip ``a_clip``, as the authors' run scripts.
-4. **Weights** (:func:`~mosaicquant.baselines.atom.gptq_quantize_segments`): GPTQ on
+4. **Weights** (:func:`~mosaicquant.methods.mixed.gptq_quantize_segments`): GPTQ on
    ``W U`` against ``Uᵀ H U``: the low-subspace columns 4-bit, then the high-subspace
    columns 8-bit (one scale per output row and subspace, symmetric, RTN clip search);
    visiting the 8-bit columns last lets them absorb the 4-bit columns' error.
@@ -48,14 +48,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mosaicquant.baselines.atom import MixedActQuant, WeightSegment, gptq_quantize_segments, mixed_weight_memory
-from mosaicquant.harness.config import Config, check_range
-from mosaicquant.harness.registry import register_method
+from mosaicquant.config import Config, check_range
 from mosaicquant.methods.calibration import calibrate_layerwise
 from mosaicquant.methods.hadamard import OnlineHadamard, apply_hadamard, is_hadamard_size
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant
+from mosaicquant.methods.mixed import MixedActQuant, WeightSegment, gptq_quantize_segments, mixed_weight_memory
 from mosaicquant.methods.qlinear import ActQuantSpec, FakeQuantLinear, input_transform_of, set_module
 from mosaicquant.methods.rotation import random_orthogonal
+from mosaicquant.registry import register_method
 
 __all__ = ["BasisTransform", "pca_basis", "resq_basis", "ResQConfig", "resq_quantize_linear", "resq"]
 

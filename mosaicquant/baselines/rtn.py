@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mosaicquant.harness.config import Config, check_range
-from mosaicquant.harness.registry import register_method
+from mosaicquant.config import Config, check_range
+from mosaicquant.errors import Unavailable
 from mosaicquant.methods.qlinear import ActQuantSpec, fake_quant_linear_from, quantize_weight, replace_linears
+from mosaicquant.methods.speed_form import check_w4a4, dense_w4
+from mosaicquant.registry import register_method
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,16 @@ class RTNConfig(Config):
         check_range("a_clip", self.a_clip, 0.01, 1.0)
 
 
-@register_method("rtn", config=RTNConfig, description=RTNConfig.description)
+def _speed_form(model, config: RTNConfig, ctx):
+    """RTN's format is its method: round-to-nearest W4 layers, per-token activations (symmetric weights only)."""
+    check_w4a4("rtn", config.wbits, config.abits)
+    act = ActQuantSpec(bits=config.abits, symmetric=config.a_symmetric, clip_ratio=config.a_clip)
+    if not config.w_symmetric:
+        raise Unavailable("no fast path: asymmetric weights; the W4A4 kernels take symmetric 4-bit weights")
+    return dense_w4(model, act, config.wbits, config.w_group_size), {}
+
+
+@register_method("rtn", config=RTNConfig, description=RTNConfig.description, speed_form=_speed_form)
 def rtn(model, config: RTNConfig, ctx):
     """Quantize every linear but the output head by round-to-nearest."""
     act = ActQuantSpec(bits=config.abits, symmetric=config.a_symmetric, clip_ratio=config.a_clip)

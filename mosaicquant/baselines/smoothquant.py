@@ -38,9 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mosaicquant.harness.config import Config, check_range
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import register_method
+from mosaicquant.config import Config, check_range
+from mosaicquant.errors import UserInputError
 from mosaicquant.methods.qlinear import ActQuantSpec, fake_quant_linear_from, quantize_weight, replace_linears
 from mosaicquant.methods.quant import Quantized
 from mosaicquant.methods.rotation import model_parts
@@ -51,6 +50,8 @@ from mosaicquant.methods.smoothing import (
     smooth_scales,
     smoothing_input_names,
 )
+from mosaicquant.methods.speed_form import check_w4a4, dense_w4
+from mosaicquant.registry import register_method
 
 __all__ = [
     "DEFAULT_ALPHA_GRID",
@@ -249,7 +250,14 @@ def _check_absmax(absmax: Mapping[str, torch.Tensor]) -> None:
             raise ValueError(f"calibration activations of '{name}' hold NaN or Inf values")
 
 
-@register_method("smoothquant", config=SmoothQuantConfig, description=SmoothQuantConfig.description)
+def _speed_form(model, config: SmoothQuantConfig, ctx):
+    # the smoothing scales fold into the preceding norms and linears: no run-time op
+    check_w4a4("smoothquant", config.wbits, config.abits)
+    return dense_w4(model, config.act_spec(), config.wbits), {"transform": "smoothing (folded, no run-time op)"}
+
+
+@register_method("smoothquant", config=SmoothQuantConfig, description=SmoothQuantConfig.description,
+                 speed_form=_speed_form)
 def smoothquant(model, config: SmoothQuantConfig, ctx):
     """Smooth ``model`` (fixed or searched α) and quantize it with RTN W4A4; fills ``ctx.info``."""
     t0 = time.perf_counter()

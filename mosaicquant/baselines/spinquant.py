@@ -42,7 +42,7 @@ Pipeline:
    iteration only approximates it).
 4. **Fold** the learned rotations into the weights (the same formulas, in float64).
 5. **Weights**: GPTQ layer by layer (percdamp 0.01, act_order, per-channel symmetric with
-   clip search; :func:`mosaicquant.baselines.quarot.gptq_quantize_model`).
+   clip search; :func:`mosaicquant.methods.calibration.gptq_quantize_model`).
    **Activations**: per token, asymmetric, ``a_clip``.
 
 Defaults follow the authors' scripts: activation and KV clip ratios 1.0 (no clipping),
@@ -60,13 +60,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mosaicquant.baselines.quarot import gptq_quantize_model
-from mosaicquant.harness.config import Config, check_choice, check_range
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import register_method
+from mosaicquant.config import Config, check_choice, check_range
+from mosaicquant.errors import UserInputError
+from mosaicquant.methods.calibration import gptq_quantize_model
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant, fake_quantize_ste
 from mosaicquant.methods.qlinear import ActQuantSpec, weight_memory
 from mosaicquant.methods.rotation import ROTATIONS, model_parts, rotate_model
+from mosaicquant.methods.speed_form import rotated_speed_form
+from mosaicquant.registry import register_method
 
 __all__ = [
     "SpinQuantConfig",
@@ -473,7 +474,9 @@ def train_rotations(
     return result
 
 
-@register_method("spinquant", config=SpinQuantConfig, description=SpinQuantConfig.description)
+# no online Hadamard on o_proj's input: SpinQuant learns that rotation and folds it in
+@register_method("spinquant", config=SpinQuantConfig, description=SpinQuantConfig.description,
+                 speed_form=rotated_speed_form(lambda config: False))
 def spinquant(model, config: SpinQuantConfig, ctx):
     """Quantize ``model`` in place with SpinQuant; fills ``ctx.info``."""
     t0 = time.perf_counter()

@@ -41,10 +41,10 @@ from typing import Literal
 
 import torch
 
-from mosaicquant.baselines.modelopt import output_head_name
-from mosaicquant.harness.backends import NotAvailableError, import_optional
-from mosaicquant.harness.config import Config
-from mosaicquant.harness.registry import register_method
+from mosaicquant.config import Config
+from mosaicquant.errors import NotAvailableError, import_optional
+from mosaicquant.methods.qlinear import output_head_name
+from mosaicquant.registry import register_method
 
 __all__ = ["TorchAOConfig", "INSTALL_HINT", "import_torchao", "recipe_config", "torchao"]
 
@@ -97,7 +97,7 @@ def _check_device(recipe: str, version: str, device: torch.device, dtype: torch.
         )
 
 
-@register_method("torchao", config=TorchAOConfig, description=TorchAOConfig.description)
+@register_method("torchao", config=TorchAOConfig, description=TorchAOConfig.description, data_free=True)
 def torchao(model, config: TorchAOConfig, ctx):
     """Quantize every linear but the output head with torchao's ``quantize_``.
 

@@ -10,7 +10,7 @@ network access.
 Environment variables:
 
 - ``MOSAICQUANT_CACHE``: the cache folder (default ``~/.cache/mosaicquant``). A file put at
-  the path named in an :class:`~mosaicquant.harness.errors.AssetError` message is used as is
+  the path named in an :class:`~mosaicquant.errors.AssetError` message is used as is
   (after its sha256 is checked), which is how assets are provided by hand.
 - ``MOSAICQUANT_OFFLINE=1``: never download; a missing asset raises ``AssetError``.
 
@@ -32,7 +32,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from mosaicquant.harness.errors import AssetError, UserInputError
+from mosaicquant.errors import AssetError, UserInputError
 
 __all__ = [
     "CACHE_ENV",

@@ -2,7 +2,7 @@
 
 The default backend runs every cell in this process (quantize with the method, then run the
 suite on the model). A registered backend runs a cell with another engine instead, e.g.
-``tensorrt-llm`` (:mod:`mosaicquant.baselines.tensorrt_llm`). It is asked first whether it can
+``tensorrt-llm`` (:mod:`mosaicquant.harness.tensorrt_llm`). It is asked first whether it can
 run here; where it cannot, the cell's record says ``"status": "unavailable"`` with the reason
 and the exact commands a user with the engine would run, and it never holds numbers.
 
@@ -22,50 +22,26 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from mosaicquant.harness.config import Config, parse_kv_pairs
-from mosaicquant.harness.errors import Unavailable, UserInputError, unknown_name
-from mosaicquant.harness.results import SCHEMA, Metric, environment, git_info, now_iso, record_path
-
-if TYPE_CHECKING:
-    from mosaicquant.harness.registry import Entry
-    from mosaicquant.harness.runner import Cell, CellOutcome, SweepResult
-    from mosaicquant.harness.spec import RunSpec
+from mosaicquant.config import Config, parse_kv_pairs
+from mosaicquant.errors import UserInputError, unknown_name
+from mosaicquant.harness import data as data_mod
+from mosaicquant.harness import models as models_mod
+from mosaicquant.harness.results import (
+    SCHEMA, Metric, ensure_writable_dir, environment, git_info, now_iso, record_path, write_record,
+)
+from mosaicquant.harness.runner import Cell, CellOutcome, SweepResult, _error_dict, is_finished
+from mosaicquant.harness.spec import RunSpec
+from mosaicquant.registry import BACKENDS, Entry
 
 __all__ = [
-    "DEFAULT_BACKEND", "NotAvailableError", "BackendRequest", "BackendOutcome", "backend_label", "backend_record_path",
+    "DEFAULT_BACKEND", "BackendRequest", "BackendOutcome", "backend_label", "backend_record_path",
     "parse_backend_spec", "run_backend_cells", "run_backend_sweep",
 ]
 
 #: the in-process PyTorch backend: methods and suites run in this process
 DEFAULT_BACKEND = "torch"
-
-
-class NotAvailableError(Unavailable, RuntimeError):
-    """What a cell needs (a package, a device, an engine) is not available where it runs.
-
-    Raised by a method before any long work (e.g. torchao's int4 kernel on a CPU); the runner
-    records the cell as ``unavailable`` with this message, never a stand-in result.
-    """
-
-
-def import_optional(module: str, method: str, what: str, hint: str):
-    """Import ``module`` for ``method``; returns ``(module, version of its top-level package)``.
-
-    Raises:
-        NotAvailableError: the package is not importable, naming ``what`` and how to install it.
-    """
-    import importlib
-
-    try:
-        imported = importlib.import_module(module)
-        version = importlib.import_module(module.split(".")[0]).__version__
-    except ImportError as exc:
-        raise NotAvailableError(
-            f"method '{method}' needs {what}, which is not importable here ({exc}): {hint}"
-        ) from exc
-    return imported, version
 
 
 @dataclass(frozen=True)
@@ -161,10 +137,6 @@ def run_backend_cells(spec: RunSpec, cells: list[Cell], backend: Entry, backend_
         One :class:`~mosaicquant.harness.runner.CellOutcome` per cell; an unavailable cell has
         status ``"unavailable"``.
     """
-    from mosaicquant.harness import models as models_mod
-    from mosaicquant.harness.results import write_record
-    from mosaicquant.harness.runner import CellOutcome, _error_dict
-
     source = models_mod.resolve_model(spec.model)
     env, git = environment(), git_info()
     outcomes = []
@@ -227,8 +199,6 @@ def parse_backend_spec(text: str | None) -> tuple[Entry, Config] | None:
     Raises:
         UserInputError: unknown backend (with a did-you-mean) or a bad option.
     """
-    from mosaicquant.harness.registry import BACKENDS
-
     if text is None or not str(text).strip():
         return None
     name, _, rest = str(text).strip().partition(":")
@@ -255,11 +225,6 @@ def run_backend_sweep(spec: RunSpec, backend: tuple[Entry, Config], log: Callabl
     Raises:
         UserInputError: bad spec, model, corpus or results directory.
     """
-    from mosaicquant.harness import data as data_mod
-    from mosaicquant.harness import models as models_mod
-    from mosaicquant.harness.results import ensure_writable_dir
-    from mosaicquant.harness.runner import Cell, SweepResult, is_finished
-
     spec.validate()
     models_mod.resolve_model(spec.model)
     data_mod.resolve_corpus(spec.corpus)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mosaicquant.harness.errors import MosaicQuantError
+from mosaicquant.errors import MosaicQuantError
 
 __all__ = ["main", "build_parser"]
 
@@ -87,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_run(args) -> int:
     from mosaicquant.harness.backends import parse_backend_spec
     from mosaicquant.harness.executors import ExecutorSettings, make_executor
-    from mosaicquant.harness.runner import run_sweep, validate_run
+    from mosaicquant.harness.runner import validate_run
     from mosaicquant.harness.spec import load_run_spec
+    from mosaicquant.harness.sweep import run_sweep
 
     executor = ExecutorSettings(kind=args.executor, workers=args.workers, gpus=args.gpus,
                                 gpus_per_cell=args.gpus_per_cell, scheduler=args.scheduler)
@@ -113,7 +114,7 @@ def _cmd_run(args) -> int:
 
 def _cmd_ls(args) -> int:
     from mosaicquant.harness import data, models, shapes
-    from mosaicquant.harness.registry import BACKENDS, METHODS, SUITES
+    from mosaicquant.registry import BACKENDS, METHODS, SUITES
 
     what = args.what
     if what in ("all", "methods"):

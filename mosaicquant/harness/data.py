@@ -53,8 +53,8 @@ from pathlib import Path
 
 import torch
 
+from mosaicquant.errors import AssetError, UserInputError, unknown_name
 from mosaicquant.harness import assets
-from mosaicquant.harness.errors import AssetError, UserInputError, unknown_name
 
 __all__ = [
     "CLEANER_VERSION",

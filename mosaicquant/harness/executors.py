@@ -65,8 +65,8 @@ from typing import Any
 
 import torch
 
+from mosaicquant.errors import UserInputError, unknown_name
 from mosaicquant.harness import shapes as shapes_mod
-from mosaicquant.harness.errors import UserInputError, unknown_name
 from mosaicquant.harness.results import write_record
 from mosaicquant.harness.runner import (
     CellOutcome, GroupTask, SweepResult, SweepState, failure_record, is_finished, run_group,

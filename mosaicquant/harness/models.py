@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
+from mosaicquant.errors import AssetError, UserInputError, unknown_name
 from mosaicquant.harness import assets, shapes
-from mosaicquant.harness.errors import AssetError, UserInputError, unknown_name
 
 __all__ = [
     "BuiltinModel",

@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mosaicquant.harness.errors import MosaicQuantError, UserInputError
+from mosaicquant.errors import MosaicQuantError, UserInputError
 
 __all__ = ["NonFiniteLogitsError", "evaluate_perplexity"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 
 __all__ = [
     "SCHEMA",

@@ -30,15 +30,15 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from mosaicquant.errors import Unavailable, UserInputError
 from mosaicquant.harness import data as data_mod
 from mosaicquant.harness import models as models_mod
 from mosaicquant.harness import shapes as shapes_mod
 from mosaicquant.harness.context import QuantContext, SuiteContext
-from mosaicquant.harness.errors import Unavailable, UserInputError
 from mosaicquant.harness.results import (
     SCHEMA, Metric, ensure_writable_dir, environment, git_info, now_iso, read_record, record_path, write_record,
 )
@@ -46,12 +46,9 @@ from mosaicquant.harness.spec import PluginSpec, RunSpec
 from mosaicquant.harness.speedforms import speed_form
 from mosaicquant.kernels._common import check_kernel_environment
 
-if TYPE_CHECKING:
-    from mosaicquant.harness.executors import ExecutorSettings
-
 __all__ = [
     "Cell", "CellOutcome", "GroupTask", "SweepResult", "SweepState", "plan_cells", "plan_groups", "validate_run",
-    "run_group", "run_sweep", "is_finished", "failure_record", "check_finished_settings", "settings_differences",
+    "run_group", "is_finished", "failure_record", "check_finished_settings", "settings_differences",
 ]
 
 
@@ -520,52 +517,3 @@ def release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def run_sweep(spec: RunSpec, log: Callable[[str], None] = print,
-              executor: ExecutorSettings | None = None, backend: str | None = None) -> SweepResult:
-    """Run every pending cell of ``spec`` and write its record.
-
-    Args:
-        spec: the sweep.
-        log: progress printer.
-        executor: where the tasks run (default: ``local``, in this process); see
-            :mod:`mosaicquant.harness.executors`.
-        backend: ``name[:key=value...]`` of a registered backend that runs the cells instead of
-            this process (see :mod:`mosaicquant.harness.backends`); ``None`` or ``"torch"`` for
-            the in-process default. A backend is asked before any model is loaded.
-
-    Returns:
-        the paths written, skipped (already finished), failed and unavailable.
-
-    Raises:
-        UserInputError: bad spec, unknown backend, executor settings that do not fit it, or
-            finished records made with other settings (:func:`check_finished_settings`).
-    """
-    from mosaicquant.harness.backends import parse_backend_spec, run_backend_sweep
-    from mosaicquant.harness.executors import ExecutorSettings, make_executor
-
-    settings = executor if executor is not None else ExecutorSettings()
-    chosen = parse_backend_spec(backend)
-    if chosen is not None:
-        return run_backend_sweep(spec, chosen, log)
-    validate_run(spec)
-    cells = plan_cells(spec)
-    result = SweepResult()
-    pending = []
-    finished = []
-    for cell in cells:
-        record = finished_record(cell.path)
-        if record is not None:
-            finished.append((cell, record))
-            result.skipped.append(cell.path)
-        else:
-            pending.append(cell)
-    check_finished_settings(spec, finished)
-    runner = make_executor(settings, spec)
-    log(f"[mosaicquant] {len(cells)} cells: {len(result.skipped)} finished, {len(pending)} to run")
-    if not pending:
-        return result
-    tasks = plan_groups(spec, pending, device_map=settings.device_map)
-    runner.run(tasks, result, log)
-    return result

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mosaicquant.harness.errors import UserInputError, unknown_name
+from mosaicquant.errors import UserInputError, unknown_name
 
 __all__ = ["RUNTIMES", "FUSED_DESCRIPTION", "FusedDecoder", "DecodeCache", "fused_reason", "resolve_runtime",
            "kv_format_reason", "kv_format_of", "kv_cache_bytes_per_token"]

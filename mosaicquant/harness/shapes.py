@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mosaicquant.harness.errors import UserInputError, unknown_name
+from mosaicquant.errors import UserInputError, unknown_name
 
 __all__ = ["ShapeModel", "SHAPE_MODELS", "SHAPE_SUFFIX", "SHAPES_CAVEAT", "is_shape_model", "shape_model",
            "build_shape_model", "TEXT_SUITES"]

@@ -30,9 +30,9 @@ from typing import Any
 
 import yaml
 
-from mosaicquant.harness.config import Config, check_range, exact_number_text, parse_kv_pairs
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import Entry, get_method, get_suite
+from mosaicquant.config import Config, check_range, exact_number_text, parse_kv_pairs
+from mosaicquant.errors import UserInputError
+from mosaicquant.registry import Entry, METHODS, SUITES, get_method, get_suite
 
 __all__ = ["PluginSpec", "RunSpec", "parse_plugin_spec", "parse_plugin_list", "load_run_spec"]
 
@@ -127,7 +127,6 @@ def _split_top(text: str, kind: str) -> list[str]:
     (see :meth:`Config.list_option_names`). Anything else starts a new item, so a misspelt name
     after an option (``rtn:wbits=8,fp17``) is reported as an unknown name, not as a bad value.
     """
-    from mosaicquant.harness.registry import METHODS, SUITES
 
     names = set((METHODS if kind == "method" else SUITES).names())
     out: list[str] = []

@@ -6,11 +6,13 @@ Two things live here.
    simulated 4-bit layer the W4A4 kernels can run becomes a kernel-backed layer
    (:func:`mosaicquant.kernels.convert.kernelize`: online input transform, activation
    quantization, dense W4A4 GEMM or ZipperEngine). If any quantized layer cannot run on the
-   kernels, it raises :class:`~mosaicquant.harness.errors.Unavailable` naming the layer and
+   kernels, it raises :class:`~mosaicquant.errors.Unavailable` naming the layer and
    the reason: a method with no fast path is never timed on a stand-in.
 
 2. :func:`speed_form` builds a method's *format* on a random-weight shape model
-   (:mod:`mosaicquant.harness.shapes`) without calibration data: the same transforms the
+   (:mod:`mosaicquant.harness.shapes`) without calibration data, with the speed form the method
+   registered (``@register_method(..., speed_form=fn)``, shared pieces in
+   :mod:`mosaicquant.methods.speed_form`): the same transforms the
    method applies (QuaRot-style rotation with online Hadamards for ``quarot``,
    ``spinquant`` and ``mosaicquant``), the same weight and activation formats, with
    round-to-nearest integers in place of GPTQ (GPTQ changes the integers, not the format)
@@ -23,29 +25,28 @@ Two things live here.
    (:mod:`mosaicquant.methods.kvcache`; QuaRot's, SpinQuant's and Atom's 4-bit caches by default,
    MosaicQuant's with ``kvbits=4``) is installed as the method installs it, the fused decoder
    runs it as a 4-bit cache where its kernels can, and the records say ``kv_bits``.
-   Methods with no data-free form here
-   (``resq``: its PCA bases need data; third-party methods) raise
-   :class:`~mosaicquant.harness.errors.Unavailable`. Methods that need no data at all
-   (``torchao``) run as they are and execute on their own kernels.
+   Methods registered with no speed form
+   (``resq``: its PCA bases need data) raise
+   :class:`~mosaicquant.errors.Unavailable`. Methods registered ``data_free=True`` (they need no
+   data at all: ``torchao``) run as they are and execute on their own kernels.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from mosaicquant.harness.errors import Unavailable
-from mosaicquant.methods.qlinear import (
-    ActQuantSpec,
-    FakeQuantLinear,
-    fake_quant_linear_from,
-    quantize_weight,
-    replace_linears,
-)
+from mosaicquant.errors import Unavailable
+from mosaicquant.kernels import quant_linear
+from mosaicquant.kernels.convert import FusedProjections, kernelize
+from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason
+from mosaicquant.kernels.mixed_gemm import MixedQuantLinear
+from mosaicquant.methods.calibration import decoder_layers
+from mosaicquant.methods.kvcache import enable_kv_quant
+from mosaicquant.methods.qlinear import FakeQuantLinear
+from mosaicquant.registry import METHODS, get_method
 
-__all__ = ["executable", "speed_form", "SPEED_FORMS", "DATA_FREE_METHODS", "FLOAT_PATH"]
+__all__ = ["executable", "speed_form", "FLOAT_PATH"]
 
 FLOAT_PATH = "torch BF16 (cuBLAS)"
 # token counts at which the execution path looks for QuantLinear's mid route (33 tokens to the prefill tiles)
@@ -54,7 +55,6 @@ MID_PROBE_M = (33, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2047)
 
 def _merged_walk_on() -> bool:
     """Whether kernel-backed layers run the swapped GEMM's merged walk where they hold its operands."""
-    from mosaicquant.kernels import quant_linear
 
     return bool(quant_linear.MERGED_WALK)
 
@@ -73,9 +73,6 @@ def executable(model: nn.Module, info: dict) -> str:
     Raises:
         Unavailable: a quantized layer has no kernel path (the message names it and why).
     """
-    from mosaicquant.kernels.convert import FusedProjections, kernelize
-    from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason
-    from mosaicquant.kernels.mixed_gemm import MixedQuantLinear
 
     simulated = [m for m in model.modules() if isinstance(m, FakeQuantLinear)]
     if not simulated and not _has_kernel_layers(model):
@@ -171,135 +168,6 @@ def executable(model: nn.Module, info: dict) -> str:
     return path
 
 
-def _dense_w4(model: nn.Module, act: ActQuantSpec, wbits: int, group_size: int | None = None) -> int:
-    def make(name, linear):
-        qweight = quantize_weight(linear.weight.data, wbits, symmetric=True, group_size=group_size,
-                                  clip_search=False)
-        return fake_quant_linear_from(linear, qweight, act, wbits)
-
-    return len(replace_linears(model, make))
-
-
-def _check_w4a4(method: str, wbits: int, abits: int) -> None:
-    if wbits != 4 or abits != 4:
-        raise Unavailable(f"no fast path: {method} W{wbits}A{abits}; the kernels run W4A4 (4-bit weights and "
-                          "activations) and BF16")
-
-
-def _rtn(model, config, ctx):
-    _check_w4a4("rtn", config.wbits, config.abits)
-    act = ActQuantSpec(bits=config.abits, symmetric=config.a_symmetric, clip_ratio=config.a_clip)
-    if not config.w_symmetric:
-        raise Unavailable("no fast path: asymmetric weights; the W4A4 kernels take symmetric 4-bit weights")
-    return _dense_w4(model, act, config.wbits, config.w_group_size), {}
-
-
-def _smoothquant(model, config, ctx):
-    # the smoothing scales fold into the preceding norms and linears: no run-time op
-    _check_w4a4("smoothquant", config.wbits, config.abits)
-    return _dense_w4(model, config.act_spec(), config.wbits), {"transform": "smoothing (folded, no run-time op)"}
-
-
-def _rotated(online_o: Callable[[object], bool]):
-    def form(model, config, ctx):
-        from mosaicquant.methods.rotation import rotate_model
-
-        name = type(config).__name__.replace("Config", "").lower()
-        _check_w4a4(name, config.wbits, config.abits)
-        rotation = getattr(config, "rotation", "hadamard")
-        desc = rotate_model(model, seed=ctx.seed, rotation=rotation, online_down=True, online_o=online_o(config))
-        act = config.act_spec() if hasattr(config, "act_spec") else ActQuantSpec(
-            bits=config.abits, symmetric=True, clip_ratio=config.a_clip)
-        return _dense_w4(model, act, config.wbits, config.w_group_size), {"online": sorted(desc["online"])[:4]}
-    return form
-
-
-def _mosaicquant(model, config, ctx):
-    from mosaicquant.methods.format import PackedW4, ResidualBlocks
-    from mosaicquant.methods.mosaicquant import residual_base_scale
-    from mosaicquant.methods.quant import quantize
-    from mosaicquant.methods.residual import select_residual
-    from mosaicquant.methods.rotation import rotate_model
-
-    _check_w4a4("mosaicquant", config.wbits, config.abits)
-    if config.transform == "rotation":
-        rotate_model(model, seed=ctx.seed, online_down=True, online_o=config.online_o)
-    act = ActQuantSpec(bits=config.abits, symmetric=True, clip_ratio=config.a_clip)
-    block_shape = config.block_shape
-    counter = iter(range(1 << 30))
-
-    def make(name, linear):
-        w = linear.weight.data.to(torch.float32)
-        qt = quantize(w, 4, symmetric=True, group_size=config.w_group_size, scale_dtype=torch.float16)
-        packed = PackedW4.from_quantized(qt, bias=None if linear.bias is None else linear.bias.data)
-        if config.budget > 0:
-            coords, q, scales = select_residual("random", w - packed.dequantize_base(torch.float32), block_shape,
-                                                config.budget, seed=ctx.seed * 7919 + next(counter),
-                                                base_scale=residual_base_scale(packed, config),
-                                                max_shift=config.rscale_max_shift)
-            packed.residual = ResidualBlocks.from_blocks(tuple(w.shape), block_shape, coords, q, scales)
-        else:
-            packed.residual = ResidualBlocks.empty(tuple(w.shape), block_shape)
-        layer = FakeQuantLinear(packed.dequantize(linear.weight.dtype), linear.bias, act,
-                                getattr(linear, "input_transform", None), packed, 4)
-        return layer.to(linear.weight.device)
-
-    n = len(replace_linears(model, make))
-    return n, {"transform": config.transform, "residual_selection": "random (data-free speed form)",
-               "budget": config.budget, "block": list(block_shape), "rscale": config.rscale,
-               "rscale_max_shift": config.rscale_max_shift}
-
-
-def _atom(model, config, ctx):
-    """Atom's format with seeded random salient channels (in place of ``diag(XᵀX)``) and RTN integers."""
-    from mosaicquant.baselines.atom import MixedActQuant, ragged_groups, salient_order
-    from mosaicquant.methods.quant import quantize
-
-    gen = torch.Generator().manual_seed(ctx.seed)
-    high = ActQuantSpec(bits=config.outlier_bits, symmetric=True)
-    low = ActQuantSpec(bits=config.abits, symmetric=True, group_size=config.group_size, clip_ratio=config.a_clip)
-
-    def make(name, linear):
-        w = linear.weight.data.to(torch.float32)
-        k = w.shape[1]
-        normal, outliers = salient_order(torch.rand(k, generator=gen), min(config.n_outliers, k))
-        columns = [(g, config.wbits, config.w_clip) for g in ragged_groups(normal, config.group_size)]
-        if outliers.numel():
-            columns.append((outliers, config.outlier_bits, 1.0))
-        deq = torch.empty_like(w)
-        segments = []
-        for cols, bits, clip in columns:
-            dev_cols = cols.to(w.device)
-            qt = quantize(w[:, dev_cols], bits, symmetric=True, clip_ratio=clip, scale_dtype=torch.float16)
-            deq[:, dev_cols] = qt.dequantize(torch.float32)
-            segments.append((cols, qt))
-        act = MixedActQuant(outliers, normal, k, high=high, low=low).to(w.device)
-        wbits = sum(qt.q.numel() * qt.bits for _, qt in segments) / w.numel()
-        layer = FakeQuantLinear(deq.to(linear.weight.dtype), linear.bias, act,
-                                getattr(linear, "input_transform", None), None, wbits)
-        layer.weight_groups = len(segments)
-        layer.weight_segments = segments
-        return layer.to(linear.weight.device)
-
-    n = len(replace_linears(model, make))
-    return n, {"salient_channels": "random (data-free speed form)", "n_outliers": config.n_outliers,
-               "group_size": config.group_size}
-
-
-#: methods that need no calibration data: on a shape model they run as they are
-DATA_FREE_METHODS = ("torchao",)
-
-#: method name → data-free speed form ``(model, config, ctx) -> (quantized linears, notes)``
-SPEED_FORMS: dict[str, Callable] = {
-    "rtn": _rtn,
-    "smoothquant": _smoothquant,
-    "quarot": _rotated(lambda config: True),
-    "spinquant": _rotated(lambda config: False),
-    "mosaicquant": _mosaicquant,
-    "atom": _atom,
-}
-
-
 def _kv_spec(config, model: nn.Module):
     """The method's KV-cache spec from its config, or None (a method without one: a 16-bit cache)."""
     import inspect
@@ -308,8 +176,6 @@ def _kv_spec(config, model: nn.Module):
     if make is None:
         return None
     if "head_dim" in inspect.signature(make).parameters:  # SpinQuant's groups depend on the head size
-        from mosaicquant.methods.calibration import decoder_layers
-
         return make(int(decoder_layers(model)[0].self_attn.head_dim))
     return make()
 
@@ -330,22 +196,20 @@ def speed_form(method: str, model: nn.Module, config, ctx) -> nn.Module:
     if method == "fp16":
         ctx.info.update(wbits=16, abits=16, kv_bits=16, exec_path=FLOAT_PATH, weights="random (speed only)")
         return model
-    if method in DATA_FREE_METHODS:
-        from mosaicquant.harness.registry import get_method
-
-        model = get_method(method).fn(model, config, ctx)
+    entry = get_method(method)
+    if entry.data_free:
+        model = entry.fn(model, config, ctx)
         ctx.info.update(weights="random (speed only)")
         return model
-    if method not in SPEED_FORMS:
+    if entry.speed_form is None:
+        known = [e.name for e in METHODS.registered() if (e.speed_form is not None or e.data_free) and e.name != "fp16"]
         raise Unavailable(f"no speed form for '{method}' on a random-weight model: its format needs calibration "
-                          f"data; speed forms exist for fp16, {', '.join(sorted([*SPEED_FORMS, *DATA_FREE_METHODS]))}")
+                          f"data; speed forms exist for fp16, {', '.join(known)}")
     with torch.no_grad():
-        n, notes = SPEED_FORMS[method](model, config, ctx)
+        n, notes = entry.speed_form(model, config, ctx)
     spec = _kv_spec(config, model)
     kv = None
     if spec is not None and spec.active:
-        from mosaicquant.methods.kvcache import enable_kv_quant
-
         kv = enable_kv_quant(model, spec)
     ctx.info.update(wbits=config.wbits, abits=config.abits, kv_bits=spec.bits if spec is not None else 16,
                     kv_cache=kv, quantized_linears=n,

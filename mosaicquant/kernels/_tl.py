@@ -31,7 +31,7 @@ import os
 import triton
 import triton.language as tl
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 |v| < 2**22 to the nearest integer,
 # ties to even (IEEE round-to-nearest-even), the rounding torch.round uses.

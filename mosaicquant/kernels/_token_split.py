@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._common import triton_interpreting
 from mosaicquant.kernels._tiles import _sm_count, persistent_zeros
 

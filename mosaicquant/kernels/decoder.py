@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._common import (
     check_same_device,
     check_tensor,
@@ -65,7 +65,9 @@ from mosaicquant.kernels.act_quant import (
     split8_width,
 )
 from mosaicquant.kernels.norm_fold import add_residual, norm_quant_row
-from mosaicquant.methods.hadamard import _sylvester_on
+from mosaicquant.methods.format import unpack_int4
+from mosaicquant.methods.hadamard import _sylvester_on, apply_hadamard
+from mosaicquant.methods.quant import _apply, _params
 
 __all__ = [
     "rmsnorm",
@@ -521,7 +523,6 @@ def kv4_quantize_reference(x: torch.Tensor, symmetric: bool, clip_ratio: float
         ``(packed uint8 [..., D/2], scale fp32 [...], zero fp32 [...])``: channel ``j`` in the low nibble
         of byte ``j``, channel ``j + D/2`` in its high nibble.
     """
-    from mosaicquant.methods.quant import _apply, _params
 
     xg = x.to(torch.float32).unsqueeze(-2)
     scale, zero = _params(xg, 4, symmetric, clip_ratio, None)
@@ -563,8 +564,6 @@ def _rope_qkv_reference(qkv, positions, cos, sin, heads, kv_heads, d, q_norm, k_
     q = (q * c) + (rot(q) * s)
     k = (k * c) + (rot(k) * s)
     if rotate:
-        from mosaicquant.methods.hadamard import apply_hadamard
-
         q, k = apply_hadamard(q), apply_hadamard(k)
     return q, k, v
 
@@ -1400,7 +1399,6 @@ def _rmsnorm_quant_kernel(X, R, W, Q, SCALE, n, kp, eps, clip_ratio, stride_x, s
 def rmsnorm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
                             clip_ratio: float, layout: str = "packed") -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rmsnorm_reference`, then the activation quantizer's reference (``layout`` as in act_quant)."""
-    from mosaicquant.methods.format import unpack_int4
 
     y = rmsnorm_reference(x, weight, eps, residual)
     packed, scale = quantize_activations_reference(y, clip_ratio)

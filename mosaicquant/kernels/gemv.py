@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._common import (
     check_same_device,
     check_tensor,
@@ -56,6 +56,7 @@ from mosaicquant.kernels._common import (
     triton_interpreting,
     use_pdl,
 )
+from mosaicquant.kernels._residual_check import check_residual
 from mosaicquant.kernels._tiles import LOCK_SLOTS, _sm_count, lock_buffer, pdl_launch
 from mosaicquant.kernels._tl import in_range, quant_div, quantize_int4, store_output, wait_for_inputs
 from mosaicquant.kernels.act_quant import ACT_DTYPES
@@ -494,8 +495,6 @@ def _launch(act, a_scale, clip_ratio, m, n, kp, qweight, w_scale, k, bias, resid
             split_k, num_warps, num_stages, pdl, out) -> torch.Tensor:
     """Check the call's shape and tiles and launch :func:`_gemv_kernel` on packed activations ``act`` with
     scales ``a_scale``, or (``clip_ratio`` given) on float activations ``act`` quantized in the kernel."""
-    from mosaicquant.kernels.zipper import check_residual  # zipper builds on w4a4_gemm, as this module
-
     check_triton_device(act.device)
     if residual is not None:
         check_residual(residual, n, k, act.device)

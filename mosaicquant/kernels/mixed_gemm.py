@@ -11,7 +11,7 @@ Activation quantizer (:func:`mixed_act_quant`), per token, exactly
 :func:`mosaicquant.methods.quant.quantize` on the gathered channels (IEEE ``div_rn``,
 ties-to-even, clip ratio): each low group and the high part get their own scale (and zero
 point when asymmetric); a last group shorter than ``G`` is quantized as if zero-padded, as
-:class:`~mosaicquant.baselines.atom.MixedActQuant` does. **Gather, not reorder**: the kernel
+:class:`~mosaicquant.methods.mixed.MixedActQuant` does. **Gather, not reorder**: the kernel
 reads the channels of each group through the permutation ``perm = [low channels in group
 order, high channels]`` (index loads from the token's row, which sits in L1/L2 after the
 first touch), so no reordered copy of ``x`` is written and read back and the op producing
@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._common import (
     check_input_features,
     check_same_device,
@@ -78,7 +78,9 @@ from mosaicquant.kernels._tiles import LOCK_SLOTS, lock_buffer
 from mosaicquant.kernels._tl import mac_int4, quant_div, round_half_even, store_output, tile_indices
 from mosaicquant.kernels.w4a4_gemm import int_matmul
 from mosaicquant.methods.format import pack_int4, unpack_int4
-from mosaicquant.methods.quant import quantize
+from mosaicquant.methods.mixed import MixedActQuant
+from mosaicquant.methods.qlinear import ActQuantSpec, FakeQuantLinear
+from mosaicquant.methods.quant import Quantized, quantize
 
 __all__ = [
     "MixedFormat",
@@ -1198,8 +1200,6 @@ def _segment_weights(
     segments, fmt: MixedFormat, perm: torch.Tensor, n: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | str:
     """``(q_lo, s_lo, q_hi, s_hi)`` from the layer's ``weight_segments``, or the reason they do not fit."""
-    from mosaicquant.methods.quant import Quantized
-
     by_columns = {}
     for item in segments:
         columns, qt = item
@@ -1233,12 +1233,12 @@ def mixed_from_fake(layer: nn.Module, *, kernel: str | None = None) -> MixedQuan
     """Build the kernel-backed :class:`MixedQuantLinear` of a simulated Atom or ResQ layer.
 
     Takes a :class:`~mosaicquant.methods.qlinear.FakeQuantLinear` whose ``act`` is a
-    :class:`~mosaicquant.baselines.atom.MixedActQuant` (low channels at 2..4 bits, per token
+    :class:`~mosaicquant.methods.mixed.MixedActQuant` (low channels at 2..4 bits, per token
     or in groups; high channels per token at 2..8 bits) or a plain per-token
     :class:`~mosaicquant.methods.qlinear.ActQuantSpec` at 2..4 bits (ResQ's all-4-bit
     down_proj, asymmetric), symmetric or asymmetric each. The weight integers come from the
     layer's ``weight_segments`` when it carries them (``[(columns, Quantized), ...]`` as
-    :func:`~mosaicquant.baselines.atom.gptq_quantize_segments` makes them), or from its dense
+    :func:`~mosaicquant.methods.mixed.gptq_quantize_segments` makes them), or from its dense
     packed 4-bit weight with per-row scales (``layer.packed``), else they are
     recovered from the dequantized weight, per row and activation group: exact for the
     float32 weights the simulation stores in an FP32 model; a weight rounded to BF16/FP16
@@ -1253,10 +1253,6 @@ def mixed_from_fake(layer: nn.Module, *, kernel: str | None = None) -> MixedQuan
         :class:`MixedQuantLinear` on the layer's device, or the reason (a string) when the
         layer's format is not one the mixed kernels run.
     """
-    from mosaicquant.baselines.atom import MixedActQuant
-    from mosaicquant.methods.qlinear import ActQuantSpec, FakeQuantLinear
-    from mosaicquant.methods.quant import Quantized
-
     if not isinstance(layer, FakeQuantLinear):
         return f"not a simulated quantized linear ({type(layer).__name__})"
     n, k = layer.weight.shape

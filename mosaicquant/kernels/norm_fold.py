@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._common import check_tensor, triton_interpreting
 from mosaicquant.kernels._tl import rnd
 from mosaicquant.kernels.act_quant import LAYOUTS, quantize_store, split8_width

@@ -35,9 +35,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.kernels import _tiles
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._common import check_input_features, resolve_kernel
+from mosaicquant.kernels._residual_check import check_residual
+from mosaicquant.kernels import _tiles
 from mosaicquant.kernels._tiles import (
     GEMV_ROUTE_MAX_M,
     SWAP_DECODE_M,
@@ -52,6 +53,7 @@ from mosaicquant.kernels._tiles import (
 )
 from mosaicquant.kernels.act_quant import quantize_activations, quantize_activations_triton
 from mosaicquant.kernels.gemv import GEMV_MAX_M, gemv_quantize_triton, gemv_reason, gemv_triton
+from mosaicquant.kernels.norm_fold import NormFold
 from mosaicquant.kernels.residual_gemm import residual_add
 from mosaicquant.kernels.w4a4_gemm import (
     MERGED_MAX_SHIFT,
@@ -66,10 +68,8 @@ from mosaicquant.kernels.w4a4_gemm import (
     w4a4_gemm_swapped_triton,
     w4a4_gemm_triton,
 )
-from mosaicquant.kernels.norm_fold import NormFold
 from mosaicquant.kernels.zipper import (
     FUSE_MODES,
-    check_residual,
     gated_reason,
     residual_block_map,
     zipper_gemm,

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._common import (
     check_same_device,
     check_tensor,
@@ -30,9 +30,10 @@ from mosaicquant.kernels._common import (
     resolve_kernel,
     triton_interpreting,
 )
+from mosaicquant.kernels._residual_check import check_residual
 from mosaicquant.kernels._tiles import FMA_MAX_M, TileConfig, fit_to_blocks
 from mosaicquant.kernels._tl import in_range, mac_int4
-from mosaicquant.kernels.zipper import check_residual, residual_product_reference
+from mosaicquant.kernels.zipper import residual_product_reference
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 
 __all__ = ["residual_add", "residual_add_triton", "residual_add_reference"]

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._common import (
     check_same_device,
     check_tensor,
@@ -63,6 +63,7 @@ from mosaicquant.kernels._common import (
     triton_interpreting,
     use_pdl,
 )
+from mosaicquant.kernels._residual_check import check_residual
 from mosaicquant.kernels import _tiles
 from mosaicquant.kernels._tiles import (
     DENSE_PREFETCH_MIB,
@@ -94,6 +95,7 @@ from mosaicquant.kernels._tl import (
     wait_for_inputs,
 )
 from mosaicquant.kernels.act_quant import SPLIT_BLOCK, split8_width
+from mosaicquant.kernels.decoder import silu_mul_reference
 from mosaicquant.kernels.norm_fold import NormFold, fold_launch_args, fold_norm, fold_pdl, fold_reason
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 from mosaicquant.methods.format import residual_shifts as residual_shifts_of
@@ -1034,8 +1036,6 @@ def w4a4_gemm_swapped_triton(
         UserInputError: bad operands, a split layout of another width, a residual of another
             shape or block shape the kernel cannot take, or bad tiles.
     """
-    from mosaicquant.kernels.zipper import check_residual  # zipper builds on this module
-
     check_tensor("a_split", a_split, dtypes=(torch.int8,), dim=2)
     m = a_split.shape[0]
     check_tensor("a_split", a_split, dtypes=(torch.int8,), shape=(m, split8_width(k)))
@@ -1254,8 +1254,6 @@ def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
     Raises:
         UserInputError: an odd number of columns.
     """
-    from mosaicquant.kernels.decoder import silu_mul_reference  # decoder builds on this module
-
     if y.shape[-1] % 2:
         raise UserInputError(f"gated=True needs stacked [gate | up] columns; N={y.shape[-1]} is odd")
     return silu_mul_reference(y)

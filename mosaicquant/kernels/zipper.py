@@ -72,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._common import (
     check_tensor,
     check_triton_device,
@@ -82,6 +82,7 @@ from mosaicquant.kernels._common import (
     triton_interpreting,
     use_pdl,
 )
+from mosaicquant.kernels._residual_check import check_residual
 from mosaicquant.kernels import _tiles
 from mosaicquant.kernels._tiles import (
     DP4A_WALK_MAX_M,
@@ -121,7 +122,6 @@ __all__ = [
     "zipper_gemm_triton",
     "zipper_gemm_reference",
     "residual_block_map",
-    "check_residual",
     "FUSE_MODES",
 ]
 
@@ -394,41 +394,6 @@ def _tile_slots(row_ptr_ptr, t, BN: tl.constexpr, BN_RES: tl.constexpr, SPLIT_K:
         slot_base = t * SPLIT_K + SUB * r_first + (t % SUB) * r_count
         expected = SPLIT_K + r_count
     return slot_base, expected
-
-
-def check_residual(residual: ResidualBlocks, n: int, k: int, device: torch.device | None = None) -> None:
-    """Check that a :class:`ResidualBlocks` matches an ``[n, k]`` layer and the kernels' needs.
-
-    Shapes, dtypes, strides and devices only, nothing that reads the tensors (no device
-    synchronisation): the indices' values are checked once, as the blocks are built
-    (:meth:`ResidualBlocks.validate`).
-
-    Args:
-        device: the operands' device, which every residual tensor must be on; ``None``: one
-            device for the residual's tensors.
-
-    Raises:
-        UserInputError: naming the mismatching shape, dtype, field or device.
-    """
-    if not isinstance(residual, ResidualBlocks):
-        raise UserInputError(f"residual must be a ResidualBlocks, got {type(residual).__name__}")
-    if tuple(residual.shape) != (n, k):
-        raise UserInputError(f"residual is for a {tuple(residual.shape)} layer, the weight is ({n}, {k})")
-    bn, bk = residual.block_shape
-    nbr, _ = residual.grid
-    nb = residual.num_blocks
-    check_tensor("residual.values", residual.values, dtypes=(torch.uint8,), shape=(nb, bn, bk // 2))
-    check_tensor("residual.scales", residual.scales, dtypes=(torch.float16, torch.float32), shape=(nb, bn))
-    check_tensor("residual.coords", residual.coords, dtypes=(torch.int32,), shape=(nb, 2))
-    check_tensor("residual.row_ptr", residual.row_ptr, dtypes=(torch.int32,), shape=(nbr + 1,))
-    if not residual.values.is_contiguous() or not residual.coords.is_contiguous() or not residual.scales.is_contiguous():
-        raise UserInputError("residual.values, .scales and .coords must be contiguous")
-    fields = {f"residual.{f}": getattr(residual, f) for f in ("values", "scales", "coords", "row_ptr")}
-    device = residual.values.device if device is None else device
-    elsewhere = {name: t.device for name, t in fields.items() if t.device != device}
-    if elsewhere:
-        listing = ", ".join(f"{name} on {d}" for name, d in elsewhere.items())
-        raise UserInputError(f"the residual must be on the operands' device {device}, got {listing}")
 
 
 def residual_block_map(residual: ResidualBlocks) -> torch.Tensor:

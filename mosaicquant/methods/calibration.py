@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mosaicquant.methods.gptq import accumulate_hessian
+from mosaicquant.methods.gptq import accumulate_hessian, gptq_quantize
+from mosaicquant.methods.qlinear import ActQuantSpec, fake_quant_linear_from, set_module
 
-__all__ = ["LinearStats", "decoder_layers", "calibrate_layerwise", "collect_stats"]
+__all__ = ["LinearStats", "decoder_layers", "calibrate_layerwise", "collect_stats", "gptq_quantize_model"]
 
 
 @dataclass
@@ -182,3 +183,60 @@ def calibrate_layerwise(
         inputs = _run_layer(layer, inputs) if propagate == "quantized" else float_out
         if log is not None and (index == len(layers) - 1 or index % 5 == 0):
             log(f"[mosaicquant]   layer {index + 1}/{len(layers)} quantized")
+
+
+def gptq_quantize_model(
+    model: nn.Module,
+    calib_tokens: torch.Tensor,
+    *,
+    wbits: int,
+    act: ActQuantSpec,
+    w_group_size: int | None = None,
+    percdamp: float = 0.01,
+    act_order: bool = True,
+    clip_search: bool = True,
+    batch_size: int = 4,
+    log=None,
+) -> int:
+    """Replace every decoder linear by its simulated quantized layer, GPTQ layer by layer.
+
+    Each linear's input Hessian is taken on what it will see (after its online transform,
+    with the earlier layers already quantized); weights are GPTQ'd symmetric with FP16
+    scales when 4-bit (then packed), activations quantized by ``act``. ``wbits=16`` keeps
+    float weights (no Hessians are accumulated) and only installs ``act``.
+
+    Args:
+        model: the (rotated) causal LM; changed in place.
+        calib_tokens: ``LongTensor [n, seqlen]``.
+        wbits: 2..8 or 16.
+        act: the activation quantizer of every replaced linear.
+        w_group_size / percdamp / act_order / clip_search: as
+            :func:`~mosaicquant.methods.gptq.gptq_quantize`.
+        batch_size: calibration sequences per forward pass.
+        log: progress printer or ``None``.
+
+    Returns:
+        The number of linears replaced.
+
+    Raises:
+        ValueError: as :func:`~mosaicquant.methods.gptq.gptq_quantize` (e.g. a group size that does not divide K) or
+            :func:`calibrate_layerwise`.
+    """
+    replaced = 0
+
+    def quantize_layer(index, layer, stats):
+        nonlocal replaced
+        for name, st in stats.items():
+            linear = layer.get_submodule(name)
+            qweight = None
+            if wbits < 16:
+                qweight = gptq_quantize(
+                    linear.weight.data.to(torch.float32), st.hessian, wbits, symmetric=True,
+                    group_size=w_group_size, percdamp=percdamp, act_order=act_order, clip_search=clip_search,
+                    scale_dtype=torch.float16 if wbits == 4 else None)
+            set_module(layer, name, fake_quant_linear_from(linear, qweight, act, wbits))
+            replaced += 1
+
+    calibrate_layerwise(model, calib_tokens, quantize_layer, batch_size=batch_size, keep_hessian=wbits < 16,
+                        log=log)
+    return replaced

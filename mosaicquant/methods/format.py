@@ -47,7 +47,7 @@ from dataclasses import InitVar, dataclass, field
 
 import torch
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.methods.quant import Quantized
 
 __all__ = ["pack_int4", "unpack_int4", "PackedW4", "ResidualBlocks", "parse_block_shape", "block_shape_text",

@@ -48,7 +48,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
+from mosaicquant.methods.calibration import decoder_layers
 from mosaicquant.methods.hadamard import apply_hadamard, is_hadamard_size
 from mosaicquant.methods.quant import MAX_BITS, MIN_BITS, fake_quantize
 
@@ -220,8 +221,6 @@ def _register() -> None:
 
 
 def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from mosaicquant.methods.calibration import decoder_layers
-
     try:
         layers = decoder_layers(model)
     except ValueError as err:

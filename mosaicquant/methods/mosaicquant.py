@@ -46,15 +46,21 @@ from dataclasses import dataclass
 
 import torch
 
-from mosaicquant.harness.config import Config, check_choice, check_range
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import register_method
+from mosaicquant.config import Config, check_choice, check_range
+from mosaicquant.errors import UserInputError
 from mosaicquant.methods.calibration import calibrate_layerwise
 from mosaicquant.methods.format import PackedW4, ResidualBlocks, block_shape_text, parse_block_shape
 from mosaicquant.methods.gptq import gptq_quantize
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant
-from mosaicquant.methods.qlinear import ActQuantSpec, FakeQuantLinear, input_transform_of, quantize_weight, set_module, weight_memory
+from mosaicquant.methods.qlinear import (
+    ActQuantSpec, FakeQuantLinear, input_transform_of, quantize_weight, replace_linears, set_module, weight_memory,
+)
+from mosaicquant.methods.quant import quantize
 from mosaicquant.methods.residual import POW2_MAX_SHIFT, distortion_recovered, select_residual
+from mosaicquant.methods.rotation import rotate_model
+from mosaicquant.methods.smoothing import collect_input_absmax, smooth_model, smoothing_input_names
+from mosaicquant.methods.speed_form import check_w4a4
+from mosaicquant.registry import register_method
 
 __all__ = ["MosaicQuantConfig", "mosaicquant", "apply_transform", "quantize_linear_mosaic", "residual_base_scale"]
 
@@ -180,12 +186,8 @@ def apply_transform(model, transform: str, calib_tokens: torch.Tensor, *, seed: 
             folded into norms and preceding linears) or ``none``.
     """
     if transform == "rotation":
-        from mosaicquant.methods.rotation import rotate_model
-
         return rotate_model(model, seed=seed, online_down=True, online_o=online_o)
     if transform == "smoothquant":
-        from mosaicquant.methods.smoothing import collect_input_absmax, smooth_model, smoothing_input_names
-
         names = smoothing_input_names(model, smooth_vo=True, smooth_up_down=True)
         absmax = collect_input_absmax(model, calib_tokens, names, batch_size=batch_size)
         return smooth_model(model, absmax, alpha, smooth_vo=True, smooth_up_down=True)
@@ -236,7 +238,39 @@ def quantize_linear_mosaic(linear, hessian: torch.Tensor, config: MosaicQuantCon
     return layer.to(linear.weight.device), stats
 
 
-@register_method("mosaicquant", config=MosaicQuantConfig, description=MosaicQuantConfig.description)
+def _speed_form(model, config: MosaicQuantConfig, ctx):
+    """The method's format with round-to-nearest integers and residual blocks chosen by the ``random`` score."""
+    check_w4a4("mosaicquant", config.wbits, config.abits)
+    if config.transform == "rotation":
+        rotate_model(model, seed=ctx.seed, online_down=True, online_o=config.online_o)
+    act = ActQuantSpec(bits=config.abits, symmetric=True, clip_ratio=config.a_clip)
+    block_shape = config.block_shape
+    counter = iter(range(1 << 30))
+
+    def make(name, linear):
+        w = linear.weight.data.to(torch.float32)
+        qt = quantize(w, 4, symmetric=True, group_size=config.w_group_size, scale_dtype=torch.float16)
+        packed = PackedW4.from_quantized(qt, bias=None if linear.bias is None else linear.bias.data)
+        if config.budget > 0:
+            coords, q, scales = select_residual("random", w - packed.dequantize_base(torch.float32), block_shape,
+                                                config.budget, seed=ctx.seed * 7919 + next(counter),
+                                                base_scale=residual_base_scale(packed, config),
+                                                max_shift=config.rscale_max_shift)
+            packed.residual = ResidualBlocks.from_blocks(tuple(w.shape), block_shape, coords, q, scales)
+        else:
+            packed.residual = ResidualBlocks.empty(tuple(w.shape), block_shape)
+        layer = FakeQuantLinear(packed.dequantize(linear.weight.dtype), linear.bias, act,
+                                getattr(linear, "input_transform", None), packed, 4)
+        return layer.to(linear.weight.device)
+
+    n = len(replace_linears(model, make))
+    return n, {"transform": config.transform, "residual_selection": "random (data-free speed form)",
+               "budget": config.budget, "block": list(block_shape), "rscale": config.rscale,
+               "rscale_max_shift": config.rscale_max_shift}
+
+
+@register_method("mosaicquant", config=MosaicQuantConfig, description=MosaicQuantConfig.description,
+                 speed_form=_speed_form)
 def mosaicquant(model, config: MosaicQuantConfig, ctx):
     """Quantize ``model`` in place with MosaicQuant; fills ``ctx.info``."""
     t0 = time.perf_counter()

@@ -22,12 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from mosaicquant.methods.format import PackedW4
-from mosaicquant.methods.quant import check_bits, fake_quantize
+from mosaicquant.methods.quant import check_bits, fake_quantize, quantize, quantize_with_clip_search
 
 __all__ = [
     "ActQuantSpec",
     "FakeQuantLinear",
     "quantizable_linears",
+    "output_head_name",
     "set_module",
     "replace_linears",
     "weight_memory",
@@ -123,6 +124,15 @@ def quantizable_linears(model: nn.Module, skip_output_head: bool = True) -> Iter
             yield name, module
 
 
+def output_head_name(model: nn.Module) -> str | None:
+    """Fully-qualified name of the module ``model.get_output_embeddings()`` returns, if any."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None:
+        return None
+    return next((name for name, module in model.named_modules() if module is head), None)
+
+
 def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     """Replace the submodule at the dotted path ``name``."""
     parent_name, _, attr = name.rpartition(".")
@@ -203,7 +213,6 @@ def quantize_weight(
 
     4-bit symmetric weights get FP16-rounded scales (the packed format's storage type).
     """
-    from mosaicquant.methods.quant import quantize, quantize_with_clip_search
 
     scale_dtype = torch.float16 if bits == 4 and symmetric else None
     if clip_search:

@@ -60,7 +60,7 @@ import math
 
 import torch
 
-from mosaicquant.harness.errors import unknown_name
+from mosaicquant.errors import unknown_name
 from mosaicquant.methods.format import POW2_SHIFT_RANGE, parse_block_shape
 from mosaicquant.methods.quant import quantize
 

@@ -3,7 +3,7 @@
 Supported: ``LlamaForCausalLM`` (e.g. SmolLM2, Llama-3), ``Qwen2ForCausalLM`` (q/k/v
 biases) and ``Qwen3ForCausalLM`` (per-head QK-norm) of transformers 5.x. Layers are found by
 module type and fully qualified name (``model.layers.{i}.self_attn.q_proj`` ...); anything
-else raises :class:`~mosaicquant.harness.errors.UserInputError` naming the class or part.
+else raises :class:`~mosaicquant.errors.UserInputError` naming the class or part.
 
 Conventions: ``nn.Linear`` computes ``y = x Wᵀ + b`` with ``W [out, in]``; activations are
 row vectors. Steps of :func:`rotate_model`, in order:
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mosaicquant.harness.errors import UserInputError, unknown_name
+from mosaicquant.errors import UserInputError, unknown_name
 from mosaicquant.methods.hadamard import (
     OnlineHadamard,
     apply_hadamard,

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from mosaicquant.harness.errors import UserInputError, unknown_name
+from mosaicquant.errors import UserInputError, unknown_name
 from mosaicquant.methods.rotation import DecoderLayerParts, model_parts
 
 __all__ = [

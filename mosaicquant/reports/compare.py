@@ -45,7 +45,7 @@ from typing import Any
 
 import pandas as pd
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.harness.results import load_records, skipped_note
 from mosaicquant.reports.cells import Cell, MetricSummary, aggregate_cells, format_number, natural_key
 from mosaicquant.reports.speed import runtime_of

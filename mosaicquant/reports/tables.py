@@ -18,7 +18,7 @@ from typing import Any
 
 import pandas as pd
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.harness.results import ensure_writable_dir, load_records, skipped_note
 from mosaicquant.reports.cells import FP16_LABEL, aggregate_cells, format_number, natural_key, record_note
 

@@ -6,17 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from mosaicquant.baselines.atom import (
-    AtomConfig,
-    MixedActQuant,
-    WeightSegment,
-    atom_quantize_linear,
-    gptq_quantize_segments,
-    ragged_groups,
-    salient_order,
-)
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.baselines.atom import AtomConfig, atom_quantize_linear
+from mosaicquant.errors import UserInputError
 from mosaicquant.methods.gptq import gptq_quantize_with_error
+from mosaicquant.methods.mixed import MixedActQuant, WeightSegment, gptq_quantize_segments, ragged_groups, salient_order
 from mosaicquant.methods.qlinear import ActQuantSpec
 from mosaicquant.methods.quant import fake_quantize
 

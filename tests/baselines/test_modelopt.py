@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mosaicquant.baselines.modelopt import RECIPES, ModelOptConfig, modelopt, output_head_name
-from mosaicquant.harness.backends import NotAvailableError
+from mosaicquant.baselines.modelopt import RECIPES, ModelOptConfig, modelopt
+from mosaicquant.errors import NotAvailableError
+from mosaicquant.errors import UserInputError
 from mosaicquant.harness.context import QuantContext
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.methods.qlinear import output_head_name
 
 mtq = pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt is not installed: "
                           "pip install 'mosaicquant[modelopt]'")

@@ -12,12 +12,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from mosaicquant.baselines.quarot import QuaRotConfig, quarot
 from mosaicquant.baselines.rtn import RTNConfig, rtn
+from mosaicquant.errors import UserInputError
 from mosaicquant.harness.context import QuantContext
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import get_method
 from mosaicquant.methods.hadamard import OnlineHadamard
 from mosaicquant.methods.kvcache import KV_ATTENTION_NAMES, kv_quant_spec_of
 from mosaicquant.methods.qlinear import FakeQuantLinear
+from mosaicquant.registry import get_method
 
 # float64 models; HF's RMSNorm runs in float32 internally (see tests/methods/test_rotation.py)
 FP64_MODEL_RTOL = 1e-5

@@ -7,7 +7,6 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mosaicquant.baselines.atom import MixedActQuant
 from mosaicquant.baselines.resq import (
     BasisTransform,
     ResQConfig,
@@ -16,10 +15,11 @@ from mosaicquant.baselines.resq import (
     resq_basis,
     resq_quantize_linear,
 )
+from mosaicquant.errors import UserInputError
 from mosaicquant.harness.context import QuantContext
-from mosaicquant.harness.errors import UserInputError
 from mosaicquant.methods.hadamard import OnlineHadamard, apply_hadamard
 from mosaicquant.methods.kvcache import kv_quant_spec_of
+from mosaicquant.methods.mixed import MixedActQuant
 from mosaicquant.methods.qlinear import ActQuantSpec
 
 ORTHO_ATOL = 1e-10

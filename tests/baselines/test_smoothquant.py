@@ -15,8 +15,8 @@ from mosaicquant.baselines.smoothquant import (
     smoothed_output_loss,
     smoothquant,
 )
+from mosaicquant.errors import UserInputError
 from mosaicquant.harness.context import QuantContext
-from mosaicquant.harness.errors import UserInputError
 from mosaicquant.methods.qlinear import FakeQuantLinear
 from mosaicquant.methods.smoothing import smooth_model
 

@@ -20,12 +20,12 @@ from mosaicquant.baselines.spinquant import (
     spinquant,
     train_rotations,
 )
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import get_method
+from mosaicquant.errors import UserInputError
+from mosaicquant.harness.context import QuantContext
 from mosaicquant.methods.kvcache import kv_quant_spec_of
 from mosaicquant.methods.qlinear import ActQuantSpec, FakeQuantLinear
 from mosaicquant.methods.rotation import random_orthogonal, rotate_model
-from mosaicquant.harness.context import QuantContext
+from mosaicquant.registry import get_method
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 ORTHO_ATOL = 1e-5

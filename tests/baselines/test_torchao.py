@@ -9,9 +9,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mosaicquant.baselines.torchao import TorchAOConfig, torchao
-from mosaicquant.harness.backends import NotAvailableError
+from mosaicquant.errors import NotAvailableError
+from mosaicquant.errors import UserInputError
 from mosaicquant.harness.context import QuantContext
-from mosaicquant.harness.errors import UserInputError
 
 ao_quant = pytest.importorskip("torchao.quantization", reason="torchao is not installed: pip install "
                                "'mosaicquant[torchao]'")

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 import pytest
 
 from mosaicquant.baselines.rtn import RTNConfig
-from mosaicquant.harness.config import Config, check_range, parse_kv_pairs
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import Registry, get_method, get_suite
+from mosaicquant.config import Config, check_range, parse_kv_pairs
+from mosaicquant.errors import UserInputError
 from mosaicquant.harness.spec import load_run_spec, parse_plugin_list, parse_plugin_spec
+from mosaicquant.registry import Registry, get_method, get_suite
 
 
 def test_config_roundtrip_json_yaml():
@@ -66,6 +66,35 @@ def test_registry_rejects_duplicates_and_bad_config():
     assert reg.names() == ["demo"]
 
 
+def test_registry_keeps_a_methods_speed_form_and_refuses_a_bad_one():
+    reg = Registry("method", "mosaicquant.test-nothing")
+
+    @dataclass(frozen=True)
+    class DemoConfig(Config):
+        x: int = 1
+
+    def form(model, config, ctx):
+        return 0, {}
+
+    assert reg.register("demo", lambda m, c, ctx: m, DemoConfig, speed_form=form).speed_form is form
+    plain = reg.register("plain", lambda m, c, ctx: m, DemoConfig)
+    assert plain.speed_form is None and plain.data_free is False
+    assert reg.register("as-is", lambda m, c, ctx: m, DemoConfig, data_free=True).data_free is True
+    with pytest.raises(TypeError, match="'bad': speed_form must be a function, got 3"):
+        reg.register("bad", lambda m, c, ctx: m, DemoConfig, speed_form=3)
+    with pytest.raises(ValueError, match="'both': a data-free method is its own speed form"):
+        reg.register("both", lambda m, c, ctx: m, DemoConfig, speed_form=form, data_free=True)
+    assert [e.name for e in reg.registered()] == ["as-is", "demo", "plain"]
+
+
+def test_builtin_speed_forms_are_on_the_methods_entries():
+    with_form = {name for name in ("rtn", "smoothquant", "quarot", "spinquant", "atom", "mosaicquant")
+                 if get_method(name).speed_form is not None}
+    assert with_form == {"rtn", "smoothquant", "quarot", "spinquant", "atom", "mosaicquant"}
+    assert get_method("resq").speed_form is None and not get_method("resq").data_free
+    assert get_method("torchao").data_free and get_method("torchao").speed_form is None
+
+
 def test_entry_point_plugin_is_loaded(monkeypatch, tmp_path):
     import importlib.metadata as md
     import sys
@@ -73,8 +102,8 @@ def test_entry_point_plugin_is_loaded(monkeypatch, tmp_path):
     mod = tmp_path / "mq_plugin_demo.py"
     mod.write_text(
         "from dataclasses import dataclass\n"
-        "from mosaicquant.harness.config import Config\n"
-        "from mosaicquant.harness.registry import register_method\n"
+        "from mosaicquant.config import Config\n"
+        "from mosaicquant.registry import register_method\n"
         "@dataclass(frozen=True)\nclass PConfig(Config):\n    k: int = 3\n"
         "@register_method('plugin-demo', config=PConfig)\ndef plugin(model, config, ctx):\n    return model\n"
     )

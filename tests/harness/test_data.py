@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
+from mosaicquant.errors import AssetError, UserInputError
 from mosaicquant.harness import assets, data
-from mosaicquant.harness.errors import AssetError, UserInputError
 
 # Kept articles: at least this many per split, and the test share is within this of 1/5.
 MIN_DOCUMENTS_PER_SPLIT = 15

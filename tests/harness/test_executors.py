@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from mosaicquant.config import Config
+from mosaicquant.errors import UserInputError
 from mosaicquant.harness import data
 from mosaicquant.harness.cli import main
-from mosaicquant.harness.config import Config
-from mosaicquant.harness.errors import UserInputError
 from mosaicquant.harness.executors import ExecutorSettings, gpu_groups, make_executor, task_resources
-from mosaicquant.harness.registry import METHODS, register_method
 from mosaicquant.harness.results import load_records
 from mosaicquant.harness.spec import load_run_spec
+from mosaicquant.registry import METHODS, register_method
 
 # Workers run torch with one thread, the local sweep with this process's threads: float sums
 # may be ordered differently, so metric values agree to this relative tolerance, not bit for bit.

@@ -7,7 +7,7 @@ from mosaicquant.harness import shapes
 from mosaicquant.harness.context import QuantContext
 from mosaicquant.harness.floor import decode_bytes, floor_fraction, measure_ceilings, module_bytes, prefill_flops, \
     quantized_linears
-from mosaicquant.harness.registry import get_method
+from mosaicquant.registry import get_method
 from mosaicquant.harness.speedforms import executable, speed_form
 from mosaicquant.methods.qlinear import weight_memory
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mosaicquant.errors import AssetError, UserInputError
 from mosaicquant.harness import assets, models
-from mosaicquant.harness.errors import AssetError, UserInputError
 
 # A folder model reloaded in bf16 must match the fp32 original to bf16 precision.
 BF16_LOGITS_ATOL = 0.05

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mosaicquant.errors import UserInputError
 from mosaicquant.harness import data, models
-from mosaicquant.harness.errors import UserInputError
 from mosaicquant.harness.perplexity import NonFiniteLogitsError, evaluate_perplexity
 
 # Same model, same chunks: only float summation order differs from the hand computation.

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.harness.cli import main
 from mosaicquant.harness.results import (
     SCHEMA, ensure_writable_dir, environment, git_info, load_records, record_path, skipped_note, source_fingerprint,

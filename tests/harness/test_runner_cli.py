@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from mosaicquant.config import Config
 from mosaicquant.harness.cli import main
-from mosaicquant.harness.config import Config
-from mosaicquant.harness.registry import METHODS, register_method
 from mosaicquant.harness.results import load_records
+from mosaicquant.registry import METHODS, register_method
 
 
 def _records(out):

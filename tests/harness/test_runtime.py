@@ -5,13 +5,13 @@ import copy
 import pytest
 import torch
 
+from mosaicquant.errors import UserInputError
 from mosaicquant.harness import runtime, shapes
 from mosaicquant.harness.context import QuantContext
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import get_method
 from mosaicquant.harness.runtime import FusedDecoder, fused_reason, kv_cache_bytes_per_token, resolve_runtime
 from mosaicquant.harness.speedforms import executable, speed_form
 from mosaicquant.harness.suites import speed
+from mosaicquant.registry import get_method
 
 TINY = shapes.ShapeModel("tiny-llama-shapes", "llama", 64, 128, 2, 4, 2, 16, 256, False)
 TINY_QWEN = shapes.ShapeModel("tiny-qwen3-shapes", "qwen3", 64, 128, 2, 4, 2, 32, 256, True)

@@ -7,17 +7,17 @@ Timings here are plumbing only (CPU wall clock); the numbers come from the GPU r
 import pytest
 import torch
 
+from mosaicquant.errors import Unavailable, UserInputError
 from mosaicquant.harness import shapes
 from mosaicquant.harness.cli import main
 from mosaicquant.harness.context import QuantContext, SuiteContext
-from mosaicquant.harness.errors import Unavailable, UserInputError
 from mosaicquant.harness.models import resolve_model
-from mosaicquant.harness.registry import get_method, get_suite
 from mosaicquant.harness.results import load_records
 from mosaicquant.harness.speedforms import FLOAT_PATH, executable, speed_form
 from mosaicquant.harness.suites import speed
 from mosaicquant.kernels._tiles import SWAP_MIN_M
-from mosaicquant.methods.qlinear import FakeQuantLinear, weight_memory
+from mosaicquant.methods.qlinear import ActQuantSpec, FakeQuantLinear, weight_memory
+from mosaicquant.registry import get_method, get_suite
 
 TINY = shapes.ShapeModel("tiny-llama-shapes", "llama", 64, 128, 2, 4, 2, 16, 256, False)
 TINY_QWEN = shapes.ShapeModel("tiny-qwen3-shapes", "qwen3", 64, 128, 2, 4, 2, 32, 256, True)
@@ -176,6 +176,38 @@ def test_methods_without_a_fast_path_are_unavailable_never_stand_ins(tiny_shapes
     ctx = _form("rtn", model, w_group_size=32)  # group-wise weight scales with per-token activations
     with pytest.raises(Unavailable, match="no fast path: 14 quantized linear.*group-wise base scales"):
         executable(model, ctx.info)
+
+
+def test_speed_form_comes_from_the_methods_registry_entry(tiny_shapes):
+    """A plugin method that registers a speed form is timed with it: the harness holds no list of its own."""
+    from dataclasses import dataclass
+
+    from mosaicquant.config import Config
+    from mosaicquant.methods.speed_form import dense_w4
+    from mosaicquant.registry import METHODS
+
+    @dataclass(frozen=True)
+    class PluginConfig(Config):
+        wbits: int = 4
+        abits: int = 4
+
+    calls = []
+
+    def plugin_form(model, config, ctx):
+        calls.append(config)
+        return dense_w4(model, ActQuantSpec(bits=4, symmetric=True, clip_ratio=0.9), 4), {"plugin": True}
+
+    get_method("rtn")  # the built-ins first: the plugin registers beside them
+    METHODS.register("speed-form-demo", lambda m, c, ctx: m, PluginConfig, speed_form=plugin_form)
+    try:
+        model = shapes.build_shape_model(tiny_shapes, dtype=torch.float32)
+        ctx = _ctx()
+        speed_form("speed-form-demo", model, PluginConfig(), ctx)
+    finally:
+        METHODS._entries.pop("speed-form-demo", None)
+    assert calls == [PluginConfig()]
+    assert ctx.info["speed_form"] == {"plugin": True} and ctx.info["wbits"] == 4
+    assert ctx.info["quantized_linears"] == sum(isinstance(m, FakeQuantLinear) for m in model.modules()) > 0
 
 
 def test_atom_speed_form_runs_on_the_mixed_kernels(tiny_shapes):

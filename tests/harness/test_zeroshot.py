@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from mosaicquant.errors import AssetError, MosaicQuantError, UserInputError
 from mosaicquant.harness import taskdata
 from mosaicquant.harness.assets import pypi_member_path
-from mosaicquant.harness.errors import AssetError, MosaicQuantError, UserInputError
 from mosaicquant.harness.suites.zeroshot import ZeroShotConfig, import_lm_eval, metrics_from_results
 
 HAS_LM_EVAL = importlib.util.find_spec("lm_eval") is not None
@@ -171,7 +171,7 @@ def test_suite_registers_without_lm_eval():
     code = (
         "import sys\n"
         "sys.modules['lm_eval'] = None\n"
-        "from mosaicquant.harness.registry import get_suite\n"
+        "from mosaicquant.registry import get_suite\n"
         "entry = get_suite('zeroshot')\n"
         "try:\n"
         "    entry.fn(None, entry.config(), None)\n"

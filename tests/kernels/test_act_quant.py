@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels import act_quant
 from mosaicquant.kernels.act_quant import (
     quantize_activations,

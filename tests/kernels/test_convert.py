@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
+from mosaicquant.errors import UserInputError
 from mosaicquant.harness.context import QuantContext
-from mosaicquant.harness.errors import UserInputError
 from mosaicquant.kernels.convert import FusedProjections, KernelLinear, ProjectionSlice, kernelize
 from mosaicquant.methods.mosaicquant import MosaicQuantConfig, mosaicquant
 from mosaicquant.methods.qlinear import FakeQuantLinear
@@ -170,7 +170,7 @@ def test_stacked_packed_layers_dequantize_to_the_stacked_weights():
 def _tiny_baseline(method: str, **options):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mosaicquant.harness.registry import get_method
+    from mosaicquant.registry import get_method
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

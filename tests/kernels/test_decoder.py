@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels import decoder
 from mosaicquant.kernels.decoder import (
     KVFormat,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton
 from mosaicquant.kernels.gemv import GEMV_MAX_M, gemv_config, gemv_quantize_triton, gemv_reason, gemv_triton
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference

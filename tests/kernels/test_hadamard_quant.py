@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels import hadamard_quant
 from mosaicquant.kernels.act_quant import split8_width
 from mosaicquant.kernels.hadamard_quant import (

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton
 from mosaicquant.kernels.w4a4_gemm import (
     dense_step_table,

@@ -9,7 +9,7 @@ from torch import nn
 from mosaicquant.baselines import atom as atom_module
 from mosaicquant.baselines.atom import AtomConfig, atom_quantize_linear
 from mosaicquant.baselines.resq import BasisTransform, ResQConfig, resq_basis, resq_quantize_linear
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels.mixed_gemm import (
     MixedActs,
     MixedFormat,
@@ -116,7 +116,7 @@ def test_act_quant_triton_is_bit_exact(m, name):
 
 
 def test_act_quant_reference_matches_simulated_quantizer():
-    from mosaicquant.baselines.atom import MixedActQuant
+    from mosaicquant.methods.mixed import MixedActQuant
 
     fmt = FORMATS["odd"]
     gen = torch.Generator().manual_seed(2)

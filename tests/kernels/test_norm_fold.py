@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._common import triton_interpreting
 from mosaicquant.kernels._tiles import TileConfig, persistent_zeros
 from mosaicquant.kernels.act_quant import quantize_activations_reference

@@ -3,6 +3,12 @@
 import pytest
 import torch
 
+from mosaicquant.errors import UserInputError
+from mosaicquant.harness import shapes
+from mosaicquant.harness.context import QuantContext
+from mosaicquant.harness.runtime import FusedDecoder
+from mosaicquant.harness.speedforms import executable, speed_form
+from mosaicquant.harness.suites.speed import fused_decode_step
 from mosaicquant.kernels import _common
 from mosaicquant.kernels._common import (
     PDL_CHAIN_ENV_VAR,
@@ -15,13 +21,6 @@ from mosaicquant.kernels._common import (
     pdl_supported,
     use_pdl,
 )
-from mosaicquant.harness import shapes
-from mosaicquant.harness.context import QuantContext
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import get_method
-from mosaicquant.harness.runtime import FusedDecoder
-from mosaicquant.harness.speedforms import executable, speed_form
-from mosaicquant.harness.suites.speed import fused_decode_step
 from mosaicquant.kernels._tiles import (
     PDL_ANY_SIZE_MAX_M,
     PDL_MAX_M,
@@ -36,6 +35,7 @@ from mosaicquant.kernels._tiles import (
 from mosaicquant.kernels.act_quant import quantize_activations_triton
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_triton
 from mosaicquant.kernels.zipper import zipper_gemm_triton
+from mosaicquant.registry import get_method
 
 from ._helpers import assert_close_bf16, random_activations, random_layer, random_residual
 

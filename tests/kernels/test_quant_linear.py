@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels import KERNEL_ENV_VAR, QuantLinear, resolve_kernel
 from mosaicquant.kernels import _tiles
 from mosaicquant.kernels._tiles import GEMV_ROUTE_MAX_M

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels import _tiles
 from mosaicquant.kernels._tl import _ASM_HI_SHIFT16, _ASM_LO_SHIFT16
 from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
+from mosaicquant.kernels import _tiles
+from mosaicquant.kernels._tiles import SWAP_MIN_TILES_PER_SM, _sm_count, swapped_prefill
 from mosaicquant.kernels.act_quant import (
     quantize_activations_reference,
     quantize_activations_triton,
@@ -11,8 +13,6 @@ from mosaicquant.kernels.act_quant import (
     split8_width,
 )
 from mosaicquant.kernels.hadamard_quant import hadamard_quantize_triton
-from mosaicquant.kernels import _tiles
-from mosaicquant.kernels._tiles import SWAP_MIN_TILES_PER_SM, _sm_count, swapped_prefill
 from mosaicquant.kernels.quant_linear import QuantLinear
 from mosaicquant.kernels.w4a4_gemm import swapped_residual_reason, w4a4_gemm_reference, w4a4_gemm_swapped_triton
 from mosaicquant.kernels.zipper import zipper_gemm_reference

@@ -5,7 +5,7 @@ import importlib
 import pytest
 import torch
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels import _tiles
 from mosaicquant.kernels._tiles import swapped_tail
 from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton

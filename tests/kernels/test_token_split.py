@@ -2,7 +2,7 @@
 
 import pytest
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._token_split import (
     MAX_PROGRAMS_PER_TOKEN,
     check_num_warps,

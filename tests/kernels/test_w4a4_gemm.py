@@ -3,7 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._tiles import TileConfig, fit_to_blocks, pick_config
 from mosaicquant.kernels._tl import in_range
 from mosaicquant.kernels.act_quant import quantize_activations_reference

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._tiles import TileConfig, fit_to_blocks
 from mosaicquant.kernels.act_quant import quantize_activations_reference
 from mosaicquant.kernels.residual_gemm import residual_add_reference, residual_add_triton

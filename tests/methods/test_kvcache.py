@@ -19,7 +19,7 @@ from transformers import (
 )
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.methods.hadamard import hadamard_matrix
 from mosaicquant.methods.kvcache import (
     KV_ATTENTION_NAMES,

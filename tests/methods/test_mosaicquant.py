@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.methods.format import residual_shifts, unpack_int4
 from mosaicquant.methods.mosaicquant import MosaicQuantConfig, quantize_linear_mosaic
 from mosaicquant.methods.quant import quantize

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.methods.format import ResidualBlocks, residual_shifts
 from mosaicquant.methods.gptq import gptq_quantize
 from mosaicquant.methods.quant import quantize, quantize_with_clip_search

@@ -18,7 +18,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.methods.hadamard import OnlineHadamard, apply_hadamard
 from mosaicquant.methods.rotation import (
     attach_input_transform,

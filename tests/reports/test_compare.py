@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from mosaicquant.errors import UserInputError
 from mosaicquant.harness.cli import main
-from mosaicquant.harness.errors import UserInputError
 from mosaicquant.reports.compare import Threshold, compare_dirs, parse_fail_on
 
 MODEL = "llama-3-8b-shapes"

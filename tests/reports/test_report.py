@@ -409,9 +409,9 @@ def test_backend_cells_have_their_own_table_with_their_metrics(tmp_path, write_c
     from dataclasses import replace
     from pathlib import Path
 
-    from mosaicquant.baselines.tensorrt_llm import parse_trtllm_bench
+    from mosaicquant.harness.tensorrt_llm import parse_trtllm_bench
 
-    fixtures = Path(__file__).parents[1] / "baselines" / "fixtures"
+    fixtures = Path(__file__).parents[1] / "harness" / "fixtures"
     overview = parse_trtllm_bench((fixtures / "trtllm_bench_perf_overview.txt").read_text()).metrics
     legacy = parse_trtllm_bench((fixtures / "trtllm_bench_pytorch_legacy.txt").read_text()).metrics
 

@@ -1,5 +1,5 @@
 """Built-in suites: ``accuracy`` (perplexity) and the others as they are registered.
 
 A suite is ``fn(model, config, ctx: SuiteContext) -> dict[str, Metric]`` registered with
-:func:`mosaicquant.harness.registry.register_suite`.
+:func:`mosaicquant.registry.register_suite`.
 """

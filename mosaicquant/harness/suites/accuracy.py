@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mosaicquant.harness.config import Config, check_range
+from mosaicquant.config import Config, check_range
 from mosaicquant.harness.perplexity import evaluate_perplexity
-from mosaicquant.harness.registry import register_suite
 from mosaicquant.harness.results import Metric
+from mosaicquant.registry import register_suite
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,15 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from mosaicquant.config import Config, check_choice, check_range, exact_number_text
+from mosaicquant.errors import UserInputError
 from mosaicquant.harness import data as data_mod
-from mosaicquant.harness.config import Config, check_choice, check_range, exact_number_text
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import register_suite
 from mosaicquant.harness.results import Metric
 from mosaicquant.methods.analysis import BLOCK_SCORES, AnalysisSpec, distortion_analysis, parse_layers
 from mosaicquant.methods.calibration import decoder_layers
 from mosaicquant.methods.format import block_shape_text, parse_block_shape
 from mosaicquant.methods.mosaicquant import apply_transform
+from mosaicquant.registry import register_suite
 
 HELDOUT_SEED_OFFSET = 100_003
 

@@ -20,11 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mosaicquant.harness.config import Config, check_range
-from mosaicquant.harness.errors import Unavailable
-from mosaicquant.harness.registry import register_suite
+from mosaicquant.config import Config, check_range
+from mosaicquant.errors import Unavailable
 from mosaicquant.harness.results import Metric
+from mosaicquant.harness.runtime import kv_cache_bytes_per_token
+from mosaicquant.harness.speedforms import executable
 from mosaicquant.methods.qlinear import FakeQuantLinear, weight_memory
+from mosaicquant.registry import register_suite
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,6 @@ def memory(model, config: MemoryConfig, ctx):
     # embeddings' share (Llama-3's 128k vocabulary makes it smaller than Llama-2's 32k)
     metrics["residual_overhead_vs_model"] = Metric(residual / (base + other) if base + other else 0.0,
                                                    higher_is_better=False)
-    from mosaicquant.harness.runtime import kv_cache_bytes_per_token
 
     kv = kv_cache_bytes_per_token(model)
     if kv is not None:
@@ -90,8 +91,6 @@ def memory(model, config: MemoryConfig, ctx):
 def _peak_memory(model, config: MemoryConfig, ctx, metrics: dict) -> dict:
     """Add ``peak_device_bytes`` (one forward pass of the executable model) on a CUDA device."""
     if ctx.device.type == "cuda":
-        from mosaicquant.harness.speedforms import executable
-
         try:
             executable(model, ctx.method_info)  # peak memory of what runs, not of the simulation
         except Unavailable as exc:

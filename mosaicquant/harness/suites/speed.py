@@ -48,16 +48,16 @@ from dataclasses import dataclass
 
 import torch
 
-from mosaicquant.harness.config import Config, check_range
-from mosaicquant.harness.errors import Unavailable, UserInputError
+from mosaicquant.config import Config, check_range
+from mosaicquant.errors import Unavailable, UserInputError
 from mosaicquant.harness.floor import decode_bytes, floor_fraction, measure_ceilings, module_bytes, prefill_flops, \
     quantized_linears
-from mosaicquant.harness.registry import register_suite
 from mosaicquant.harness.results import Metric
 from mosaicquant.harness.runtime import RUNTIMES, FusedDecoder, resolve_runtime
 from mosaicquant.harness.speedforms import executable
 from mosaicquant.harness.telemetry import Telemetry
 from mosaicquant.harness.timing import time_calls
+from mosaicquant.registry import register_suite
 
 __all__ = ["ThroughputConfig", "LatencyConfig", "throughput", "latency", "LINEAR_GROUPS", "measure_prefill",
            "decode_step", "fused_decode_step", "measure_decode", "measure_linear_group", "SPEED_SUITES"]

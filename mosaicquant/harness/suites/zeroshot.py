@@ -31,9 +31,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from mosaicquant.harness.config import Config, check_choice, check_range
-from mosaicquant.harness.errors import AssetError, MosaicQuantError, UserInputError
-from mosaicquant.harness.registry import register_suite
+from mosaicquant.config import Config, check_choice, check_range
+from mosaicquant.errors import AssetError, MosaicQuantError, UserInputError
 from mosaicquant.harness.results import Metric
 from mosaicquant.harness.taskdata import (
     DEFAULT_TASKS,
@@ -46,6 +45,7 @@ from mosaicquant.harness.taskdata import (
     prepare_task_data,
     write_task_definitions,
 )
+from mosaicquant.registry import register_suite
 
 __all__ = ["ZeroShotConfig", "zeroshot", "import_lm_eval", "metrics_from_results"]
 

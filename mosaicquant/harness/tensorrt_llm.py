@@ -7,7 +7,7 @@ which are kept in the cell's record:
 
 1. quantize with ModelOpt and export the checkpoint TensorRT-LLM loads (a Hugging Face folder with
    ``hf_quant_config.json``, written by ``modelopt.torch.export.export_hf_checkpoint``), with the
-   sweep's calibration set: ``python -c "from mosaicquant.baselines.tensorrt_llm import
+   sweep's calibration set: ``python -c "from mosaicquant.harness.tensorrt_llm import
    export_for_trtllm; export_for_trtllm(...)"`` (:func:`export_for_trtllm`; this step runs
    anywhere ModelOpt does, the CPU included);
 2. ``trtllm-bench --model DIR prepare-dataset --output DATASET token-norm-dist ...``: a synthetic
@@ -46,11 +46,17 @@ from typing import Any
 
 import torch
 
+from mosaicquant.config import Config, check_range
+from mosaicquant.errors import UserInputError
+from mosaicquant.harness import data as data_mod
+from mosaicquant.harness import models as models_mod
+from mosaicquant.harness import shapes
 from mosaicquant.harness.backends import BackendOutcome, BackendRequest
-from mosaicquant.harness.config import Config, check_range
-from mosaicquant.harness.errors import UserInputError
-from mosaicquant.harness.registry import register_backend
+from mosaicquant.harness.context import QuantContext
 from mosaicquant.harness.results import Metric
+from mosaicquant.harness.spec import parse_plugin_spec
+from mosaicquant.methods.modelopt_recipes import DEFAULT_RECIPE, RECIPES, import_modelopt
+from mosaicquant.registry import register_backend
 
 __all__ = [
     "TensorRTLLMConfig", "Availability", "TrtllmBenchReport", "SPEED_SUITES", "TRTLLM_METHODS",
@@ -172,7 +178,7 @@ def plan_commands(request: BackendRequest, config: TensorRTLLMConfig) -> list[li
     dataset = _dataset_path(ckpt, config)
     text = json.dumps  # a double-quoted literal: the shell command then needs no nested quoting
     export_call = (
-        "from mosaicquant.baselines.tensorrt_llm import export_for_trtllm; "
+        "from mosaicquant.harness.tensorrt_llm import export_for_trtllm; "
         f"export_for_trtllm({text(request.model)}, {text(request.method_label)}, {text(str(ckpt))}, "
         f"corpus={text(request.corpus)}, calib_samples={request.calib_samples}, calib_seqlen={request.calib_seqlen}, "
         f"seed={request.seed}, device={text(config.export_device)})"
@@ -335,8 +341,6 @@ def export_checkpoint(model: torch.nn.Module, tokenizer: Any, export_dir: str | 
     Returns:
         The ``quantization`` block of ``hf_quant_config.json`` (``{}`` for an unquantized model).
     """
-    from mosaicquant.baselines.modelopt import import_modelopt
-
     import_modelopt()
     from modelopt.torch.export import export_hf_checkpoint
 
@@ -371,11 +375,6 @@ def export_for_trtllm(model: str, method: str, export_dir: str | Path, *, corpus
     Raises:
         UserInputError: a method TensorRT-LLM has no format for.
     """
-    from mosaicquant.harness import data as data_mod
-    from mosaicquant.harness import models as models_mod
-    from mosaicquant.harness.context import QuantContext
-    from mosaicquant.harness.spec import parse_plugin_spec
-
     spec = parse_plugin_spec(method, "method")
     if spec.name not in TRTLLM_METHODS:
         raise UserInputError(
@@ -417,8 +416,6 @@ def tensorrt_llm_backend(request: BackendRequest, config: TensorRTLLMConfig) -> 
         return BackendOutcome.unavailable(
             f"TensorRT-LLM runs ModelOpt checkpoints: method {request.method_name!r} has no TensorRT-LLM format "
             f"(use one of {', '.join(TRTLLM_METHODS)})")
-    from mosaicquant.harness import shapes
-
     if shapes.is_shape_model(request.model):
         return BackendOutcome.unavailable(
             f"TensorRT-LLM benchmarks a checkpoint with its tokenizer; the random-weight shape model "
@@ -458,8 +455,6 @@ INT4_GROUP = 128
 
 def _model_dims(model: str) -> dict[str, int] | None:
     """Hidden and intermediate sizes from the model's config, without loading weights (None if unknown)."""
-    from mosaicquant.harness import models as models_mod
-
     source = models_mod.resolve_model(model)
     if source.kind == "builtin":
         config = models_mod.BUILTIN_MODELS[source.location].expected_config
@@ -476,7 +471,7 @@ def _int4_group_problem(request: BackendRequest) -> str | None:
     ModelOpt 0.47's export refuses a partial int4 group ("partial blocks are not supported"),
     so every linear's input size must be a multiple of 128 (SmolLM2's hidden size 576 is not).
     """
-    if request.method_name != "modelopt" or request.method_config.get("recipe", "int4_awq") not in ("int4_awq",
+    if request.method_name != "modelopt" or request.method_config.get("recipe", DEFAULT_RECIPE) not in ("int4_awq",
                                                                                                    "w4a8_awq"):
         return None
     dims = _model_dims(request.model) or {}
@@ -491,9 +486,7 @@ def _planned_method_info(request: BackendRequest) -> dict[str, Any]:
     """Bits and execution path of the cell's method, from its config (nothing is run for this)."""
     info: dict[str, Any] = {"exec_path": "TensorRT-LLM (trtllm-bench, PyTorch backend)"}
     if request.method_name == "modelopt":
-        from mosaicquant.baselines.modelopt import RECIPES, ModelOptConfig
-
-        name = request.method_config.get("recipe", ModelOptConfig().recipe)
+        name = request.method_config.get("recipe", DEFAULT_RECIPE)
         recipe = RECIPES[name]
         info.update(wbits=recipe.wbits, abits=recipe.abits, kv_bits=16, recipe=name,
                     modelopt_config=recipe.config_name, trtllm_quant_algo=recipe.trtllm_quant_algo)

@@ -29,12 +29,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mosaicquant.baselines import tensorrt_llm as trt
-from mosaicquant.baselines.modelopt import RECIPES
+from mosaicquant.errors import UserInputError
+from mosaicquant.harness import tensorrt_llm as trt
 from mosaicquant.harness.backends import BackendRequest, parse_backend_spec
 from mosaicquant.harness.cli import main
-from mosaicquant.harness.errors import UserInputError
 from mosaicquant.harness.results import load_records
+from mosaicquant.methods.modelopt_recipes import RECIPES
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -175,8 +175,8 @@ def speed_suite(monkeypatch):
     """The ``throughput`` suite name, registered for the sweep's parser if no suite module has it."""
     from dataclasses import dataclass
 
-    from mosaicquant.harness.config import Config
-    from mosaicquant.harness.registry import SUITES, Entry
+    from mosaicquant.config import Config
+    from mosaicquant.registry import SUITES, Entry
 
     if "throughput" not in SUITES.names():
         @dataclass(frozen=True)

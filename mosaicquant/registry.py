@@ -10,12 +10,18 @@ by importing a module whose functions carry ``@register_method(...)``), e.g. in 
     [project.entry-points."mosaicquant.methods"]
     mymethod = "my_package.my_method"
 
-A method is ``fn(model, config, ctx) -> model`` (see :class:`QuantContext`); a suite is
+A method is ``fn(model, config, ctx) -> model`` (see :class:`QuantContext`), registered with
+its speed form where it has one: ``speed_form(model, config, ctx) -> (quantized linears, notes)``
+builds the method's format on a random-weight model without calibration data (round-to-nearest
+integers, the method's transforms and formats), which the speed suites time on a model's shapes
+(:mod:`mosaicquant.harness.speedforms`); ``data_free=True`` says the method needs no calibration
+data and runs on such a model as it is. A method with neither has no speed row on a shape model.
+A suite is
 ``fn(model, config, ctx) -> dict[str, Metric]`` (see :mod:`mosaicquant.harness.suites`).
 
 Example:
     >>> from dataclasses import dataclass
-    >>> from mosaicquant.harness.config import Config
+    >>> from mosaicquant.config import Config
     >>> @dataclass(frozen=True)
     ... class NoopConfig(Config):
     ...     pass
@@ -34,8 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mosaicquant.harness.config import Config
-from mosaicquant.harness.errors import UserInputError, unknown_name
+from mosaicquant.config import Config
+from mosaicquant.errors import UserInputError, unknown_name
 
 __all__ = [
     "Entry",
@@ -73,7 +79,7 @@ BUILTIN_MODULES: dict[str, list[str]] = {
         "mosaicquant.harness.suites.zeroshot",
         "mosaicquant.harness.suites.speed",
     ],
-    "backend": ["mosaicquant.baselines.tensorrt_llm"],
+    "backend": ["mosaicquant.harness.tensorrt_llm"],
 }
 
 
@@ -87,6 +93,10 @@ class Entry:
     kind: str
     source: str
     description: str
+    #: a method's data-free speed form, ``fn(model, config, ctx) -> (quantized linears, notes)``, or None
+    speed_form: Callable[..., Any] | None = None
+    #: a method that needs no calibration data: its own ``fn`` is its speed form
+    data_free: bool = False
 
 
 class Registry:
@@ -99,19 +109,25 @@ class Registry:
         self._builtins_loaded = False
         self._loading_source = "direct registration"
 
-    def register(self, name: str, fn: Callable[..., Any], config: type[Config], description: str = "") -> Entry:
+    def register(self, name: str, fn: Callable[..., Any], config: type[Config], description: str = "",
+                 speed_form: Callable[..., Any] | None = None, data_free: bool = False) -> Entry:
         """Add ``name``; a second registration of the same name is an error."""
         if not name or name != name.strip() or ":" in name or "," in name:
             raise ValueError(f"{self.kind} name {name!r} must be non-empty and contain no ':' or ','")
         if not (isinstance(config, type) and issubclass(config, Config)):
             raise TypeError(f"{self.kind} {name!r}: config must be a Config subclass, got {config!r}")
+        if speed_form is not None and not callable(speed_form):
+            raise TypeError(f"{self.kind} {name!r}: speed_form must be a function, got {speed_form!r}")
+        if speed_form is not None and data_free:
+            raise ValueError(f"{self.kind} {name!r}: a data-free method is its own speed form; give speed_form "
+                             "or data_free=True, not both")
         if name in self._entries:
             raise ValueError(
                 f"duplicate {self.kind} name {name!r}: already registered by {self._entries[name].source}"
             )
         doc = description or (fn.__doc__ or "").strip().splitlines()[0:1]
         entry = Entry(name, fn, config, self.kind, self._loading_source,
-                      doc if isinstance(doc, str) else (doc[0] if doc else ""))
+                      doc if isinstance(doc, str) else (doc[0] if doc else ""), speed_form, data_free)
         self._entries[name] = entry
         return entry
 
@@ -161,6 +177,11 @@ class Registry:
             return self._entries[name]
         raise unknown_name(self.kind, name, self.names())
 
+    def registered(self) -> list[Entry]:
+        """The entries registered so far, built-ins included, by name (entry points not yet loaded are not)."""
+        self._load_builtins()
+        return [self._entries[n] for n in sorted(self._entries)]
+
     def entries(self) -> list[Entry]:
         return [self.get(n) for n in self.names()]
 
@@ -170,17 +191,27 @@ SUITES = Registry("suite", "mosaicquant.suites")
 BACKENDS = Registry("backend", "mosaicquant.backends")
 
 
-def _decorator(registry: Registry, name: str, config: type[Config], description: str):
+def _decorator(registry: Registry, name: str, config: type[Config], description: str, **extra):
     def wrap(fn):
-        registry.register(name, fn, config, description)
+        registry.register(name, fn, config, description, **extra)
         return fn
 
     return wrap
 
 
-def register_method(name: str, *, config: type[Config], description: str = ""):
-    """Decorator: register ``fn(model, config, ctx) -> model`` as method ``name``."""
-    return _decorator(METHODS, name, config, description)
+def register_method(name: str, *, config: type[Config], description: str = "",
+                    speed_form: Callable[..., Any] | None = None, data_free: bool = False):
+    """Decorator: register ``fn(model, config, ctx) -> model`` as method ``name``.
+
+    Args:
+        name: the method's name on the command line.
+        config: its :class:`~mosaicquant.config.Config` subclass.
+        description: one line for ``mosaicquant ls`` (default: the function's first docstring line).
+        speed_form: ``fn(model, config, ctx) -> (quantized linears, notes)``: the method's format on a
+            random-weight model without calibration data, for the speed suites; None: no such form.
+        data_free: the method needs no calibration data; on a random-weight model it runs as it is.
+    """
+    return _decorator(METHODS, name, config, description, speed_form=speed_form, data_free=data_free)
 
 
 def register_suite(name: str, *, config: type[Config], description: str = ""):

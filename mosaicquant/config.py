@@ -2,7 +2,7 @@
 
 Every method and suite config subclasses :class:`Config` (a frozen dataclass). Validation
 runs in ``__post_init__`` through :meth:`Config.validate` and raises
-:class:`~mosaicquant.harness.errors.UserInputError` naming the bad value and what is allowed.
+:class:`~mosaicquant.errors.UserInputError` naming the bad value and what is allowed.
 
 Example:
     >>> from dataclasses import dataclass
@@ -26,7 +26,7 @@ from typing import Any, ClassVar, TypeVar
 
 import yaml
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 
 __all__ = ["Config", "check_choice", "check_range", "coerce_value", "exact_number_text", "parse_kv_pairs"]
 
