@@ -67,7 +67,7 @@ import torch
 
 from mosaicquant.harness import shapes as shapes_mod
 from mosaicquant.harness.errors import UserInputError, unknown_name
-from mosaicquant.harness.results import write_record
+from mosaicquant.harness.results import save_record
 from mosaicquant.harness.runner import (
     CellOutcome, GroupTask, SweepResult, SweepState, failure_record, is_finished, run_group,
 )
@@ -400,7 +400,7 @@ class DaskExecutor:
             if is_finished(cell.path):
                 result.written.append(cell.path)  # the lost attempt had finished this one
                 continue
-            write_record(cell.path, failure_record(self.spec, cell, "worker", exc, message))
+            save_record(cell.path, failure_record(self.spec, cell, "worker", exc, message))
             result.failed.append(cell.path)
             log(f"[mosaicquant]   FAILED {task.label} / {cell.suite.label}: {message.split('. Scheduler')[0]}")
 

@@ -2,13 +2,18 @@
 runs each pending suite on it; each (model, method spec, suite, seed) cell is one record.
 
 - Validation first: every name, option and path is checked before any model is loaded.
-- Resume: a cell whose record exists with ``"status": "ok"`` is skipped; a failed or
-  missing one is (re)computed. A finished record made with other run settings that its cell
+- One run at a time per results directory (:func:`mosaicquant.harness.results.results_lock`):
+  a second run into it stops at once, naming the run that holds it.
+- Resume: a cell whose record is valid (:func:`mosaicquant.harness.results.record_problem`,
+  the check ``report`` and ``compare`` apply) with ``"status": "ok"`` is skipped; a failed,
+  missing or invalid one is (re)computed, an invalid one named with why. A finished record made with other run settings that its cell
   depends on (dtype; the corpus and calibration size it read) stops the sweep before any work
   (:func:`check_finished_settings`): it is neither reused nor overwritten.
 - Isolation: an exception in a method fails every pending suite of that method spec (each
   recorded as failed with the error); an exception in a suite fails that cell only. The
-  sweep goes on. ``KeyboardInterrupt`` stops it; finished records stay.
+  sweep goes on. ``KeyboardInterrupt`` stops it; finished records stay. A record the results
+  directory refuses (disk full, read-only) stops it too, the computed record kept elsewhere
+  (:func:`mosaicquant.harness.results.save_record`).
 - Sharing: the calibration tokens are drawn once per seed and used by every method; the
   test tokens once per sweep (per worker process under a distributed executor).
 
@@ -40,7 +45,8 @@ from mosaicquant.harness import shapes as shapes_mod
 from mosaicquant.harness.context import QuantContext, SuiteContext
 from mosaicquant.harness.errors import Unavailable, UserInputError
 from mosaicquant.harness.results import (
-    SCHEMA, Metric, ensure_writable_dir, environment, git_info, now_iso, read_record, record_path, write_record,
+    SCHEMA, Metric, ensure_writable_dir, environment, git_info, now_iso, read_valid_record, record_path,
+    results_lock, save_record,
 )
 from mosaicquant.harness.spec import PluginSpec, RunSpec
 from mosaicquant.harness.speedforms import speed_form
@@ -144,14 +150,10 @@ def is_finished(path: Path) -> bool:
 
 
 def finished_record(path: Path) -> dict[str, Any] | None:
-    """The record at ``path`` if it exists and says ``"status": "ok"``, else ``None``."""
-    if not path.exists():
-        return None
-    try:
-        record = read_record(path)
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) and record.get("status") == "ok" else None
+    """The record at ``path`` if it is valid (the check ``report`` and ``compare`` apply,
+    :func:`mosaicquant.harness.results.record_problem`) and says ``"status": "ok"``, else ``None``."""
+    record, _ = read_valid_record(path)
+    return record if record is not None and record.get("status") == "ok" else None
 
 
 def settings_differences(spec: RunSpec, record: dict[str, Any]) -> list[tuple[str, Any, Any]]:
@@ -468,7 +470,7 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         if quant_error is not None:
             status = "unavailable" if isinstance(quant_error, Unavailable) else "failed"
             record.update(status=status, stage="quantize", metrics={}, error=_error_dict(quant_error))
-            write_record(cell.path, record)
+            save_record(cell.path, record)
             line = f"[mosaicquant]   {status.upper()} {label} / {cell.suite.label}: {type(quant_error).__name__}: {quant_error}"
             log(line)
             outcomes.append(CellOutcome(cell.path, status, line))
@@ -499,7 +501,7 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         if method_calibration.used or suite_calibration.used:
             record["calibration"] = state.calibration_record(seed)
         record["test_corpus"] = spec.corpus if suite_test.used else None
-        write_record(cell.path, record)
+        save_record(cell.path, record)
         if record["status"] == "ok":
             shown = ", ".join(f"{k}={v['value']:.4g}" for k, v in list(record["metrics"].items())[:3])
             line = f"[mosaicquant]   {label} / {cell.suite.label}: {shown}"
@@ -540,28 +542,44 @@ def run_sweep(spec: RunSpec, log: Callable[[str], None] = print,
 
     Raises:
         UserInputError: bad spec, unknown backend, executor settings that do not fit it, or
-            finished records made with other settings (:func:`check_finished_settings`).
+            finished records made with other settings (:func:`check_finished_settings`), or a
+            results directory another run holds (:func:`mosaicquant.harness.results.results_lock`).
+        RecordWriteError: a record could not be written (the sweep stops; the record is kept elsewhere).
     """
     from mosaicquant.harness.backends import parse_backend_spec, run_backend_sweep
-    from mosaicquant.harness.executors import ExecutorSettings, make_executor
+    from mosaicquant.harness.executors import ExecutorSettings
 
     settings = executor if executor is not None else ExecutorSettings()
     chosen = parse_backend_spec(backend)
     if chosen is not None:
-        return run_backend_sweep(spec, chosen, log)
+        with results_lock(spec.out, log):
+            return run_backend_sweep(spec, chosen, log)
     validate_run(spec)
+    with results_lock(spec.out, log):
+        return _run_locked(spec, settings, log)
+
+
+def _run_locked(spec: RunSpec, settings: ExecutorSettings, log: Callable[[str], None]) -> SweepResult:
+    from mosaicquant.harness.executors import make_executor
+
     cells = plan_cells(spec)
     result = SweepResult()
     pending = []
     finished = []
+    invalid = []
     for cell in cells:
-        record = finished_record(cell.path)
-        if record is not None:
+        record, why = read_valid_record(cell.path)
+        if record is not None and record.get("status") == "ok":
             finished.append((cell, record))
             result.skipped.append(cell.path)
         else:
             pending.append(cell)
+            if why is not None:
+                invalid.append((cell, why))
     check_finished_settings(spec, finished)
+    for cell, why in invalid:
+        log(f"[mosaicquant] warning: {cell.path} is not a valid record ({why}): recomputing "
+            f"{cell.method.label} / {cell.suite.label} / seed {cell.seed}")
     runner = make_executor(settings, spec)
     log(f"[mosaicquant] {len(cells)} cells: {len(result.skipped)} finished, {len(pending)} to run")
     if not pending:
