@@ -96,11 +96,20 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text).strip("_")[:80]
 
 
-def record_path(out_dir: str | Path, model: str, method_label: str, suite_label: str, seed: int) -> Path:
-    """File of the record for one cell: readable slug plus a hash of the full key."""
+def record_path(out_dir: str | Path, model: str, method_label: str, suite_label: str, seed: int,
+                name: str | None = None) -> Path:
+    """File of the record for one cell: readable slug plus a hash of the full key.
+
+    Args:
+        out_dir: the results directory.
+        model: the model's key (:func:`mosaicquant.harness.models.model_key`).
+        method_label / suite_label / seed: the rest of the cell's key.
+        name: the model's display name for the slug (default: from ``model``); not part of the hash.
+    """
     key = json.dumps([model, method_label, suite_label, seed])
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
-    name = f"{_slug(Path(model).name or model)}__{_slug(method_label)}__{_slug(suite_label)}__s{seed}__{digest}.json"
+    shown = name or Path(model).name or model
+    name = f"{_slug(shown)}__{_slug(method_label)}__{_slug(suite_label)}__s{seed}__{digest}.json"
     return Path(out_dir) / name
 
 
@@ -385,6 +394,14 @@ def load_records(out_dir: str | Path, required: bool = False,
     (:func:`skipped_note`). JSON of another tool (no ``mosaicquant.result/`` schema, a file name
     that is not a record's) is left out silently: other tools' output may sit next to the records.
 
+    A model is one model by its content: records with the same ``model.fingerprint`` (a local
+    folder or ``.gguf`` file) are one model; a record without one (a built-in or hub model, or a
+    record from before fingerprints) by its ``model.name``. Where one name stands for several
+    models here, each record's ``model.name`` becomes ``name [first 8 hex digits]`` (``name [no
+    fingerprint]`` for an older record), so reports show them as separate, distinguishable rows;
+    records of one fingerprint all take the name of its first record. The name as recorded stays in
+    ``model.recorded_name``.
+
     Raises:
         UserInputError: the directory does not exist, or (``required``) it holds no record.
     """
@@ -409,12 +426,34 @@ def load_records(out_dir: str | Path, required: bool = False,
         ours = isinstance(schema, str) and schema.startswith(_SCHEMA_PREFIX)
         if parsed is None or ours or _claims_record(f):
             unreadable.append((f.name, why))
+    _label_models(records)
     if skipped is not None:
         skipped.extend(unreadable)
     if required and not records:
         raise UserInputError(f"results directory {str(p)!r} holds no result records (JSON files with schema "
                              f"{SCHEMA!r})" + (f"; {skipped_note(unreadable)}" if unreadable else ""))
     return records
+
+
+def _label_models(records: list[dict[str, Any]]) -> None:
+    """Give every record of one model one ``model.name``, distinct from other models' (see :func:`load_records`)."""
+    def identity(rec):
+        fingerprint = rec["model"].get("fingerprint")
+        return ("fingerprint", fingerprint) if isinstance(fingerprint, str) else ("name", rec["model"]["name"])
+
+    first_name: dict[tuple[str, str], str] = {}
+    for rec in records:
+        first_name.setdefault(identity(rec), rec["model"]["name"])
+    models_of_name: dict[str, set[tuple[str, str]]] = {}
+    for ident, name in first_name.items():
+        models_of_name.setdefault(name, set()).add(ident)
+    for rec in records:
+        ident = identity(rec)
+        name = first_name[ident]
+        if len(models_of_name[name]) > 1:
+            name = f"{name} [{ident[1][:8] if ident[0] == 'fingerprint' else 'no fingerprint'}]"
+        rec["model"]["recorded_name"] = rec["model"]["name"]
+        rec["model"]["name"] = name
 
 
 def skipped_note(skipped: list[tuple[str, str]], shown: int = 5) -> str:

@@ -116,10 +116,11 @@ class GroupTask:
 
 def plan_cells(spec: RunSpec) -> list[Cell]:
     """All cells of the sweep, in method-major order (a local model's records are keyed by its
-    resolved path, see :func:`mosaicquant.harness.models.model_key`)."""
+    content fingerprint, see :func:`mosaicquant.harness.models.model_key`)."""
     model = models_mod.model_key(spec.model)
+    name = models_mod.resolve_model(spec.model).name
     return [
-        Cell(m, s, seed, record_path(spec.out, model, m.label, s.label, seed))
+        Cell(m, s, seed, record_path(spec.out, model, m.label, s.label, seed, name=name))
         for m in spec.methods for seed in spec.seeds for s in spec.suites
     ]
 
@@ -377,7 +378,8 @@ def _record_head(spec: RunSpec, model_meta: dict[str, Any], cell: Cell, env: dic
     method = cell.method
     return {
         "schema": SCHEMA,
-        "model": {"spec": spec.model, **model_meta, "dtype": spec.dtype},
+        "model": {"spec": spec.model, **model_meta, "dtype": spec.dtype,
+                  "fingerprint": models_mod.model_fingerprint(spec.model)},
         "method": {"name": method.name, "label": method.label, "config": method.config.to_dict()},
         "suite": {"name": cell.suite.name, "label": cell.suite.label, "config": cell.suite.config.to_dict()},
         "seed": cell.seed,
