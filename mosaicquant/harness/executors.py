@@ -18,7 +18,7 @@ Design:
 
 - One task per (method spec × seed), the unit :func:`mosaicquant.harness.runner.run_group`
   computes: quantize once, run each pending suite, write each record with the same atomic
-  writer as a local sweep (:func:`mosaicquant.harness.results.write_record`), into the
+  writer as a local sweep (:func:`mosaicquant.harness.results.save_record`), into the
   results directory, which must therefore be on a file system the workers share. A sweep
   interrupted on the cluster resumes like a local one: a rerun skips every ``ok`` record.
 - A task asks for ``{"GPU": gpus_per_cell}`` when the sweep's device is CUDA and for

@@ -29,7 +29,6 @@ import fcntl
 import functools
 import hashlib
 import json
-import math
 import os
 import platform
 import socket

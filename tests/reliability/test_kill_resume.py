@@ -19,7 +19,9 @@ def _numbers(out):
 
 
 def _summary(out, report_dir):
-    return write_tables(out, report_dir / "report.md") and (report_dir / "summary.csv").read_text()
+    """The report's summary table of ``out``, written into ``report_dir``."""
+    write_tables(out, report_dir / "report.md")
+    return (report_dir / "summary.csv").read_text()
 
 
 # one seed of the kill point per signal (a child process costs seconds on a loaded CI machine); the seed

@@ -31,12 +31,11 @@ def test_second_lock_on_a_held_directory_names_folder_pid_and_host(tmp_path):
     assert lock_file.read_text() == ""
 
 
-def test_lock_of_a_killed_process_is_taken_over(tmp_path):
+def test_lock_of_a_killed_process_is_taken_over(tmp_path, rel):
     out = tmp_path / "res"
     code = ("import sys, time; from mosaicquant.harness.results import results_lock\n"
             f"with results_lock({str(out)!r}):\n    print('held', flush=True); time.sleep(60)\n")
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=rel.child_env())
     try:
         assert child.stdout.readline().strip() == "held"
         with pytest.raises(UserInputError, match=rf"pid {child.pid} on host "):
@@ -73,15 +72,18 @@ def test_run_into_a_held_directory_exits_2_without_touching_it(tmp_path, tiny_ll
     assert rel.record_files(out) == []
 
 
-def test_two_runs_with_other_dtypes_at_once_never_mix_records(tmp_path, tiny_llama_dir, rel):
+def test_two_runs_with_other_dtypes_at_once_never_mix_records(tmp_path, tiny_llama_dir, tiny_corpus, rel, capsys):
     # before the lock both exited 0 and the bfloat16 records were overwritten by float32 ones
     out = tmp_path / "res"
     first = rel.start_child(rel.sweep_args(tiny_llama_dir, out))
     deadline = time.monotonic() + 60
     while not (out / LOCK_NAME).exists() or not (out / LOCK_NAME).read_text():
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()
-        time.sleep(0.05)
-    rc, _, err = rel.run_child(rel.sweep_args(tiny_llama_dir, out, extra=["--dtype", "bfloat16"]))
+        time.sleep(0.02)
+    # the second run in this process: it reaches the lock in well under the first run's model load
+    capsys.readouterr()
+    rc = main(rel.sweep_args(tiny_llama_dir, out, extra=["--dtype", "bfloat16"]))
+    err = capsys.readouterr().err
     first_out, first_err = first.communicate(timeout=120)
     assert first.returncode == 0, first_err[-2000:]
     assert rc == 2, err[-2000:]
@@ -89,6 +91,6 @@ def test_two_runs_with_other_dtypes_at_once_never_mix_records(tmp_path, tiny_lla
     records = load_records(out)
     assert len(records) == 6 and {r["model"]["dtype"] for r in records} == {"float32"}
     # and the same bfloat16 command afterwards is refused by the finished records' settings, not mixed in
-    rc, _, err = rel.run_child(rel.sweep_args(tiny_llama_dir, out, extra=["--dtype", "bfloat16"]))
-    assert rc == 2 and "has dtype='float32' (this run: 'bfloat16')" in err
+    rc = main(rel.sweep_args(tiny_llama_dir, out, extra=["--dtype", "bfloat16"]))
+    assert rc == 2 and "has dtype='float32' (this run: 'bfloat16')" in capsys.readouterr().err
     assert {r["model"]["dtype"] for r in load_records(out)} == {"float32"}
