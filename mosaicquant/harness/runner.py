@@ -6,8 +6,9 @@ runs each pending suite on it; each (model, method spec, suite, seed) cell is on
   a second run into it stops at once, naming the run that holds it.
 - Resume: a cell whose record is valid (:func:`mosaicquant.harness.results.record_problem`,
   the check ``report`` and ``compare`` apply) with ``"status": "ok"`` is skipped; a failed,
-  missing or invalid one is (re)computed, an invalid one named with why. A finished record made with other run settings that its cell
-  depends on (dtype; the corpus and calibration size it read) stops the sweep before any work
+  missing or invalid one is (re)computed, an invalid one named with why. A finished record
+  made with other run settings that its cell depends on (dtype; the corpus and calibration
+  size it read) stops the sweep before any work
   (:func:`check_finished_settings`): it is neither reused nor overwritten.
 - Isolation: an exception in a method fails every pending suite of that method spec (each
   recorded as failed with the error); an exception in a suite fails that cell only. The
