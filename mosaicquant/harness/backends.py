@@ -159,7 +159,8 @@ def run_backend_cells(spec: RunSpec, cells: list[Cell], backend: Entry, backend_
         record = {
             "schema": SCHEMA,
             "model": {"spec": spec.model, "name": source.name, "source": source.description,
-                      "caveat": source.caveat, "dtype": spec.dtype},
+                      "caveat": source.caveat, "dtype": spec.dtype,
+                      "fingerprint": models_mod.model_fingerprint(spec.model)},
             "method": {"name": cell.method.name, "label": backend_label(cell.method.label, backend.name),
                        "spec_label": cell.method.label, "backend": backend.name,
                        "config": cell.method.config.to_dict()},

@@ -18,7 +18,7 @@ Design:
 
 - One task per (method spec × seed), the unit :func:`mosaicquant.harness.runner.run_group`
   computes: quantize once, run each pending suite, write each record with the same atomic
-  writer as a local sweep (:func:`mosaicquant.harness.results.write_record`), into the
+  writer as a local sweep (:func:`mosaicquant.harness.results.save_record`), into the
   results directory, which must therefore be on a file system the workers share. A sweep
   interrupted on the cluster resumes like a local one: a rerun skips every ``ok`` record.
 - A task asks for ``{"GPU": gpus_per_cell}`` when the sweep's device is CUDA and for
@@ -67,7 +67,7 @@ import torch
 
 from mosaicquant.errors import UserInputError, unknown_name
 from mosaicquant.harness import shapes as shapes_mod
-from mosaicquant.harness.results import write_record
+from mosaicquant.harness.results import save_record
 from mosaicquant.harness.runner import (
     CellOutcome, GroupTask, SweepResult, SweepState, failure_record, is_finished, run_group,
 )
@@ -400,7 +400,7 @@ class DaskExecutor:
             if is_finished(cell.path):
                 result.written.append(cell.path)  # the lost attempt had finished this one
                 continue
-            write_record(cell.path, failure_record(self.spec, cell, "worker", exc, message))
+            save_record(cell.path, failure_record(self.spec, cell, "worker", exc, message))
             result.failed.append(cell.path)
             log(f"[mosaicquant]   FAILED {task.label} / {cell.suite.label}: {message.split('. Scheduler')[0]}")
 

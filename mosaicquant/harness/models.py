@@ -50,6 +50,7 @@ __all__ = [
     "LoadedModel",
     "resolve_model",
     "model_key",
+    "model_fingerprint",
     "load_model",
     "check_finite_weights",
     "converted_builtin_folder",
@@ -217,17 +218,37 @@ def resolve_model(spec: str) -> ModelSource:
 
 
 def model_key(spec: str) -> str:
-    """The model's part of a record's key: one model, one key, however it is written.
+    """The model's part of a record's key: one model, one key, however it is written or wherever it lies.
 
-    A local folder or ``.gguf`` file is keyed by its resolved absolute path, so ``/data/m``,
-    ``/data/m/``, ``./m`` and ``m`` (from ``/data``) find the same records; a built-in name, a
-    shape model or a hub id is its own key.
+    A local folder or ``.gguf`` file is keyed by its content, ``"fingerprint:<hex>"``
+    (:func:`model_fingerprint`), so ``/data/m``, ``./m``, a symlink to it or a copy of it find the same
+    records, and two different folders that share a name do not; a built-in name, a shape model
+    or a hub id is its own key.
 
     Raises:
-        UserInputError: as :func:`resolve_model`.
+        UserInputError: as :func:`resolve_model`, or a model file that cannot be read.
     """
+    fingerprint = model_fingerprint(spec)
+    return f"fingerprint:{fingerprint}" if fingerprint is not None else spec
+
+
+def model_fingerprint(spec: str) -> str | None:
+    """The content fingerprint of a local folder or ``.gguf`` model
+    (:func:`mosaicquant.harness.fingerprints.model_fingerprint`), ``None`` for any other model spec.
+
+    Raises:
+        UserInputError: as :func:`resolve_model`, or a model file that cannot be read.
+    """
+    from mosaicquant.harness import fingerprints
+
     source = resolve_model(spec)
-    return source.location if source.kind in ("folder", "gguf") else spec
+    if source.kind not in ("folder", "gguf"):
+        return None
+    try:
+        return fingerprints.model_fingerprint(source.location)
+    except OSError as exc:
+        raise UserInputError(f"model {spec!r}: cannot read {exc.filename or source.location}: "
+                             f"{exc.strerror or exc}") from None
 
 
 def _require_gguf_support(what: str) -> None:

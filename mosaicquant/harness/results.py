@@ -7,28 +7,41 @@ the git commit and a fingerprint of the package's source (:func:`source_fingerpr
 even where the checkout's git history is not the code's, as on a machine that got a copy of the files),
 the date and the seed. Records are written atomically (temporary file in
 the same folder, fsync, rename), so an interrupted sweep never leaves a half-written one,
-and a rerun skips every cell whose record says ``"status": "ok"``.
+and a rerun skips every cell whose record is valid (:func:`record_problem`) and says ``"status": "ok"``.
+
+One notion of a valid record serves every reader: ``run``'s finished check
+(:func:`read_valid_record`), ``report`` and ``compare`` (:func:`load_records`) accept exactly the
+records :func:`record_problem` finds nothing wrong with, and each names every file it cannot accept
+(with the line of a JSON syntax error).
+
+One run at a time writes into a results directory: :func:`results_lock` holds an exclusive
+``flock`` on its lock file (:data:`LOCK_NAME`) for the whole run.
 
 Reports (:mod:`mosaicquant.reports`) read only records.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import errno
+import fcntl
 import functools
 import hashlib
 import json
 import os
 import platform
+import socket
 import re
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
-from mosaicquant.errors import UserInputError
+from mosaicquant.errors import MosaicQuantError, UserInputError
 
 __all__ = [
     "SCHEMA",
@@ -36,7 +49,13 @@ __all__ = [
     "record_path",
     "write_record",
     "read_record",
+    "record_problem",
+    "read_valid_record",
     "load_records",
+    "save_record",
+    "RecordWriteError",
+    "results_lock",
+    "LOCK_NAME",
     "skipped_note",
     "environment",
     "git_info",
@@ -45,6 +64,10 @@ __all__ = [
 ]
 
 SCHEMA = "mosaicquant.result/1"
+#: the record statuses a run writes
+STATUSES = ("ok", "failed", "unavailable")
+#: the lock file :func:`results_lock` keeps in a results directory (not a ``*.json``, so no reader takes it)
+LOCK_NAME = ".mosaicquant.lock"
 
 
 @dataclass(frozen=True)
@@ -72,11 +95,20 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text).strip("_")[:80]
 
 
-def record_path(out_dir: str | Path, model: str, method_label: str, suite_label: str, seed: int) -> Path:
-    """File of the record for one cell: readable slug plus a hash of the full key."""
+def record_path(out_dir: str | Path, model: str, method_label: str, suite_label: str, seed: int,
+                name: str | None = None) -> Path:
+    """File of the record for one cell: readable slug plus a hash of the full key.
+
+    Args:
+        out_dir: the results directory.
+        model: the model's key (:func:`mosaicquant.harness.models.model_key`).
+        method_label / suite_label / seed: the rest of the cell's key.
+        name: the model's display name for the slug (default: from ``model``); not part of the hash.
+    """
     key = json.dumps([model, method_label, suite_label, seed])
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
-    name = f"{_slug(Path(model).name or model)}__{_slug(method_label)}__{_slug(suite_label)}__s{seed}__{digest}.json"
+    shown = name or Path(model).name or model
+    name = f"{_slug(shown)}__{_slug(method_label)}__{_slug(suite_label)}__s{seed}__{digest}.json"
     return Path(out_dir) / name
 
 
@@ -134,6 +166,121 @@ def write_record(path: str | Path, record: dict[str, Any]) -> Path:
     return path
 
 
+class RecordWriteError(MosaicQuantError):
+    """A computed record could not be written into its results directory (disk full, read-only, ...)."""
+
+
+def _unsaved_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "mosaicquant-unsaved"
+
+
+def save_record(path: str | Path, record: dict[str, Any]) -> Path:
+    """:func:`write_record`, and where the results directory refuses the file, keep the record elsewhere.
+
+    A record that cannot be written (no space left, a read-only or removed folder) leaves no file in
+    the results directory (the writer removes its temporary file), so nothing there counts as finished.
+    The computed record is not lost: it is written to ``<temp dir>/mosaicquant-unsaved/<file name>``,
+    or, where that fails too, printed as JSON to standard error; the error says which.
+
+    Args:
+        path: the record's file in the results directory.
+        record: the record.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        RecordWriteError: naming the file, the results directory, the reason, and where the record went.
+    """
+    path = Path(path)
+    try:
+        return write_record(path, record)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        try:
+            kept = write_record(_unsaved_dir() / path.name, record)
+            where = f"the computed record was saved to {kept}"
+        except OSError:
+            text = json.dumps(record, indent=2, sort_keys=True, default=_json_default)
+            print(text, file=sys.stderr)
+            where = "the computed record is printed above on standard error"
+        raise RecordWriteError(
+            f"cannot write record {path.name} into results directory {str(path.parent)!r}: {reason}; {where}; "
+            "the sweep stops (free space or make the directory writable, then run the same command: finished "
+            "records are kept)") from None
+
+
+def _lock_holder(fd: int) -> dict[str, Any]:
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        text = os.read(fd, 4096).decode("utf-8", "replace")
+        holder = json.loads(text) if text.strip() else {}
+    except (OSError, ValueError):
+        holder = {}
+    return holder if isinstance(holder, dict) else {}
+
+
+@contextlib.contextmanager
+def results_lock(out_dir: str | Path, log=None) -> Iterator[Path]:
+    """Hold a results directory for one run: a second run into it stops at once.
+
+    The lock is an exclusive, non-blocking ``flock`` on :data:`LOCK_NAME` in the directory, holding the
+    holder's pid, host and start time. The kernel drops it when its process ends, however it ends, so
+    the lock of a killed run is taken over by the next one (and named in ``log``). The second run
+    stops instead of waiting: a sweep can take hours, and a run that waits silently looks hung;
+    the message says who holds the folder. Leftover temporary files of a killed writer
+    (``.<record>.json.*.tmp``) are removed once the lock is held.
+
+    Args:
+        out_dir: the results directory (created if needed).
+        log: where to say that a dead run's lock was taken over (``None``: not said).
+
+    Yields:
+        The lock file's path.
+
+    Raises:
+        UserInputError: the directory is held by another run (naming the directory and that run's
+            pid, host and start), or it is not writable.
+    """
+    folder = ensure_writable_dir(out_dir)
+    lock_path = folder / LOCK_NAME
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, _file_mode())
+    except OSError as exc:
+        raise UserInputError(f"results directory {str(folder)!r}: cannot open its lock file {LOCK_NAME}: "
+                             f"{exc.strerror or exc}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise UserInputError(f"results directory {str(folder)!r}: cannot lock {LOCK_NAME}: "
+                                     f"{exc.strerror or exc}") from None
+            holder = _lock_holder(fd)
+            who = (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, since {holder.get('since', '?')}"
+                   if holder else "a process that has not written its name yet")
+            raise UserInputError(
+                f"results directory {str(folder)!r} is in use by another run ({who}): two runs into one "
+                "directory would overwrite each other's records; wait for it to end or use another --out") from None
+        previous = _lock_holder(fd)
+        if previous and log is not None:
+            log(f"[mosaicquant] results directory {str(folder)!r}: took over the lock of an ended run "
+                f"(pid {previous.get('pid', '?')} on host {previous.get('host', '?')})")
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        for leftover in folder.glob(".*.json.*.tmp"):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+        try:
+            yield lock_path
+        finally:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # an empty lock file: no run ended without releasing it
+    finally:
+        os.close(fd)
+
+
 def _json_default(obj):
     if hasattr(obj, "to_dict"):
         return obj.to_dict()
@@ -162,32 +309,97 @@ def read_record(path: str | Path) -> dict[str, Any]:
 
 # what every reader of a record (report, compare) takes from it without asking
 _REQUIRED_FIELDS = (("model", "name"), ("method", "name"), ("method", "label"), ("suite", "name"), ("suite", "label"))
+_SCHEMA_PREFIX = SCHEMA.rsplit("/", 1)[0] + "/"
 
 
-def _record_defect(rec: dict[str, Any]) -> str | None:
-    """Why a record of our schema cannot be read (a field its readers need is missing or malformed), else None."""
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def record_problem(rec: Any) -> str | None:
+    """Why ``rec`` (a record's parsed JSON) is not a valid record, or ``None`` when it is one.
+
+    A valid record has this package's schema (:data:`SCHEMA`; another version of it is named, not read),
+    ``model.name``, ``method.name``, ``method.label``, ``suite.name`` and ``suite.label`` as strings,
+    a ``status`` among :data:`STATUSES`, and ``metrics`` of the form
+    ``{name: {"value": number, ...}}`` (a dict, possibly empty; an ``ok`` record needs it). A number
+    may be NaN or infinite: that is what a run measured (a collapsed perplexity), and
+    ``mosaicquant compare`` handles it; a string, a bool or a missing value is not a number.
+
+    Example:
+        >>> record_problem({"schema": "mosaicquant.result/0"})
+        "schema 'mosaicquant.result/0' (this version reads 'mosaicquant.result/1')"
+    """
+    if not isinstance(rec, dict):
+        return f"not a record (a JSON {type(rec).__name__}, not an object)"
+    schema = rec.get("schema")
+    if schema != SCHEMA:
+        return f"schema {schema!r} (this version reads {SCHEMA!r})"
     for outer, inner in _REQUIRED_FIELDS:
         part = rec.get(outer)
         if not isinstance(part, dict) or not isinstance(part.get(inner), str):
             return f"a record without {outer}.{inner}"
+    status = rec.get("status")
+    if status not in STATUSES:
+        return f"a record whose status is {status!r}, not one of {', '.join(STATUSES)}"
     metrics = rec.get("metrics")
-    if metrics is not None and not (isinstance(metrics, dict) and all(
-            isinstance(m, dict) and isinstance(m.get("value"), (int, float)) for m in metrics.values())):
+    if metrics is None and status != "ok":
+        return None
+    if not isinstance(metrics, dict):
         return "a record whose metrics are not {name: {value: number, ...}}"
+    for name, m in metrics.items():
+        if not (isinstance(m, dict) and _is_number(m.get("value"))):
+            shown = m.get("value") if isinstance(m, dict) else m
+            return f"a record whose metric {name!r} is {shown!r}, not {{value: number, ...}}"
     return None
+
+
+def read_valid_record(path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
+    """Read one record file and check it (:func:`record_problem`).
+
+    Returns:
+        ``(record, None)`` for a valid record, ``(None, why)`` for a file that is not one (the JSON
+        syntax error's line and column, text that is not UTF-8, an unreadable file, or the record's
+        problem), and ``(None, None)`` where no file is.
+    """
+    path = Path(path)
+    try:
+        rec = read_record(path)
+    except FileNotFoundError:
+        return None, None
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text"
+    except json.JSONDecodeError as exc:
+        return None, f"not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})"
+    except OSError as exc:
+        return None, f"cannot be read: {exc.strerror or exc}"
+    problem = record_problem(rec)
+    return (None, problem) if problem is not None else (rec, None)
+
+
+def _claims_record(path: Path) -> bool:
+    """Whether a ``*.json`` file is named as :func:`record_path` names a record (``a__b__c__sN__hash.json``)."""
+    return re.fullmatch(r".*__s-?\d+__[0-9a-f]{10}\.json", path.name) is not None
 
 
 def load_records(out_dir: str | Path, required: bool = False,
                  skipped: list[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
-    """All records (``*.json`` with our schema) in a results directory, sorted by file name.
+    """All valid records (:func:`record_problem`) in a results directory, sorted by file name.
 
-    A ``*.json`` file that cannot be read as JSON (cut short, not UTF-8 text, unreadable), or a
-    record of our schema that lacks a field its readers need (``model.name``, ``method.label``,
-    ...; metrics without a number), is left out, and so is JSON of another schema (other tools'
-    output kept next to the records). The first two kinds may be damaged records, so they are not
-    left out silently: ``skipped``, when
-    given, receives ``(file name, why)`` for each such file, for the caller to show
-    (:func:`skipped_note`).
+    Every other ``*.json`` file that may be a record is left out and named: one that cannot be read
+    as JSON (cut short: the line and column of the error; not UTF-8; unreadable), one with another
+    version of this package's record schema, and one of our schema that :func:`record_problem`
+    rejects. ``skipped``, when given, receives ``(file name, why)`` for each, for the caller to show
+    (:func:`skipped_note`). JSON of another tool (no ``mosaicquant.result/`` schema, a file name
+    that is not a record's) is left out silently: other tools' output may sit next to the records.
+
+    A model is one model by its content: records with the same ``model.fingerprint`` (a local
+    folder or ``.gguf`` file) are one model; a record without one (a built-in or hub model, or a
+    record from before fingerprints) by its ``model.name``. Where one name stands for several
+    models here, each record's ``model.name`` becomes ``name [first 8 hex digits]`` (``name [no
+    fingerprint]`` for an older record), so reports show them as separate, distinguishable rows;
+    records of one fingerprint all take the name of its first record. The name as recorded stays in
+    ``model.recorded_name``.
 
     Raises:
         UserInputError: the directory does not exist, or (``required``) it holds no record.
@@ -198,30 +410,49 @@ def load_records(out_dir: str | Path, required: bool = False,
     records = []
     unreadable: list[tuple[str, str]] = []
     for f in sorted(p.glob("*.json")):
-        try:
-            rec = read_record(f)
-        except UnicodeDecodeError:
-            unreadable.append((f.name, "not UTF-8 text"))
-            continue
-        except json.JSONDecodeError as exc:
-            unreadable.append((f.name, f"not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})"))
-            continue
-        except OSError as exc:
-            unreadable.append((f.name, f"cannot be read: {exc.strerror or exc}"))
-            continue
-        if isinstance(rec, dict) and rec.get("schema") == SCHEMA:
-            defect = _record_defect(rec)
-            if defect is not None:
-                unreadable.append((f.name, defect))
-                continue
+        rec, why = read_valid_record(f)
+        if rec is not None:
             rec["_path"] = str(f)
             records.append(rec)
+            continue
+        if why is None:
+            continue  # removed while listing
+        try:
+            parsed = read_record(f)
+        except (OSError, ValueError):
+            parsed = None
+        schema = parsed.get("schema") if isinstance(parsed, dict) else None
+        ours = isinstance(schema, str) and schema.startswith(_SCHEMA_PREFIX)
+        if parsed is None or ours or _claims_record(f):
+            unreadable.append((f.name, why))
+    _label_models(records)
     if skipped is not None:
         skipped.extend(unreadable)
     if required and not records:
         raise UserInputError(f"results directory {str(p)!r} holds no result records (JSON files with schema "
                              f"{SCHEMA!r})" + (f"; {skipped_note(unreadable)}" if unreadable else ""))
     return records
+
+
+def _label_models(records: list[dict[str, Any]]) -> None:
+    """Give every record of one model one ``model.name``, distinct from other models' (see :func:`load_records`)."""
+    def identity(rec):
+        fingerprint = rec["model"].get("fingerprint")
+        return ("fingerprint", fingerprint) if isinstance(fingerprint, str) else ("name", rec["model"]["name"])
+
+    first_name: dict[tuple[str, str], str] = {}
+    for rec in records:
+        first_name.setdefault(identity(rec), rec["model"]["name"])
+    models_of_name: dict[str, set[tuple[str, str]]] = {}
+    for ident, name in first_name.items():
+        models_of_name.setdefault(name, set()).add(ident)
+    for rec in records:
+        ident = identity(rec)
+        name = first_name[ident]
+        if len(models_of_name[name]) > 1:
+            name = f"{name} [{ident[1][:8] if ident[0] == 'fingerprint' else 'no fingerprint'}]"
+        rec["model"]["recorded_name"] = rec["model"]["name"]
+        rec["model"]["name"] = name
 
 
 def skipped_note(skipped: list[tuple[str, str]], shown: int = 5) -> str:

@@ -2,13 +2,19 @@
 runs each pending suite on it; each (model, method spec, suite, seed) cell is one record.
 
 - Validation first: every name, option and path is checked before any model is loaded.
-- Resume: a cell whose record exists with ``"status": "ok"`` is skipped; a failed or
-  missing one is (re)computed. A finished record made with other run settings that its cell
-  depends on (dtype; the corpus and calibration size it read) stops the sweep before any work
+- One run at a time per results directory (:func:`mosaicquant.harness.results.results_lock`):
+  a second run into it stops at once, naming the run that holds it.
+- Resume: a cell whose record is valid (:func:`mosaicquant.harness.results.record_problem`,
+  the check ``report`` and ``compare`` apply) with ``"status": "ok"`` is skipped; a failed,
+  missing or invalid one is (re)computed, an invalid one named with why. A finished record
+  made with other run settings that its cell depends on (dtype; the corpus and calibration
+  size it read) stops the sweep before any work
   (:func:`check_finished_settings`): it is neither reused nor overwritten.
 - Isolation: an exception in a method fails every pending suite of that method spec (each
   recorded as failed with the error); an exception in a suite fails that cell only. The
-  sweep goes on. ``KeyboardInterrupt`` stops it; finished records stay.
+  sweep goes on. ``KeyboardInterrupt`` stops it; finished records stay. A record the results
+  directory refuses (disk full, read-only) stops it too, the computed record kept elsewhere
+  (:func:`mosaicquant.harness.results.save_record`).
 - Sharing: the calibration tokens are drawn once per seed and used by every method; the
   test tokens once per sweep (per worker process under a distributed executor).
 
@@ -40,7 +46,8 @@ from mosaicquant.harness import models as models_mod
 from mosaicquant.harness import shapes as shapes_mod
 from mosaicquant.harness.context import QuantContext, SuiteContext
 from mosaicquant.harness.results import (
-    SCHEMA, Metric, ensure_writable_dir, environment, git_info, now_iso, read_record, record_path, write_record,
+    SCHEMA, Metric, ensure_writable_dir, environment, git_info, now_iso, read_valid_record, record_path,
+    results_lock, save_record,
 )
 from mosaicquant.harness.spec import PluginSpec, RunSpec
 from mosaicquant.harness.speedforms import speed_form
@@ -107,10 +114,11 @@ class GroupTask:
 
 def plan_cells(spec: RunSpec) -> list[Cell]:
     """All cells of the sweep, in method-major order (a local model's records are keyed by its
-    resolved path, see :func:`mosaicquant.harness.models.model_key`)."""
+    content fingerprint, see :func:`mosaicquant.harness.models.model_key`)."""
     model = models_mod.model_key(spec.model)
+    name = models_mod.resolve_model(spec.model).name
     return [
-        Cell(m, s, seed, record_path(spec.out, model, m.label, s.label, seed))
+        Cell(m, s, seed, record_path(spec.out, model, m.label, s.label, seed, name=name))
         for m in spec.methods for seed in spec.seeds for s in spec.suites
     ]
 
@@ -141,14 +149,10 @@ def is_finished(path: Path) -> bool:
 
 
 def finished_record(path: Path) -> dict[str, Any] | None:
-    """The record at ``path`` if it exists and says ``"status": "ok"``, else ``None``."""
-    if not path.exists():
-        return None
-    try:
-        record = read_record(path)
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) and record.get("status") == "ok" else None
+    """The record at ``path`` if it is valid (the check ``report`` and ``compare`` apply,
+    :func:`mosaicquant.harness.results.record_problem`) and says ``"status": "ok"``, else ``None``."""
+    record, _ = read_valid_record(path)
+    return record if record is not None and record.get("status") == "ok" else None
 
 
 def settings_differences(spec: RunSpec, record: dict[str, Any]) -> list[tuple[str, Any, Any]]:
@@ -372,7 +376,8 @@ def _record_head(spec: RunSpec, model_meta: dict[str, Any], cell: Cell, env: dic
     method = cell.method
     return {
         "schema": SCHEMA,
-        "model": {"spec": spec.model, **model_meta, "dtype": spec.dtype},
+        "model": {"spec": spec.model, **model_meta, "dtype": spec.dtype,
+                  "fingerprint": models_mod.model_fingerprint(spec.model)},
         "method": {"name": method.name, "label": method.label, "config": method.config.to_dict()},
         "suite": {"name": cell.suite.name, "label": cell.suite.label, "config": cell.suite.config.to_dict()},
         "seed": cell.seed,
@@ -465,7 +470,7 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         if quant_error is not None:
             status = "unavailable" if isinstance(quant_error, Unavailable) else "failed"
             record.update(status=status, stage="quantize", metrics={}, error=_error_dict(quant_error))
-            write_record(cell.path, record)
+            save_record(cell.path, record)
             line = f"[mosaicquant]   {status.upper()} {label} / {cell.suite.label}: {type(quant_error).__name__}: {quant_error}"
             log(line)
             outcomes.append(CellOutcome(cell.path, status, line))
@@ -496,7 +501,7 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         if method_calibration.used or suite_calibration.used:
             record["calibration"] = state.calibration_record(seed)
         record["test_corpus"] = spec.corpus if suite_test.used else None
-        write_record(cell.path, record)
+        save_record(cell.path, record)
         if record["status"] == "ok":
             shown = ", ".join(f"{k}={v['value']:.4g}" for k, v in list(record["metrics"].items())[:3])
             line = f"[mosaicquant]   {label} / {cell.suite.label}: {shown}"

@@ -12,8 +12,9 @@ from collections.abc import Callable
 from mosaicquant.harness.backends import parse_backend_spec, run_backend_sweep
 from mosaicquant.harness.executors import ExecutorSettings, make_executor
 from mosaicquant.harness.runner import (
-    SweepResult, check_finished_settings, finished_record, plan_cells, plan_groups, validate_run,
+    SweepResult, check_finished_settings, plan_cells, plan_groups, validate_run,
 )
+from mosaicquant.harness.results import read_valid_record, results_lock
 from mosaicquant.harness.spec import RunSpec
 
 __all__ = ["run_sweep"]
@@ -37,25 +38,39 @@ def run_sweep(spec: RunSpec, log: Callable[[str], None] = print,
 
     Raises:
         UserInputError: bad spec, unknown backend, executor settings that do not fit it, or
-            finished records made with other settings (:func:`~mosaicquant.harness.runner.check_finished_settings`).
+            finished records made with other settings (:func:`~mosaicquant.harness.runner.check_finished_settings`),
+            or a results directory another run holds (:func:`mosaicquant.harness.results.results_lock`).
+        RecordWriteError: a record could not be written (the sweep stops; the record is kept elsewhere).
     """
     settings = executor if executor is not None else ExecutorSettings()
     chosen = parse_backend_spec(backend)
     if chosen is not None:
-        return run_backend_sweep(spec, chosen, log)
+        with results_lock(spec.out, log):
+            return run_backend_sweep(spec, chosen, log)
     validate_run(spec)
+    with results_lock(spec.out, log):
+        return _run_locked(spec, settings, log)
+
+
+def _run_locked(spec: RunSpec, settings: ExecutorSettings, log: Callable[[str], None]) -> SweepResult:
     cells = plan_cells(spec)
     result = SweepResult()
     pending = []
     finished = []
+    invalid = []
     for cell in cells:
-        record = finished_record(cell.path)
-        if record is not None:
+        record, why = read_valid_record(cell.path)
+        if record is not None and record.get("status") == "ok":
             finished.append((cell, record))
             result.skipped.append(cell.path)
         else:
             pending.append(cell)
+            if why is not None:
+                invalid.append((cell, why))
     check_finished_settings(spec, finished)
+    for cell, why in invalid:
+        log(f"[mosaicquant] warning: {cell.path} is not a valid record ({why}): recomputing "
+            f"{cell.method.label} / {cell.suite.label} / seed {cell.seed}")
     runner = make_executor(settings, spec)
     log(f"[mosaicquant] {len(cells)} cells: {len(result.skipped)} finished, {len(pending)} to run")
     if not pending:

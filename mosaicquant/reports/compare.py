@@ -26,6 +26,9 @@ Rules:
   change.
 - Cells present in only one set, cells whose base has no numbers, and cells with a failed or
   unavailable record in the new set (with its error or reason) are listed, never dropped.
+- With ``--fail-on``, a BASE ``*.json`` file that is not a valid record (cut short, damaged, another
+  schema version: :func:`mosaicquant.harness.results.record_problem`) fails the comparison too:
+  the cell it held cannot be named, so whether a watched number is gone cannot be told.
 - Without ``--fail-on`` every metric of the matched base cells is compared (one the new cell
   lacks is printed as ``missing in new``) and nothing fails.
 
@@ -153,8 +156,13 @@ class Comparison:
         return [r for r in self.rows if r.regression]
 
     @property
+    def unchecked_base(self) -> list[tuple[str, str]]:
+        """The BASE files that are not valid records while metrics are watched: cells CI cannot check."""
+        return list(self.base_skipped) if self.thresholds else []
+
+    @property
     def exit_code(self) -> int:
-        return 1 if self.regressions else 0
+        return 1 if self.regressions or self.unchecked_base else 0
 
     def table(self) -> pd.DataFrame:
         """The compared metrics as printed: base, new, change, threshold, noise, verdict."""
@@ -196,6 +204,9 @@ class Comparison:
         rule = ", ".join(f"{t.pattern}:{t.percent:g}%" for t in self.thresholds) or "none (nothing can fail)"
         lines.append(f"{len(self.regressions)} regression(s) in {len(watched)} watched of {len(self.rows)} "
                      f"compared metrics; --fail-on {rule}.")
+        if self.unchecked_base:
+            lines.append(f"FAILED: {len(self.unchecked_base)} base file(s) are not valid records, so the watched "
+                         f"cells they held cannot be checked: {skipped_note(self.unchecked_base)}.")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:

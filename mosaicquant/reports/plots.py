@@ -218,7 +218,8 @@ def plot_pareto(cells: list[Cell], out_dir: str | Path) -> tuple[list[Figure], l
             xs, ys = zip(*pareto_front([(x, y) for _, x, y in points]))
             ax.step(xs, ys, where="post", color="grey", lw=1, alpha=0.7, label="Pareto front")
             values = [y for _, _, y in points]
-            if max(values) / min(values) > 10:
+            # a log axis needs positive values: a zero perplexity (a broken record) keeps it linear
+            if min(values) > 0 and max(values) / min(values) > 10:
                 ax.set_yscale("log")
             _label_points(ax, [(label, x, y) for label, x, y in points])
             ax.axvline(1.0, color="grey", lw=0.5, ls=":")

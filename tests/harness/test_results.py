@@ -48,7 +48,7 @@ def test_unreadable_json_files_are_skipped_and_named(tmp_path):
     assert [name for name, _ in skipped] == ["b_utf16.json", "c_cut.json", "e_no_model.json", "f_bad_metric.json"]
     assert skipped[0][1] == "not UTF-8 text" and skipped[1][1].startswith("not valid JSON: "), skipped
     assert skipped[2][1] == "a record without model.name", skipped
-    assert skipped[3][1].startswith("a record whose metrics are not"), skipped
+    assert skipped[3][1] == "a record whose metric 'x' is 'high', not {value: number, ...}", skipped
     assert skipped_note(skipped).startswith("skipped 4 *.json files that are not readable records: b_utf16.json (")
     assert skipped_note(skipped[:1]) == "skipped 1 *.json file that is not a readable record: b_utf16.json (not UTF-8 text)"
     # a directory of unreadable files only: the refusal names them

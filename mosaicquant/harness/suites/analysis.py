@@ -36,7 +36,8 @@ class AnalysisConfig(Config):
         base: dense base, rtn or gptq.
         block: block shape, ``B`` or ``BNxBK`` (kept as ``B`` when square).
         budgets: comma-separated fractions of blocks (kept in their shortest exact text: ``0.10`` is ``0.1``).
-        scores: comma-separated block scores (hessian, delta, exact-greedy, frobenius, random).
+        scores: comma-separated block scores (hessian, delta, exact-greedy, frobenius, random); kept in
+            that order, each once, however given.
         channel: also evaluate input/output channel allocation at equal budget.
         layers: ``all``, ``every:K`` or a comma list of layer indices (kept sorted, each once).
         online_o: with rotation, also rotate the o_proj input online.
@@ -69,8 +70,11 @@ class AnalysisConfig(Config):
         for b in budgets:
             check_range("budget", b, 0.0, 1.0)
         self.set_canonical("budgets", ",".join(exact_number_text(b) for b in budgets))
-        for s in self.scores.split(","):
+        scores = [s.strip() for s in str(self.scores).split(",")]
+        for s in scores:
             check_choice("score", s, BLOCK_SCORES)
+        # a set of scores, not a sequence: one order (BLOCK_SCORES', the default's), so one config, one cell
+        self.set_canonical("scores", ",".join(s for s in BLOCK_SCORES if s in scores))
         self.set_canonical("layers", _layers_text(self.layers))
 
 
