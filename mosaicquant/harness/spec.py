@@ -299,8 +299,9 @@ def load_run_spec(path: str | None, overrides: dict[str, Any]) -> RunSpec:
         except OSError as exc:
             raise UserInputError(f"run spec {path!r} cannot be read: {exc.strerror or exc}") from None
         except UnicodeDecodeError as exc:
-            raise UserInputError(f"run spec {path!r} is not UTF-8 text: byte {exc.object[exc.start]:#04x} at "
-                                 f"offset {exc.start} cannot be decoded; save the file as UTF-8") from None
+            line = exc.object[:exc.start].count(b"\n") + 1
+            raise UserInputError(f"run spec {path!r} is not UTF-8 text: byte {exc.object[exc.start]:#04x} at line "
+                                 f"{line} (offset {exc.start}) cannot be decoded; save the file as UTF-8") from None
         except yaml.YAMLError as exc:
             raise UserInputError(f"run spec {path!r} is not valid YAML: {_yaml_error_line(exc)}") from None
         if not isinstance(data, dict):
