@@ -7,10 +7,16 @@ A model spec is one string, resolved by :func:`resolve_model` in this order:
 2. an existing path: a Hugging Face model folder (with ``config.json``) or a ``.gguf`` file;
 3. ``<model>-shapes`` (e.g. ``llama-3-8b-shapes``): random weights of a real model's shapes,
    for the speed suites (:mod:`mosaicquant.harness.shapes`), no tokenizer;
-4. a Hugging Face hub id ``org/name`` (needs the hub; fails with an ``AssetError`` offline);
+4. a Hugging Face hub id ``org/name`` (needs the hub; fails at once with an ``AssetError``
+   offline unless the hub cache holds it; an ``org/name`` whose ``org`` is a local folder is
+   taken for a mistyped path and refused, not sent to the hub);
 5. anything else is an unknown built-in name (``UserInputError`` with did-you-mean). A spec
    that looks like a path (starts with ``/``, ``.`` or ``~``, ends with ``.gguf``, or has more
    than one ``/``) but does not exist is reported as a missing path.
+
+:func:`check_model_files` checks a folder's or GGUF file's headers (cheap, no weights read)
+before a sweep starts, and :func:`model_dimensions` reads the config's sizes without weights, so
+options that depend on them are checked before any load.
 
 Built-in GGUF models are converted once into a plain Hugging Face folder in the cache
 (``cache_dir()/models/<name>-<sha>-fp32``: ``config.json``, float32 safetensors, tokenizer
@@ -18,7 +24,8 @@ files): transformers reads and dequantizes a GGUF file in ~30 s on two cores, th
 folder loads in a few seconds. The folder holds exactly the float32 tensors transformers'
 GGUF loader produced (the tests compare them), so it is the same model, only faster to open.
 transformers 5 refuses ``save_pretrained`` on a GGUF-loaded model, hence the rebuild from
-its config. Loading GGUF needs the ``gguf`` and ``accelerate`` packages.
+its config. A converted folder whose files fail the header checks is rebuilt (or, if its GGUF
+cannot be fetched, named). Loading GGUF needs the ``gguf`` and ``accelerate`` packages.
 
 Example:
     >>> loaded = load_model("smollm2-135m")  # doctest: +SKIP

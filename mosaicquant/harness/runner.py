@@ -8,7 +8,8 @@ runs each pending suite on it; each (model, method spec, suite, seed) cell is on
   (:func:`check_finished_settings`): it is neither reused nor overwritten.
 - Isolation: an exception in a method fails every pending suite of that method spec (each
   recorded as failed with the error); an exception in a suite fails that cell only. The
-  sweep goes on. ``KeyboardInterrupt`` stops it; finished records stay.
+  sweep goes on. A model that passed validation but does not load fails every cell (stage
+  ``"load"``, the error naming the file), under either executor; it is loaded once. ``KeyboardInterrupt`` stops it; finished records stay.
 - Sharing: the calibration tokens are drawn once per seed and used by every method; the
   test tokens once per sweep (per worker process under a distributed executor).
 
