@@ -63,9 +63,20 @@ def cache_dir() -> Path:
     Returns:
         ``$MOSAICQUANT_CACHE`` if set and non-empty, else ``~/.cache/mosaicquant``; ``~`` is
         expanded.
+
+    Raises:
+        UserInputError: the path, or the nearest part of it that exists, is not a folder (a file
+            there would make every later write into the cache fail with an unrelated error).
     """
     configured = os.environ.get(CACHE_ENV, "").strip()
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "mosaicquant"
+    folder = Path(configured).expanduser() if configured else Path.home() / ".cache" / "mosaicquant"
+    existing = next((part for part in (folder, *folder.parents) if part.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = f"{CACHE_ENV}={configured!r}" if configured else f"the default cache {folder}"
+        inside = "" if existing == folder else f" ({existing} is a file)"
+        raise UserInputError(f"{where} is not a folder{inside}: point {CACHE_ENV} at a folder (it is created "
+                             "if missing) or unset it for ~/.cache/mosaicquant")
+    return folder
 
 
 def offline() -> bool:

@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", help="cpu (default), cuda or cuda:N")
     r.add_argument("--dtype", help="float32 (default on CPU), bfloat16 or float16")
     r.add_argument("--backend", help="what runs the cells: torch (default, in this process) or a registered backend "
-                                     "name[:key=value...], e.g. tensorrt-llm (see 'mosaicquant ls backends')")
+                                     "name[:key=value...], e.g. tensorrt-llm (see 'mosaicquant ls backends'; "
+                                     "'backend:' in the run spec)")
     r.add_argument("--report", action="store_true", help="render the report when the sweep ends")
     r.add_argument("--executor", default="local",
                    help="where cells run: local (default, this process) or dask (Dask distributed workers)")
@@ -94,12 +95,12 @@ def _cmd_run(args) -> int:
     executor = ExecutorSettings(kind=args.executor, workers=args.workers, gpus=args.gpus,
                                 gpus_per_cell=args.gpus_per_cell, scheduler=args.scheduler)
     overrides = {k: getattr(args, k) for k in ("model", "methods", "suites", "seeds", "corpus", "calib_samples",
-                                                "calib_seqlen", "max_chunks", "out", "device", "dtype")}
+                                                "calib_seqlen", "max_chunks", "out", "device", "dtype", "backend")}
     spec = load_run_spec(args.spec, overrides)
-    if parse_backend_spec(args.backend) is None:  # a backend validates the sweep itself
-        validate_run(spec)
+    if parse_backend_spec(spec.backend) is None:  # a backend validates the sweep itself
         make_executor(executor, spec)
-    result = run_sweep(spec, executor=executor, backend=args.backend)
+        validate_run(spec)
+    result = run_sweep(spec, executor=executor, backend=spec.backend)
     unavailable = f", {len(result.unavailable)} not available here" if result.unavailable else ""
     print(f"[mosaicquant] done: {len(result.written)} written, {len(result.skipped)} already finished, "
           f"{len(result.failed)} failed{unavailable}; records in {spec.out}")

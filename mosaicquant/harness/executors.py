@@ -16,6 +16,13 @@ Choice of engine: Dask distributed, with dask-cuda for one worker per GPU, rathe
 
 Design:
 
+- Network exposure: every cluster this module starts (``LocalCluster``, dask-cuda's
+  ``LocalCUDACluster``, the multi-GPU ``SpecCluster``) listens on ``127.0.0.1`` only
+  (:data:`LOCAL_HOST`), with no dashboard: nothing on the network can reach its scheduler or
+  submit work to it. Workers run pickled tasks, so a scheduler must never listen where
+  untrusted hosts can connect; an external cluster (``--scheduler``) is the site's to secure
+  (Dask's TLS, ``tls://`` addresses). A ``--scheduler`` address is checked for its form and
+  probed with a plain TCP connect (:data:`SCHEDULER_CONNECT_S` seconds) before any model loads.
 - One task per (method spec × seed), the unit :func:`mosaicquant.harness.runner.run_group`
   computes: quantize once, run each pending suite, write each record with the same atomic
   writer as a local sweep (:func:`mosaicquant.harness.results.save_record`), into the
@@ -58,6 +65,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
+import socket
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -65,7 +74,7 @@ from typing import Any
 
 import torch
 
-from mosaicquant.errors import UserInputError, unknown_name
+from mosaicquant.errors import MosaicQuantError, UserInputError, unknown_name
 from mosaicquant.harness import shapes as shapes_mod
 from mosaicquant.harness.results import save_record
 from mosaicquant.harness.runner import (
@@ -80,6 +89,8 @@ __all__ = [
     "LocalExecutor",
     "DaskExecutor",
     "make_executor",
+    "parse_scheduler_address",
+    "check_scheduler_reachable",
     "task_resources",
     "gpu_groups",
     "visible_gpus",
@@ -90,6 +101,72 @@ EXECUTORS = ("local", "dask")
 DEFAULT_CPU_WORKERS = max(1, min(4, os.cpu_count() or 1))
 # Seconds to wait for the workers of a cluster to connect.
 WORKER_WAIT_S = 180
+# Seconds to wait for a running scheduler (--scheduler) to accept a connection.
+SCHEDULER_CONNECT_S = 5.0
+# Address the clusters started here listen on: this machine only, not the network.
+LOCAL_HOST = "127.0.0.1"
+SCHEDULER_PROTOCOLS = ("tcp", "tls", "ucx", "ws", "wss", "inproc")
+_DEFAULT_SCHEDULER_PORT = 8786
+_ADDRESS = re.compile(r"(?:(?P<protocol>[a-z]+)://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)"
+                      r"(?::(?P<port>[0-9]+))?/?")
+
+
+def parse_scheduler_address(address: str) -> tuple[str, str, int | None]:
+    """Split a Dask scheduler address into ``(protocol, host, port)``.
+
+    Args:
+        address: ``[protocol://]host[:port]``, e.g. ``tcp://10.0.0.5:8786``; ``host:port``
+            means tcp. An ``inproc://`` address has no port.
+
+    Returns:
+        The protocol, the host (IPv6 in brackets as given) and the port (8786 where not given
+        for tcp and tls; None for inproc).
+
+    Raises:
+        UserInputError: the address does not have that form, names another protocol, or a port
+            outside 1..65535.
+
+    Example:
+        >>> parse_scheduler_address("tcp://h:8786")
+        ('tcp', 'h', 8786)
+    """
+    allowed = f"use [protocol://]host[:port], e.g. tcp://host:8786 (protocols: {', '.join(SCHEDULER_PROTOCOLS)})"
+    match = _ADDRESS.fullmatch(address.strip())
+    if match is None:
+        raise UserInputError(f"scheduler={address!r} is not a Dask scheduler address: {allowed}")
+    protocol = match["protocol"] or "tcp"
+    if protocol not in SCHEDULER_PROTOCOLS:
+        raise UserInputError(f"scheduler={address!r}: unknown protocol {protocol!r}: {allowed}")
+    if protocol == "inproc":
+        return protocol, match["host"], None
+    port = int(match["port"]) if match["port"] else _DEFAULT_SCHEDULER_PORT
+    if not 1 <= port <= 65535:
+        raise UserInputError(f"scheduler={address!r}: port {port} is out of range: allowed 1..65535")
+    return protocol, match["host"], port
+
+
+def check_scheduler_reachable(address: str, timeout_s: float = SCHEDULER_CONNECT_S) -> None:
+    """Fail fast when nothing accepts a connection at a scheduler address (a plain socket connect).
+
+    Args:
+        address: a scheduler address (see :func:`parse_scheduler_address`).
+        timeout_s: how long the connection may take.
+
+    Raises:
+        UserInputError: the host does not resolve, refuses or does not answer within ``timeout_s``,
+            naming the address.
+    """
+    protocol, host, port = parse_scheduler_address(address)
+    if port is None or protocol == "ucx":
+        return  # no TCP port to probe; the client reports what it finds
+    try:
+        with socket.create_connection((host.strip("[]"), port), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        reason = "no answer" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc) or type(exc).__name__)
+        raise UserInputError(
+            f"scheduler={address!r}: no Dask scheduler reachable at {host}:{port} within {timeout_s:g} s "
+            f"({reason}); start one ('dask scheduler') or check the address") from None
 
 
 def _check_count(name: str, value: Any, minimum: int = 1) -> None:
@@ -136,6 +213,8 @@ class ExecutorSettings:
         _check_count("gpus_per_cell", self.gpus_per_cell)
         if self.scheduler is not None and (not isinstance(self.scheduler, str) or not self.scheduler.strip()):
             raise UserInputError(f"scheduler={self.scheduler!r} is not allowed: use an address like tcp://host:8786")
+        if self.scheduler is not None:
+            parse_scheduler_address(self.scheduler)
         if self.kind == "local":
             given = [f"{name}={value!r}" for name, value in
                      (("workers", self.workers), ("gpus", self.gpus), ("scheduler", self.scheduler)) if value is not None]
@@ -211,7 +290,15 @@ class LocalExecutor:
         """Run ``tasks`` and add their outcomes to ``result``."""
         state = SweepState(self.spec, log)
         if self.settings.device_map is None and not shapes_mod.is_shape_model(self.spec.model):
-            state.loaded()  # a shape model is built on the device by each task instead
+            # a shape model is built on the device by each task instead. A model the harness refuses
+            # (non-finite weights, a missing built-in file) stops the sweep with its one-line error; one
+            # that fails to load otherwise fails every task's cells, recorded by run_group as on a Dask worker
+            try:
+                state.loaded()
+            except MosaicQuantError:
+                raise
+            except Exception:  # noqa: BLE001 - kept by the state, recorded per cell
+                pass
         for task in tasks:
             for outcome in run_group(task, state, log):
                 result.add(outcome)
@@ -267,7 +354,8 @@ class DaskExecutor:
 
     def _cpu_cluster(self, distributed):
         return distributed.LocalCluster(n_workers=self.settings.workers or DEFAULT_CPU_WORKERS, threads_per_worker=1,
-                                        processes=True, resources={"CPU": 1}, dashboard_address=None)
+                                        processes=True, resources={"CPU": 1}, dashboard_address=None,
+                                        host=LOCAL_HOST)
 
     def _gpu_cluster(self, distributed):
         devices = visible_gpus()
@@ -281,16 +369,17 @@ class DaskExecutor:
                 raise UserInputError("executor 'dask' on GPUs starts one worker per GPU with dask-cuda: "
                                      "pip install 'mosaicquant[dask]'") from None
             return LocalCUDACluster(CUDA_VISIBLE_DEVICES=[group[0] for group in groups], n_workers=len(groups),
-                                    threads_per_worker=1, resources={"GPU": 1}, dashboard_address=None)
+                                    threads_per_worker=1, resources={"GPU": 1}, dashboard_address=None,
+                                    host=LOCAL_HOST)
         workers = {
             f"gpus-{'-'.join(group)}": {
                 "cls": distributed.Nanny,
-                "options": {"nthreads": 1, "resources": {"GPU": per_cell},
+                "options": {"nthreads": 1, "resources": {"GPU": per_cell}, "host": LOCAL_HOST,
                             "env": {"CUDA_VISIBLE_DEVICES": ",".join(group)}},
             }
             for group in groups
         }
-        scheduler = {"cls": distributed.Scheduler, "options": {"dashboard_address": None}}
+        scheduler = {"cls": distributed.Scheduler, "options": {"dashboard_address": None, "host": LOCAL_HOST}}
         return distributed.SpecCluster(workers=workers, scheduler=scheduler)
 
     @contextlib.contextmanager
@@ -299,7 +388,8 @@ class DaskExecutor:
         import dask
 
         if self.settings.scheduler is not None:
-            client = distributed.Client(self.settings.scheduler, timeout=WORKER_WAIT_S)
+            check_scheduler_reachable(self.settings.scheduler)
+            client = distributed.Client(self.settings.scheduler, timeout=max(30.0, 6 * SCHEDULER_CONNECT_S))
             try:
                 client.wait_for_workers(1, timeout=WORKER_WAIT_S)
                 log(f"[mosaicquant] dask: connected to {self.settings.scheduler}")
@@ -418,7 +508,8 @@ def make_executor(settings: ExecutorSettings, spec: RunSpec) -> LocalExecutor | 
     Raises:
         UserInputError: settings that do not fit the device (``gpus`` or ``gpus_per_cell > 1``
             on the CPU, ``workers`` on CUDA, ``cuda:N`` under dask, more GPUs than visible),
-            or a missing ``distributed`` package.
+            a missing ``distributed`` package, or a ``scheduler`` address where nothing answers
+            within :data:`SCHEDULER_CONNECT_S` seconds.
     """
     cuda = spec.device.startswith("cuda")
     if settings.gpus_per_cell > 1:
@@ -441,4 +532,6 @@ def make_executor(settings: ExecutorSettings, spec: RunSpec) -> LocalExecutor | 
                              "(one worker per GPU)")
     if cuda and settings.scheduler is None:
         gpu_groups(visible_gpus(), settings.gpus or len(visible_gpus()), settings.gpus_per_cell)
+    if settings.scheduler is not None:
+        check_scheduler_reachable(settings.scheduler)
     return DaskExecutor(spec, settings)

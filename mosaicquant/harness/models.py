@@ -7,10 +7,16 @@ A model spec is one string, resolved by :func:`resolve_model` in this order:
 2. an existing path: a Hugging Face model folder (with ``config.json``) or a ``.gguf`` file;
 3. ``<model>-shapes`` (e.g. ``llama-3-8b-shapes``): random weights of a real model's shapes,
    for the speed suites (:mod:`mosaicquant.harness.shapes`), no tokenizer;
-4. a Hugging Face hub id ``org/name`` (needs the hub; fails with an ``AssetError`` offline);
+4. a Hugging Face hub id ``org/name`` (needs the hub; fails at once with an ``AssetError``
+   offline unless the hub cache holds it; an ``org/name`` whose ``org`` is a local folder is
+   taken for a mistyped path and refused, not sent to the hub);
 5. anything else is an unknown built-in name (``UserInputError`` with did-you-mean). A spec
    that looks like a path (starts with ``/``, ``.`` or ``~``, ends with ``.gguf``, or has more
    than one ``/``) but does not exist is reported as a missing path.
+
+:func:`check_model_files` checks a folder's or GGUF file's headers (cheap, no weights read)
+before a sweep starts, and :func:`model_dimensions` reads the config's sizes without weights, so
+options that depend on them are checked before any load.
 
 Built-in GGUF models are converted once into a plain Hugging Face folder in the cache
 (``cache_dir()/models/<name>-<sha>-fp32``: ``config.json``, float32 safetensors, tokenizer
@@ -18,7 +24,8 @@ files): transformers reads and dequantizes a GGUF file in ~30 s on two cores, th
 folder loads in a few seconds. The folder holds exactly the float32 tensors transformers'
 GGUF loader produced (the tests compare them), so it is the same model, only faster to open.
 transformers 5 refuses ``save_pretrained`` on a GGUF-loaded model, hence the rebuild from
-its config. Loading GGUF needs the ``gguf`` and ``accelerate`` packages.
+its config. A converted folder whose files fail the header checks is rebuilt (or, if its GGUF
+cannot be fetched, named). Loading GGUF needs the ``gguf`` and ``accelerate`` packages.
 
 Example:
     >>> loaded = load_model("smollm2-135m")  # doctest: +SKIP
@@ -28,12 +35,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,11 +57,14 @@ __all__ = [
     "BUILTIN_MODELS",
     "ModelSource",
     "LoadedModel",
+    "ModelLoadError",
     "resolve_model",
     "model_key",
     "model_fingerprint",
     "load_model",
     "check_finite_weights",
+    "check_model_files",
+    "model_dimensions",
     "converted_builtin_folder",
 ]
 
@@ -60,6 +72,10 @@ _CONVERSION_VERSION = 1
 _COMPLETE_MARKER = "mosaicquant-conversion.json"
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 _GGUF_PACKAGES = ("gguf", "accelerate")
+_GGUF_MAGIC = b"GGUF"
+_GGUF_VERSIONS = (2, 3)
+# safetensors refuses headers above 100 MB; a larger length field means the file is something else
+_SAFETENSORS_MAX_HEADER = 100_000_000
 
 SMOLLM2_CAVEAT = (
     "SmolLM2-135M-Instruct is loaded from a GGUF Q4_1 file: its weights were already stored on a 4-bit grid "
@@ -105,6 +121,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
             "intermediate_size": 1536,
             "vocab_size": 49152,
             "tie_word_embeddings": True,
+            "head_dim": 64,
+            "max_position_embeddings": 8192,
         },
     ),
 }
@@ -171,7 +189,9 @@ def resolve_model(spec: str) -> ModelSource:
     Raises:
         UserInputError: empty spec; unknown name (with did-you-mean over the built-in and the
             ``-shapes`` models); a path that does not exist; a folder without ``config.json``; a file
-            that is not ``.gguf``.
+            that is not ``.gguf``; an ``org/name`` whose ``org`` is a local folder (a mistyped path).
+        AssetError: an ``org/name`` hub id while downloads are off (``MOSAICQUANT_OFFLINE`` or
+            ``HF_HUB_OFFLINE``) and the hub cache holds no copy.
 
     Example:
         >>> resolve_model("smollm2-135m").kind
@@ -211,10 +231,50 @@ def resolve_model(spec: str) -> ModelSource:
     if _looks_like_path(spec):
         raise UserInputError(f"Model path {spec!r} does not exist (resolved to {path.absolute()})")
     if _HUB_ID.fullmatch(spec):
+        _check_hub_id(spec, path)
         return ModelSource(spec, "hub", spec, spec, f"Hugging Face hub model {spec}")
     err = unknown_name("model", spec, [*BUILTIN_MODELS, *shapes.SHAPE_MODELS])
     raise UserInputError(f"{err} (the -shapes models: random weights at a real model's shapes, for the speed "
                          "suites); or give a Hugging Face model folder, a .gguf file or a hub id 'org/name'")
+
+
+def _hub_offline() -> str | None:
+    """The variable that forbids hub downloads (``MOSAICQUANT_OFFLINE`` or ``HF_HUB_OFFLINE``), or None."""
+    if assets.offline():
+        return f"{assets.OFFLINE_ENV}={os.environ.get(assets.OFFLINE_ENV)}"
+    hf = os.environ.get("HF_HUB_OFFLINE", "").strip().lower()
+    return f"HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE')}" if hf not in ("", "0", "false", "no", "off") else None
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def _check_hub_id(spec: str, path: Path) -> None:
+    """Refuse at once an ``org/name`` that is a mistyped local path or cannot be fetched.
+
+    Without this the hub client retries for about a minute before it says anything.
+    """
+    parent = path.parent
+    if parent.is_dir():
+        near = sorted(p.name for p in parent.iterdir())[:8]
+        listed = f" (it holds: {', '.join(near)}{', ...' if len(near) == 8 else ''})" if near else " (it is empty)"
+        raise UserInputError(
+            f"Model {spec!r}: no such local path ({path.absolute()} does not exist, but the folder "
+            f"{parent.absolute()} does{listed}) and not taken for a hub id 'org/name' since a local folder "
+            f"'{parent}' exists here; check the path, or run from another folder to use the hub id"
+        )
+    reason = _hub_offline()
+    if reason is not None and not _in_hub_cache(spec):
+        raise AssetError(
+            f"Model {spec!r}: no such local path and not a known hub id (offline: {reason}, and the hub cache "
+            f"holds no copy of it); give a local folder, a .gguf file or the built-in "
+            f"{', '.join(sorted(BUILTIN_MODELS))}"
+        )
 
 
 def model_key(spec: str) -> str:
@@ -249,6 +309,193 @@ def model_fingerprint(spec: str) -> str | None:
     except OSError as exc:
         raise UserInputError(f"model {spec!r}: cannot read {exc.filename or source.location}: "
                              f"{exc.strerror or exc}") from None
+
+
+def _gguf_problem(path: Path) -> str | None:
+    """What is wrong with a GGUF file's header and tensor table, or None (no tensor data is read)."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        head = handle.read(24)
+    if size == 0:
+        return "the file is empty"
+    if head[:4] != _GGUF_MAGIC:
+        return f"it does not start with the GGUF magic {_GGUF_MAGIC!r} (found {head[:4]!r}): not a GGUF file"
+    if len(head) < 24:
+        return f"it holds {size} bytes, fewer than the 24-byte GGUF header: truncated"
+    version = int.from_bytes(head[4:8], "little")
+    if version not in _GGUF_VERSIONS:
+        return f"GGUF version {version} is not readable (readable: {', '.join(map(str, _GGUF_VERSIONS))})"
+    if importlib.util.find_spec("gguf") is None:
+        return None  # the tensor table is checked by the loader, which needs the package anyway
+    try:
+        from gguf import GGUFReader
+
+        GGUFReader(path)
+    except Exception as exc:  # noqa: BLE001 - any parse error means a damaged file
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        return f"its metadata or tensor table cannot be read ({reason}): truncated or damaged"
+    return None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """What is wrong with a safetensors file's header, or None (the header says where every tensor ends)."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            return f"it holds {size} bytes, fewer than the 8-byte header length: empty or truncated"
+        length = int.from_bytes(head, "little")
+        if length == 0 or length > _SAFETENSORS_MAX_HEADER:
+            return f"its header length field reads {length} bytes: not a safetensors file"
+        if 8 + length > size:
+            return f"its header needs {length} bytes but the file holds {size - 8} after the length field: truncated"
+        raw = handle.read(length)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"its header is not JSON ({exc}): damaged"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object: damaged"
+    try:
+        end = max((int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"),
+                  default=0)
+    except (KeyError, IndexError, TypeError, ValueError):
+        return "its header has a tensor entry without data_offsets: damaged"
+    held = size - 8 - length
+    if end > held:
+        return f"its header describes {end} bytes of tensor data but the file holds {held}: truncated"
+    return None
+
+
+def _read_json(path: Path) -> tuple[Any, str | None]:
+    """``(parsed JSON, None)``, or ``(None, what is wrong)`` for a file that is not UTF-8 JSON."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8")), None
+    except UnicodeDecodeError as exc:
+        return None, f"it is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})"
+    except json.JSONDecodeError as exc:
+        return None, f"it is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+
+
+def _folder_problem(folder: Path) -> tuple[Path, str] | None:
+    """The first damaged file of a Hugging Face model folder with what is wrong, or None."""
+    config, problem = _read_json(folder / "config.json")
+    if problem is None and not isinstance(config, dict):
+        problem = "it is not a JSON object of settings"
+    if problem is not None:
+        return folder / "config.json", problem
+    index_path = folder / "model.safetensors.index.json"
+    shards = sorted(folder.glob("*.safetensors"))
+    if index_path.is_file():
+        index, problem = _read_json(index_path)
+        if problem is None and not (isinstance(index, dict) and isinstance(index.get("weight_map"), dict)):
+            problem = "it has no 'weight_map' object"
+        if problem is not None:
+            return index_path, problem
+        missing = sorted({str(n) for n in index["weight_map"].values()} - {p.name for p in shards})
+        if missing:
+            return index_path, f"it lists shard(s) the folder does not hold: {', '.join(missing[:3])}"
+    for shard in shards:
+        problem = _safetensors_problem(shard)
+        if problem is not None:
+            return shard, problem
+    if not shards and not list(folder.glob("pytorch_model*.bin")):
+        return folder, "it holds no weights (*.safetensors or pytorch_model*.bin)"
+    return None
+
+
+def check_model_files(spec: str) -> ModelSource:
+    """Resolve ``spec`` and check its files cheaply, without loading weights.
+
+    A GGUF file: its magic, version and (with the ``gguf`` package) its metadata and tensor
+    table against the file's size. A model folder: ``config.json`` parses as a JSON object,
+    every safetensors file's header parses and the tensor data it describes fits in the file,
+    an index's shards exist, and some weights are there. Built-in, shape and hub models pass
+    (a built-in's file is checked by its sha256 when fetched).
+
+    Args:
+        spec: a model spec (see :func:`resolve_model`).
+
+    Returns:
+        The :class:`ModelSource`.
+
+    Raises:
+        UserInputError: as :func:`resolve_model`, or a damaged file, naming the file and what is wrong.
+        AssetError: a built-in model not converted yet whose file is missing while downloads are off.
+
+    Example:
+        >>> check_model_files("smollm2-135m").kind
+        'builtin'
+    """
+    source = resolve_model(spec)
+    found: tuple[Path, str] | None = None
+    if source.kind == "builtin":
+        builtin = BUILTIN_MODELS[source.location]
+        if assets.offline() and not _conversion_is_complete(converted_builtin_folder(builtin), builtin):
+            builtin.asset.fetch()  # offline, a missing file is named now rather than when the model loads
+    elif source.kind == "gguf":
+        problem = _gguf_problem(Path(source.location))
+        found = (Path(source.location), problem) if problem else None
+    elif source.kind == "folder":
+        found = _folder_problem(Path(source.location))
+    if found is not None:
+        raise UserInputError(f"Model file {found[0]} is damaged: {found[1]}")
+    return source
+
+
+def model_dimensions(spec: str) -> dict[str, int]:
+    """The sizes a model's config gives, read without its weights (for checks before loading).
+
+    Args:
+        spec: a model spec (see :func:`resolve_model`).
+
+    Returns:
+        Those of ``hidden_size``, ``intermediate_size``, ``num_attention_heads``, ``head_dim`` and
+        ``max_position_embeddings`` the config states (``head_dim`` derived where not stated); empty
+        for a hub model or a config that states none of them.
+
+    Raises:
+        UserInputError: as :func:`check_model_files`.
+    """
+    source = check_model_files(spec)
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim", "max_position_embeddings")
+    config: dict[str, Any] = {}
+    if source.kind == "builtin":
+        config = dict(BUILTIN_MODELS[source.location].expected_config)
+    elif source.kind == "shapes":
+        shape = shapes.shape_model(spec)
+        config = {"hidden_size": shape.hidden, "intermediate_size": shape.intermediate,
+                  "num_attention_heads": shape.heads, "head_dim": shape.head_dim}
+    elif source.kind == "folder":
+        config, _ = _read_json(Path(source.location) / "config.json")
+        config = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
+    elif source.kind == "gguf" and importlib.util.find_spec("gguf") is not None:
+        config = _gguf_dimensions(Path(source.location))
+    dims = {k: config[k] for k in keys if isinstance(config.get(k), int) and not isinstance(config.get(k), bool)
+            and config[k] > 0}
+    if "head_dim" not in dims and "hidden_size" in dims and dims.get("num_attention_heads"):
+        dims["head_dim"] = dims["hidden_size"] // dims["num_attention_heads"]
+    return dims
+
+
+def _gguf_dimensions(path: Path) -> dict[str, int]:
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    arch_field = fields.get("general.architecture")
+    if arch_field is None:
+        return {}
+    arch = arch_field.contents()
+    names = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+             "num_attention_heads": "attention.head_count", "head_dim": "attention.key_length",
+             "max_position_embeddings": "context_length"}
+    out = {}
+    for key, name in names.items():
+        found = fields.get(f"{arch}.{name}")
+        value = found.contents() if found is not None else None
+        if isinstance(value, int):
+            out[key] = value
+    return out
 
 
 def _require_gguf_support(what: str) -> None:
@@ -297,9 +544,16 @@ def _convert_builtin(builtin: BuiltinModel) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = converted_builtin_folder(builtin)
-    if _conversion_is_complete(folder, builtin):
+    damaged = _folder_problem(folder) if _conversion_is_complete(folder, builtin) else None
+    if _conversion_is_complete(folder, builtin) and damaged is None:
         return folder
-    gguf_path = builtin.asset.fetch()
+    try:
+        gguf_path = builtin.asset.fetch()
+    except AssetError as exc:
+        if damaged is None:
+            raise
+        raise AssetError(f"The converted model in {folder} is damaged ({damaged[0].name}: {damaged[1]}) and "
+                         f"cannot be rebuilt: {exc}") from None
     _require_gguf_support(f"the built-in model '{builtin.name}'")
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
@@ -366,6 +620,52 @@ def check_finite_weights(model: torch.nn.Module, what: str, *, shown: int = 3) -
         )
 
 
+#: loggers of optional libraries that transformers imports on its first model load when they are installed
+_OPTIONAL_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def _import_transformers_quantizers() -> None:
+    """Import transformers' quantizer registry with the optional libraries' import-time warnings held back.
+
+    transformers imports torchao (when installed) the first time it loads any model, to register its
+    quantizer; torchao's import logs warnings about its own compiled kernels and torch's pytree
+    registry. They concern torchao, not a float or RTN run, so its loggers stay at ERROR for that one
+    import; a run of the torchao method imports and checks torchao itself.
+    """
+    import logging
+    import sys
+
+    if "transformers.quantizers.auto" in sys.modules:
+        return
+    loggers = [logging.getLogger(name) for name in _OPTIONAL_IMPORT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        import transformers.quantizers.auto  # noqa: F401
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+class ModelLoadError(RuntimeError):
+    """A model folder or GGUF file passed :func:`check_model_files` but transformers could not load it
+    (an unknown ``model_type``, missing tokenizer files, tensors that do not match the config). The
+    message names the file; a sweep records it in every cell of the model."""
+
+
+@contextlib.contextmanager
+def _naming_load_errors(what: str) -> Iterator[None]:
+    """Turn a loader's error into one line naming ``what`` (the loaders' own messages rarely name the file)."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        if isinstance(error, (UserInputError, AssetError)):
+            raise
+        text = " ".join(str(error).split()) or type(error).__name__
+        raise ModelLoadError(f"Could not load the {what}: {type(error).__name__}: {text[:500]}") from error
+
+
 def load_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                device_map: str | None = None) -> LoadedModel:
     """Load a model spec (see :func:`resolve_model`) with its tokenizer, in eval mode.
@@ -383,18 +683,21 @@ def load_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | t
         A :class:`LoadedModel`.
 
     Raises:
-        UserInputError: bad spec, dtype, device or device_map.
+        UserInputError: bad spec, dtype, device or device_map, or a damaged model file
+            (:func:`check_model_files`).
+        ModelLoadError: a folder or GGUF file that transformers cannot load, naming it.
         AssetError: a built-in cannot be fetched, GGUF support packages are missing, a hub
             model cannot be reached (e.g. offline or ``MOSAICQUANT_OFFLINE=1``), or the loaded
             weights hold a NaN or an infinity (:func:`check_finite_weights`).
     """
-    source = resolve_model(spec)
+    source = check_model_files(spec)
     target = _check_dtype_device(dtype, device)
     if device_map not in (None, "auto"):
         raise UserInputError(f"device_map={device_map!r} is not allowed: use None or 'auto'")
     if device_map is not None and target.type != "cuda":
         raise UserInputError(f"device_map={device_map!r} spreads a model over GPUs: it needs a CUDA device, got {device!r}")
     placement = {} if device_map is None else {"device_map": device_map}
+    _import_transformers_quantizers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if source.kind == "shapes":
@@ -411,14 +714,16 @@ def load_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | t
         _check_builtin(model, builtin, folder)
         description = f"{source.description}; converted once to {folder}"
     elif source.kind == "folder":
-        tokenizer = AutoTokenizer.from_pretrained(source.location)
-        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **placement)
+        with _naming_load_errors(f"model folder {source.location}"):
+            tokenizer = AutoTokenizer.from_pretrained(source.location)
+            model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **placement)
         description = source.description
     elif source.kind == "gguf":
         path = Path(source.location)
         _require_gguf_support(f"the GGUF file {path}")
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, **placement)
+        with _naming_load_errors(f"GGUF file {path}"):
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, **placement)
         description = source.description
     else:
         hint = (

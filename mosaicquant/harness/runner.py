@@ -12,7 +12,9 @@ runs each pending suite on it; each (model, method spec, suite, seed) cell is on
   (:func:`check_finished_settings`): it is neither reused nor overwritten.
 - Isolation: an exception in a method fails every pending suite of that method spec (each
   recorded as failed with the error); an exception in a suite fails that cell only. The
-  sweep goes on. ``KeyboardInterrupt`` stops it; finished records stay. A record the results
+  sweep goes on. A model that passed validation but does not load fails every cell (stage
+  ``"load"``, the error naming the file), under either executor; it is loaded once.
+  ``KeyboardInterrupt`` stops it; finished records stay. A record the results
   directory refuses (disk full, read-only) stops it too, the computed record kept elsewhere
   (:func:`mosaicquant.harness.results.save_record`).
 - Sharing: the calibration tokens are drawn once per seed and used by every method; the
@@ -41,6 +43,7 @@ from typing import Any
 import torch
 
 from mosaicquant.errors import Unavailable, UserInputError
+from mosaicquant.harness import assets
 from mosaicquant.harness import data as data_mod
 from mosaicquant.harness import models as models_mod
 from mosaicquant.harness import shapes as shapes_mod
@@ -49,7 +52,7 @@ from mosaicquant.harness.results import (
     SCHEMA, Metric, ensure_writable_dir, environment, git_info, now_iso, read_valid_record, record_path,
     results_lock, save_record,
 )
-from mosaicquant.harness.spec import PluginSpec, RunSpec
+from mosaicquant.harness.spec import PluginSpec, RunSpec, check_model_fit
 from mosaicquant.harness.speedforms import speed_form
 from mosaicquant.kernels._common import check_kernel_environment
 
@@ -216,15 +219,17 @@ def check_finished_settings(spec: RunSpec, finished: list[tuple[Cell, dict[str, 
 
 
 def validate_run(spec: RunSpec) -> None:
-    """Check model, corpus, results directory and the kernels' environment variables (names and
-    options were checked at parse time).
+    """Check model (its files and the options that depend on its sizes, without loading it), corpus,
+    cache and results directory and the kernels' environment variables (names and options were
+    checked at parse time).
 
     Raises:
         UserInputError: with one line naming the value and what is allowed.
     """
     spec.validate()
     check_kernel_environment()
-    models_mod.resolve_model(spec.model)
+    assets.cache_dir()  # a cache variable naming a file fails here, not at the first write
+    check_model_fit(spec, models_mod.model_dimensions(spec.model))  # also checks the model's files
     data_mod.resolve_corpus(spec.corpus)
     ensure_writable_dir(spec.out)
     if spec.device.startswith("cuda") and not torch.cuda.is_available():
@@ -274,6 +279,7 @@ class SweepState:
         self.spec = spec
         self.log = log
         self._loaded: models_mod.LoadedModel | None = None
+        self._load_error: Exception | None = None
         self._spread: torch.nn.Module | None = None
         self._calibration: dict[int, torch.Tensor] = {}
         self._test: torch.Tensor | None = None
@@ -281,11 +287,21 @@ class SweepState:
         self._git: dict[str, Any] | None = None
 
     def loaded(self) -> models_mod.LoadedModel:
-        """The float model on the CPU with its tokenizer (loaded on the first call)."""
+        """The float model on the CPU with its tokenizer (loaded on the first call).
+
+        Raises:
+            Exception: what loading raised; a failed load is not tried again by later calls.
+        """
+        if self._load_error is not None:
+            raise self._load_error
         if self._loaded is None or self._loaded.model is None:
             t0 = time.perf_counter()
-            self._loaded = models_mod.load_model(self.spec.model, dtype=getattr(torch, self.spec.dtype),
-                                                 device=torch.device("cpu"))
+            try:
+                self._loaded = models_mod.load_model(self.spec.model, dtype=getattr(torch, self.spec.dtype),
+                                                     device=torch.device("cpu"))
+            except Exception as exc:  # noqa: BLE001 - every task of the sweep records it
+                self._load_error = exc
+                raise
             self.log(f"[mosaicquant] loaded {self.spec.model} in {time.perf_counter() - t0:.1f}s")
         return self._loaded
 
@@ -439,7 +455,12 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
     if not todo:
         return outcomes
     device = torch.device(spec.device)
-    meta = state.metadata(device, task.device_map)
+    try:
+        meta = state.metadata(device, task.device_map)
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a model that does not load fails its cells, each recorded
+        return outcomes + _record_load_failure(task, [cell for cell, _ in todo], exc, state, log)
     label, seed, method = task.label, task.seed, task.method
     torch.manual_seed(seed)
     method_calibration = _Tracked(state.calibration_for(seed, meta.tokenizer))
@@ -509,6 +530,23 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         outcomes.append(CellOutcome(cell.path, record["status"], line))
     del model
     release_memory()
+    return outcomes
+
+
+def _record_load_failure(task: GroupTask, cells: list[Cell], exc: Exception, state: SweepState,
+                         log: Callable[[str], None]) -> list[CellOutcome]:
+    """Write a failed record (stage ``"load"``) for each of ``cells``: the model did not load."""
+    source = models_mod.resolve_model(task.spec.model)
+    meta = {"name": source.name, "source": source.description, "caveat": source.caveat}
+    outcomes = []
+    for cell in cells:
+        record = _record_head(task.spec, meta, cell, state.env, state.git)
+        record.update(status="failed", stage="load", metrics={}, error=_error_dict(exc), timing={})
+        save_record(cell.path, record)
+        line = (f"[mosaicquant]   FAILED {task.label} / {cell.suite.label}: the model did not load: "
+                f"{type(exc).__name__}: {exc}")
+        log(line)
+        outcomes.append(CellOutcome(cell.path, "failed", line))
     return outcomes
 
 

@@ -17,12 +17,16 @@ A YAML run spec looks like::
     calib_seqlen: 1024
     max_chunks: 8
     out: results/smollm2
+    backend: torch        # or a registered backend, as --backend
 
-Command-line options override the file's values.
+Command-line options override the file's values. The file is read as UTF-8 through YAML's
+safe loader: a tag that builds a Python object (``!!python/object``) is refused like any
+other invalid YAML.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +38,7 @@ from mosaicquant.config import Config, check_range, exact_number_text, parse_kv_
 from mosaicquant.errors import UserInputError
 from mosaicquant.registry import Entry, METHODS, SUITES, get_method, get_suite
 
-__all__ = ["PluginSpec", "RunSpec", "parse_plugin_spec", "parse_plugin_list", "load_run_spec"]
+__all__ = ["PluginSpec", "RunSpec", "parse_plugin_spec", "parse_plugin_list", "load_run_spec", "check_model_fit"]
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,8 @@ class RunSpec:
     out: str = "results"
     device: str = "cpu"
     dtype: str = "float32"
+    #: what runs the cells: None (the in-process default) or a backend spec ``name[:key=value...]``
+    backend: str | None = None
 
     def validate(self) -> None:
         check_range("calib_samples", self.calib_samples, 1, None, integer=True)
@@ -194,7 +200,7 @@ class RunSpec:
 
 
 _RUN_KEYS = {"model", "methods", "suites", "seeds", "corpus", "calib_samples", "calib_seqlen", "out",
-             "device", "dtype", "max_chunks"}
+             "device", "dtype", "max_chunks", "backend"}
 
 #: integer keys of a run spec and their smallest allowed value
 _INT_KEYS = {"calib_samples": 1, "calib_seqlen": 2, "max_chunks": 1}
@@ -205,6 +211,7 @@ _STR_KEYS = {
     "out": "a results directory",
     "device": "'cpu', 'cuda' or 'cuda:N'",
     "dtype": "'float32', 'bfloat16' or 'float16'",
+    "backend": "'torch' or a registered backend name[:key=value...] (see 'mosaicquant ls backends')",
 }
 _MAX_SEED = 2**31 - 1
 
@@ -287,9 +294,13 @@ def load_run_spec(path: str | None, overrides: dict[str, Any]) -> RunSpec:
     data: dict[str, Any] = {}
     if path:
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = yaml.safe_load(Path(path).read_bytes().decode("utf-8")) or {}
         except OSError as exc:
             raise UserInputError(f"run spec {path!r} cannot be read: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            line = exc.object[:exc.start].count(b"\n") + 1
+            raise UserInputError(f"run spec {path!r} is not UTF-8 text: byte {exc.object[exc.start]:#04x} at line "
+                                 f"{line} (offset {exc.start}) cannot be decoded; save the file as UTF-8") from None
         except yaml.YAMLError as exc:
             raise UserInputError(f"run spec {path!r} is not valid YAML: {_yaml_error_line(exc)}") from None
         if not isinstance(data, dict):
@@ -330,6 +341,49 @@ def load_run_spec(path: str | None, overrides: dict[str, Any]) -> RunSpec:
         out=given.get("out", "results"),
         device=given.get("device", "cpu"),
         dtype=given.get("dtype", "float32"),
+        backend=given.get("backend"),
     )
     spec.validate()
     return spec
+
+
+#: suites whose ``seqlen`` is one forward pass over text, so it cannot exceed the model's context
+_CONTEXT_BOUND_SUITES = ("accuracy",)
+
+
+def check_model_fit(spec: RunSpec, dims: dict[str, int]) -> None:
+    """Check the options that depend on the model's sizes against its config, before it loads.
+
+    A method's ``w_group_size`` groups each linear layer's input features, so it must divide
+    every input size: ``hidden_size`` (attention and MLP inputs), ``num_attention_heads *
+    head_dim`` (attention output) and ``intermediate_size`` (MLP down projection). The
+    ``accuracy`` suite's ``seqlen`` is one forward pass, at most ``max_position_embeddings``.
+    A size the config does not state is not checked.
+
+    Args:
+        spec: the sweep.
+        dims: the model's sizes (:func:`mosaicquant.harness.models.model_dimensions`).
+
+    Raises:
+        UserInputError: naming the option, the model's sizes and the allowed values.
+    """
+    inputs = {key: dims[key] for key in ("hidden_size", "intermediate_size") if key in dims}
+    if "num_attention_heads" in dims and "head_dim" in dims:
+        inputs["num_attention_heads*head_dim"] = dims["num_attention_heads"] * dims["head_dim"]
+    for method in spec.methods:
+        group = getattr(method.config, "w_group_size", None)
+        if group is None or not inputs or all(size % group == 0 for size in inputs.values()):
+            continue
+        common = math.gcd(*inputs.values())
+        divisors = [d for d in range(1, common + 1) if common % d == 0]
+        sizes = ", ".join(f"{key} {size}" for key, size in inputs.items())
+        raise UserInputError(
+            f"method {method.label!r}: w_group_size={group} does not divide the input size of every linear layer "
+            f"of model {spec.model!r} ({sizes}): allowed the divisors of {common}: {', '.join(map(str, divisors))}")
+    context = dims.get("max_position_embeddings")
+    for suite in spec.suites:
+        seqlen = getattr(suite.config, "seqlen", None)
+        if context is not None and suite.name in _CONTEXT_BOUND_SUITES and seqlen is not None and seqlen > context:
+            raise UserInputError(
+                f"suite {suite.label!r}: seqlen={seqlen} is longer than model {spec.model!r} reads at once "
+                f"(max_position_embeddings {context}): allowed integers 2..{context}")

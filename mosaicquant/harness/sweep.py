@@ -30,8 +30,8 @@ def run_sweep(spec: RunSpec, log: Callable[[str], None] = print,
         executor: where the tasks run (default: ``local``, in this process); see
             :mod:`mosaicquant.harness.executors`.
         backend: ``name[:key=value...]`` of a registered backend that runs the cells instead of
-            this process (see :mod:`mosaicquant.harness.backends`); ``None`` or ``"torch"`` for
-            the in-process default. A backend is asked before any model is loaded.
+            this process (see :mod:`mosaicquant.harness.backends`); ``"torch"`` for the in-process
+            default; ``None``: the spec's ``backend``. A backend is asked before any model is loaded.
 
     Returns:
         the paths written, skipped (already finished), failed and unavailable.
@@ -43,7 +43,7 @@ def run_sweep(spec: RunSpec, log: Callable[[str], None] = print,
         RecordWriteError: a record could not be written (the sweep stops; the record is kept elsewhere).
     """
     settings = executor if executor is not None else ExecutorSettings()
-    chosen = parse_backend_spec(backend)
+    chosen = parse_backend_spec(backend if backend is not None else spec.backend)
     if chosen is not None:
         with results_lock(spec.out, log):
             return run_backend_sweep(spec, chosen, log)
