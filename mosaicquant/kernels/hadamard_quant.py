@@ -72,7 +72,7 @@ from mosaicquant.kernels._common import (
     resolve_kernel,
     triton_interpreting,
 )
-from mosaicquant.kernels._tl import chain_start, quant_div, quantize_int4, silu_mul_rounded, split_bf16
+from mosaicquant.kernels._tl import chain_start, max_nan, quant_div, quantize_int4, silu_mul_rounded, split_bf16
 from mosaicquant.kernels._tl import round_to_bf16 as _round_to_bf16
 from mosaicquant.kernels._token_split import (
     barrier_buffer,
@@ -190,7 +190,7 @@ def _hadamard_quant_kernel(
     else:
         z = z.to(tl.float16).to(tl.float32)
 
-    absmax = tl.max(tl.max(tl.abs(z), axis=1), axis=0)
+    absmax = max_nan(max_nan(tl.abs(z), 1), 0)
     scale = token_scale(absmax, clip_ratio, sync_ptr, row, slice_id, tag, P, SYNC)
     if c0 == 0:
         tl.store(scale_ptr + row, scale)
