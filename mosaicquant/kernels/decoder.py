@@ -635,6 +635,8 @@ def _check_rope_args(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads
                      k_norm, kv: KVFormat | None = None, scales: KVScales | None = None) -> tuple[int, int]:
     """:func:`rope_kv`'s argument checks; returns the batch and the head size."""
     check_tensor("qkv", qkv, dtypes=_HALF, dim=2)
+    if kv is not None and not isinstance(kv, KVFormat):
+        raise UserInputError(f"kv must be a KVFormat, got {type(kv).__name__}")
     packed = kv is not None and kv.quantized
     cache_dtype = torch.uint8 if packed else qkv.dtype
     check_tensor("k_cache", k_cache, dtypes=(cache_dtype,), dim=4)
