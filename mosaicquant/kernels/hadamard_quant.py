@@ -45,6 +45,10 @@ Views of more than 128 padded rows (``R_PAD = 256``: Qwen3-14B's 17408 = 68 · 2
 kernel did not launch on the GPU. Folded views split into at most ``D / 64`` programs a token (no transposed
 products).
 
+A token whose row holds NaN or Inf (before or after the transform, which spreads one over the row) gets
+the scale NaN, so its GEMM output row is NaN (:func:`mosaicquant.kernels._tl.max_nan`); the others are
+unaffected.
+
 Taken: 16-bit inputs (BF16 / FP16), ``D ≥ 16`` (``2^k ≥ 16``) and ``R ≤ 256`` (``n ≤ 32768`` for
 ``2^k ≥ 128``), with a Sylvester level to fold above 128 rows: every hidden and intermediate size of the SPEC
 models.

@@ -360,3 +360,17 @@ def test_scale_helpers_against_the_reference():
     want_sym = quantize(x, 4, symmetric=True).scale.flatten()
     assert torch.equal(out[:8][finite], want_asym), (out[:8], want_asym)
     assert torch.equal(out[8:][finite], want_sym), (out[8:], want_sym)
+
+
+@needs_triton()
+def test_w4a4_gemm_of_a_nonfinite_weight_scale_is_a_nan_column():
+    m, n, k = 3, 48, 256
+    gen = torch.Generator().manual_seed(23)
+    x = random_activations(m, k, gen).to(DEVICE)
+    _, qweight, w_scale = random_layer(n, k, gen)
+    w_scale[5], w_scale[17] = NAN, INF
+    a_packed, a_scale = quantize_activations_triton(x)
+    out = w4a4_gemm_triton(a_packed, a_scale, qweight.to(DEVICE), w_scale.to(DEVICE), k).float().cpu()
+    assert torch.isnan(out[:, 5]).all() and not torch.isfinite(out[:, 17]).any(), out[:, [5, 17]]
+    rest = [c for c in range(n) if c not in (5, 17)]
+    assert torch.isfinite(out[:, rest]).all()
