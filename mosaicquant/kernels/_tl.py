@@ -415,8 +415,9 @@ def minimum_nan(a, b):
 
 @triton.jit
 def sym_scale(absmax, clip, DIV: tl.constexpr):
-    """Scale of a symmetric grid, ``absmax · clip / DIV`` (IEEE division), as :func:`mosaicquant.methods.quant.quantize`
-    takes it: 1 for an all-zero group, NaN where ``absmax`` is NaN or Inf (a non-finite input)."""
+    """Scale of a symmetric grid, ``absmax · clip / DIV`` (IEEE division), as
+    :func:`mosaicquant.methods.quant.quantize` takes it: 1 for an all-zero group, NaN where ``absmax`` is NaN or Inf (a non-finite input).
+    """
     scale = tl.math.div_rn(absmax * clip, DIV)
     return tl.where(absmax < float("inf"), tl.where(scale > 0.0, scale, 1.0), float("nan"))
 

@@ -1068,8 +1068,8 @@ def _cat_halves(x1, x2):
 
 @triton.jit
 def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS, KZ, VS, VZ, HP, FAULTS, eps,
-                      scale_log2, clip, chunk, pos_max, stride_t, stride_cos, stride_cb, stride_ch, stride_cl, stride_sb, stride_sh,
-                      stride_ob, HKV, NSPLIT,
+                      scale_log2, clip, chunk, pos_max, stride_t, stride_cos, stride_cb, stride_ch, stride_cl,
+                      stride_sb, stride_sh, stride_ob, HKV, NSPLIT,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                       QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr, DOT_F32: tl.constexpr,
                       DIRECT: tl.constexpr, ROT: tl.constexpr, KV4: tl.constexpr, SYM: tl.constexpr,

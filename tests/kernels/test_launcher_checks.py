@@ -24,7 +24,6 @@ from mosaicquant.kernels.decoder import (
 from mosaicquant.kernels.gemv import gemv_triton
 from mosaicquant.kernels.hadamard_quant import hadamard_quantize_triton
 from mosaicquant.kernels.mixed_gemm import (
-    MixedActs,
     MixedFormat,
     MixedQuantLinear,
     mixed_act_quant_triton,
@@ -148,7 +147,8 @@ CASES = {
     "signs in float64": (lambda: hadamard_quantize_triton(_act(), _float64_signs()),
                          r"the transform's signs are torch.float64 on .*float32 signs"),
     # GEMMs
-    "k of another type": (lambda: w4a4_gemm_triton(*_packed_acts(), *_weights(), 128.0), r"k=128.0 must be a positive int"),
+    "k of another type": (lambda: w4a4_gemm_triton(*_packed_acts(), *_weights(), 128.0),
+                          r"k=128.0 must be a positive int"),
     "grouped weight scales": (lambda: w4a4_gemm_triton(*_packed_acts(), _weights()[0],
                                                        torch.rand(N, 2, device=DEVICE), K),
                               r"w_scale has 2 groups per channel"),

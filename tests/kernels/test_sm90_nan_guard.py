@@ -54,7 +54,8 @@ x = torch.zeros(4, 4096, dtype=bf)
 case("act_quant packed", "_act_quant_kernel", lambda: aq.quantize_activations_triton(x))
 case("act_quant split8, 4 programs a token", "_act_quant_kernel",
      lambda: aq.quantize_activations_triton(torch.zeros(4, 14336, dtype=bf), layout="split8", programs_per_token=4))
-case("act_quant two passes", "_act_quant_kernel", lambda: aq.quantize_activations_triton(torch.zeros(4, 20000, dtype=bf)))
+case("act_quant two passes", "_act_quant_kernel",
+     lambda: aq.quantize_activations_triton(torch.zeros(4, 20000, dtype=bf)))
 case("hadamard_quant", "_hadamard_quant_kernel", lambda: hq.hadamard_quantize_triton(x, OnlineHadamard(4096)))
 case("rmsnorm_quant", "_rmsnorm_quant_kernel", lambda: dec.rmsnorm_quant(x, torch.ones(4096, dtype=bf), 1e-5))
 for sym in (True, False):
@@ -78,8 +79,8 @@ for sym in (True, False):
                                            scales=sc))
 kb = torch.zeros(B, KV, L, D, dtype=bf)
 case("decode_attention", "_attn_split_kernel",
-     lambda: dec.decode_attention(torch.zeros(B, H, D, dtype=bf), kb, kb.clone(), torch.tensor([3, 4], dtype=torch.int32),
-                                  D ** -0.5))
+     lambda: dec.decode_attention(torch.zeros(B, H, D, dtype=bf), kb, kb.clone(),
+                                  torch.tensor([3, 4], dtype=torch.int32), D ** -0.5))
 """
 
 QUANTIZERS = ["act_quant packed", "act_quant split8, 4 programs a token", "act_quant two passes", "hadamard_quant",
