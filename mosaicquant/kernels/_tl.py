@@ -363,6 +363,80 @@ def quantize_int4(v):
     return (tl.minimum(tl.maximum(v, -8.0), 7.0) + 12582912.0).to(tl.int32, bitcast=True)
 
 
+# Non-finite inputs: a group (a token's row, a channel group) holding NaN or Inf gets the scale NaN, so
+# everything computed from it (its dequantized values, its GEMM output row) is NaN; its integers are
+# unspecified. Triton's tl.max / tl.maximum drop NaN (the GPU's max.f32 and the interpreter alike), so
+# the ranges are taken with NaN-propagating reductions: on the GPU a reduction whose combine is
+# max.NaN.f32 (one instruction, as max.f32); on the interpreter, which runs a combine function of its
+# own element by element in Python, numpy's max plus the sum of ``x · 0`` (NaN where any value is NaN
+# or ±Inf, 0 elsewhere), both numpy reductions.
+_NAN_BY_SUM = tl.constexpr(_INTERPRETING)
+@triton.jit
+def _maximum_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _minimum_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def max_nan(x, axis: tl.constexpr):
+    """``tl.max(x, axis)`` where the reduced values are finite; never finite where they hold NaN or ±Inf
+    (NaN where they hold a NaN)."""
+    if _NAN_BY_SUM:
+        return tl.max(x, axis) + tl.sum(x * 0.0, axis)
+    else:
+        return tl.reduce(x, axis, _maximum_nan)
+
+
+@triton.jit
+def min_nan(x, axis: tl.constexpr):
+    """``tl.min(x, axis)`` where the reduced values are finite; never finite where they hold NaN or ±Inf
+    (NaN where they hold a NaN)."""
+    if _NAN_BY_SUM:
+        return tl.min(x, axis) + tl.sum(x * 0.0, axis)
+    else:
+        return tl.reduce(x, axis, _minimum_nan)
+
+
+@triton.jit
+def maximum_nan(a, b):
+    """Element-wise ``tl.maximum``, NaN where either is NaN."""
+    return _maximum_nan(a, b)
+
+
+@triton.jit
+def minimum_nan(a, b):
+    """Element-wise ``tl.minimum``, NaN where either is NaN."""
+    return _minimum_nan(a, b)
+
+
+@triton.jit
+def sym_scale(absmax, clip, DIV: tl.constexpr):
+    """Scale of a symmetric grid, ``absmax · clip / DIV`` (IEEE division), as
+    :func:`mosaicquant.methods.quant.quantize` takes it: 1 for an all-zero group, NaN where ``absmax`` is NaN or Inf (a non-finite input).
+    """
+    scale = tl.math.div_rn(absmax * clip, DIV)
+    return tl.where(absmax < float("inf"), tl.where(scale > 0.0, scale, 1.0), float("nan"))
+
+
+@triton.jit
+def asym_scale(lo, hi, DIV: tl.constexpr):
+    """Scale of an asymmetric grid, ``(hi - lo) / DIV`` (IEEE division), from a group's clipped ``lo <= 0 <= hi``.
+
+    As :func:`mosaicquant.methods.quant.quantize` takes it: 1 for an all-zero group, NaN where ``lo`` or ``hi`` is
+    not finite. Where ``hi - lo`` overflows (finite ends near ``±3.4e38``) the span is taken halved,
+    ``2 · ((hi/2 - lo/2) / DIV)``: the correctly rounded quotient still (halving and doubling are exact at that
+    size), finite where the direct form overflows to Inf.
+    """
+    span = hi - lo
+    scale = tl.where(span < float("inf"), tl.math.div_rn(span, DIV), 2.0 * tl.math.div_rn(hi * 0.5 - lo * 0.5, DIV))
+    finite = (hi < float("inf")) & (lo > -float("inf"))
+    return tl.where(finite, tl.where(scale > 0.0, scale, 1.0), float("nan"))
+
+
 @triton.jit
 def store_output(
     out_ptr, part_ptr, lock_ptr, tile_id, pid_k, acc, bias_ptr,

@@ -36,6 +36,7 @@ import triton.language as tl
 from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._common import triton_interpreting
 from mosaicquant.kernels._tiles import _sm_count, persistent_zeros
+from mosaicquant.kernels._tl import sym_scale
 
 __all__ = ["SPLIT_MAX_M", "MAX_PROGRAMS_PER_TOKEN", "TOKEN_WORDS", "sm_count", "barrier_buffer",
            "default_programs_per_token", "check_programs_per_token", "resolve_programs_per_token", "check_num_warps",
@@ -173,9 +174,10 @@ def row_absmax(sync_ptr, row, local_max, s, tag, P: tl.constexpr):
 
 @triton.jit
 def token_scale(local_max, clip_ratio, sync_ptr, row, s, tag, P: tl.constexpr, SYNC: tl.constexpr):
-    """Token ``row``'s quantization scale, ``absmax · clip / 7`` (IEEE division; 1 for an all-zero row).
+    """Token ``row``'s quantization scale, ``absmax · clip / 7`` (IEEE division; 1 for an all-zero row, NaN for a
+    row holding NaN or Inf: :func:`mosaicquant.kernels._tl.sym_scale`).
 
-    ``local_max``: the absmax of this program's slice. With ``P > 1`` the row's absmax comes from
+    ``local_max``: the absmax of this program's slice (NaN where it holds a NaN). With ``P > 1`` the row's absmax comes from
     :func:`row_absmax` (``SYNC``) or, without ``SYNC``, is read from ``sync_ptr[row]`` (given: the
     interpreter's tests, whose programs cannot wait for each other).
     """
@@ -185,8 +187,7 @@ def token_scale(local_max, clip_ratio, sync_ptr, row, s, tag, P: tl.constexpr, S
             absmax = row_absmax(sync_ptr, row, local_max, s, tag, P)
         else:
             absmax = tl.load(sync_ptr + row)
-    scale = tl.math.div_rn(absmax * clip_ratio, 7.0)
-    return tl.where(scale > 0.0, scale, 1.0)
+    return sym_scale(absmax, clip_ratio, 7.0)
 
 
 @triton.jit

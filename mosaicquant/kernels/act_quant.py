@@ -28,7 +28,8 @@ Slices of up to ``MAX_BLOCK_KP`` pairs are loaded once and kept in registers; lo
 a first pass for the absmax and a second (reading the slice again, from L1/L2) to quantize and
 pack. Each pass loads ``[BLOCK_KP, 2]`` tiles (contiguous, then split into the even and odd
 elements), so loads are wide and coalesced.
-Inputs holding NaN/Inf give unspecified integers (the reference raises, the kernel cannot).
+A token whose row holds NaN or Inf gets the scale NaN (its integers are unspecified), so its GEMM output
+row is NaN; the other tokens are unaffected. The reference raises instead.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from mosaicquant.kernels._common import (
     check_triton_device,
     resolve_kernel,
 )
-from mosaicquant.kernels._tl import chain_start, quant_div, quantize_int4, silu_mul_rounded
+from mosaicquant.kernels._tl import chain_start, max_nan, maximum_nan, quant_div, quantize_int4, silu_mul_rounded
 from mosaicquant.kernels._token_split import (
     barrier_buffer,
     check_num_warps,
@@ -126,14 +127,14 @@ def _act_quant_kernel(
     if ONE_PASS:
         k = (lo + pairs)[:, None] * 2 + lanes[None, :]
         x_all = _load_row(x_row, k, K, end, GATED)
-        absmax = tl.max(tl.abs(x_all), axis=1)
+        absmax = max_nan(tl.abs(x_all), 1)
     else:
         absmax = tl.zeros([BLOCK_KP], dtype=tl.float32)
         for kp0 in range(lo, hi, BLOCK_KP):
             k = (kp0 + pairs)[:, None] * 2 + lanes[None, :]
             x = _load_row(x_row, k, K, end, GATED)
-            absmax = tl.maximum(absmax, tl.max(tl.abs(x), axis=1))
-    scale = token_scale(tl.max(absmax, axis=0), clip_ratio, sync_ptr, row, slice_id, tag, P, SYNC)
+            absmax = maximum_nan(absmax, max_nan(tl.abs(x), 1))
+    scale = token_scale(max_nan(absmax, 0), clip_ratio, sync_ptr, row, slice_id, tag, P, SYNC)
     if lo == 0:
         tl.store(scale_ptr + row, scale)
 

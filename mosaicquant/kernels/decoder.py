@@ -56,7 +56,20 @@ from mosaicquant.kernels._common import (
     resolve_kernel,
     triton_interpreting,
 )
-from mosaicquant.kernels._tl import chain_start, quant_div, rnd, round_half_even, silu_mul_rounded
+from mosaicquant.kernels._tl import (
+    asym_scale,
+    chain_start,
+    max_nan,
+    maximum_nan,
+    min_nan,
+    minimum_nan,
+    quant_div,
+    rnd,
+    round_half_even,
+    silu_mul_rounded,
+    sym_scale,
+)
+from mosaicquant.kernels._tiles import persistent_zeros
 from mosaicquant.kernels._tl import round_to_bf16 as _round_to_bf16
 from mosaicquant.kernels.act_quant import (
     LAYOUTS,
@@ -77,6 +90,9 @@ __all__ = [
     "rope_kv",
     "rope_kv_reference",
     "decode_attention",
+    "check_range_faults",
+    "range_fault_word",
+    "RANGE_FAULTS",
     "decode_attention_reference",
     "decode_rope_attention",
     "decode_rope_attention_reference",
@@ -340,8 +356,8 @@ def _hadamard_halves_dot(x1, x2, HP, D: tl.constexpr, DT: tl.constexpr, BITS: tl
 
 @triton.jit
 def _min_max(lo_a, hi_a, lo_b, hi_b):
-    """Combine of a ``(min, max)`` pair reduction."""
-    return tl.minimum(lo_a, lo_b), tl.maximum(hi_a, hi_b)
+    """Combine of a ``(min, max)`` pair reduction (NaN-propagating)."""
+    return minimum_nan(lo_a, lo_b), maximum_nan(hi_a, hi_b)
 
 
 @triton.jit
@@ -349,16 +365,16 @@ def _kv4_quantize(x1, x2, clip, SYM: tl.constexpr, MINMAX: tl.constexpr = 1):
     """One 4-bit group per row of ``[x1 | x2]`` (halves ``[R, D/2]``, fp32): :func:`kv4_quantize_reference`'s
     operations (``methods.quant``'s grid: IEEE divisions, ties to even). Returns the packed bytes ``[R, D/2]``
     (channel ``j`` in the low nibble of byte ``j``, channel ``j + D/2`` in its high nibble), the scales and
-    the zero points ``[R]`` (fp32; 8 on the symmetric grid, whose integers are stored offset by 8)."""
+    the zero points ``[R]`` (fp32; 8 on the symmetric grid, whose integers are stored offset by 8). A row holding
+    NaN or Inf gets the scale NaN (the reference's too), so its dequantized values are NaN."""
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     if SYM:
         if MINMAX > 0:
-            amax = tl.max(tl.maximum(tl.abs(x1), tl.abs(x2)), axis=1)
+            amax = max_nan(maximum_nan(tl.abs(x1), tl.abs(x2)), 1)
         else:
-            amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
-        scale = tl.math.div_rn(amax * clip, 7.0)
-        scale = tl.where(scale > 0, scale, 1.0)
+            amax = maximum_nan(max_nan(tl.abs(x1), 1), max_nan(tl.abs(x2), 1))
+        scale = sym_scale(amax, clip, 7.0)
         zero = scale * 0.0 + 8.0
         # clamping to [-9, 9] first keeps the magic-number rounding exact and clamp(round(v), -8, 7) unchanged
         u1 = tl.minimum(tl.maximum(round_half_even(tl.minimum(tl.maximum(
@@ -367,17 +383,16 @@ def _kv4_quantize(x1, x2, clip, SYM: tl.constexpr, MINMAX: tl.constexpr = 1):
             quant_div(x2, scale[:, None]), -9.0), 9.0)), -8.0), 7.0) + 8.0
     else:
         if MINMAX == 2:  # one max over the joined (max, -min) pairs of the halves' element-wise extremes (exact)
-            hi, neg_lo = tl.split(tl.max(tl.join(tl.maximum(x1, x2), -tl.minimum(x1, x2)), axis=1))
+            hi, neg_lo = tl.split(max_nan(tl.join(maximum_nan(x1, x2), -minimum_nan(x1, x2)), 1))
             lo = -neg_lo
         elif MINMAX == 1:  # one reduction of (min, max) pairs with its own combine function (exact)
-            lo, hi = tl.reduce((tl.minimum(x1, x2), tl.maximum(x1, x2)), 1, _min_max)
+            lo, hi = tl.reduce((minimum_nan(x1, x2), maximum_nan(x1, x2)), 1, _min_max)
         else:  # four reductions, one a half and extreme
-            lo = tl.minimum(tl.min(x1, axis=1), tl.min(x2, axis=1))
-            hi = tl.maximum(tl.max(x1, axis=1), tl.max(x2, axis=1))
-        lo = tl.minimum(lo, 0.0) * clip
-        hi = tl.maximum(hi, 0.0) * clip
-        scale = tl.math.div_rn(hi - lo, 15.0)
-        scale = tl.where(scale > 0, scale, 1.0)
+            lo = minimum_nan(min_nan(x1, 1), min_nan(x2, 1))
+            hi = maximum_nan(max_nan(x1, 1), max_nan(x2, 1))
+        lo = minimum_nan(lo, 0.0) * clip
+        hi = maximum_nan(hi, 0.0) * clip
+        scale = asym_scale(lo, hi, 15.0)
         zero = round_half_even(tl.math.div_rn(-lo, scale))
         # |v| > 32 lands outside [0, 15] after the zero point either way
         u1 = tl.minimum(tl.maximum(round_half_even(tl.minimum(tl.maximum(
@@ -408,8 +423,8 @@ def _kv4_store(x1, x2, CP, SP, ZP, at, sat, mask, clip, SYM: tl.constexpr, MINMA
 
 
 @triton.jit
-def _rope_kv_kernel(QKV, POS, COS, SIN, QN, KN, QOUT, KC, VC, KS, KZ, VS, VZ, KD, VD, eps, clip,
-                    tokens_per_seq, stride_t, stride_cos, stride_qo, stride_cb, stride_ch, stride_cl,
+def _rope_kv_kernel(QKV, POS, COS, SIN, QN, KN, QOUT, KC, VC, KS, KZ, VS, VZ, KD, VD, FAULTS, eps, clip,
+                    tokens_per_seq, pos_max, stride_t, stride_cos, stride_qo, stride_cb, stride_ch, stride_cl,
                     stride_sb, stride_sh, stride_db, stride_dh, stride_dl,
                     HQ: tl.constexpr, HKV: tl.constexpr, HQP: tl.constexpr, HKVP: tl.constexpr,
                     D: tl.constexpr, QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr,
@@ -418,7 +433,7 @@ def _rope_kv_kernel(QKV, POS, COS, SIN, QN, KN, QOUT, KC, VC, KS, KZ, VS, VZ, KD
     chain_start(CHAIN)
     t = tl.program_id(0).to(tl.int64)
     b = t // tokens_per_seq
-    pos = tl.load(POS + t).to(tl.int64)
+    pos = _in_range_or_fault(tl.load(POS + t).to(tl.int64), 0, pos_max, FAULTS, _FAULT_ROPE_KV)
     HALF: tl.constexpr = D // 2
     d = tl.arange(0, HALF)
     row = QKV + t * stride_t
@@ -619,6 +634,8 @@ def _check_rope_args(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads
                      k_norm, kv: KVFormat | None = None, scales: KVScales | None = None) -> tuple[int, int]:
     """:func:`rope_kv`'s argument checks; returns the batch and the head size."""
     check_tensor("qkv", qkv, dtypes=_HALF, dim=2)
+    if kv is not None and not isinstance(kv, KVFormat):
+        raise UserInputError(f"kv must be a KVFormat, got {type(kv).__name__}")
     packed = kv is not None and kv.quantized
     cache_dtype = torch.uint8 if packed else qkv.dtype
     check_tensor("k_cache", k_cache, dtypes=(cache_dtype,), dim=4)
@@ -656,12 +673,61 @@ def _check_rope_args(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads
     return b, d
 
 
+# Range checks of positions and lengths on the device. A host check of a device tensor would synchronise every
+# decode step (and cannot run inside a captured CUDA graph), so the kernels check what they read: a value out of
+# range sets its bit in a per-device fault word (one atomic OR, only then) and is clamped into range, so the launch
+# reads and writes nothing outside the cache and the tables; its outputs are not valid. The check is a compare and
+# a never-taken branch a program, so it is always on. The word is read lazily, by check_range_faults, where the
+# caller synchronises anyway (the decode runtime: once a generated sequence, as it reads the tokens back).
+RANGE_FAULTS = (
+    ("rope_kv", "positions", "0..min(cache slots, cos/sin rows) - 1"),
+    ("decode_attention", "lengths", "1..cache slots"),
+    ("decode_rope_attention", "positions", "0..min(cache slots, cos/sin rows) - 1"),
+)
+_FAULT_ROPE_KV = tl.constexpr(1)
+_FAULT_ATTN_LENGTHS = tl.constexpr(2)
+_FAULT_ROPE_ATTN = tl.constexpr(4)
+
+
+def range_fault_word(device: torch.device) -> torch.Tensor:
+    """The device's fault word (``int32 [1]``, :func:`mosaicquant.kernels._tiles.persistent_zeros`): bit ``i`` set
+    when a kernel read a value of :data:`RANGE_FAULTS` ``[i]`` out of range."""
+    return persistent_zeros("range faults", 1, torch.int32, torch.device(device))
+
+
+def check_range_faults(device: torch.device | str) -> None:
+    """Raise if a kernel on ``device`` read a position or length out of range since the last call; clears the word.
+
+    Reads the device's fault word: a synchronisation on a GPU, so call it where the caller waits for the device
+    anyway (e.g. as it copies results back), not every step.
+
+    Raises:
+        UserInputError: naming the launcher and input, and the allowed span.
+    """
+    word = range_fault_word(torch.device(device))
+    bits = int(word.item())
+    if not bits:
+        return
+    word.zero_()
+    bad = [f"{launcher} {name} (allowed {span})" for i, (launcher, name, span) in enumerate(RANGE_FAULTS)
+           if bits >> i & 1]
+    raise UserInputError(f"out-of-range values read on {device}: {'; '.join(bad)}; the launches clamped them into "
+                         f"range, so their outputs are not valid")
+
+
+@triton.jit
+def _in_range_or_fault(v, lo, hi, FAULTS, BIT: tl.constexpr):
+    """``v`` clamped into ``[lo, hi]``; out of range, ``BIT`` is set in the fault word at ``FAULTS``."""
+    if (v < lo) | (v > hi):
+        tl.atomic_or(FAULTS, BIT)
+    return tl.minimum(tl.maximum(v, lo), hi)
+
+
 def _check_cpu_range(name: str, values: torch.Tensor, lo: int, hi: int, why: str) -> None:
     """``lo <= values <= hi``, checked where the values are on the host (no device synchronisation).
 
-    On a GPU the kernels read positions and lengths on the device, and a host check would
-    synchronise every decode step (and cannot run inside a captured CUDA graph): there they are
-    the caller's contract, as the docstrings say. The decode runtime builds them in range.
+    On a GPU the kernels read positions and lengths on the device and check them there (the fault word,
+    :func:`check_range_faults`). The decode runtime builds them in range.
 
     Raises:
         UserInputError: naming the smallest and largest value and the allowed span.
@@ -771,7 +837,8 @@ def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
         kd, vd = dequant if dequant is not None else (cos, cos)
         _rope_kv_kernel[(t,)](
             qkv, positions, cos, sin, qn, k_norm if k_norm is not None else cos, out, k_cache, v_cache,
-            KD=kd, VD=vd, eps=float(eps), tokens_per_seq=tokens_per_seq, stride_t=qkv.stride(0),
+            KD=kd, VD=vd, FAULTS=range_fault_word(qkv.device), eps=float(eps), tokens_per_seq=tokens_per_seq,
+            pos_max=min(k_cache.shape[2], cos.shape[0]) - 1, stride_t=qkv.stride(0),
             stride_cos=cos.stride(0), stride_qo=out.stride(0), stride_cb=k_cache.stride(0),
             stride_ch=k_cache.stride(1), stride_cl=k_cache.stride(2),
             stride_db=kd.stride(0) if dequant is not None else 0, stride_dh=kd.stride(1) if dequant is not None else 0,
@@ -954,7 +1021,7 @@ def _combine_head(PM, PL, PACC, first, NSPLIT, SP: tl.constexpr, GP: tl.constexp
 
 
 @triton.jit
-def _attn_split_kernel(Q, KC, VC, LENS, PM, PL, PACC, scale_log2, chunk,
+def _attn_split_kernel(Q, KC, VC, LENS, PM, PL, PACC, FAULTS, scale_log2, chunk, cache_len,
                        stride_qb, stride_qh, stride_cb, stride_ch, stride_cl,
                        HKV, NSPLIT, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                        BLOCK_N: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr, CHAIN: tl.constexpr):
@@ -963,7 +1030,7 @@ def _attn_split_kernel(Q, KC, VC, LENS, PM, PL, PACC, scale_log2, chunk,
     split = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
     h = bh % HKV
-    length = tl.load(LENS + b)
+    length = _in_range_or_fault(tl.load(LENS + b), 1, cache_len, FAULTS, _FAULT_ATTN_LENGTHS)
     start = split * chunk
     end = tl.minimum(start + chunk, length)
     g = tl.arange(0, GP)
@@ -999,9 +1066,9 @@ def _cat_halves(x1, x2):
 
 
 @triton.jit
-def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS, KZ, VS, VZ, HP, eps, scale_log2,
-                      clip, chunk, stride_t, stride_cos, stride_cb, stride_ch, stride_cl, stride_sb, stride_sh,
-                      stride_ob, HKV, NSPLIT,
+def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS, KZ, VS, VZ, HP, FAULTS, eps,
+                      scale_log2, clip, chunk, pos_max, stride_t, stride_cos, stride_cb, stride_ch, stride_cl,
+                      stride_sb, stride_sh, stride_ob, HKV, NSPLIT,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                       QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr, DOT_F32: tl.constexpr,
                       DIRECT: tl.constexpr, ROT: tl.constexpr, KV4: tl.constexpr, SYM: tl.constexpr,
@@ -1023,7 +1090,7 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
     # the new token's position (it attends to keys 0..pos), read before waiting for the kernel before us:
     # that is the qkv GEMM, which does not write it, and every kernel before it has finished (each one
     # waits for its predecessor before it lets the next start)
-    pos = tl.load(POS + b).to(tl.int64)
+    pos = _in_range_or_fault(tl.load(POS + b).to(tl.int64), 0, pos_max, FAULTS, _FAULT_ROPE_ATTN)
     start = split * chunk
     end = tl.minimum(start + chunk, pos + 1)
     base = b * stride_cb + h * stride_ch
@@ -1192,7 +1259,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pm, pl, pacc = p.partials()
     chain = chain_mode(q.device, b)
     _attn_split_kernel[(b * hkv, p.nsplit)](
-        q, k_cache, v_cache, lengths, pm, pl, pacc, float(scale) * _LOG2E, p.chunk,
+        q, k_cache, v_cache, lengths, pm, pl, pacc, range_fault_word(q.device), float(scale) * _LOG2E, p.chunk,
+        cache_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         hkv, p.nsplit, G=p.g, GP=p.gp, D=d, BLOCK_N=ATTN_BLOCK_N, DT=_tl_dtype(q.dtype),
         DOT_F32=triton_interpreting(), CHAIN=chain, num_warps=4, **chain_launch(chain))
@@ -1318,7 +1386,8 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     rot_dot = ATTN_ROTATE_BY_DOT and kv is not None and kv.rotate  # only then the kernel reads the ±1 matrix
     _rope_attn_kernel[(b * kv_heads, p.nsplit)](
         qkv, positions, cos, sin, qn, k_norm if k_norm is not None else cos, k_cache, v_cache, pm, pl, pacc, out,
-        eps=float(eps), scale_log2=float(scale) * _LOG2E, chunk=p.chunk, stride_t=qkv.stride(0),
+        FAULTS=range_fault_word(qkv.device), eps=float(eps), scale_log2=float(scale) * _LOG2E, chunk=p.chunk,
+        pos_max=min(k_cache.shape[2], cos.shape[0]) - 1, stride_t=qkv.stride(0),
         stride_cos=cos.stride(0), stride_cb=k_cache.stride(0), stride_ch=k_cache.stride(1),
         stride_cl=k_cache.stride(2), stride_ob=out.stride(0), HKV=kv_heads, NSPLIT=p.nsplit, G=p.g, GP=p.gp, D=d,
         BLOCK_N=block_n, QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype),

@@ -58,7 +58,16 @@ from mosaicquant.kernels._common import (
 )
 from mosaicquant.kernels._residual_check import check_residual
 from mosaicquant.kernels._tiles import LOCK_SLOTS, _sm_count, lock_buffer, pdl_launch
-from mosaicquant.kernels._tl import in_range, quant_div, quantize_int4, store_output, wait_for_inputs
+from mosaicquant.kernels._tl import (
+    in_range,
+    max_nan,
+    maximum_nan,
+    quant_div,
+    quantize_int4,
+    store_output,
+    sym_scale,
+    wait_for_inputs,
+)
 from mosaicquant.kernels.act_quant import ACT_DTYPES
 from mosaicquant.kernels.w4a4_gemm import X16_MAX_K, check_gemm_args, check_weight_args
 from mosaicquant.methods.format import ResidualBlocks
@@ -153,9 +162,8 @@ def _row_scales(x_ptr, stride_xm, M, K, clip_ratio, BM: tl.constexpr, BK: tl.con
     for k0 in range(0, K, BK):
         k = k0 + cols
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=k[None, :] < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.math.div_rn(tl.max(amax, axis=1) * clip_ratio, 7.0)
-    return tl.where(scale > 0.0, scale, 1.0)
+        amax = maximum_nan(amax, tl.abs(x.to(tl.float32)))
+    return sym_scale(max_nan(amax, 1), clip_ratio, 7.0)
 
 
 @triton.jit

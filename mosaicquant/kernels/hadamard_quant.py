@@ -45,6 +45,10 @@ Views of more than 128 padded rows (``R_PAD = 256``: Qwen3-14B's 17408 = 68 · 2
 kernel did not launch on the GPU. Folded views split into at most ``D / 64`` programs a token (no transposed
 products).
 
+A token whose row holds NaN or Inf (before or after the transform, which spreads one over the row) gets
+the scale NaN, so its GEMM output row is NaN (:func:`mosaicquant.kernels._tl.max_nan`); the others are
+unaffected.
+
 Taken: 16-bit inputs (BF16 / FP16), ``D ≥ 16`` (``2^k ≥ 16``) and ``R ≤ 256`` (``n ≤ 32768`` for
 ``2^k ≥ 128``), with a Sylvester level to fold above 128 rows: every hidden and intermediate size of the SPEC
 models.
@@ -72,7 +76,7 @@ from mosaicquant.kernels._common import (
     resolve_kernel,
     triton_interpreting,
 )
-from mosaicquant.kernels._tl import chain_start, quant_div, quantize_int4, silu_mul_rounded, split_bf16
+from mosaicquant.kernels._tl import chain_start, max_nan, quant_div, quantize_int4, silu_mul_rounded, split_bf16
 from mosaicquant.kernels._tl import round_to_bf16 as _round_to_bf16
 from mosaicquant.kernels._token_split import (
     barrier_buffer,
@@ -190,7 +194,7 @@ def _hadamard_quant_kernel(
     else:
         z = z.to(tl.float16).to(tl.float32)
 
-    absmax = tl.max(tl.max(tl.abs(z), axis=1), axis=0)
+    absmax = max_nan(max_nan(tl.abs(z), 1), 0)
     scale = token_scale(absmax, clip_ratio, sync_ptr, row, slice_id, tag, P, SYNC)
     if c0 == 0:
         tl.store(scale_ptr + row, scale)

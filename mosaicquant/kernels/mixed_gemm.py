@@ -20,7 +20,10 @@ first, high last) and the index loads are skipped. One program per token; its lo
 are taken as ``[groups, pairs, 2]`` tiles (many small groups a step, or a large group in
 two passes: range, then quantize). The kernel is compiled without FMA contraction, so the
 asymmetric range ``hi - lo`` of clipped ends rounds as the reference's separate ops.
-Inputs holding NaN/Inf give unspecified integers (the reference raises, the kernel cannot).
+A group (or a token's high part) holding NaN or Inf gets the scale NaN (its integers and zero point are
+unspecified), so the token's GEMM output row is NaN; the reference raises instead. Finite ends near
+``±3.4e38`` whose asymmetric range ``hi - lo`` overflows get the range halved first
+(:func:`mosaicquant.kernels._tl.asym_scale`), as the reference does.
 
 Integer storage (activations and weights alike):
 
@@ -75,7 +78,19 @@ from mosaicquant.kernels._common import (
     triton_interpreting,
 )
 from mosaicquant.kernels._tiles import LOCK_SLOTS, lock_buffer
-from mosaicquant.kernels._tl import mac_int4, quant_div, round_half_even, store_output, tile_indices
+from mosaicquant.kernels._tl import (
+    asym_scale,
+    mac_int4,
+    max_nan,
+    maximum_nan,
+    min_nan,
+    minimum_nan,
+    quant_div,
+    round_half_even,
+    store_output,
+    sym_scale,
+    tile_indices,
+)
 from mosaicquant.kernels.w4a4_gemm import int_matmul
 from mosaicquant.methods.format import pack_int4, unpack_int4
 from mosaicquant.methods.mixed import MixedActQuant
@@ -350,16 +365,14 @@ def _load_channels(x_row, perm_ptr, pos, ok, GATHER: tl.constexpr):
 
 @triton.jit
 def _grid_params(mn, mx, clip, DIV: tl.constexpr, ASYM: tl.constexpr):
-    """Scale and zero point from a group's ``min(x, 0)`` and ``max(x, 0)`` (as ``quantize``)."""
+    """Scale and zero point from a group's ``min(x, 0)`` and ``max(x, 0)`` (as ``quantize``; NaN scale and zero
+    for a group holding NaN or Inf)."""
     if ASYM:
         lo = mn * clip
-        hi = mx * clip
-        scale = tl.math.div_rn(hi - lo, DIV)
-        scale = tl.where(scale > 0.0, scale, 1.0)
+        scale = asym_scale(lo, mx * clip, DIV)
         zero = round_half_even(tl.math.div_rn(-lo, scale))
     else:
-        scale = tl.math.div_rn(tl.maximum(-mn, mx) * clip, DIV)
-        scale = tl.where(scale > 0.0, scale, 1.0)
+        scale = sym_scale(maximum_nan(-mn, mx), clip, DIV)
         zero = scale * 0.0
     return scale, zero
 
@@ -409,8 +422,8 @@ def _mixed_act_quant_kernel(
                 pos = grp * GROUP + j
                 ok = (grp < N_GROUPS) & (j < GROUP) & (pos < K_LO)
                 x_all = _load_channels(x_row, perm_ptr, pos, ok, GATHER)
-                mn = tl.min(tl.min(x_all, axis=2), axis=1)
-                mx = tl.max(tl.max(x_all, axis=2), axis=1)
+                mn = min_nan(min_nan(x_all, 2), 1)
+                mx = max_nan(max_nan(x_all, 2), 1)
             else:
                 run_mn = tl.zeros([BLOCK_G, BLOCK_GP], dtype=tl.float32)
                 run_mx = tl.zeros([BLOCK_G, BLOCK_GP], dtype=tl.float32)
@@ -419,10 +432,10 @@ def _mixed_act_quant_kernel(
                     pos = grp * GROUP + j
                     ok = (grp < N_GROUPS) & (j < GROUP) & (pos < K_LO)
                     x = _load_channels(x_row, perm_ptr, pos, ok, GATHER)
-                    run_mn = tl.minimum(run_mn, tl.min(x, axis=2))
-                    run_mx = tl.maximum(run_mx, tl.max(x, axis=2))
-                mn = tl.min(run_mn, axis=1)
-                mx = tl.max(run_mx, axis=1)
+                    run_mn = minimum_nan(run_mn, min_nan(x, 2))
+                    run_mx = maximum_nan(run_mx, max_nan(x, 2))
+                mn = min_nan(run_mn, 1)
+                mx = max_nan(run_mx, 1)
             # masked lanes read 0, so mn <= 0 <= mx: the ranges of quantize (zero-padded groups)
             scale, zero = _grid_params(mn, mx, lo_clip, LO_DIV, LO_ASYM)
             tl.store(slo_row + g0 + g1, scale, mask=g0 + g1 < N_GROUPS)
@@ -448,18 +461,18 @@ def _mixed_act_quant_kernel(
         if HI_ONE_PASS:
             ok = offs < K_HI
             xh_all = _load_channels(x_row, perm_ptr, K_LO + offs, ok, GATHER)
-            mn_h = tl.min(xh_all, axis=0)
-            mx_h = tl.max(xh_all, axis=0)
+            mn_h = min_nan(xh_all, 0)
+            mx_h = max_nan(xh_all, 0)
         else:
             run_mn_h = tl.zeros([BLOCK_H], dtype=tl.float32)
             run_mx_h = tl.zeros([BLOCK_H], dtype=tl.float32)
             for k0 in range(0, K_HI, BLOCK_H):
                 k = k0 + offs
                 xh = _load_channels(x_row, perm_ptr, K_LO + k, k < K_HI, GATHER)
-                run_mn_h = tl.minimum(run_mn_h, xh)
-                run_mx_h = tl.maximum(run_mx_h, xh)
-            mn_h = tl.min(run_mn_h, axis=0)
-            mx_h = tl.max(run_mx_h, axis=0)
+                run_mn_h = minimum_nan(run_mn_h, xh)
+                run_mx_h = maximum_nan(run_mx_h, xh)
+            mn_h = min_nan(run_mn_h, 0)
+            mx_h = max_nan(run_mx_h, 0)
         scale_h, zero_h = _grid_params(mn_h, mx_h, hi_clip, HI_DIV, HI_ASYM)
         tl.store(shi_ptr + row, scale_h)
         if HI_ASYM:

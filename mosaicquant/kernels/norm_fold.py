@@ -36,7 +36,7 @@ import triton.language as tl
 
 from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._common import check_tensor, triton_interpreting
-from mosaicquant.kernels._tl import rnd
+from mosaicquant.kernels._tl import max_nan, rnd, sym_scale
 from mosaicquant.kernels.act_quant import LAYOUTS, quantize_store, split8_width
 
 __all__ = ["NormFold", "norm_fold", "fold_reason", "fold_launch_args", "fold_pdl", "FOLD_SPIN", "FOLD_LATE_SIGNAL"]
@@ -78,8 +78,7 @@ def norm_quant_row(X, R, W, Q, S, n, kp, eps, clip_ratio, HB: tl.constexpr, HAS_
     w = tl.load(W + k, mask=mask, other=0.0).to(tl.float32)
     z = rnd(w * y, DT, BITS)  # the normalized row exactly as rmsnorm() stores it
     # then act_quant's quantizer on it (same operations, same integers)
-    scale = tl.math.div_rn(tl.max(tl.max(tl.abs(z), axis=1), axis=0) * clip_ratio, 7.0)
-    scale = tl.where(scale > 0.0, scale, 1.0)
+    scale = sym_scale(max_nan(max_nan(tl.abs(z), 1), 0), clip_ratio, 7.0)
     tl.store(S, scale)
     quantize_store(z, scale, Q, pairs, kp, SPLIT8)
 

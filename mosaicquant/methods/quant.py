@@ -18,6 +18,10 @@ the kernel-backed model compute the same function):
   ``q = clamp(round(x / scale) + zero, 0, 2**b - 1)``; ``x̂ = (q - zero) * scale``.
 - ``round`` is round-half-to-even (``torch.round``; ``rint`` in the kernels).
 - an all-zero group gets ``scale = 1`` (its values quantize to 0 exactly).
+- non-finite inputs: :func:`quantize` raises; :func:`fake_quantize` (no checks, the hot path) gives a
+  group holding NaN or Inf the scale NaN, so every value of the group comes out NaN (the Triton
+  quantizers do the same). Finite ends whose span ``hi - lo`` overflows fp32 (values near
+  ``±3.4e38``) take the span halved: ``2 · ((hi/2 - lo/2) / (2**b - 1))``, the same quotient, finite.
 - ``scale_dtype=torch.float16`` rounds the scale to FP16 *before* quantizing, so the
   stored FP16 scale is the one the integers were computed with.
 
@@ -118,24 +122,31 @@ def _ranges(xg: torch.Tensor, symmetric: bool):
     return xg.amin(dim=-1).clamp(max=0), xg.amax(dim=-1).clamp(min=0)
 
 
+def _guard(scale: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """``scale`` with 1 for an all-zero group and NaN for a group whose range is not ``finite``."""
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.where(finite, scale, torch.full_like(scale, float("nan")))
+
+
 def _params_from_ranges(
     ranges, bits: int, symmetric: bool, clip: torch.Tensor | float, scale_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
-        scale = _true_div(ranges * clip, qmax)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        finite = torch.isfinite(ranges)
+        scale = _guard(_true_div(ranges * clip, qmax), finite)
         if scale_dtype is not None:
-            scale = scale.to(scale_dtype).to(torch.float32)
-            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            scale = _guard(scale.to(scale_dtype).to(torch.float32), finite)
         return scale, None
     levels = 2**bits - 1
     lo, hi = ranges[0] * clip, ranges[1] * clip
-    scale = _true_div(hi - lo, levels)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    finite = torch.isfinite(lo) & torch.isfinite(hi)
+    span = hi - lo
+    # finite ends near ±3.4e38 overflow the span; halving is exact there, so the halved form is the same quotient
+    scale = torch.where(torch.isfinite(span), _true_div(span, levels), _true_div(hi * 0.5 - lo * 0.5, levels) * 2)
+    scale = _guard(scale, finite)
     if scale_dtype is not None:
-        scale = scale.to(scale_dtype).to(torch.float32)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        scale = _guard(scale.to(scale_dtype).to(torch.float32), finite)
     zero = torch.round(-lo / scale)
     return scale, zero
 
