@@ -40,7 +40,8 @@ from mosaicquant.harness import shapes as shapes_mod
 from mosaicquant.harness.context import QuantContext, SuiteContext
 from mosaicquant.harness.errors import Unavailable, UserInputError
 from mosaicquant.harness.results import (
-    SCHEMA, Metric, ensure_writable_dir, environment, git_info, now_iso, read_record, record_path, write_record,
+    SCHEMA, Metric, command_line, ensure_writable_dir, environment, git_info, now_iso, read_record, record_path,
+    write_record,
 )
 from mosaicquant.harness.spec import PluginSpec, RunSpec
 from mosaicquant.harness.speedforms import speed_form
@@ -386,6 +387,7 @@ def _record_head(spec: RunSpec, model_meta: dict[str, Any], cell: Cell, env: dic
         "env": env,
         "git": git,
         "date": now_iso(),
+        "command": command_line(),
     }
 
 
