@@ -161,10 +161,12 @@ def protocol_section(records: list[dict[str, Any]]) -> list[str]:
     if not records:
         return []
     lines = ["## Protocol\n"]
-    text = [r for r in records if r.get("status") == "ok" and _test_corpus(r)]
+    # a text suite's record without its corpus is "not recorded"; a speed suite reads no text at all
+    text = [r for r in records if r.get("status") == "ok" and (_test_corpus(r) or r["suite"]["name"] in TEXT_SUITES)]
     ppl = [r for r in text if r["suite"]["name"] == "accuracy"]
     if text:
-        lines.append(f"- **Perplexity corpus (test split)**: {_counted([_test_corpus(r) for r in text])}")
+        corpora = [_test_corpus(r) or NOT_RECORDED for r in text]
+        lines.append(f"- **Perplexity corpus (test split)**: {_counted(corpora)}")
     else:
         lines.append("- **Perplexity corpus**: none (no record read a test corpus)")
     if ppl:

@@ -469,6 +469,9 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
         for fig in figures:
             parts.append(f"![{fig.path.stem}]({fig.path.name})\n")
             parts.append(f"*{fig.caption}*\n")
+            vector = [p for p in fig.paths[1:] if p.exists()]
+            if vector:
+                parts.append("Vector: " + ", ".join(f"[{p.suffix[1:].upper()}]({p.name})" for p in vector) + "\n")
         parts.extend(provenance_section(records))
         out_path.write_text("\n".join(parts))
         df.to_csv(out_dir / "summary.csv", index=False)
