@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     cmp = sub.add_parser("compare", help="compare two results directories; exit 1 on a regression",
                          description="Match cells by (model, method, suite), average seeds, and print every "
-                                     "compared metric. Exit 0: no regression, 1: a regression, 2: bad input.")
+                                     "compared metric (speed also as vs_fp16/* ratios to the set's own fp16 row). "
+                                     "Exit 0: no regression, 1: a regression, 2: bad input, 3: refused (--strict, "
+                                     "the protocols differ).")
     cmp.add_argument("base", help="reference results directory")
     cmp.add_argument("new", help="results directory to check")
     cmp.add_argument("--fail-on", dest="fail_on",
@@ -75,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "than PCT percent and more than the recorded spread; METRIC is a name, a glob "
                           "(decode_tok_s/*) or a name family (decode_tok_s)")
     cmp.add_argument("--json", dest="json_out", help="also write the comparison as JSON to this file")
+    cmp.add_argument("--strict", action="store_true",
+                     help="refuse (exit 3) when base and new differ in protocol: test corpus, suite options (seqlen, "
+                          "chunks, ...), calibration settings, dtype, device, driver or CUDA (default: a warning)")
+    cmp.add_argument("--format", dest="out_format", choices=("text", "github"), default="text",
+                     help="github: also print GitHub Actions annotations (::error file=...::) for regressions and "
+                          "protocol differences")
+    cmp.add_argument("--junit", help="also write the comparison as JUnit XML to this file (one case per watched metric)")
 
     fp = sub.add_parser("fingerprint", help="the package source's fingerprint (records' git.source_sha256)",
                         description="Print the fingerprint of the mosaicquant/*.py sources this command runs from, "
@@ -154,13 +163,21 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_compare(args) -> int:
-    from mosaicquant.reports.compare import compare_dirs, write_json
+    from mosaicquant.reports.compare import compare_dirs, write_json, write_junit
 
-    result = compare_dirs(args.base, args.new, args.fail_on)
+    result = compare_dirs(args.base, args.new, args.fail_on, strict=args.strict)
     print(result.render())
+    if result.protocol:
+        print(result.protocol_message(), file=sys.stderr)
+    if args.out_format == "github":
+        for line in result.github_annotations():
+            print(line)
     if args.json_out:
         write_json(result, args.json_out)
         print(f"[mosaicquant] comparison written to {args.json_out}")
+    if args.junit:
+        write_junit(result, args.junit)
+        print(f"[mosaicquant] JUnit XML written to {args.junit}")
     return result.exit_code
 
 
