@@ -321,11 +321,17 @@ def command_line(argv: list[str] | None = None) -> str:
     Example:
         >>> command_line(["/venv/bin/mosaicquant", "run", "--model", "my model"])
         "mosaicquant run --model 'my model'"
+        >>> command_line(["/src/mosaicquant/__main__.py", "report", "out"])  # python -m mosaicquant
+        'mosaicquant report out'
+        >>> command_line(["/venv/lib/pytest/__main__.py", "-q"])
+        '/venv/lib/pytest/__main__.py -q'
+
     """
     import shlex
 
     argv = list(sys.argv if argv is None else argv)
-    if argv and Path(argv[0]).name in ("mosaicquant", "__main__.py"):
+    if argv and (Path(argv[0]).name == "mosaicquant"
+                 or (Path(argv[0]).name == "__main__.py" and Path(argv[0]).parent.name == "mosaicquant")):
         argv[0] = "mosaicquant"
     return shlex.join(argv)
 
