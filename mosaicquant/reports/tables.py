@@ -34,7 +34,7 @@ from mosaicquant.reports.latex import render_latex
 from mosaicquant.reports.protocol import protocol_section
 
 __all__ = ["records_frame", "summary_table", "paper_table", "render_markdown", "provenance_section", "write_tables",
-           "short_path"]
+           "short_path", "Footnotes"]
 
 UP_DOWN_LEGEND = "↑: higher is better, ↓: lower is better."
 
@@ -183,6 +183,31 @@ def short_path(text: str) -> str:
     return head if len(head) <= SHORT_PATH_CHARS else head[:SHORT_PATH_CHARS - 1].rstrip() + "…"
 
 
+class Footnotes:
+    """Numbered footnotes of one report: each long execution-path text once, marked ``[^i]`` where it is shown."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def mark(self, text: str | None) -> str:
+        """``text`` with each ``; speed: ``-separated part longer than its short label replaced by
+        the label and a footnote mark (:func:`short_path`)."""
+        if not isinstance(text, str) or not text:  # None, or pandas' NaN for a cell without one
+            return ""
+        parts = []
+        for part in text.split("; speed: "):
+            short = short_path(part)
+            if short != part:
+                if part not in self.texts:
+                    self.texts.append(part)
+                short += f"[^{self.texts.index(part) + 1}]"
+            parts.append(short)
+        return "; speed: ".join(parts)
+
+    def markdown(self) -> list[str]:
+        return [f"[^{i}]: {text}" for i, text in enumerate(self.texts, 1)]
+
+
 def _shown_value(m: MetricSummary, scale: float) -> str:
     """``mean ± spread`` (the spread only where one exists), in the heading's unit."""
     if math.isnan(m.value):
@@ -193,7 +218,8 @@ def _shown_value(m: MetricSummary, scale: float) -> str:
     return text
 
 
-def paper_table(records: list[dict[str, Any]]) -> tuple[pd.DataFrame, list[str]]:
+def paper_table(records: list[dict[str, Any]],
+                footnotes: Footnotes | None = None) -> tuple[pd.DataFrame, list[str]]:
     """The summary as a paper prints it: human headings with units and arrows, ``mean ± spread`` text.
 
     One row per (model, method label) as :func:`summary_table`, with the same metrics, shown by
@@ -204,25 +230,17 @@ def paper_table(records: list[dict[str, Any]]) -> tuple[pd.DataFrame, list[str]]
     :data:`SHORT_PATH_CHARS` is shown by its first words with a footnote mark; the footnotes hold
     the whole text. The unquantized ``fp16`` row of a run in float32 says so in its notes.
 
+    Args:
+        records: as :func:`mosaicquant.harness.results.load_records` returns them.
+        footnotes: the report's footnotes, to number on from (a new set by default).
+
     Returns:
-        ``(table of strings, footnotes)``; footnote ``i`` (from 1) is marked ``[^i]`` in the table.
+        ``(table of strings, footnote texts)``; footnote ``i`` (from 1) is marked ``[^i]`` in the table.
     """
     split = _split_suites(records)
     rows: dict[tuple[str, str], dict[str, Any]] = {}
-    footnotes: list[str] = []
-
-    def mark(text: str | None) -> str:
-        if not text:
-            return ""
-        parts = []
-        for part in text.split("; speed: "):
-            short = short_path(part)
-            if short != part:
-                if part not in footnotes:
-                    footnotes.append(part)
-                short += f"[^{footnotes.index(part) + 1}]"
-            parts.append(short)
-        return "; speed: ".join(parts)
+    notes_set = footnotes if footnotes is not None else Footnotes()
+    mark = notes_set.mark
 
     for rec in records:
         key = _row_key(rec)
@@ -283,7 +301,7 @@ def paper_table(records: list[dict[str, Any]]) -> tuple[pd.DataFrame, list[str]]
         front = [c for c in ("model", "method", "W", "A", "KV", "execution", "quantize (s)") if c in df.columns]
         metric_cols = [t for t in dict.fromkeys(titles) if t in df.columns]
         df = df[front + metric_cols + ["seeds", "notes"]]
-    return df, footnotes
+    return df, list(notes_set.texts)
 
 
 def render_markdown(df: pd.DataFrame) -> str:
@@ -306,9 +324,11 @@ def render_markdown(df: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _speed_sections(records: list[dict[str, Any]]) -> list[str]:
+def _speed_sections(records: list[dict[str, Any]], footnotes: Footnotes | None = None) -> list[str]:
     """Markdown of the throughput, per-layer latency and step-time tables, one set per (model, suite label),
-    then one table per (model, backend, suite label) of the cells another backend ran."""
+    then one table per (model, backend, suite label) of the cells another backend ran. Long execution
+    paths are short labels marked with ``footnotes`` (the report's)."""
+    footnotes = footnotes if footnotes is not None else Footnotes()
     from mosaicquant.harness.backends import backend_label
     from mosaicquant.reports.speed import (
         backend_fp16_cell,
@@ -335,7 +355,11 @@ def _speed_sections(records: list[dict[str, Any]]) -> list[str]:
                 parts.append(f"No `fp16` row for {model} in this directory: values are shown without speed-ups.\n")
             if suite == "throughput":
                 parts.append("Tokens per second: prefill at batch 1, decode per batch size.\n")
-                parts.append(render_markdown(throughput_table(group)))
+                table = throughput_table(group)
+                if "exec path" in table:
+                    table["exec path"] = [footnotes.mark(v) for v in table["exec path"]]
+                    table = table.rename(columns={"exec path": "execution"})
+                parts.append(render_markdown(table))
                 energy = energy_table(group)
                 if not energy.empty:
                     parts.append("Decode energy per token (NVML energy counter over the `energy_s` window; in "
@@ -450,15 +474,17 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
     parts.extend(protocol_section(records))
     for c in caveats:
         parts.append(f"> Caveat: {c}\n")
-    paper, footnotes = paper_table(records)
+    notes = Footnotes()
+    paper, footnotes = paper_table(records, notes)
     parts.append("## Summary\n")
     parts.append(f"Each value is the mean over seeds ± its spread (the larger of the recorded spread and the standard "
                  f"deviation across seeds; no ± where neither exists). {UP_DOWN_LEGEND}\n")
     parts.append(render_markdown(paper))
-    parts.extend(f"[^{i}]: {text}" for i, text in enumerate(footnotes, 1))
-    if footnotes:
+    parts.extend(_speed_sections(records, notes))
+    if notes.texts:  # one list for the report: GitHub shows Markdown footnotes at its end anyway
+        parts.append("## Execution paths\n")
+        parts.extend(notes.markdown())
         parts.append("")
-    parts.extend(_speed_sections(records))
     try:
         figures, notes = draw_figures(records, out_dir)
         if figures or notes:

@@ -117,8 +117,8 @@ def test_speed_tables_rows_speedups_and_reasons(tmp_path, write_cell, speed_metr
     rows = {line.split(" | ")[0].strip("| "): line for line in section.splitlines() if line.startswith("| ")}
     # decode b4: rtn 1000 / fp16 400 = 2.50x; b8: 1600 / 800 = 2.00x
     assert "1,000 ±1 (2.50×)" in rows["rtn"] and "1,600 ±1 (2.00×)" in rows["rtn"], rows["rtn"]
-    assert "(1.50×)" in rows["quarot"] and "| 4 | 4 | 4 | triton (dense W4A4) |" in rows["quarot"]
-    assert "| 4 | 4 | 16 | triton (ZipperEngine) |" in rows["mosaicquant"]
+    assert "(1.50×)" in rows["quarot"] and "| 4 | 4 | 4 | triton[^" in rows["quarot"]
+    assert "| 4 | 4 | 16 | triton[^" in rows["mosaicquant"]
     assert "not available: TensorRT-LLM is not installed on this machine" in rows["trtllm"]
     assert "failed: RuntimeError: kernel launch failed" in rows["atom"]
     # latency is lower-is-better: half the time is a 2x speed-up
@@ -129,7 +129,7 @@ def test_speed_tables_rows_speedups_and_reasons(tmp_path, write_cell, speed_metr
     summary = report.split("## Summary")[1].split("## Speed")[0]
     assert f"| {SPEED} | trtllm |" in summary and "throughput not available: TensorRT-LLM" in summary
     # the long execution paths are short labels with the whole text as footnotes
-    notes = dict(re.findall(r"^\[\^(\d+)\]: (.+)$", summary, re.M))
+    notes = dict(re.findall(r"^\[\^(\d+)\]: (.+)$", report.split("## Execution paths")[1], re.M))
     quarot = next(line for line in summary.splitlines() if line.startswith(f"| {SPEED} | quarot |"))
     marks = re.search(r"\| simulated\[\^(\d+)\]; speed: triton\[\^(\d+)\] \|", quarot)
     assert marks, quarot
