@@ -385,13 +385,18 @@ def plot_accuracy(cells: list[Cell], out_dir: str | Path) -> list[Figure]:
         if max(values) / max(min(values), 1e-12) > 10:
             ax.set_xscale("log")
         ax.invert_yaxis()
-        ax.set_xlabel(f"perplexity on {model} ({suite}), lower is better", fontsize=8)
+        ax.set_xlabel(f"perplexity on {model}\n({suite}), lower is better", fontsize=8)
         ax.grid(axis="x", alpha=0.3)
         if with_memory:
             ax2 = axes[0][1]
             ax2.barh(labels, [ratios.get(c.method, 0.0) for c in rows], color="tab:orange")
             ax2.invert_yaxis()
-            ax2.set_xlabel("weight bytes of the linears vs BF16 (memory suite), lower is better", fontsize=8)
+            ax2.tick_params(labelleft=False)  # the rows are the left panel's, in its order
+            for i, c in enumerate(rows):
+                if c.method not in ratios:  # no bar would read as zero bytes
+                    ax2.annotate("not measured", (0, i), xytext=(3, 0), textcoords="offset points", va="center",
+                                 fontsize=7, color="grey")
+            ax2.set_xlabel("weight bytes of the linears vs BF16\n(memory suite), lower is better", fontsize=8)
             ax2.grid(axis="x", alpha=0.3)
         path = _save(fig, out_dir / f"accuracy__{_name(names, model, suite, 'accuracy')}.png")
         caption = f"Perplexity per method on {model} ({suite}" + ("; fp16 in black)" if FP16_LABEL in labels else ")")
