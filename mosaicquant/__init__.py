@@ -10,3 +10,20 @@ The package has five parts:
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["load_results", "__version__"]
+
+
+def load_results(path):
+    """The cells of a results directory as a pandas DataFrame, one row per (model, method, suite).
+
+    Metrics are flattened into columns (the mean over the cell's ``ok`` seeds, ``<metric>.spread``
+    beside each); see :func:`mosaicquant.reports.export.load_results` for every column.
+
+    Example:
+        >>> import mosaicquant
+        >>> df = mosaicquant.load_results("results/smollm2")  # doctest: +SKIP
+    """
+    from mosaicquant.reports.export import load_results as _load  # pandas only when asked
+
+    return _load(path)

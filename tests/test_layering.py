@@ -2,9 +2,10 @@
 
 Layers, lowest first (a module may import its own layer and the ones below):
 
-0. core: ``mosaicquant`` itself, ``errors``, ``config``, ``registry``, ``settings``, ``_threads``;
+0. core: ``errors``, ``config``, ``registry``, ``settings``, ``_threads``;
 1. ``methods/``;  2. ``kernels/``;  3. ``baselines/``;  4. ``harness/``;  5. ``reports/``;
-6. the command line: ``harness/cli.py`` (or ``cli.py``) and ``__main__``.
+6. the user's surface: ``harness/cli.py`` (or ``cli.py``), ``__main__`` and the package's own
+   ``__init__`` (its Python API, e.g. ``load_results``, reaches into reports lazily).
 
 No module imports a baseline: the registry loads them by module name (``BUILTIN_MODULES``) and
 through entry points, so a baseline is one file that nothing else reaches into. Every import is
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CORE_MODULES = {"errors", "config", "registry", "settings", "_threads"}
 LAYER_NAMES = ("core", "methods", "kernels", "baselines", "harness", "reports", "cli")
-CLI_MODULES = {f"{PACKAGE}.cli", f"{PACKAGE}.harness.cli", f"{PACKAGE}.__main__"}
+CLI_MODULES = {PACKAGE, f"{PACKAGE}.cli", f"{PACKAGE}.harness.cli", f"{PACKAGE}.__main__"}
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ Commands:
     ls       list methods, suites, models, corpora
     report   render tables and figures from a results directory
     compare  compare two results directories; exit 1 on a regression (CI)
+    export   write a results directory to an MLflow file store; check it against the record schema
     fingerprint  the package source's fingerprint (records' ``git.source_sha256``), of this tree or of commits
 
 Bad input (unknown name, out-of-range option, missing asset, unwritable directory) prints
@@ -68,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     cmp = sub.add_parser("compare", help="compare two results directories; exit 1 on a regression",
                          description="Match cells by (model, method, suite), average seeds, and print every "
-                                     "compared metric. Exit 0: no regression, 1: a regression, 2: bad input.")
+                                     "compared metric (speed also as vs_fp16/* ratios to the set's own fp16 row). "
+                                     "Exit 0: no regression, 1: a regression, 2: bad input, 3: refused (--strict, "
+                                     "the protocols differ).")
     cmp.add_argument("base", help="reference results directory")
     cmp.add_argument("new", help="results directory to check")
     cmp.add_argument("--fail-on", dest="fail_on",
@@ -76,6 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
                           "than PCT percent and more than the recorded spread; METRIC is a name, a glob "
                           "(decode_tok_s/*) or a name family (decode_tok_s)")
     cmp.add_argument("--json", dest="json_out", help="also write the comparison as JSON to this file")
+    cmp.add_argument("--strict", action="store_true",
+                     help="refuse (exit 3) when base and new differ in protocol: test corpus, suite options (seqlen, "
+                          "chunks, ...), calibration settings, dtype, device, driver or CUDA (default: a warning)")
+    cmp.add_argument("--format", dest="out_format", choices=("text", "github"), default="text",
+                     help="github: also print GitHub Actions annotations (::error file=...::) for regressions and "
+                          "protocol differences")
+    cmp.add_argument("--junit", help="also write the comparison as JUnit XML to this file (one case per watched metric)")
+
+    ex = sub.add_parser("export", help="export a results directory: an MLflow file store, the schema check",
+                        description="Write every cell of DIR as a finished MLflow run into a local MLflow file store "
+                                    "(the mlruns folder 'mlflow ui --backend-store-uri PATH' reads; MLflow need not "
+                                    "be installed), and/or check DIR's records against the published JSON Schema.")
+    ex.add_argument("dir", help="results directory")
+    ex.add_argument("--mlflow", help="MLflow file store to write: a folder or a file: URI (created when missing)")
+    ex.add_argument("--experiment", default="mosaicquant", help="MLflow experiment name (default: mosaicquant)")
+    ex.add_argument("--check-schema", dest="check_schema", action="store_true",
+                    help="validate every record against mosaicquant/reports/record.schema.json; exit 1 if one fails")
 
     fp = sub.add_parser("fingerprint", help="the package source's fingerprint (records' git.source_sha256)",
                         description="Print the fingerprint of the mosaicquant/*.py sources this command runs from, "
@@ -156,14 +176,45 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_compare(args) -> int:
-    from mosaicquant.reports.compare import compare_dirs, write_json
+    from mosaicquant.reports.compare import compare_dirs, write_json, write_junit
 
-    result = compare_dirs(args.base, args.new, args.fail_on)
+    result = compare_dirs(args.base, args.new, args.fail_on, strict=args.strict)
     print(result.render())
+    if result.protocol:
+        print(result.protocol_message(), file=sys.stderr)
+    if args.out_format == "github":
+        for line in result.github_annotations():
+            print(line)
     if args.json_out:
         write_json(result, args.json_out)
         print(f"[mosaicquant] comparison written to {args.json_out}")
+    if args.junit:
+        write_junit(result, args.junit)
+        print(f"[mosaicquant] JUnit XML written to {args.junit}")
     return result.exit_code
+
+
+def _cmd_export(args) -> int:
+    from mosaicquant.errors import UserInputError
+
+    if not args.mlflow and not args.check_schema:
+        raise UserInputError("export: nothing to do: give --mlflow PATH (an MLflow file store) and/or --check-schema")
+    code = 0
+    if args.check_schema:
+        from mosaicquant.reports.schema import SCHEMA_PATH, validate_dir
+
+        bad = validate_dir(args.dir)
+        for name, errors in bad.items():
+            for error in errors:
+                print(f"{name}: {error}")
+        print(f"[mosaicquant] {len(bad)} record file(s) in {args.dir} break the schema {SCHEMA_PATH.name}")
+        code = 1 if bad else 0
+    if args.mlflow:
+        from mosaicquant.reports.export import export_mlflow
+
+        runs = export_mlflow(args.dir, args.mlflow, args.experiment)
+        print(f"[mosaicquant] {len(runs)} MLflow run(s) written to {args.mlflow} (experiment {args.experiment!r})")
+    return code
 
 
 def _cmd_fingerprint(args) -> int:
@@ -192,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_report(args)
         if args.command == "compare":
             return _cmd_compare(args)
+        if args.command == "export":
+            return _cmd_export(args)
         if args.command == "fingerprint":
             return _cmd_fingerprint(args)
     except MosaicQuantError as exc:

@@ -61,6 +61,7 @@ __all__ = [
     "git_info",
     "source_fingerprint",
     "ensure_writable_dir",
+    "command_line",
 ]
 
 SCHEMA = "mosaicquant.result/1"
@@ -532,6 +533,40 @@ def source_fingerprint(commit: str | None = None, root: str | Path | None = None
     return digest.hexdigest()[:16]
 
 
+def _cpu_model() -> str | None:
+    """The CPU's marketing name (``model name`` of ``/proc/cpuinfo``), or None where the system does not say."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() in ("model name", "Model", "Hardware") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return None
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that started this process, shell-quoted (``mosaicquant run ...`` for the console script).
+
+    Example:
+        >>> command_line(["/venv/bin/mosaicquant", "run", "--model", "my model"])
+        "mosaicquant run --model 'my model'"
+        >>> command_line(["/src/mosaicquant/__main__.py", "report", "out"])  # python -m mosaicquant
+        'mosaicquant report out'
+        >>> command_line(["/venv/lib/pytest/__main__.py", "-q"])
+        '/venv/lib/pytest/__main__.py -q'
+
+    """
+    import shlex
+
+    argv = list(sys.argv if argv is None else argv)
+    if argv and (Path(argv[0]).name == "mosaicquant"
+                 or (Path(argv[0]).name == "__main__.py" and Path(argv[0]).parent.name == "mosaicquant")):
+        argv[0] = "mosaicquant"
+    return shlex.join(argv)
+
+
 def environment() -> dict[str, Any]:
     """Versions and hardware: python, torch, triton, transformers, CUDA, driver, GPU, CPU."""
     env: dict[str, Any] = {
@@ -539,6 +574,7 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
     }
     from importlib.metadata import PackageNotFoundError, version
 

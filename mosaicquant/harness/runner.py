@@ -49,8 +49,8 @@ from mosaicquant.harness import models as models_mod
 from mosaicquant.harness import shapes as shapes_mod
 from mosaicquant.harness.context import QuantContext, SuiteContext
 from mosaicquant.harness.results import (
-    SCHEMA, Metric, ensure_writable_dir, environment, git_info, now_iso, read_valid_record, record_path,
-    results_lock, save_record,
+    SCHEMA, Metric, command_line, ensure_writable_dir, environment, git_info, now_iso, read_valid_record,
+    record_path, results_lock, save_record,
 )
 from mosaicquant.harness.spec import PluginSpec, RunSpec, check_model_fit
 from mosaicquant.harness.speedforms import speed_form
@@ -404,6 +404,7 @@ def _record_head(spec: RunSpec, model_meta: dict[str, Any], cell: Cell, env: dic
         "env": env,
         "git": git,
         "date": now_iso(),
+        "command": command_line(),
     }
 
 

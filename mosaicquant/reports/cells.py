@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["MetricSummary", "Cell", "aggregate_cells", "record_note", "format_number", "natural_key",
-           "FP16_LABEL"]
+           "summarize_metrics", "FP16_LABEL"]
 
 #: the method label every speed-up is relative to
 FP16_LABEL = "fp16"
@@ -82,7 +82,13 @@ class Cell:
 
 
 def format_number(value: float | None) -> str:
-    """Three significant digits, thousands separators from 1000 up, ``NaN`` for a NaN, empty for a missing value."""
+    """Three significant digits in fixed notation (no exponent), thousands separators from 1000 up, ``NaN`` for a NaN,
+    empty for a missing value.
+
+    Example:
+        >>> [format_number(v) for v in (18512.3, 13.914, 0.2834, 1.2e-05, 0.0)]
+        ['18,512', '13.91', '0.283', '0.0000120', '0']
+    """
     if value is None:
         return ""
     if math.isnan(value):
@@ -93,7 +99,10 @@ def format_number(value: float | None) -> str:
         return f"{value:,.0f}"
     if abs(value) >= 100:
         return f"{value:.1f}"
-    return f"{value:.3g}" if abs(value) < 1 else f"{value:.2f}"
+    if value == 0 or abs(value) >= 1:
+        return f"{value:.2f}" if value else "0"
+    # three significant digits in fixed notation: never 1.2e-05, which a table (and LaTeX) prints badly
+    return f"{value:.{min(12, 2 - math.floor(math.log10(abs(value))))}f}"
 
 
 def natural_key(name: str) -> list[tuple[int, int, str]]:
@@ -125,7 +134,8 @@ def _merge_info(target: dict[str, Any], source: dict[str, Any]) -> None:
             target[k] = v
 
 
-def _summaries(values: dict[str, list[dict[str, Any]]]) -> dict[str, MetricSummary]:
+def summarize_metrics(values: dict[Any, list[dict[str, Any]]]) -> dict[Any, MetricSummary]:
+    """``{key: MetricSummary}`` of ``{key: [recorded metric dicts, one per seed]}`` (see the module docstring)."""
     out = {}
     for name, ms in values.items():
         nums = [float(m["value"]) for m in ms if m.get("value") is not None]
@@ -179,5 +189,5 @@ def aggregate_cells(records: list[dict[str, Any]]) -> dict[tuple[str, str, str],
         for name, m in (rec.get("metrics") or {}).items():
             values[key].setdefault(name, []).append(m)
     for key, cell in cells.items():
-        cell.metrics = _summaries(values[key])
+        cell.metrics = summarize_metrics(values[key])
     return cells

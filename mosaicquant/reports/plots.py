@@ -9,6 +9,8 @@
   ``decode_tok_s/b{B}`` / fp16's. Axis labels name both models.
 - :func:`plot_speedup_vs_m`: linear-layer speed-up vs fp16 against M (tokens), one panel
   per layer, one line per method (``latency`` records: ``linear_us/{layer}/m{M}``).
+- :func:`plot_accuracy`: perplexity per method (with its spread as an error bar), beside the
+  weight bytes vs BF16 of the same methods where the ``memory`` suite ran on that model.
 - :func:`plot_memory`: weight bytes of the quantized linears per method, stacked by part
   (``memory`` records), and peak device memory where it was measured.
 - :func:`plot_budget_sweep`: MosaicQuant's Δ-budget sweep — perplexity, decode speed-up and
@@ -20,6 +22,11 @@
 
 Speed-ups need the ``fp16`` cell of the same model and suite label; without one a figure is
 not drawn and :func:`draw_figures` returns a note saying so.
+
+Every figure is written three times, for print and for the web: PNG at :data:`DPI` dots per
+inch (the report embeds it), PDF and SVG (vector, for a paper), named alike. Legends list only
+what is drawn and sit where they cover no data (outside the axes for bar charts, matplotlib's
+``best`` spot otherwise); spreads are drawn as error bars where the records hold them.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure as MplFigure
 
 from mosaicquant.harness.results import _slug  # figure names read like record names
-from mosaicquant.reports.cells import FP16_LABEL, Cell, aggregate_cells
+from mosaicquant.reports.cells import FP16_LABEL, Cell, MetricSummary, aggregate_cells
 from mosaicquant.reports.speed import decode_points, fp16_cell, linear_points, same_runtime, speedup, suite_groups
 
 __all__ = [
@@ -44,6 +51,7 @@ __all__ = [
     "plot_pareto",
     "plot_speedup_vs_m",
     "plot_memory",
+    "plot_accuracy",
     "plot_budget_sweep",
     "budget_curves",
     "plot_budget_curves",
@@ -55,15 +63,23 @@ __all__ = [
 #: parts of the quantized linears' weight bytes, bottom to top of the stacked bars
 MEMORY_PARTS = ("base_values", "base_scales", "residual_values", "residual_scales", "residual_indices", "exec_operands")
 MIB = 2**20
-DPI = 120
+#: resolution of the PNG files (print quality); PDF and SVG are vector
+DPI = 300
+#: the formats each figure is written in, the first one embedded in the report
+FORMATS = ("png", "pdf", "svg")
 
 
 @dataclass(frozen=True)
 class Figure:
-    """A PNG written next to the report and its one-line caption."""
+    """A figure written next to the report (``path`` the PNG; the PDF and SVG beside it) and its caption."""
 
     path: Path
     caption: str
+
+    @property
+    def paths(self) -> list[Path]:
+        """The figure's files, one per format of :data:`FORMATS`."""
+        return [self.path.with_suffix(f".{fmt}") for fmt in FORMATS]
 
 
 def _model_names(cells: list[Cell]) -> dict[str, str]:
@@ -91,9 +107,28 @@ def _new_figure(nrows: int, ncols: int, figsize: tuple[float, float], **kwargs):
 
 
 def _save(fig, path: Path) -> Path:
+    """Write ``fig`` as PNG (at :data:`DPI`), PDF and SVG next to ``path``; returns the PNG's path.
+
+    The bounding box is the drawn content's, so a legend placed outside the axes is kept whole.
+    """
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    path = path.with_suffix(".png")
+    for fmt in FORMATS:
+        fig.savefig(path.with_suffix(f".{fmt}"), dpi=DPI, bbox_inches="tight", metadata=_METADATA.get(fmt))
     return path
+
+
+# no creation date in the vector files, so an unchanged report rewrites them byte for byte
+_METADATA = {"pdf": {"CreationDate": None}, "svg": {"Date": None}}
+
+
+def _ratio_spread(value: MetricSummary | None, ref: MetricSummary | None, ratio: float | None) -> float:
+    """The spread of ``ratio = f(value, ref)`` by first-order propagation of the two relative spreads (0 if none)."""
+    if ratio is None or value is None or ref is None:
+        return 0.0
+    rel = [(m.spread or 0.0) / m.value for m in (value, ref) if m.value and math.isfinite(m.value)
+           and m.spread is not None and math.isfinite(m.spread)]
+    return ratio * math.sqrt(sum(r * r for r in rel)) if rel else 0.0
 
 
 def decode_speedup(cell: Cell, ref: Cell) -> tuple[float, list[int]] | None:
@@ -215,8 +250,10 @@ def plot_pareto(cells: list[Cell], out_dir: str | Path) -> tuple[list[Figure], l
             ax = axes[0][0]
             for label, x, y in points:
                 ax.scatter([x], [y], s=28, zorder=3, color="black" if label == FP16_LABEL else None)
-            xs, ys = zip(*pareto_front([(x, y) for _, x, y in points]))
-            ax.step(xs, ys, where="post", color="grey", lw=1, alpha=0.7, label="Pareto front")
+            front = pareto_front([(x, y) for _, x, y in points])
+            if len(front) >= 2:  # one optimal point draws no line: then the legend has nothing to name
+                xs, ys = zip(*front)
+                ax.step(xs, ys, where="post", color="grey", lw=1, alpha=0.7, label="Pareto front")
             values = [y for _, _, y in points]
             # a log axis needs positive values: a zero perplexity (a broken record) keeps it linear
             if min(values) > 0 and max(values) / min(values) > 10:
@@ -227,11 +264,13 @@ def plot_pareto(cells: list[Cell], out_dir: str | Path) -> tuple[list[Figure], l
                           f"geometric mean over batch {_batches_text(batches)})", fontsize=8)
             ax.set_ylabel(f"perplexity on {acc_model} ({acc_suite}), lower is better", fontsize=8)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            if len(front) >= 2:
+                ax.legend(fontsize=7, loc="best")
             path = _save(fig, out_dir / f"pareto__{_name(names, acc_model, acc_suite, 'accuracy')}__"
                                         f"{_name(names, speed_model, speed_suite, 'throughput')}.png")
             caption = (f"Accuracy against decode speed: perplexity on {acc_model}, decode speed-up vs fp16 on "
-                       f"{speed_model}; the grey line joins the Pareto-optimal methods.")
+                       f"{speed_model}" + ("; the grey line joins the Pareto-optimal methods." if len(front) >= 2
+                                           else f"; {len(front)} Pareto-optimal method, so no front is drawn."))
             if left_out:
                 caption += f" Not drawn: {', '.join(left_out)}."
             figures.append(Figure(path, caption))
@@ -257,19 +296,23 @@ def plot_speedup_vs_m(cells: list[Cell], out_dir: str | Path) -> tuple[list[Figu
         for ax, layer in zip(axes[0], layers):
             for cell in methods:
                 pts = linear_points(cell).get(layer, {})
-                xy = [(m, r) for m, v in pts.items() if (r := speedup(v, ref_pts[layer].get(m))) is not None]
+                xy = [(m, r, _ratio_spread(v, ref_pts[layer].get(m), r)) for m, v in pts.items()
+                      if (r := speedup(v, ref_pts[layer].get(m))) is not None]
                 if xy:
-                    ax.plot(*zip(*xy), marker="o", ms=3, label=cell.method)
+                    xs, ys, errs = zip(*xy)
+                    ax.errorbar(xs, ys, yerr=errs if any(errs) else None, marker="o", ms=3, capsize=2, lw=1,
+                                label=cell.method)
             ax.axhline(1.0, color="black", lw=0.8, ls="--", label=FP16_LABEL)
             ax.set_xscale("log", base=2)
             ax.set_title(layer, fontsize=9)
             ax.set_xlabel("M (tokens)")
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel(f"speed-up vs fp16 on {model}")
-        axes[0][-1].legend(fontsize=7)
+        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
         path = _save(fig, out_dir / f"speedup_vs_m__{_name(names, model, suite, 'latency')}.png")
         figures.append(Figure(path, f"Linear-layer speed-up vs fp16 against the number of tokens M, per layer, "
-                                    f"on {model} (above 1 is faster)."))
+                                    f"on {model} (above 1 is faster; error bars: the spread of the ratio from "
+                                    "the recorded spreads)."))
     return figures, notes
 
 
@@ -292,9 +335,12 @@ def plot_memory(cells: list[Cell], out_dir: str | Path) -> list[Figure]:
             if any(widths):
                 ax.barh(labels, widths, left=left, label=part.replace("_", " "))
                 left = [a + b for a, b in zip(left, widths)]
+        if any(left):
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+        else:  # no part recorded: the totals, one colour, and no legend to name nothing
+            ax.barh(labels, [c.metrics["total_quantized_linears"].value / MIB for c in rows])
         ax.invert_yaxis()
         ax.set_xlabel(f"weight memory of the quantized linears on {model} (MiB)")
-        ax.legend(fontsize=7)
         ax.grid(axis="x", alpha=0.3)
         if peaks:
             ax2 = axes[0][1]
@@ -305,6 +351,62 @@ def plot_memory(cells: list[Cell], out_dir: str | Path) -> list[Figure]:
         path = _save(fig, out_dir / f"memory__{_name(names, model, suite, 'memory')}.png")
         figures.append(Figure(path, f"Weight memory per method on {model}, stacked by part"
                                     + (", and peak device memory." if peaks else ".")))
+    return figures
+
+
+def plot_accuracy(cells: list[Cell], out_dir: str | Path) -> list[Figure]:
+    """Per accuracy group: perplexity per method (error bars where a spread exists), and beside it the
+    weight bytes vs BF16 of the same methods where the model's ``memory`` suite recorded them.
+
+    A method with an infinite or NaN perplexity (a collapsed model) has no bar; the caption names it.
+    The perplexity axis is logarithmic where the values span more than a factor of 10.
+    """
+    out_dir = Path(out_dir)
+    figures = []
+    names = _model_names(cells)
+    memory: dict[str, dict[str, float]] = {}
+    for (model, _), group in suite_groups(cells, "memory").items():
+        for c in group:
+            if "linear_weight_ratio_vs_bf16" in c.metrics:
+                memory.setdefault(model, {})[c.method] = c.metrics["linear_weight_ratio_vs_bf16"].value
+    for (model, suite), group in suite_groups(cells, "accuracy").items():
+        rows = [c for c in group if "ppl" in c.metrics and math.isfinite(c.metrics["ppl"].value)]
+        left_out = [c.method for c in group if "ppl" in c.metrics and not math.isfinite(c.metrics["ppl"].value)]
+        if not rows:
+            continue
+        ratios = memory.get(model, {})
+        with_memory = [c for c in rows if c.method in ratios]
+        fig, axes = _new_figure(1, 2 if with_memory else 1, (10 if with_memory else 6.0, 0.4 * len(rows) + 1.6))
+        ax = axes[0][0]
+        labels = [c.method for c in rows]
+        values = [c.metrics["ppl"].value for c in rows]
+        errs = [c.metrics["ppl"].spread or 0.0 for c in rows]
+        colors = ["black" if c.method == FP16_LABEL else "tab:blue" for c in rows]
+        ax.barh(labels, values, xerr=errs if any(errs) else None, color=colors, capsize=2)
+        if max(values) / max(min(values), 1e-12) > 10:
+            ax.set_xscale("log")
+        ax.invert_yaxis()
+        ax.set_xlabel(f"perplexity on {model}\n({suite}), lower is better", fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+        if with_memory:
+            ax2 = axes[0][1]
+            ax2.barh(labels, [ratios.get(c.method, 0.0) for c in rows], color="tab:orange")
+            ax2.invert_yaxis()
+            ax2.tick_params(labelleft=False)  # the rows are the left panel's, in its order
+            for i, c in enumerate(rows):
+                if c.method not in ratios:  # no bar would read as zero bytes
+                    ax2.annotate("not measured", (0, i), xytext=(3, 0), textcoords="offset points", va="center",
+                                 fontsize=7, color="grey")
+            ax2.set_xlabel("weight bytes of the linears vs BF16\n(memory suite), lower is better", fontsize=8)
+            ax2.grid(axis="x", alpha=0.3)
+        path = _save(fig, out_dir / f"accuracy__{_name(names, model, suite, 'accuracy')}.png")
+        caption = f"Perplexity per method on {model} ({suite}" + ("; fp16 in black)" if FP16_LABEL in labels else ")")
+        caption += ", beside the linears' weight bytes vs BF16." if with_memory else "."
+        if any(errs):
+            caption += " Error bars: the spread over seeds."
+        if left_out:
+            caption += f" Not drawn (perplexity not finite): {', '.join(left_out)}."
+        figures.append(Figure(path, caption))
     return figures
 
 
@@ -374,7 +476,7 @@ def plot_budget_sweep(cells: list[Cell], out_dir: str | Path) -> Figure | None:
         ax.set_xlabel("residual budget (% of blocks)")
         ax.set_ylabel(ylabel, fontsize=8)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="best")
     path = _save(fig, Path(out_dir) / "budget_sweep.png")
     return Figure(path, "MosaicQuant's Δ-budget sweep: " + ", ".join(p[0] for p in panels)
                   + " against the residual budget.")
@@ -410,12 +512,12 @@ def plot_budget_curves(records: list[dict[str, Any]], out_path: str | Path) -> P
         ax.set_ylabel("output distortion recovered (%, held-out)")
         ax.axhline(50, color="grey", lw=0.5)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="best")
     return _save(fig, Path(out_path))
 
 
 def draw_figures(records: list[dict[str, Any]], out_dir: str | Path) -> tuple[list[Figure], list[str]]:
-    """Every figure the records hold data for, written as PNG files into ``out_dir``.
+    """Every figure the records hold data for, written as PNG, PDF and SVG files into ``out_dir``.
 
     Args:
         records: as :func:`mosaicquant.harness.results.load_records` returns them.
@@ -431,6 +533,7 @@ def draw_figures(records: list[dict[str, Any]], out_dir: str | Path) -> tuple[li
     latency_figures, latency_notes = plot_speedup_vs_m(cells, out_dir)
     figures += latency_figures
     notes += latency_notes
+    figures += plot_accuracy(cells, out_dir)
     figures += plot_memory(cells, out_dir)
     sweep = plot_budget_sweep(cells, out_dir)
     if sweep is not None:

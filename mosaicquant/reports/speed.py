@@ -153,7 +153,9 @@ def _cell_text(value: MetricSummary | None, ratio: float | None, with_spread: bo
         return ""
     text = format_number(value.value)
     if with_spread and value.spread is not None and not math.isnan(value.spread):
-        text += f" ±{value.spread:.2g}" if abs(value.spread) < 1000 else f" ±{format_number(value.spread)}"
+        spread = f"{value.spread:.2g}"
+        # two significant digits, but never in exponent notation (±1.6e+02 reads badly in a table)
+        text += f" ±{spread if 'e' not in spread and abs(value.spread) < 1000 else format_number(value.spread)}"
     if ratio is not None:
         text += f" ({ratio:.2f}×)"
     return text
@@ -184,10 +186,10 @@ def throughput_table(group: list[Cell]) -> pd.DataFrame:
         row["runtime"] = runtime_of(cell) or ""
         comparable = same_runtime(cell, ref)
         pre = cell.metrics.get(PREFILL)
-        row["prefill tok/s"] = _cell_text(pre, speedup(pre, ref.metrics.get(PREFILL)) if comparable else None)
+        row["prefill tok/s (batch 1) ↑"] = _cell_text(pre, speedup(pre, ref.metrics.get(PREFILL)) if comparable else None)
         dec, ref_dec = decode_points(cell), decode_points(ref) if comparable else {}
         for b in batches:
-            row[f"decode b{b} tok/s"] = _cell_text(dec.get(b), speedup(dec.get(b), ref_dec.get(b)))
+            row[f"decode tok/s (batch {b}) ↑"] = _cell_text(dec.get(b), speedup(dec.get(b), ref_dec.get(b)))
         row["notes"] = "; ".join(n for n in (cell.note, _runtime_note(cell, ref)) if n) or None
         rows.append(row)
     return pd.DataFrame(rows)
@@ -220,8 +222,8 @@ def energy_table(group: list[Cell]) -> pd.DataFrame:
             ratio = None if e is None or r is None else _ratio_of(e.value, r.value)
             if ratio is not None:
                 text += f" ({ratio:.2f}×)"
-            row[f"b{b} J/tok"] = text
-            row[f"b{b} W"] = "" if power.get(b) is None else f"{power[b].value:.0f}"
+            row[f"batch {b}: J/token ↓"] = text
+            row[f"batch {b}: W"] = "" if power.get(b) is None else f"{power[b].value:.0f}"
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -246,7 +248,7 @@ def latency_table(group: list[Cell]) -> pd.DataFrame:
             row = {"method": cell.method, "layer": layer}
             for m in sorted(ms):
                 value = pts.get(layer, {}).get(m)
-                row[f"M={m}"] = _cell_text(value, speedup(value, ref_pts.get(layer, {}).get(m)), with_spread=False)
+                row[f"M = {m} (µs) ↓"] = _cell_text(value, speedup(value, ref_pts.get(layer, {}).get(m)), with_spread=False)
             row["notes"] = cell.note
             rows.append(row)
     return pd.DataFrame(rows)
@@ -268,7 +270,7 @@ def step_table(group: list[Cell]) -> pd.DataFrame:
         row = {"method": cell.method}
         comparable = same_runtime(cell, ref)
         for n in names:
-            row[f"{n} ms"] = _cell_text(steps.get(n), speedup(steps.get(n), ref_steps.get(n)) if comparable else None)
+            row[f"{'prefill' if n == 'prefill' else 'decode, batch ' + n.removeprefix('decode_b')} (ms) ↓"] = _cell_text(steps.get(n), speedup(steps.get(n), ref_steps.get(n)) if comparable else None)
         row["notes"] = "; ".join(n for n in (cell.note, _runtime_note(cell, ref)) if n) or None
         rows.append(row)
     return pd.DataFrame(rows)

@@ -20,9 +20,26 @@ import pandas as pd
 
 from mosaicquant.errors import UserInputError
 from mosaicquant.harness.results import ensure_writable_dir, load_records, skipped_note
-from mosaicquant.reports.cells import FP16_LABEL, aggregate_cells, format_number, natural_key, record_note
+from mosaicquant.reports.cells import (
+    FP16_LABEL,
+    MetricSummary,
+    summarize_metrics,
+    aggregate_cells,
+    format_number,
+    natural_key,
+    record_note,
+)
+from mosaicquant.reports.headings import heading
+from mosaicquant.reports.latex import render_latex
+from mosaicquant.reports.protocol import protocol_section
 
-__all__ = ["records_frame", "summary_table", "render_markdown", "provenance_section", "write_tables"]
+__all__ = ["records_frame", "summary_table", "paper_table", "render_markdown", "provenance_section", "write_tables",
+           "short_path", "Footnotes"]
+
+UP_DOWN_LEGEND = "↑: higher is better, ↓: lower is better."
+
+#: an execution-path text longer than this is shown as its first words with the whole text as a footnote
+SHORT_PATH_CHARS = 24
 
 #: which metrics a summary shows per suite (names or globs; others stay in the CSV)
 SUMMARY_METRICS = {
@@ -152,6 +169,141 @@ def summary_table(records: list[dict[str, Any]]) -> pd.DataFrame:
     return df
 
 
+def short_path(text: str) -> str:
+    """The first words of an execution-path text: what comes before its first bracket, colon or semicolon.
+
+    Example:
+        >>> short_path("simulated (fake-quant of the packed W4 + residual format)")
+        'simulated'
+    """
+    head = text
+    for sep in (" (", ": ", "; ", ", "):
+        head = head.split(sep)[0]
+    head = head.strip() or text
+    return head if len(head) <= SHORT_PATH_CHARS else head[:SHORT_PATH_CHARS - 1].rstrip() + "…"
+
+
+class Footnotes:
+    """Numbered footnotes of one report: each long execution-path text once, marked ``[^i]`` where it is shown."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def mark(self, text: str | None) -> str:
+        """``text`` with each ``; speed: ``-separated part longer than its short label replaced by
+        the label and a footnote mark (:func:`short_path`)."""
+        if not isinstance(text, str) or not text:  # None, or pandas' NaN for a cell without one
+            return ""
+        parts = []
+        for part in text.split("; speed: "):
+            short = short_path(part)
+            if short != part:
+                if part not in self.texts:
+                    self.texts.append(part)
+                short += f"[^{self.texts.index(part) + 1}]"
+            parts.append(short)
+        return "; speed: ".join(parts)
+
+    def markdown(self) -> list[str]:
+        return [f"[^{i}]: {text}" for i, text in enumerate(self.texts, 1)]
+
+
+def _shown_value(m: MetricSummary, scale: float) -> str:
+    """``mean ± spread`` (the spread only where one exists), in the heading's unit."""
+    if math.isnan(m.value):
+        return "NaN"
+    text = format_number(m.value * scale)
+    if m.spread is not None and math.isfinite(m.spread) and m.spread > 0:
+        text += f" ± {format_number(m.spread * scale)}"
+    return text
+
+
+def paper_table(records: list[dict[str, Any]],
+                footnotes: Footnotes | None = None) -> tuple[pd.DataFrame, list[str]]:
+    """The summary as a paper prints it: human headings with units and arrows, ``mean ± spread`` text.
+
+    One row per (model, method label) as :func:`summary_table`, with the same metrics, shown by
+    :func:`mosaicquant.reports.headings.heading` (bytes in MiB, fractions in %); a value is the mean
+    over the row's ``ok`` seeds and its spread the larger of the recorded spreads and the standard
+    deviation across seeds (:mod:`mosaicquant.reports.cells`). ``quantize (s)`` is the time the
+    method took to quantize the model, mean over seeds. An execution-path text longer than
+    :data:`SHORT_PATH_CHARS` is shown by its first words with a footnote mark; the footnotes hold
+    the whole text. The unquantized ``fp16`` row of a run in float32 says so in its notes.
+
+    Args:
+        records: as :func:`mosaicquant.harness.results.load_records` returns them.
+        footnotes: the report's footnotes, to number on from (a new set by default).
+
+    Returns:
+        ``(table of strings, footnote texts)``; footnote ``i`` (from 1) is marked ``[^i]`` in the table.
+    """
+    split = _split_suites(records)
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    notes_set = footnotes if footnotes is not None else Footnotes()
+    mark = notes_set.mark
+
+    for rec in records:
+        key = _row_key(rec)
+        info = rec.get("method_info") or {}
+        row = rows.setdefault(key, {"W": None, "A": None, "KV": None, "path": None, "speed_path": None,
+                                    "metrics": {}, "quantize": {}, "seeds": set(), "fail": [], "dtypes": set()})
+        for col, name in (("W", "wbits"), ("A", "abits"), ("KV", "kv_bits"), ("path", "exec_path"),
+                          ("speed_path", "exec_path_speed")):
+            if row[col] is None and info.get(name) is not None:
+                row[col] = str(info[name])
+        row["dtypes"].add((rec.get("model") or {}).get("dtype"))
+        quantize = (rec.get("timing") or {}).get("quantize_s")
+        if quantize is not None and rec["suite"]["name"] != "analysis":
+            row["quantize"].setdefault(rec.get("seed"), float(quantize))
+        if rec.get("status") != "ok":
+            row["fail"].append(f"{rec['suite']['label']} {record_note(rec)}"[:200])
+            continue
+        row["seeds"].add(rec.get("seed"))
+        suite = rec["suite"]["name"]
+        for name, m in (rec.get("metrics") or {}).items():
+            if _shown(suite, name):
+                col = (suite, rec["suite"]["label"] if suite in split else None, name)
+                row["metrics"].setdefault(col, []).append(m)
+    columns = sorted({c for row in rows.values() for c in row["metrics"]},
+                     key=lambda c: (natural_key(c[1] or c[0]), natural_key(c[2])))
+    out = []
+    for (model, method), row in rows.items():
+        summaries = summarize_metrics({c: ms for c, ms in row["metrics"].items()})
+        path = row["path"]
+        if row["speed_path"] and row["speed_path"] != path:
+            path = "; speed: ".join(p for p in (path, row["speed_path"]) if p)
+        shown: dict[str, Any] = {"model": model, "method": method, "W": row["W"] or "", "A": row["A"] or "",
+                                 "KV": row["KV"] or "", "execution": mark(path)}
+        times = list(row["quantize"].values())
+        if times:
+            shown["quantize (s)"] = _shown_value(summarize_metrics({"t": [{"value": t} for t in times]})["t"], 1.0)
+        for col in columns:
+            if col in summaries:
+                suite, label, name = col
+                m = summaries[col]
+                h = heading(suite, name, m.higher_is_better, m.unit)
+                title = h.title + (f" [{label}]" if label else "")
+                shown[title] = _shown_value(m, h.scale)
+        notes = list(row["fail"])
+        if method.split(":")[0].split("@")[0] == FP16_LABEL and "float32" in row["dtypes"]:
+            notes.insert(0, "unquantized reference ran in float32 (the run's dtype), not in BF16/FP16")
+        shown["seeds"] = str(len(row["seeds"])) if row["seeds"] else "0"
+        shown["notes"] = "; ".join(notes)
+        out.append(shown)
+    df = pd.DataFrame(out).fillna("")
+    if not df.empty:
+        titles = []
+        for suite, label, name in columns:
+            probe = next((m for r in rows.values() for c, ms in r["metrics"].items() if c == (suite, label, name)
+                          for m in ms), {})
+            h = heading(suite, name, probe.get("higher_is_better"), probe.get("unit"))
+            titles.append(h.title + (f" [{label}]" if label else ""))
+        front = [c for c in ("model", "method", "W", "A", "KV", "execution", "quantize (s)") if c in df.columns]
+        metric_cols = [t for t in dict.fromkeys(titles) if t in df.columns]
+        df = df[front + metric_cols + ["seeds", "notes"]]
+    return df, list(notes_set.texts)
+
+
 def render_markdown(df: pd.DataFrame) -> str:
     """A Markdown table (no external dependency)."""
     if df.empty:
@@ -172,9 +324,11 @@ def render_markdown(df: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _speed_sections(records: list[dict[str, Any]]) -> list[str]:
+def _speed_sections(records: list[dict[str, Any]], footnotes: Footnotes | None = None) -> list[str]:
     """Markdown of the throughput, per-layer latency and step-time tables, one set per (model, suite label),
-    then one table per (model, backend, suite label) of the cells another backend ran."""
+    then one table per (model, backend, suite label) of the cells another backend ran. Long execution
+    paths are short labels marked with ``footnotes`` (the report's)."""
+    footnotes = footnotes if footnotes is not None else Footnotes()
     from mosaicquant.harness.backends import backend_label
     from mosaicquant.reports.speed import (
         backend_fp16_cell,
@@ -201,7 +355,11 @@ def _speed_sections(records: list[dict[str, Any]]) -> list[str]:
                 parts.append(f"No `fp16` row for {model} in this directory: values are shown without speed-ups.\n")
             if suite == "throughput":
                 parts.append("Tokens per second: prefill at batch 1, decode per batch size.\n")
-                parts.append(render_markdown(throughput_table(group)))
+                table = throughput_table(group)
+                if "exec path" in table:
+                    table["exec path"] = [footnotes.mark(v) for v in table["exec path"]]
+                    table = table.rename(columns={"exec path": "execution"})
+                parts.append(render_markdown(table))
                 energy = energy_table(group)
                 if not energy.empty:
                     parts.append("Decode energy per token (NVML energy counter over the `energy_s` window; in "
@@ -313,14 +471,20 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
     if skipped:  # perhaps a damaged record: its cell would be missing without a word
         note = skipped_note(skipped)
         parts.append(f"{note[0].upper()}{note[1:]}.\n")
-    corpora = sorted({r.get("corpus") for r in records if r.get("corpus")})
-    if corpora:
-        parts.append(f"Perplexity corpus: {', '.join(corpora)}.\n")
+    parts.extend(protocol_section(records))
     for c in caveats:
         parts.append(f"> Caveat: {c}\n")
+    notes = Footnotes()
+    paper, footnotes = paper_table(records, notes)
     parts.append("## Summary\n")
-    parts.append(render_markdown(df))
-    parts.extend(_speed_sections(records))
+    parts.append(f"Each value is the mean over seeds ± its spread (the larger of the recorded spread and the standard "
+                 f"deviation across seeds; no ± where neither exists). {UP_DOWN_LEGEND}\n")
+    parts.append(render_markdown(paper))
+    parts.extend(_speed_sections(records, notes))
+    if notes.texts:  # one list for the report: GitHub shows Markdown footnotes at its end anyway
+        parts.append("## Execution paths\n")
+        parts.extend(notes.markdown())
+        parts.append("")
     try:
         figures, notes = draw_figures(records, out_dir)
         if figures or notes:
@@ -331,12 +495,15 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
         for fig in figures:
             parts.append(f"![{fig.path.stem}]({fig.path.name})\n")
             parts.append(f"*{fig.caption}*\n")
+            vector = [p for p in fig.paths[1:] if p.exists()]
+            if vector:
+                parts.append("Vector: " + ", ".join(f"[{p.suffix[1:].upper()}]({p.name})" for p in vector) + "\n")
         parts.extend(provenance_section(records))
         out_path.write_text("\n".join(parts))
         df.to_csv(out_dir / "summary.csv", index=False)
         records_frame(records).to_csv(out_dir / "records_long.csv", index=False)
-        if not df.empty:
-            (out_dir / "summary.tex").write_text(df.to_latex(index=False, float_format="%.3g", na_rep=""))
+        if not paper.empty:
+            (out_dir / "summary.tex").write_text(render_latex(paper, footnotes))
     except OSError as exc:  # e.g. a full disk, or a figure's name taken by a folder
         raise UserInputError(f"cannot write {str(exc.filename or out_dir)!r}: {exc.strerror or exc}") from None
     return out_path

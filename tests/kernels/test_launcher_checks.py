@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mosaicquant.harness.errors import UserInputError
+from mosaicquant.errors import UserInputError
 from mosaicquant.kernels.act_quant import quantize_activations_triton
 from mosaicquant.kernels.decoder import (
     KVFormat,

@@ -9,9 +9,10 @@ DEFAULT_INFO = {"wbits": 4, "abits": 4, "kv_bits": 16, "exec_path": "triton (Zip
 
 
 def _write(out_dir, model, method, suite, metrics=None, *, seed=0, status="ok", config=None, info=None,
-           error=None, reason=None, method_name=None, suite_config=None, git=None, env=None, backend=None):
+           error=None, reason=None, method_name=None, suite_config=None, git=None, env=None, backend=None,
+           fields=None):
     """Write one record; ``metrics`` maps a name to ``Metric`` arguments ``(value, higher_is_better, unit, spread)``
-    or to a ``Metric``.
+    or to a ``Metric``; ``fields`` are further top-level fields of the record (``calibration``, ``command``, ...).
 
     With ``backend``, the record is the one :func:`mosaicquant.harness.backends.run_backend_cells` writes for
     the method spec ``method`` run by that backend (label ``method@backend``, its own file).
@@ -42,6 +43,7 @@ def _write(out_dir, model, method, suite, metrics=None, *, seed=0, status="ok", 
         record["git"] = git
     if env is not None:
         record["env"] = env
+    record.update(fields or {})
     return write_record(record_path(out_dir, model, method, suite, seed), record)
 
 
