@@ -459,6 +459,7 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         quant_error = exc
     quant_s = time.perf_counter() - t_q
     model_meta = {"name": meta.name, "source": meta.source, "caveat": meta.caveat}
+    bits = _effective_bits(model, qctx.info) if quant_error is None else {}
 
     for cell, suite_fn in todo:
         record = _record_head(spec, model_meta, cell, state.env, state.git)
@@ -483,6 +484,7 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         try:
             with torch.no_grad():
                 metrics = suite_fn(model, cell.suite.config, sctx)
+            metrics = {**metrics, **bits}
             record["metrics"] = {k: (v.to_dict() if isinstance(v, Metric) else v) for k, v in metrics.items()}
             record["status"] = "ok"
             record["error"] = None
@@ -508,6 +510,20 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
     del model
     release_memory()
     return outcomes
+
+
+def _effective_bits(model: torch.nn.Module, info: dict[str, Any]) -> dict[str, Metric]:
+    """The quantized model's ``bits/*`` metrics (:mod:`mosaicquant.methods.bits`), counted once per method spec
+    and seed, before any suite makes the model executable; a format the count does not know leaves them out and
+    says why in ``method_info["bits_skipped"]``."""
+    from mosaicquant.methods.bits import UnknownFormat, model_bits
+
+    try:
+        counted = model_bits(model).metrics()
+    except UnknownFormat as exc:
+        info["bits_skipped"] = str(exc)
+        return {}
+    return {name: Metric(value, higher_is_better=False, unit="bits") for name, value in counted.items()}
 
 
 def release_memory() -> None:
