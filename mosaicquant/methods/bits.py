@@ -456,6 +456,7 @@ def budget_for_weight_bits(target: float, shapes: Sequence[tuple[int, int]], blo
     value = bits_at(best)
     first = first_at_or_above(value)
     last = first_at_or_above(math.nextafter(value, math.inf)) - 1
-    best = 0 if first == 0 else (first + last) // 2  # no residual at all is budget 0, not a budget that keeps none
+    # the ends stay the ends: no residual is budget 0 (not a budget that keeps none), every block is budget 1
+    best = 0 if first == 0 else steps if last == steps else (first + last) // 2
     best_value = best / steps
     return round(best_value, 10)
