@@ -72,6 +72,8 @@ def _fmt(value: float) -> str:
 
 
 def _shown(suite: str, name: str) -> bool:
+    if name.startswith("bits/"):  # every record's effective bits: the equal-bits section shows them once a row
+        return False
     patterns = SUMMARY_METRICS.get(suite)
     return patterns is None or any(fnmatchcase(name, p) for p in patterns)
 
@@ -299,6 +301,7 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
         UserInputError: the directory does not exist or holds no result records (a report of nothing is a wrong
             directory more often than not; no file is written), or an output cannot be written (naming it).
     """
+    from mosaicquant.reports.bits import equal_bits_section
     from mosaicquant.reports.plots import draw_figures
 
     results_dir = Path(results_dir)
@@ -331,6 +334,7 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
         for fig in figures:
             parts.append(f"![{fig.path.stem}]({fig.path.name})\n")
             parts.append(f"*{fig.caption}*\n")
+        parts.extend(equal_bits_section(records, out_dir))
         parts.extend(provenance_section(records))
         out_path.write_text("\n".join(parts))
         df.to_csv(out_dir / "summary.csv", index=False)
