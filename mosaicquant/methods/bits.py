@@ -280,7 +280,7 @@ def _kernel_bits(name: str, module: nn.Module) -> LinearBits:
         k_hi = int(fmt.k_hi)
         act = (fmt.lo_bits * (k - k_hi) + fmt.hi_bits * k_hi) / k
         scales = ((k - k_hi) * _scale_share(k - k_hi, fmt.group_size, fmt.lo_symmetric)
-                  + k_hi * _scale_share(k_hi, None, True)) / k
+                  + k_hi * _scale_share(k_hi, None, getattr(fmt, "hi_symmetric", True))) / k
     elif hasattr(module, "act_clip_ratio"):  # the W4A4 kernels: 4-bit symmetric per token
         act, scales = 4.0, _scale_share(k, None, True)
     else:

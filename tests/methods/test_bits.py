@@ -231,3 +231,19 @@ def test_every_record_of_a_sweep_carries_its_bits(tmp_path, tiny_llama_dir, tiny
         assert metric["unit"] == "bits" and metric["higher_is_better"] is False
         want = 16.0 if rec["method"]["label"] == "fp16" else 4 + 16 / 32
         assert abs(metric["value"] - want) < EXACT, rec["method"]["label"]
+
+
+def test_mixed_kernel_layer_counts_what_its_simulated_layer_counts():
+    from mosaicquant.kernels.mixed_gemm import MixedQuantLinear, mixed_from_fake
+
+    k, n = 256, 16
+    gen = torch.Generator().manual_seed(8)
+    linear = nn.Linear(k, n, bias=False)
+    linear.weight.data = torch.randn(n, k, generator=gen)
+    simulated = atom_quantize_linear(linear, _hessian(k), AtomConfig(n_outliers=64, group_size=64))
+    kernel = mixed_from_fake(simulated, kernel="torch")
+    assert isinstance(kernel, MixedQuantLinear), kernel
+    want, got = _metrics(simulated), _metrics(kernel)
+    assert abs(got["bits/activation"] - (4 + 4 * 64 / k)) < EXACT
+    assert abs(got["bits/activation_scales"] - want["bits/activation_scales"]) < EXACT
+    assert abs(got["bits/weight_values"] - want["bits/weight_values"]) < EXACT, (got, want)
