@@ -50,7 +50,7 @@ from mosaicquant.harness import shapes as shapes_mod
 from mosaicquant.harness.context import QuantContext, SuiteContext
 from mosaicquant.harness.results import (
     SCHEMA, Metric, command_line, ensure_writable_dir, environment, git_info, now_iso, read_valid_record,
-    record_path, results_lock, save_record,
+    record_path, save_record,
 )
 from mosaicquant.harness.spec import PluginSpec, RunSpec, check_model_fit
 from mosaicquant.harness.speedforms import speed_form
@@ -483,6 +483,7 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         quant_error = exc
     quant_s = time.perf_counter() - t_q
     model_meta = {"name": meta.name, "source": meta.source, "caveat": meta.caveat}
+    bits = _effective_bits(model, qctx.info) if quant_error is None else {}
 
     for cell, suite_fn in todo:
         record = _record_head(spec, model_meta, cell, state.env, state.git)
@@ -507,6 +508,7 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         try:
             with torch.no_grad():
                 metrics = suite_fn(model, cell.suite.config, sctx)
+            metrics = {**metrics, **bits}
             record["metrics"] = {k: (v.to_dict() if isinstance(v, Metric) else v) for k, v in metrics.items()}
             record["status"] = "ok"
             record["error"] = None
@@ -549,6 +551,20 @@ def _record_load_failure(task: GroupTask, cells: list[Cell], exc: Exception, sta
         log(line)
         outcomes.append(CellOutcome(cell.path, "failed", line))
     return outcomes
+
+
+def _effective_bits(model: torch.nn.Module, info: dict[str, Any]) -> dict[str, Metric]:
+    """The quantized model's ``bits/*`` metrics (:mod:`mosaicquant.methods.bits`), counted once per method spec
+    and seed, before any suite makes the model executable; a format the count does not know leaves them out and
+    says why in ``method_info["bits_skipped"]``."""
+    from mosaicquant.methods.bits import UnknownFormat, model_bits
+
+    try:
+        counted = model_bits(model).metrics()
+    except UnknownFormat as exc:
+        info["bits_skipped"] = str(exc)
+        return {}
+    return {name: Metric(value, higher_is_better=False, unit="bits") for name, value in counted.items()}
 
 
 def release_memory() -> None:

@@ -114,6 +114,29 @@ class MixedActQuant(nn.Module):
     def n_high(self) -> int:
         return int(self.high_channels.numel())
 
+    def effective_bits(self, k: int) -> tuple[float, float]:
+        """Bits per input element: ``(values, scales)`` (see :mod:`mosaicquant.methods.bits`).
+
+        Values: the high channels at ``high.bits``, the others at ``low.bits`` (16 where a spec is off).
+        Scales: per token, one 16-bit scale (and zero point, if asymmetric) over the high channels and
+        one per group of the others (a ragged last group has its own).
+
+        Raises:
+            ValueError: ``k`` is not this quantizer's ``in_features``.
+        """
+        from mosaicquant.methods.bits import activation_bits
+
+        if k != self.in_features:
+            raise ValueError(f"MixedActQuant over {self.in_features} channels asked for the bits of {k}")
+        n_high, n_low = self.n_high, int(self.low_channels.numel())
+        values = scales = 0.0
+        for spec, width in ((self.high, n_high), (self.low, n_low)):
+            if width:
+                v, s = activation_bits(spec, width)
+                values += v * width
+                scales += s * width
+        return values / k, scales / k
+
     def _low(self, x: torch.Tensor) -> torch.Tensor:
         if not self.low.enabled or x.shape[-1] == 0:
             return x

@@ -244,4 +244,5 @@ def fake_quant_linear_from(
     layer = FakeQuantLinear(weight, linear.bias, act, input_transform_of(linear), packed, wbits)
     if qweight is not None:
         layer.weight_groups = int(qweight.scale.shape[-1])
+        layer.weight_zero_points = qweight.zero is not None  # asymmetric grids store a zero point per scale
     return layer.to(linear.weight.device)

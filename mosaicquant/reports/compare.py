@@ -240,7 +240,7 @@ class Comparison:
 
     def render(self) -> str:
         """Human-readable text: header, table, unmatched cells, summary line."""
-        from mosaicquant.reports.tables import render_markdown
+        from mosaicquant.reports.markdown import render_markdown
 
         lines = []
         for side, folder, code, skipped in (("base: ", self.base_dir, self.base_code, self.base_skipped),

@@ -31,6 +31,7 @@ from mosaicquant.reports.cells import (
 )
 from mosaicquant.reports.headings import heading
 from mosaicquant.reports.latex import render_latex
+from mosaicquant.reports.markdown import render_markdown
 from mosaicquant.reports.protocol import protocol_section
 
 __all__ = ["records_frame", "summary_table", "paper_table", "render_markdown", "provenance_section", "write_tables",
@@ -82,13 +83,9 @@ def records_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _fmt(value: float) -> str:
-    if value is None or pd.isna(value):
-        return ""
-    return format_number(float(value))
-
-
 def _shown(suite: str, name: str) -> bool:
+    if name.startswith("bits/"):  # every record's effective bits: the equal-bits section shows them once a row
+        return False
     patterns = SUMMARY_METRICS.get(suite)
     return patterns is None or any(fnmatchcase(name, p) for p in patterns)
 
@@ -304,26 +301,6 @@ def paper_table(records: list[dict[str, Any]],
     return df, list(notes_set.texts)
 
 
-def render_markdown(df: pd.DataFrame) -> str:
-    """A Markdown table (no external dependency)."""
-    if df.empty:
-        return "_no records_\n"
-    cols = list(df.columns)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    for _, row in df.iterrows():
-        cells = []
-        for c in cols:
-            v = row[c]
-            if isinstance(v, float):
-                cells.append(_fmt(v))
-            elif v is None or (not isinstance(v, str) and pd.isna(v)):
-                cells.append("")
-            else:
-                cells.append(str(v).replace("|", "\\|"))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def _speed_sections(records: list[dict[str, Any]], footnotes: Footnotes | None = None) -> list[str]:
     """Markdown of the throughput, per-layer latency and step-time tables, one set per (model, suite label),
     then one table per (model, backend, suite label) of the cells another backend ran. Long execution
@@ -457,6 +434,7 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
         UserInputError: the directory does not exist or holds no result records (a report of nothing is a wrong
             directory more often than not; no file is written), or an output cannot be written (naming it).
     """
+    from mosaicquant.reports.bits import equal_bits_section
     from mosaicquant.reports.plots import draw_figures
 
     results_dir = Path(results_dir)
@@ -498,6 +476,7 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
             vector = [p for p in fig.paths[1:] if p.exists()]
             if vector:
                 parts.append("Vector: " + ", ".join(f"[{p.suffix[1:].upper()}]({p.name})" for p in vector) + "\n")
+        parts.extend(equal_bits_section(records, out_dir))
         parts.extend(provenance_section(records))
         out_path.write_text("\n".join(parts))
         df.to_csv(out_dir / "summary.csv", index=False)
