@@ -44,7 +44,6 @@ from mosaicquant.harness.results import (
 )
 from mosaicquant.harness.spec import PluginSpec, RunSpec
 from mosaicquant.harness.speedforms import speed_form
-from mosaicquant.kernels._common import check_kernel_environment
 
 if TYPE_CHECKING:
     from mosaicquant.harness.executors import ExecutorSettings
@@ -215,14 +214,13 @@ def check_finished_settings(spec: RunSpec, finished: list[tuple[Cell, dict[str, 
 
 
 def validate_run(spec: RunSpec) -> None:
-    """Check model, corpus, results directory and the kernels' environment variables (names and
-    options were checked at parse time).
+    """Check model, corpus and results directory (names and options, the kernels' settings among
+    them, were checked at parse time).
 
     Raises:
         UserInputError: with one line naming the value and what is allowed.
     """
     spec.validate()
-    check_kernel_environment()
     models_mod.resolve_model(spec.model)
     data_mod.resolve_corpus(spec.corpus)
     ensure_writable_dir(spec.out)

@@ -8,11 +8,11 @@ tensor-core-bound at large M); ``benchmarks/zipper.py`` measures the choices and
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
+from mosaicquant import settings
 from mosaicquant.harness.errors import UserInputError
 
 __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MIN_M", "SWAP_MIN_TILES_PER_SM",
@@ -50,8 +50,6 @@ PDL_MAX_M = 8
 PDL_ANY_SIZE_MAX_M = 4
 PDL_MAX_WEIGHT_BYTES = 32 * 2**20
 PREFETCH_MIN_KP = 4096
-# A cap (MiB) on what every PDL GEMM launch prefetches, in place of the launchers' defaults.
-PREFETCH_ENV_VAR = "MOSAICQUANT_PREFETCH_MIB"
 # The dense W4A4 GEMM's default cap. In the decode step with every kernel chained by PDL
 # (benchmarks/NOTES.md v15), an 8 MiB prefetch on every launch took RTN's Llama-3-8B step
 # 4.0 / 3.3 % and QuaRot's 1.4 / 3.9 % down at batch 4 / 8 against prefetch_default's rule
@@ -521,24 +519,6 @@ def _decode_split(tiles: int, k_steps: int, device: torch.device, min_steps: int
     return split
 
 
-def prefetch_env_mib() -> float | None:
-    """``MOSAICQUANT_PREFETCH_MIB`` as MiB, ``None`` where it is unset or empty.
-
-    Raises:
-        UserInputError: a value that is not a number of MiB >= 0.
-    """
-    env = os.environ.get(PREFETCH_ENV_VAR, "").strip()
-    if not env:
-        return None
-    try:
-        value = float(env)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0:
-        raise UserInputError(f"{PREFETCH_ENV_VAR}={env!r} is not allowed: a number of MiB >= 0")
-    return value
-
-
 def prefetch_row_bytes(n: int, kp: int, split: int, prefetch_mib: float | None,
                        default_mib: float | None = None) -> int:
     """Bytes of each weight row that one program of a PDL launch prefetches into L2.
@@ -546,9 +526,9 @@ def prefetch_row_bytes(n: int, kp: int, split: int, prefetch_mib: float | None,
     Args:
         n, kp: the weights' rows and packed bytes per row.
         split: programs sharing a row along K (split-K).
-        prefetch_mib: ``None``: the cap in ``MOSAICQUANT_PREFETCH_MIB`` if that is set, else
-            ``default_mib``; a number: a cap on the whole launch's prefetch (MiB), shared evenly
-            by rows and splits (``0``: no prefetch).
+        prefetch_mib: ``None``: the settings' ``prefetch_mib`` (:mod:`mosaicquant.settings`) if
+            that is set, else ``default_mib``; a number: a cap on the whole launch's prefetch
+            (MiB), shared evenly by rows and splits (``0``: no prefetch).
         default_mib: the launcher's default cap; ``None``: each program's whole slice where
             :func:`prefetch_default` says so, else nothing.
 
@@ -556,7 +536,7 @@ def prefetch_row_bytes(n: int, kp: int, split: int, prefetch_mib: float | None,
         UserInputError: a negative or non-numeric cap.
     """
     if prefetch_mib is None:
-        prefetch_mib = prefetch_env_mib()
+        prefetch_mib = settings.current().prefetch_mib
         if prefetch_mib is None:
             prefetch_mib = default_mib
         if prefetch_mib is None:

@@ -440,7 +440,7 @@ def hadamard_quantize(
         x: ``[M, n]`` activations.
         transform: the online Hadamard applied before quantization.
         clip_ratio: in (0, 1].
-        kernel: ``"auto"`` / ``"triton"`` / ``"torch"`` / ``None`` (``MOSAICQUANT_KERNEL``, default
+        kernel: ``"auto"`` / ``"triton"`` / ``"torch"`` / ``None`` (the settings' ``kernel``, default
             ``"auto"``). ``"auto"`` runs the PyTorch reference where the fused kernel does not take
             the transform or dtype (:func:`fused_hadamard_reason`: e.g. float32 input, a size
             without a power-of-two part of 16); ``"triton"`` raises there.

@@ -90,8 +90,8 @@ class QuantLinear(nn.Module):
         packed: the layer in the shared packed format; per-output-channel base scales
             (``group_size`` ``None`` or ``K``).
         act_clip_ratio: activation clip ratio in (0, 1].
-        kernel: ``"auto"`` / ``"triton"`` / ``"torch"``, or ``None`` to read
-            ``MOSAICQUANT_KERNEL`` at each call (default ``"auto"``).
+        kernel: ``"auto"`` / ``"triton"`` / ``"torch"``, or ``None`` for the ``kernel`` of the
+            settings in force at each call (:mod:`mosaicquant.settings`; default ``"auto"``).
         fused: run the residual fused into the GEMM (ZipperEngine) or as the unfused
             pipeline (dense GEMM to fp32, separate residual kernel, add).
         mode: ZipperEngine fusion mode, ``"auto"``, ``"inline"`` or ``"tail"``.

@@ -711,11 +711,11 @@ def w4a4_gemm_triton(
         pdl: programmatic dependent launch; with it, launches of M ≤ 256 may prefetch their
             weights into L2 while the kernel before them finishes (``prefetch_mib``). ``None``:
             where :func:`mosaicquant.kernels._tiles.pdl_default` says so (small M) and
-            ``MOSAICQUANT_PDL`` is not ``0``; ``True``/``False`` force it (where the device
+            the settings' ``pdl`` is on (:mod:`mosaicquant.settings`); ``True``/``False`` force it (where the device
             supports it).
         prefetch_mib: with PDL, cap on the weight bytes the launch prefetches into L2
             (:func:`mosaicquant.kernels._tiles.prefetch_row_bytes`; ``None``:
-            ``MOSAICQUANT_PREFETCH_MIB`` if set, else
+            the settings' ``prefetch_mib`` if set, else
             :data:`mosaicquant.kernels._tiles.DENSE_PREFETCH_MIB`, shared by rows and splits;
             ``0``: PDL without prefetch).
         x16: unpack both operands as ``16 * q`` (:func:`mosaicquant.kernels._tl.mac_int4`; the

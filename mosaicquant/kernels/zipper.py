@@ -503,7 +503,7 @@ def zipper_gemm_triton(
         out: optional preallocated contiguous ``[M, N]`` output of the output dtype.
         pdl: programmatic dependent launch, as in :func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_triton`
             (decode-sized launches also prefetch their tiles' residual blocks).
-        prefetch_mib: cap on the dense weight bytes prefetched, as there (``None``: ``MOSAICQUANT_PREFETCH_MIB``
+        prefetch_mib: cap on the dense weight bytes prefetched, as there (``None``: the settings' ``prefetch_mib``
             if set, else :data:`mosaicquant.kernels._tiles.ZIPPER_PREFETCH_MIB`; residual blocks are
             prefetched whole while the prefetch is on).
         x16: unpack as ``16 * q``, as in :func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_triton` (default on).

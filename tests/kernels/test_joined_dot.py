@@ -59,15 +59,14 @@ def test_joined_dot_gives_the_split_dots_bits(walk, m, n, k, block, opts):
     assert torch.equal(outs[0], outs[1])
 
 
-# Compiles the swapped GEMM at its prefill tiles for sm_90 (benchmarks/offline_regs.py's stand-in driver, in a
+# Compiles the swapped GEMM at its prefill tiles for sm_90 (tests/kernels/_offline.py's stand-in driver, in a
 # subprocess: the driver stays replaced there), dense and with each power-of-two walk, with and without the joined
 # dot, and prints one JSON line a compile with what its PTX holds.
 _COMPILE = r"""
-import importlib, json, sys, torch
-sys.path.insert(0, sys.argv[1])
-from offline_regs import _CompileOnlyDriver, compile_only
+import importlib, json, torch
+from _offline import CompileOnlyDriver, compile_only
 from triton.runtime.driver import driver
-driver.set_active(_CompileOnlyDriver())
+driver.set_active(CompileOnlyDriver())
 from mosaicquant.kernels import _tiles
 _tiles._sm_count = lambda device: 132
 wmod = importlib.import_module("mosaicquant.kernels.w4a4_gemm")

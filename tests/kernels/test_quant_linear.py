@@ -1,8 +1,9 @@
 import pytest
 import torch
 
+from mosaicquant import settings
 from mosaicquant.harness.errors import UserInputError
-from mosaicquant.kernels import KERNEL_ENV_VAR, QuantLinear, resolve_kernel
+from mosaicquant.kernels import QuantLinear, resolve_kernel
 from mosaicquant.kernels import _tiles
 from mosaicquant.kernels._tiles import GEMV_ROUTE_MAX_M
 from mosaicquant.methods.format import PackedW4
@@ -118,13 +119,13 @@ def test_residual_indices_are_checked_once_at_construction(monkeypatch):
     assert layer(torch.randn(3, 200)).shape == (3, 96)
 
 
-def test_kernel_preference_from_env(monkeypatch):
-    monkeypatch.setenv(KERNEL_ENV_VAR, "torch")
-    assert resolve_kernel() == "torch"
-    monkeypatch.setenv(KERNEL_ENV_VAR, "tritn")
+def test_kernel_preference_from_settings(monkeypatch):
+    with settings.use(kernel="torch"):
+        assert resolve_kernel() == "torch"
     with pytest.raises(UserInputError, match="Did you mean: triton"):
-        resolve_kernel()
-    monkeypatch.delenv(KERNEL_ENV_VAR)
+        resolve_kernel("tritn")
+    with pytest.raises(UserInputError, match="kernel='tritn' is not allowed: choose one of 'auto', 'triton', 'torch'"):
+        settings.KernelSettings(kernel="tritn")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     expect = "triton" if torch.cuda.is_available() else "torch"
     assert resolve_kernel("auto") == expect
