@@ -70,7 +70,6 @@ from mosaicquant.kernels._tiles import (
     PREFETCH_MAX_M,
     TileConfig,
     lock_buffer,
-    maxnreg_launch,
     pdl_default,
     pdl_launch,
     pick_config,
@@ -775,7 +774,7 @@ def w4a4_gemm_triton(
         PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
         X16=bool(x16) and cfg.use_dot and k < X16_MAX_K, GATED=bool(gated),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
-        **(maxnreg_launch(_tiles.DENSE_GATED_MAXNREG) if gated else {}), **fold_consts,
+        **fold_consts,
     )
     return out
 
