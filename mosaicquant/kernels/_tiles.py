@@ -2,7 +2,7 @@
 
 Sizes are in *packed* K: ``block_kp`` bytes of a row hold ``2 * block_kp`` K elements.
 The heuristic is a small table by M (the kernels are memory-bound at small M and
-tensor-core-bound at large M); ``benchmarks/zipper.py`` measures the choices and
+tensor-core-bound at large M); ``benchmarks/kernels/zipper.py`` measures the choices and
 ``benchmarks/NOTES.md`` records why the table holds what it holds.
 """
 
@@ -120,7 +120,7 @@ DECODE_SPLIT_MIN_STEPS_17 = 8
 # power-of-two scales, the shared walk, where swapped_prefill does not take it; 0: never) runs the swapped GEMM on
 # the tiles of swapped_mid_config where the layer is short of output tiles (fewer than SWAP_MID_TILES' max_tiles_per_sm a SM);
 # the other calls keep the packed kernels. Chosen from a grid of tiles and splits timed on every Llama-3 / Qwen3
-# linear at M = 64 / 128 / 256 / 512 / 1024 (benchmarks/NOTES.md v28, benchmarks/mid_m.py), where the packed
+# linear at M = 64 / 128 / 256 / 512 / 1024 (benchmarks/NOTES.md v28, benchmarks/prototypes/mid_m.py), where the packed
 # kernels had left q/k/v, o and down_proj at 0.73-0.98x BF16 (dense, 64-256 tokens) and 0.50-0.73x (10 %
 # residual, 128-512). Against the routes before, on the same linears at 40-1024 tokens: 0.68-0.97x the time
 # (dense), 0.65-1.01x (residual).
@@ -215,7 +215,7 @@ SWAP_DECODE_STAGES = 4
 WIDE_DECODE_TILES_PER_SM = 2
 # The wide tiles' software-pipelining depth and K step (packed bytes of a weight row a step), and the 64-channel
 # decode tiles' depth (calls of at most 64 tokens on the packed kernels); read when a call picks its tiles. More bytes
-# in flight did not pay (v41, benchmarks/decode_depth.py: QuantLinear on the Llama-3-8B linears at M = 4-32, dense and
+# in flight did not pay (v41, benchmarks/kernels/decode_depth.py: QuantLinear on the Llama-3-8B linears at M = 4-32, dense and
 # with 10 % kept blocks, 3 interleaved rounds, time / the defaults; the layers whose kernels a variant leaves alone
 # read 0.98-1.04): on gate/up 4 wide stages 0.96-0.99 dense and 0.99-1.03 with the blocks, 5 stages 0.99-1.02 and
 # 1.00-1.10, 256-byte steps 0.99-1.01 and 1.10-1.16; on q/k/v, o and down a 64-channel depth of 3 0.93-1.08, of 6
@@ -318,7 +318,7 @@ PARALLEL_ROWS_MAX_SPLIT = 1
 DENSE_GATED_MAX_M = 16
 # The swapped GEMM's prefill and mid calls of a layer with residual blocks (unsplit, tiles a block row high) run its
 # weight-row tiles in QuantLinear's row_tile_order, the block rows that keep the most blocks first, so that the last
-# wave holds the light ones (w4a4_gemm.row_tile_order). Measured (benchmarks/row_order.py, Llama-3-8B / Qwen3-8B /
+# wave holds the light ones (w4a4_gemm.row_tile_order). Measured (benchmarks/prototypes/row_order.py, Llama-3-8B / Qwen3-8B /
 # Qwen3-14B linears, 10 % random blocks on the shared walk, two runs; benchmarks/NOTES.md v39): time ordered ÷
 # grouped 0.96-0.97 on Llama-3-8B's q/k/v and o at 2048 tokens, 0.93 on Qwen3-8B gate/up and 0.95 on Qwen3-14B
 # down at 512; 0.93-1.04 over every cell, median 0.99; MosaicQuant's 2048-token prefill 35,907 -> 35,539 µs.
@@ -371,7 +371,7 @@ def swapped_prefill(m: int, n: int, device: torch.device, residual: bool, min_m:
 # this many programs a tile (1: never), so that wave takes a fraction of the time.
 # Why: Qwen3-14B's o / down (640 tiles at 2048 tokens: 2.42 waves) and q/k/v (896: 3.39) ran 1.16 / 1.16 / 1.25x
 # BF16 against Llama-3-8B's 1.36 / 1.39 / 1.47x (512 and 768 tiles: 1.94 and 2.91 waves), gate/up level (16.5 and
-# 13.6 waves) (benchmarks/NOTES.md v33). The bounds below are from benchmarks/wave_split.py (NOTES.md v34): every
+# 13.6 waves) (benchmarks/NOTES.md v33). The bounds below are from benchmarks/prototypes/wave_split.py (NOTES.md v34): every
 # GEMM they pick (a last wave under half full after one or two whole waves, >= 24 K steps = 3,072 K values a split:
 # down_proj, and Qwen3-32B's o_proj of K = 8,192) ran 3-28 % faster split, dense and with a 10 % residual (one
 # launch); with more whole waves the last one is too small a share to gain, and shorter splits (q/k/v and o at

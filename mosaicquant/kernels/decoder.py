@@ -137,7 +137,7 @@ ATTN_KV4_STAGES = 2
 # after a CTA barrier, its loop reads them back as one more cached key (ATTN_NEW_CACHED), rather than adding them to
 # the online softmax from registers after the loop. Over a 4-bit cache the new key's and value's quantizer reduces
 # each row's (min, max) pairs in one reduction (KernelSettings.attn_kv4_minmax; the same bits) rather than four. Measured (v43,
-# benchmarks/attention_kv4.py, Llama-3-8B attention, µs a call at batch 4 / 16 / 32, context 575, registers form ->
+# benchmarks/kernels/attention_kv4.py, Llama-3-8B attention, µs a call at batch 4 / 16 / 32, context 575, registers form ->
 # both): 4-bit cache 14.30 / 17.58 / 23.50 -> 9.80 / 15.36 / 20.56 (the min-max reduction alone 13.01 / 17.10 /
 # 22.51), 16-bit cache 8.84 / 15.81 / 23.76 -> 8.56 / 15.03 / 23.19. Where the new key starts a loop step of its
 # own (position a multiple of the step: 64 keys at 16 bits, 128 at 4 bits) that step costs one more iteration:
