@@ -15,12 +15,12 @@ case $step in
     timeout 420 python3 -m pytest -q -n 14 -m "not slow" -p no:benchmark -p no:cacheprovider --timeout=300 \
       tests/kernels 2>&1 | tee "$out/kernel_tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -40 ;;
   kernels)
-    python3 benchmarks/zipper.py --models llama3-8b --layers qkv,o,gate_up,down \
+    python3 benchmarks/kernels/zipper.py --models llama3-8b --layers qkv,o,gate_up,down \
       --ms 1,4,16,64,128,256,512,2048,8192 --budgets 0,10 --out "$out/zipper" 2>&1 | tee "$out/zipper.log" | tail -60 ;;
   forms)
-    python3 benchmarks/attention_kv4.py --context 511,512 --chunks "" --block-ns "" \
+    python3 benchmarks/kernels/attention_kv4.py --context 511,512 --chunks "" --block-ns "" \
       --forms joined,zdot,pw_once --rounds 3 --out "$out/attn" 2>&1 | tee "$out/attn.log" | tail -25
-    python3 benchmarks/decode_depth.py --ms 5,8,12,16 --variants base,sahead --rounds 3 --out "$out/depth" 2>&1 \
+    python3 benchmarks/kernels/decode_depth.py --ms 5,8,12,16 --variants base,sahead --rounds 3 --out "$out/depth" 2>&1 \
       | tee "$out/depth.log" | tail -25 ;;
   suite)
     python3 -m mosaicquant run --model llama-3-8b-shapes \

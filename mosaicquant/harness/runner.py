@@ -54,7 +54,6 @@ from mosaicquant.harness.results import (
 )
 from mosaicquant.harness.spec import PluginSpec, RunSpec, check_model_fit
 from mosaicquant.harness.speedforms import speed_form
-from mosaicquant.kernels._common import check_kernel_environment
 
 __all__ = [
     "Cell", "CellOutcome", "GroupTask", "SweepResult", "SweepState", "plan_cells", "plan_groups", "validate_run",
@@ -220,14 +219,13 @@ def check_finished_settings(spec: RunSpec, finished: list[tuple[Cell, dict[str, 
 
 def validate_run(spec: RunSpec) -> None:
     """Check model (its files and the options that depend on its sizes, without loading it), corpus,
-    cache and results directory and the kernels' environment variables (names and options were
-    checked at parse time).
+    cache and results directory (names and options, the kernels' settings among them, were checked
+    at parse time).
 
     Raises:
         UserInputError: with one line naming the value and what is allowed.
     """
     spec.validate()
-    check_kernel_environment()
     assets.cache_dir()  # a cache variable naming a file fails here, not at the first write
     check_model_fit(spec, models_mod.model_dimensions(spec.model))  # also checks the model's files
     data_mod.resolve_corpus(spec.corpus)

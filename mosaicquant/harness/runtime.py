@@ -102,7 +102,7 @@ NORM_FOLD_MAX_M = 0
 # layer, 23-24 µs each on Qwen3-14B shapes at 2048 tokens, 21-22 on Llama-3-8B; the attention kernel's own time
 # unchanged). Measured (v33, 2048-token prefill, CUDA graph, µs, copies -> enable_gqa): Qwen3-14B shapes BF16
 # 92,861 -> 91,171, QuaRot 87,112 -> 85,398, MosaicQuant 92,809 -> 90,484; Llama-3-8B shapes 49,363 -> 48,515,
-# 35,236 -> 34,134, 38,836 -> 37,707 (benchmarks/decode_profile.py --prefill 2048, 2 rounds).
+# 35,236 -> 34,134, 38,836 -> 37,707 (benchmarks/kernels/decode_profile.py --prefill 2048, 2 rounds).
 PREFILL_SDPA_GQA = True
 
 _STANDARD_ATTENTION = (None, "sdpa", "eager", "flash_attention_2", "flash_attention_3")

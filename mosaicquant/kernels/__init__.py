@@ -11,11 +11,11 @@
 - :mod:`.convert`: a simulated model → its kernel-backed form (stacked q/k/v and gate/up).
 
 Every kernel has a launcher that checks its arguments and a PyTorch reference; the kernel
-preference (``"auto"`` / ``"triton"`` / ``"torch"``, argument or ``MOSAICQUANT_KERNEL``)
-picks between them (:func:`resolve_kernel`).
+preference (``"auto"`` / ``"triton"`` / ``"torch"``, argument or the ``kernel`` of
+:class:`mosaicquant.settings.KernelSettings`) picks between them (:func:`resolve_kernel`).
 """
 
-from mosaicquant.kernels._common import KERNEL_ENV_VAR, KERNEL_PREFERENCES, resolve_kernel
+from mosaicquant.kernels._common import KERNEL_PREFERENCES, resolve_kernel
 from mosaicquant.kernels._tiles import TileConfig, pick_config
 from mosaicquant.kernels.act_quant import quantize_activations
 from mosaicquant.kernels.quant_linear import QuantLinear
@@ -24,7 +24,6 @@ from mosaicquant.kernels.w4a4_gemm import w4a4_gemm
 from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm
 
 __all__ = [
-    "KERNEL_ENV_VAR",
     "KERNEL_PREFERENCES",
     "resolve_kernel",
     "TileConfig",

@@ -1,7 +1,7 @@
 """Pieces the kernel launchers share: the kernel preference and argument checks.
 
-Kernel preference (``kernel=`` argument, else the ``MOSAICQUANT_KERNEL`` environment
-variable, else ``"auto"``):
+Kernel preference (``kernel=`` argument, else :attr:`mosaicquant.settings.KernelSettings.kernel`
+of the settings in force, default ``"auto"``):
 
 - ``"triton"``: run the Triton kernels (a CUDA device, or Triton's CPU interpreter when
   ``TRITON_INTERPRET=1``);
@@ -16,26 +16,19 @@ import os
 import torch
 
 from mosaicquant.errors import UserInputError, unknown_name
+from mosaicquant import settings
+from mosaicquant.settings import KERNEL_PREFERENCES
 
 __all__ = [
     "KERNEL_PREFERENCES",
-    "KERNEL_ENV_VAR",
     "kernel_preference",
     "resolve_kernel",
     "triton_interpreting",
     "check_tensor",
 ]
 
-KERNEL_PREFERENCES = ("auto", "triton", "torch")
-KERNEL_ENV_VAR = "MOSAICQUANT_KERNEL"
-# "0" turns programmatic dependent launch off (see mosaicquant.kernels._tl); default on where supported.
-PDL_ENV_VAR = "MOSAICQUANT_PDL"
-# How far programmatic dependent launch reaches past the activation kernel -> GEMM pairs:
-# "off" or "on" (see chain_mode); read at every launch.
-PDL_CHAIN_ENV_VAR = "MOSAICQUANT_PDL_CHAIN"
-# The kernels' CHAIN constexpr (mosaicquant.kernels._tl.chain_start) for each mode.
+# The kernels' CHAIN constexpr (mosaicquant.kernels._tl.chain_start) for each KernelSettings.pdl_chain.
 PDL_CHAINS = {"off": 1, "on": 2}
-PDL_CHAIN_DEFAULT = "on"
 # The chain is taken by launches of at most this many tokens (rows): it measured 3-5 % faster on
 # the Llama-3-8B decode step at batch 4 and 8, 2.5-3.3 % slower at batch 16 (benchmarks/NOTES.md v15).
 PDL_CHAIN_MAX_M = 8
@@ -58,18 +51,19 @@ def use_pdl(device: torch.device, pdl: bool | None = None) -> bool:
 
     Args:
         device: the operands' device.
-        pdl: the caller's choice; ``None`` reads ``MOSAICQUANT_PDL`` (``"0"`` off, default on).
-            Where the device cannot (CPU, interpreter, before sm_90) the answer is ``False``.
+        pdl: the caller's choice; ``None``: :attr:`~mosaicquant.settings.KernelSettings.pdl` of the
+            settings in force (default on). Where the device cannot (CPU, interpreter, before
+            sm_90) the answer is ``False``.
     """
     if pdl is None:
-        pdl = os.environ.get(PDL_ENV_VAR, "1").strip() not in ("0", "false", "off", "")
+        pdl = settings.current().pdl
     return bool(pdl) and pdl_supported(device)
 
 
 def chain_mode(device: torch.device, m: int) -> int:
     """The ``CHAIN`` constexpr of the decode step's non-GEMM kernels on ``device`` (``_tl.chain_start``).
 
-    ``m`` is the launch's tokens (rows). ``MOSAICQUANT_PDL_CHAIN`` picks the mode where
+    ``m`` is the launch's tokens (rows). The settings' ``pdl_chain`` picks the mode where
     programmatic dependent launch is on (:func:`use_pdl`; else ``0``, nothing); launches of
     more than :data:`PDL_CHAIN_MAX_M` tokens take ``"off"`` whatever it says:
 
@@ -86,36 +80,10 @@ def chain_mode(device: torch.device, m: int) -> int:
 
     Every kernel waits before it reads or writes anything an earlier kernel touches, so the
     results are the same in every mode.
-
-    Raises:
-        UserInputError: an unknown mode in the environment.
     """
     if not use_pdl(device):
         return 0
-    return PDL_CHAINS[_chain_name()] if m <= PDL_CHAIN_MAX_M else PDL_CHAINS["off"]
-
-
-def _chain_name() -> str:
-    name = os.environ.get(PDL_CHAIN_ENV_VAR, PDL_CHAIN_DEFAULT).strip().lower() or PDL_CHAIN_DEFAULT
-    if name not in PDL_CHAINS:
-        raise UserInputError(f"{PDL_CHAIN_ENV_VAR}={name!r} is not allowed: choose one of {', '.join(PDL_CHAINS)}")
-    return name
-
-
-def check_kernel_environment() -> None:
-    """Check the kernels' environment variables, as a sweep starts (they are read at every launch).
-
-    Raises:
-        UserInputError: ``MOSAICQUANT_KERNEL``, ``MOSAICQUANT_PDL_CHAIN`` or
-            ``MOSAICQUANT_PREFETCH_MIB`` holding a value the first launch would refuse.
-    """
-    from mosaicquant.kernels._tiles import prefetch_env_mib
-
-    pref = os.environ.get(KERNEL_ENV_VAR, "auto").strip().lower()
-    if pref not in KERNEL_PREFERENCES:
-        raise UserInputError(f"{KERNEL_ENV_VAR}={pref!r} is not allowed: choose one of {', '.join(KERNEL_PREFERENCES)}")
-    _chain_name()
-    prefetch_env_mib()
+    return PDL_CHAINS[settings.current().pdl_chain] if m <= PDL_CHAIN_MAX_M else PDL_CHAINS["off"]
 
 
 def gemm_pdl(device: torch.device, m: int, pdl: bool) -> int:
@@ -136,13 +104,13 @@ def chain_launch(chain: int) -> dict:
 
 
 def kernel_preference(kernel: str | None = None) -> str:
-    """The preference ``kernel`` names: ``"auto"``, ``"triton"`` or ``"torch"`` (``None``: read
-    ``MOSAICQUANT_KERNEL``, default ``"auto"``), before :func:`resolve_kernel` picks the backend.
+    """The preference ``kernel`` names: ``"auto"``, ``"triton"`` or ``"torch"`` (``None``: the
+    settings' ``kernel``, default ``"auto"``), before :func:`resolve_kernel` picks the backend.
 
     Raises:
         UserInputError: an unknown preference.
     """
-    pref = kernel if kernel is not None else os.environ.get(KERNEL_ENV_VAR, "auto")
+    pref = kernel if kernel is not None else settings.current().kernel
     pref = str(pref).strip().lower()
     if pref not in KERNEL_PREFERENCES:
         raise unknown_name("kernel preference", pref, KERNEL_PREFERENCES)
@@ -153,7 +121,7 @@ def resolve_kernel(kernel: str | None = None, device: torch.device | None = None
     """Resolve a kernel preference to the backend that will run: ``"triton"`` or ``"torch"``.
 
     Args:
-        kernel: ``"auto"``, ``"triton"``, ``"torch"`` or ``None`` (read ``MOSAICQUANT_KERNEL``,
+        kernel: ``"auto"``, ``"triton"``, ``"torch"`` or ``None`` (the settings' ``kernel``,
             default ``"auto"``).
         device: where the operands are; CPU tensors run Triton only in its interpreter, so
             ``"auto"`` picks the PyTorch reference for them on a machine with a GPU.

@@ -2,38 +2,33 @@
 
 Sizes are in *packed* K: ``block_kp`` bytes of a row hold ``2 * block_kp`` K elements.
 The heuristic is a small table by M (the kernels are memory-bound at small M and
-tensor-core-bound at large M); ``benchmarks/zipper.py`` measures the choices and
+tensor-core-bound at large M); ``benchmarks/kernels/zipper.py`` measures the choices and
 ``benchmarks/NOTES.md`` records why the table holds what it holds.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
 from mosaicquant.errors import UserInputError
+from mosaicquant import settings
 
 __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MIN_M", "SWAP_MIN_TILES_PER_SM",
-           "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "GEMV_FUSED_QUANT", "DP4A_WALK_MAX_M", "PARALLEL_MIN_M", "PARALLEL_MAX_M",
-           "PARALLEL_MAX_SPLIT", "PARALLEL_MAX_BLOCKS_PER_ROW", "PARALLEL_MAXNREG", "SWAP_DECODE_RESIDUAL_MIN_M",
-           "SWAP_DECODE_SHARED_MIN_M",
-           "SWAP_DECODE_SPLIT_MIN_STEPS", "SWAP_DECODE_BLOCK_KP",
+           "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "DP4A_WALK_MAX_M", "PARALLEL_MIN_M", "PARALLEL_MAX_M",
+           "PARALLEL_MAX_SPLIT", "PARALLEL_MAX_BLOCKS_PER_ROW", "SWAP_DECODE_SPLIT_MIN_STEPS", "SWAP_DECODE_BLOCK_KP",
            "SWAP_DECODE_STAGES", "DECODE_SPLIT_MIN_STEPS", "DECODE_SPLIT_MIN_STEPS_17",
-           "DENSE_GATED_MAX_M", "DENSE_GATED_MAXNREG", "DENSE_PREFETCH_MIB", "ZIPPER_PREFETCH_MIB",
+           "DENSE_GATED_MAX_M", "DENSE_PREFETCH_MIB", "ZIPPER_PREFETCH_MIB",
            "WIDE_K_DECODE_MIN_M", "TAIL_WIDE_K_MIN_M", "TAIL_WIDE_K_MAX_M", "WIDE_DECODE_MAX_M", "DENSE_WIDE_MAX_M",
            "DENSE_WIDE_MIN_TILES_PER_SM", "DENSE_WIDE_MAX_TILES_PER_SM", "WALK_STAGES", "WALK_STAGES_MIN_M",
-           "maxnreg_launch", "walk_stages",
+           "walk_stages",
            "wide_decode",
            "parallel_mode", "parallel_residual",
            "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
            "swapped_prefill", "swapped_mid_config", "SWAP_MID_MIN_M", "SWAP_MID_RESIDUAL_MIN_M", "SWAP_MID_WIDE_MIN_M",
            "SWAP_MID_TILES"]
 
-# Up to this many rows the GEMMs use CUDA-core multiply-adds instead of tensor-core dots
-# (0: never; measured ALU-bound and no faster than the dot path, benchmarks/NOTES.md v2).
-FMA_MAX_M = 0
 # Size of the per-device split-K counter buffer (int32 slots, one per output tile).
 LOCK_SLOTS = 1 << 16
 # With programmatic dependent launch, GEMMs of up to this many rows prefetch their weights into
@@ -50,8 +45,6 @@ PDL_MAX_M = 8
 PDL_ANY_SIZE_MAX_M = 4
 PDL_MAX_WEIGHT_BYTES = 32 * 2**20
 PREFETCH_MIN_KP = 4096
-# A cap (MiB) on what every PDL GEMM launch prefetches, in place of the launchers' defaults.
-PREFETCH_ENV_VAR = "MOSAICQUANT_PREFETCH_MIB"
 # The dense W4A4 GEMM's default cap. In the decode step with every kernel chained by PDL
 # (benchmarks/NOTES.md v15), an 8 MiB prefetch on every launch took RTN's Llama-3-8B step
 # 4.0 / 3.3 % and QuaRot's 1.4 / 3.9 % down at batch 4 / 8 against prefetch_default's rule
@@ -110,23 +103,6 @@ TAIL_WIDE_K_MIN_M = 5
 # ... up to this many tokens (16 at least). At M = 32 (32-row tiles) the 128-byte steps were slower: down
 # 23.90 us against 20.03, o 14.49 against 12.30; MosaicQuant's batch-32 step 4,487 -> 4,695 us.
 TAIL_WIDE_K_MAX_M = 16
-# Layers with residual blocks run their calls of this many tokens up to SWAP_DECODE_M's upper end on the
-# swapped GEMM at decode tiles too, the kept blocks in its tail (0: never; they stay on ZipperEngine's
-# packed kernels). GEMM alone (v17, Llama-3-8B, M = 16 / 32, us): slower on every layer, q/k/v 11.05 /
-# 13.27 against ZipperEngine's 9.59 / 11.69, o 9.43 / 13.50 against 8.67 / 12.23, gate/up 29.11 / 32.77
-# against 25.34 / 32.18, down 16.76 / 22.55 against 15.63 / 19.28.
-SWAP_DECODE_RESIDUAL_MIN_M = 0
-# ... and layers whose residual scales are powers of two of the base's (rscale=pow2: the swapped GEMM's
-# "shared" walk, the kept blocks' int8 dots into the dense accumulator) from this many tokens (0: never).
-# QuantLinear with 10 % kept blocks at 17 / 24 / 32 tokens (v41, benchmarks/decode_depth.py's swsh17, time / the packed
-# kernels'): q/k/v 1.15 / 1.13 / 1.09, o 1.22 / 1.19 / 1.17, gate/up 1.02 on each, down 1.04 / 1.02 / 1.01; slower on
-# every layer, and MosaicQuant's decode step +3.0 to +4.8 % at batch 17-32.
-SWAP_DECODE_SHARED_MIN_M = 0
-# ... and layers with the "merged" walk's operands (shifts <= 3, MosaicQuant's rscale_max_shift=3) from this many
-# tokens (0: never), at 64-byte K steps (the walk skips single 128-value steps). QuantLinear at 16 / 24 / 32 tokens
-# (v36, Llama-3-8B linears, activation quantization included): 2-25 % slower than ZipperEngine's packed kernels on
-# every layer (down at 32: 28.9 against 23.2 us); the dense swapped GEMM alone is 5-57 % slower at 64-byte steps (two runs).
-SWAP_DECODE_MERGED_MIN_M = 0
 # Split-K at decode doubles the split while the programs cover the SMs less than twice and each program would keep
 # at least this many K steps: the swapped GEMM's decode tiles (256 K values a step), the packed kernel's calls of
 # 17-64 tokens (128 a step) and its other calls (DECODE_SPLIT_MIN_STEPS: v14 measured its splits fastest at 1-16
@@ -144,7 +120,7 @@ DECODE_SPLIT_MIN_STEPS_17 = 8
 # power-of-two scales, the shared walk, where swapped_prefill does not take it; 0: never) runs the swapped GEMM on
 # the tiles of swapped_mid_config where the layer is short of output tiles (fewer than SWAP_MID_TILES' max_tiles_per_sm a SM);
 # the other calls keep the packed kernels. Chosen from a grid of tiles and splits timed on every Llama-3 / Qwen3
-# linear at M = 64 / 128 / 256 / 512 / 1024 (benchmarks/NOTES.md v28, benchmarks/mid_m.py), where the packed
+# linear at M = 64 / 128 / 256 / 512 / 1024 (benchmarks/NOTES.md v28, benchmarks/prototypes/mid_m.py), where the packed
 # kernels had left q/k/v, o and down_proj at 0.73-0.98x BF16 (dense, 64-256 tokens) and 0.50-0.73x (10 %
 # residual, 128-512). Against the routes before, on the same linears at 40-1024 tokens: 0.68-0.97x the time
 # (dense), 0.65-1.01x (residual).
@@ -239,7 +215,7 @@ SWAP_DECODE_STAGES = 4
 WIDE_DECODE_TILES_PER_SM = 2
 # The wide tiles' software-pipelining depth and K step (packed bytes of a weight row a step), and the 64-channel
 # decode tiles' depth (calls of at most 64 tokens on the packed kernels); read when a call picks its tiles. More bytes
-# in flight did not pay (v41, benchmarks/decode_depth.py: QuantLinear on the Llama-3-8B linears at M = 4-32, dense and
+# in flight did not pay (v41, benchmarks/kernels/decode_depth.py: QuantLinear on the Llama-3-8B linears at M = 4-32, dense and
 # with 10 % kept blocks, 3 interleaved rounds, time / the defaults; the layers whose kernels a variant leaves alone
 # read 0.98-1.04): on gate/up 4 wide stages 0.96-0.99 dense and 0.99-1.03 with the blocks, 5 stages 0.99-1.02 and
 # 1.00-1.10, 256-byte steps 0.99-1.01 and 1.10-1.16; on q/k/v, o and down a 64-channel depth of 3 0.93-1.08, of 6
@@ -276,15 +252,6 @@ DENSE_WIDE_MAX_TILES_PER_SM = 2.0
 # M = 1 it was 1.77-3.05x BF16 against the tensor-core kernel's 1.64-2.30x; at M = 4 its dp4a work
 # (two instructions a word per token) made it slower on every shape but gate/up.
 GEMV_ROUTE_MAX_M = 1
-# QuantLinear's GEMV calls quantize their float activations in the GEMV's prologue (one launch,
-# mosaicquant.kernels.gemv.gemv_quantize_triton: the same integers, scales and output as the activation
-# quantizer's launch followed by the GEMV). Read at each call. Off: measured against the two launches on
-# every Llama-3 / Qwen3 linear in one run (v22, M = 1, us), it won only on o_proj (6.34 against 6.78) and
-# lost on the others (q/k/v 9.73 against 7.95, gate/up 23.50 against 19.26, down 17.27 against 12.95); a
-# grid of its tiles found q/k/v 15 % faster on one of eight choices and left the wide and long layers
-# 4-24 % slower. Every output tile's programs quantize the same activations (N / 32 times the quantizer's
-# work, an IEEE division a value) and read the whole row for its absmax.
-GEMV_FUSED_QUANT = False
 # ZipperEngine's tail walks its residual blocks on dp4a (mosaicquant.kernels.gemv.residual_dp4a) up to
 # this many tokens, on int8 tensor-core dots above. Measured against each other on every Llama-3 / Qwen3
 # linear in one run (v13): the dp4a walk was 1.01-1.14x faster at M = 1, 0.97-1.05x at M = 2, 0.99-1.08x
@@ -314,12 +281,6 @@ WALK_STAGES_MIN_M = 17
 # (gate/up's 8-warp tiles at 32 tokens: 128 -> 172 registers a thread, two waves). Its tail calls at 5-8 tokens are
 # o_proj and down_proj. GEMM alone, without PDL, it was level to 5 % slower at 8-32 tokens.
 WALK_PRELOAD_MAX_M = 8
-# ZipperEngine's tail walk on tensor-core dots loads each kept block's row scales one block ahead (read at each launch;
-# the same bits), in calls below WALK_STAGES_MIN_M tokens. There, at the launch's 3 stages, the software pipeline
-# leaves the scales (they multiply the dots' result) as plain loads issued at the top of a block's step and waited for
-# after its dots; from WALK_STAGES_MIN_M its 5 stages already copy them ahead (compiled for sm_90, gate/up: 2 LDG in
-# the walk loop's SASS at 8 and 16 tokens, none at 32). Not yet timed, so off.
-WALK_SCALES_AHEAD = False
 
 # ZipperEngine's "auto" mode runs the kept blocks in programs of their own ("parallel": one per block
 # and 64- or 128-row slice, summed into the dense tiles' counted fix-up) for calls of PARALLEL_MIN_M to
@@ -344,13 +305,6 @@ PARALLEL_MAX_BLOCKS_PER_ROW = 6.0
 # on q/k/v (split 4) 1.17-1.25x slower; in the decode step with the row walk on gate/up only,
 # MosaicQuant's batch-4 / 8 / 16 step 3,109 / 3,244 / 3,546 -> 2,994 / 3,225 / 3,503 us.
 PARALLEL_ROWS_MAX_SPLIT = 1
-# A cap on the registers a thread of ZipperEngine's parallel kernel may take (ptxas ``maxnreg``; 0: none).
-# GEMM alone on gate/up (v17, M = 4 / 16, us): capped at 80, the row walk 24.53 / 25.60 against 24.11 /
-# 25.53 uncapped, gated 25.83 / 26.58 against 25.38 / 26.37: not capped. Compiled offline for sm_90 on
-# gate/up's wide tiles with the integer arguments' divisibility a launch gives, the row walk (plain and
-# gated) already takes 80 registers, as the dense GEMM does (v16's count of 88 came from a compile
-# without those hints).
-PARALLEL_MAXNREG = 0
 
 
 # A layer without residual blocks writes SiLU·mul of a stacked [gate | up] call of 2 to this many tokens
@@ -364,7 +318,7 @@ PARALLEL_MAXNREG = 0
 DENSE_GATED_MAX_M = 16
 # The swapped GEMM's prefill and mid calls of a layer with residual blocks (unsplit, tiles a block row high) run its
 # weight-row tiles in QuantLinear's row_tile_order, the block rows that keep the most blocks first, so that the last
-# wave holds the light ones (w4a4_gemm.row_tile_order). Measured (benchmarks/row_order.py, Llama-3-8B / Qwen3-8B /
+# wave holds the light ones (w4a4_gemm.row_tile_order). Measured (benchmarks/prototypes/row_order.py, Llama-3-8B / Qwen3-8B /
 # Qwen3-14B linears, 10 % random blocks on the shared walk, two runs; benchmarks/NOTES.md v39): time ordered ÷
 # grouped 0.96-0.97 on Llama-3-8B's q/k/v and o at 2048 tokens, 0.93 on Qwen3-8B gate/up and 0.95 on Qwen3-14B
 # down at 512; 0.93-1.04 over every cell, median 0.99; MosaicQuant's 2048-token prefill 35,907 -> 35,539 µs.
@@ -376,21 +330,11 @@ def swapped_row_order(tiles: dict, block_rows: int) -> bool:
     weight-row tiles in ``row_tile_order`` for a residual of ``block_rows``-row blocks (:data:`SWAP_ROW_ORDER`):
     unsplit, on tiles a block row high."""
     return SWAP_ROW_ORDER and tiles.get("split_k", 1) == 1 and tiles.get("block_n", 128) == block_rows
-# A register cap for that gated dense GEMM (0: none). Compiled offline for sm_90 on gate/up's wide tiles
-# (8 warps), its fix-up takes the GEMM from 80 to 92 registers a thread (three programs an SM to two);
-# 80 under the cap, with no spills. GEMM alone (v17, M = 4 / 16, us): 21.31 / 21.63 capped at 80 against
-# 21.07 / 21.60: not capped.
-DENSE_GATED_MAXNREG = 0
 
 
 def walk_stages(m: int) -> int | None:
     """The ``WALK_STAGES`` constexpr of a ZipperEngine call of ``m`` tokens (``None``: the launch's ``num_stages``)."""
     return (WALK_STAGES or None) if m >= WALK_STAGES_MIN_M else None
-
-
-def maxnreg_launch(cap: int) -> dict:
-    """Launch options that cap a kernel's registers a thread at ``cap`` (none for ``cap <= 0``)."""
-    return {"maxnreg": int(cap)} if cap > 0 else {}
 
 
 def parallel_mode(cfg: "TileConfig") -> str:
@@ -427,7 +371,7 @@ def swapped_prefill(m: int, n: int, device: torch.device, residual: bool, min_m:
 # this many programs a tile (1: never), so that wave takes a fraction of the time.
 # Why: Qwen3-14B's o / down (640 tiles at 2048 tokens: 2.42 waves) and q/k/v (896: 3.39) ran 1.16 / 1.16 / 1.25x
 # BF16 against Llama-3-8B's 1.36 / 1.39 / 1.47x (512 and 768 tiles: 1.94 and 2.91 waves), gate/up level (16.5 and
-# 13.6 waves) (benchmarks/NOTES.md v33). The bounds below are from benchmarks/wave_split.py (NOTES.md v34): every
+# 13.6 waves) (benchmarks/NOTES.md v33). The bounds below are from benchmarks/prototypes/wave_split.py (NOTES.md v34): every
 # GEMM they pick (a last wave under half full after one or two whole waves, >= 24 K steps = 3,072 K values a split:
 # down_proj, and Qwen3-32B's o_proj of K = 8,192) ran 3-28 % faster split, dense and with a 10 % residual (one
 # launch); with more whole waves the last one is too small a share to gain, and shorter splits (q/k/v and o at
@@ -521,24 +465,6 @@ def _decode_split(tiles: int, k_steps: int, device: torch.device, min_steps: int
     return split
 
 
-def prefetch_env_mib() -> float | None:
-    """``MOSAICQUANT_PREFETCH_MIB`` as MiB, ``None`` where it is unset or empty.
-
-    Raises:
-        UserInputError: a value that is not a number of MiB >= 0.
-    """
-    env = os.environ.get(PREFETCH_ENV_VAR, "").strip()
-    if not env:
-        return None
-    try:
-        value = float(env)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0:
-        raise UserInputError(f"{PREFETCH_ENV_VAR}={env!r} is not allowed: a number of MiB >= 0")
-    return value
-
-
 def prefetch_row_bytes(n: int, kp: int, split: int, prefetch_mib: float | None,
                        default_mib: float | None = None) -> int:
     """Bytes of each weight row that one program of a PDL launch prefetches into L2.
@@ -546,9 +472,9 @@ def prefetch_row_bytes(n: int, kp: int, split: int, prefetch_mib: float | None,
     Args:
         n, kp: the weights' rows and packed bytes per row.
         split: programs sharing a row along K (split-K).
-        prefetch_mib: ``None``: the cap in ``MOSAICQUANT_PREFETCH_MIB`` if that is set, else
-            ``default_mib``; a number: a cap on the whole launch's prefetch (MiB), shared evenly
-            by rows and splits (``0``: no prefetch).
+        prefetch_mib: ``None``: the settings' ``prefetch_mib`` (:mod:`mosaicquant.settings`) if
+            that is set, else ``default_mib``; a number: a cap on the whole launch's prefetch
+            (MiB), shared evenly by rows and splits (``0``: no prefetch).
         default_mib: the launcher's default cap; ``None``: each program's whole slice where
             :func:`prefetch_default` says so, else nothing.
 
@@ -556,7 +482,7 @@ def prefetch_row_bytes(n: int, kp: int, split: int, prefetch_mib: float | None,
         UserInputError: a negative or non-numeric cap.
     """
     if prefetch_mib is None:
-        prefetch_mib = prefetch_env_mib()
+        prefetch_mib = settings.current().prefetch_mib
         if prefetch_mib is None:
             prefetch_mib = default_mib
         if prefetch_mib is None:
@@ -655,9 +581,6 @@ def pick_config(
     wide = wide_decode(m, n, device, residual_block is not None)
     if device.type != "cuda":
         cfg = TileConfig(block_m=64 if m > 16 else 16, block_n=64, block_kp=64, num_warps=4, num_stages=1)
-    elif m <= FMA_MAX_M:
-        cfg = TileConfig(block_m=triton_next_pow2(m), block_n=64 if m <= 2 else 32, block_kp=64, num_warps=4,
-                         num_stages=4, use_dot=False)
     elif wide:
         # a wide dense layer (gate/up): enough tiles without split-K, and longer steps per tile
         cfg = TileConfig(block_m=16 if m <= 16 else 32, block_n=128, block_kp=WIDE_DECODE_BLOCK_KP, num_warps=8,

@@ -31,8 +31,6 @@ import os
 import triton
 import triton.language as tl
 
-from mosaicquant.errors import UserInputError
-
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 |v| < 2**22 to the nearest integer,
 # ties to even (IEEE round-to-nearest-even), the rounding torch.round uses.
 ROUND_MAGIC = 12582912.0
@@ -281,23 +279,11 @@ def prefetch_rows_l2(base_ptr, rows, stride, byte_begin, byte_end, LINES: tl.con
                                   is_pure=False, pack=1)
 
 
-# How the quantizers divide by a row's scale (``MOSAICQUANT_QUANT_DIV``, read at import): every way gives
-# the IEEE quotient, so the same integers (:func:`quant_div`). "fma" (the default): a reciprocal per row and
-# a two-FMA correction per value; "ieee": ``div_rn`` per value; "fp64": a float64 product per value.
-def _env_mode(var: str, modes: tuple[str, ...]) -> str:
-    """The mode environment variable ``var`` names (``modes[0]`` when unset), read at import; refused if not one of
-    ``modes``."""
-    mode = os.environ.get(var, modes[0])
-    if mode not in modes:
-        raise UserInputError(f"{var}={mode!r} is not allowed: choose one of {', '.join(modes)}")
-    return mode
-
-
-QUANT_DIV_MODES = ("fma", "ieee", "fp64")
-QUANT_DIV = _env_mode("MOSAICQUANT_QUANT_DIV", QUANT_DIV_MODES)
-# Triton's interpreter evaluates fma as a product and a sum, each rounded: its "fma" mode runs the float64 product.
+# How the quantizers divide by a row's scale (:func:`quant_div`): compiled, a reciprocal per row and a two-FMA
+# correction per value ("fma"); Triton's interpreter evaluates fma as a product and a sum, each rounded, so there a
+# float64 product per value ("fp64"). Either gives the IEEE quotient, so the same integers.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-_QDIV = tl.constexpr({"ieee": 0, "fma": 2 if _INTERPRETING else 1, "fp64": 2}[QUANT_DIV])
+_QDIV_FP64 = tl.constexpr(_INTERPRETING)
 # The "fma" mode's range guard: scales outside [2**-60, 2**60] are multiplied (with x) by 2**64 or 2**-64.
 _GUARD_LO = tl.constexpr(2.0**-60)
 _GUARD_HI = tl.constexpr(2.0**60)
@@ -311,7 +297,8 @@ def quant_div(x, scale):
 
     ``scale`` (positive, finite) is one value per row, shaped to broadcast against ``x``; its reciprocal is
     taken once. The IEEE division per value (``div_rn``: a reciprocal, a correction, a range check) cost the
-    quantizers ~1.2 µs a 4096-wide row on 4 warps (``benchmarks/NOTES.md`` v23); the default mode avoids it:
+    quantizers ~1.2 µs a 4096-wide row on 4 warps (``benchmarks/NOTES.md`` v23); neither form here pays it (the
+    per-value ``div_rn`` and the float64 product on the GPU measured no faster, v24 and v25):
 
     - "fma" (GPU): ``r = div_rn(1, s)``, ``q0 = x·r``, ``e = fma(q0, -s, x)``, ``q = fma(e, r, q0)``. With ``r``
       the correctly rounded reciprocal and ``q0`` within an ulp of ``x / s``, ``e`` is exact and ``q`` is the
@@ -319,18 +306,15 @@ def quant_div(x, scale):
       range: scales below ``2**-60`` or above ``2**60`` are first multiplied, with ``x``, by ``2**64`` or
       ``2**-64`` (exact), which holds it for every quotient of ``1/4`` or more. Smaller quotients may differ in
       their last bits, and stay below ``1/2``: the integer 0 either way.
-    - "fp64" (and the interpreter, whose fma is not fused): ``fp32(fp64(x) · fp64(1 / s))``. The product is
+    - "fp64" (the interpreter, whose fma is not fused): ``fp32(fp64(x) · fp64(1 / s))``. The product is
       within ``2**-52`` relative of ``x / s``, and a quotient of two fp32 values is never an fp32 rounding
       midpoint and lies at least ``2**-49`` relative from every one, so rounding to fp32 gives ``div_rn``'s
       value wherever it is normal.
-    - "ieee": ``div_rn`` per value.
 
-    ``tests/kernels/test_quant_div.py`` checks each against torch's division at quotients within a few ulps
-    of every half-integer, and the "fma" sequence in exact rational arithmetic.
+    ``tests/kernels/test_quant_div.py`` checks the form that runs against torch's division at quotients within a
+    few ulps of every half-integer, and the "fma" sequence in exact rational arithmetic.
     """
-    if _QDIV == 0:
-        return tl.math.div_rn(x, scale)
-    elif _QDIV == 2:
+    if _QDIV_FP64:
         return (x.to(tl.float64) * (1.0 / scale.to(tl.float64))).to(tl.float32)
     else:
         f = tl.where(scale < _GUARD_LO, _GUARD_UP, tl.where(scale > _GUARD_HI, _GUARD_DOWN, 1.0))
@@ -671,13 +655,11 @@ def tile_coords(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.const
     return first_m + (pid % group) % rows_in_group, (pid % group) // rows_in_group
 
 
-# How round_to_bf16 and split_bf16 round on the GPU (``MOSAICQUANT_BF16_ROUND``, read at import; the same values
-# either way): "cvt" (the default) converts two values with one ``cvt.rn.bf16x2.f32`` and widens each back with one
-# integer instruction; "bits" adds the rounding bias to the fp32 encoding and masks (about four integer instructions
-# a value). The interpreter runs "bits" (it runs no PTX).
-BF16_ROUND_MODES = ("cvt", "bits")
-BF16_ROUND = _env_mode("MOSAICQUANT_BF16_ROUND", BF16_ROUND_MODES)
-_BF16_CVT = tl.constexpr(BF16_ROUND == "cvt" and not _INTERPRETING)
+# How round_to_bf16 and split_bf16 round (the same values either way): compiled, two values with one
+# ``cvt.rn.bf16x2.f32``, each widened back with one integer instruction; on the interpreter (it runs no PTX), the
+# rounding bias added to the fp32 encoding and masked (about four integer instructions a value, measured slower on
+# the GPU: benchmarks/NOTES.md v40).
+_BF16_CVT = tl.constexpr(not _INTERPRETING)
 # $2, $3: two fp32 values; cvt.rn.bf16x2 puts its first source in the high half. $0 = the first value's BF16 in
 # the high half of an fp32 encoding (the packed word shifted left), $1 = the second's (the low half cleared).
 _ASM_BF16X2 = tl.constexpr("""{
@@ -694,7 +676,7 @@ def round_to_bf16(z):
 
     Not ``.to(tl.bfloat16)``: Triton's interpreter truncates that conversion, and compiled
     ``.to(bf16).to(fp32)`` pairs were seen not to round on the H200 (``benchmarks/NOTES.md``, v12).
-    On the GPU (``BF16_ROUND`` "cvt") one ``cvt.rn.bf16x2.f32`` rounds two values; otherwise bit
+    Compiled, one ``cvt.rn.bf16x2.f32`` rounds two values; on the interpreter bit
     arithmetic on the fp32 encoding. Both are round-to-nearest-even.
     """
     if _BF16_CVT:
@@ -720,8 +702,8 @@ cvt.rn.bf16x2.f32 $1, d1, d0;
 @triton.jit
 def split_bf16(y):
     """fp32 ``y`` as two BF16 tensors ``(hi, lo)``: ``hi`` = ``y`` rounded to BF16, ``lo`` = ``y - hi`` rounded to
-    BF16 (so ``hi + lo`` holds 16 significant bits of ``y``), both to nearest, ties to even. On the GPU
-    (``BF16_ROUND`` "cvt") each pair of values takes two ``cvt.rn.bf16x2.f32``; otherwise :func:`round_to_bf16`'s
+    BF16 (so ``hi + lo`` holds 16 significant bits of ``y``), both to nearest, ties to even. Compiled, each pair
+    of values takes two ``cvt.rn.bf16x2.f32``; on the interpreter :func:`round_to_bf16`'s
     bit arithmetic, whose results the conversions to BF16 then keep exactly (the interpreter's conversion truncates).
     """
     if _BF16_CVT:

@@ -66,7 +66,7 @@ MAX_BLOCK_KP = 8192
 LAYOUTS = ("packed", "split8")
 SPLIT_BLOCK = 128  # K values per block of the "split8" layout (64 even, then 64 odd)
 # The default rule for several programs per token: rows of SPLIT_MIN_ROW values or more, slices
-# of SPLIT_MIN_WIDTH or more (benchmarks/quant_split.py on the H200, M = 1 ... 32, 8 warps: a
+# of SPLIT_MIN_WIDTH or more (benchmarks/kernels/quant_split.py on the H200, M = 1 ... 32, 8 warps: a
 # 4096-wide row took 2.2-2.6 µs with one program and no less split; a 14336-wide one 7.5-7.9 µs
 # with one, 3.5-4.2 with 8 (slices of 1792 values), 3.4-4.0 with 16 and 4.6-5.4 with 4).
 SPLIT_MIN_ROW = 8192
@@ -253,9 +253,9 @@ def _warps(block_kp: int, p: int, m: int = 1) -> int:
 
     At decode sizes a token's row is all a program has, so long rows want many warps. Split programs
     take at least 8: on the H200 a 14336-wide row split 8 ways (896 pairs a program) took 3.5-4.2 µs
-    with 8 warps against 4.7-5.4 with 4 (``benchmarks/quant_split.py``). From
+    with 8 warps against 4.7-5.4 with 4 (``benchmarks/kernels/quant_split.py``). From
     :data:`PREFILL_WARPS_MIN_M` tokens, 4 warps up to 2048 pairs and 8 above: at 1024 / 2048 / 8192
-    tokens (``benchmarks/hadamard_warps.py``, inputs rotated through more than L2, ``benchmarks/NOTES.md``
+    tokens (``benchmarks/kernels/hadamard_warps.py``, inputs rotated through more than L2, ``benchmarks/NOTES.md``
     v28) a 4096-wide row took 6.63 / 10.21 / 31.09 µs (packed) and 6.87 / 10.66 / 34.52 (split8) on 4
     warps against 6.70 / 10.64 / 34.76 and 7.51 / 11.92 / 40.51 on 8; a 14336-wide row 17.79 / 32.18 /
     114.08 and 20.31 / 37.32 / 132.23 on 8 against 18.17 / 33.41 / 121.41 and 21.41 / 39.10 / 147.55 on 16.

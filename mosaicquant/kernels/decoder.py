@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from mosaicquant.errors import UserInputError
+from mosaicquant import settings
 from mosaicquant.kernels._common import (
     check_same_device,
     check_tensor,
@@ -79,8 +80,9 @@ from mosaicquant.kernels.act_quant import (
 )
 from mosaicquant.kernels.norm_fold import add_residual, norm_quant_row
 from mosaicquant.methods.format import unpack_int4
-from mosaicquant.methods.hadamard import _sylvester_on, apply_hadamard
+from mosaicquant.methods.hadamard import apply_hadamard
 from mosaicquant.methods.quant import _apply, _params
+from mosaicquant.settings import KV4_MINMAX_FORMS
 
 __all__ = [
     "rmsnorm",
@@ -125,9 +127,9 @@ ATTN_ONE_CHUNK_PAIRS_PER_SM = 0.95
 # Where the cache is one chunk (nsplit == 1: from ~132 sequence x KV-head pairs), decode_rope_attention's programs
 # write the output themselves, as the combining kernel would, and that kernel is not launched.
 ATTN_DIRECT_ONE_CHUNK = True
-# Over a 4-bit cache: programs an SM the cache is cut for (ATTN_PROGRAMS_PER_SM's role, not doubled for few pairs),
-# warps a program, and the queries' Hadamard on the tensor cores (the ±1 matrix loaded) rather than in butterflies.
-# Measured (v20, Llama-3-8B shapes, context 512, QuaRot's CUDA-graph step at batch 4 / 16 / 32, µs): butterflies
+# Over a 4-bit cache: programs an SM the cache is cut for (ATTN_PROGRAMS_PER_SM's role, not doubled for few pairs) and
+# warps a program; the queries' Hadamard stays in butterflies (on the tensor cores, the ±1 matrix loaded, it was
+# slower). Measured (v20, Llama-3-8B shapes, context 512, QuaRot's CUDA-graph step at batch 4 / 16 / 32, µs): butterflies
 # 2,676 / 3,060 / 3,915, the dot 2,897 / 3,205 / 4,051; 2 or 4 programs an SM 2,964 / 3,665 / 4,404 and 2,958 /
 # 3,811 / 4,762 (with the register-built matrix, itself 2,960 / 3,267 / 4,000); 8 warps 3,144 / 3,556 / 4,545.
 # Batch 4 / 8 / 16 with the doubling 2,688 / 2,791 / 3,077; 0.5 an SM (so 1 at batch 4) 2,494 / 2,794 / 3,330;
@@ -135,7 +137,6 @@ ATTN_DIRECT_ONE_CHUNK = True
 # 3,609, 0.5 2,487 / 2,671 / 3,015 / 3,614, 0.2 2,712 / 2,817 / 3,023 / 3,598.
 ATTN_KV4_PROGRAMS_PER_SM = 1.0
 ATTN_KV4_WARPS = 4
-ATTN_ROTATE_BY_DOT = False
 # The 4-bit cache's loop (_attend_chunk_kv4): the integers into the dots biased by 128 (BF16 made by byte permutes on
 # the GPU: ATTN_KV4_ASM); keys a step and software-pipeline stages (None: Triton's default). QuaRot's CUDA-graph step,
 # Llama-3-8B shapes, context 512, batch 4 / 16 / 32 (NOTES v21): 2,517 / 3,104 / 3,944 µs unbiased at 64 keys,
@@ -145,36 +146,30 @@ ATTN_KV4_BIASED = True
 ATTN_KV4_ASM = True
 ATTN_KV4_BLOCK_N = 128
 ATTN_KV4_STAGES = 2
-# The 4-bit loop's zero-point term summed by a dot (_attend_chunk_kv4's ZDOT): its zero points then load with the
-# step's other tiles, ahead (the software pipeline takes only loads that feed a dot), and the default loop loses the
-# term's cross-warp sum.
-ATTN_KV4_ZDOT = False
-# The rounded p·s converted to the dots' dtype once for the step's value dots (and the zero points' dot), rather than
-# once a dot (_attend_chunk_kv4's PW_ONCE). Offline (sm_90, QuaRot's kernel at batch 32) the loop then holds 11 CTA
-# barriers a step against 13, at 210 registers against 208; not yet timed, so off. With ATTN_KV4_ZDOT the compiler
-# already converts once (the same SASS with or without this switch).
-ATTN_KV4_PW_ONCE = False
+# Candidates, off until timed (KernelSettings.attn_kv4_zdot, attn_kv4_pw_once): the 4-bit loop's zero-point term
+# summed by a dot (_attend_chunk_kv4's ZDOT: its zero points then load with the step's other tiles, ahead, as the
+# software pipeline takes only loads that feed a dot, and the default loop loses the term's cross-warp sum); the
+# rounded p·s converted to the dots' dtype once for the step's value dots (and the zero points' dot) rather than once a
+# dot (PW_ONCE: offline, sm_90, QuaRot's kernel at batch 32, 11 CTA barriers a step against 13, at 210 registers
+# against 208; with ZDOT the compiler already converts once, the same SASS either way).
 # decode_rope_attention's new token: the program whose chunk holds it writes its key and value into the cache and,
 # after a CTA barrier, its loop reads them back as one more cached key (ATTN_NEW_CACHED), rather than adding them to
 # the online softmax from registers after the loop. Over a 4-bit cache the new key's and value's quantizer reduces
-# each row's (min, max) pairs in one reduction (ATTN_KV4_MINMAX; the same bits) rather than four. Measured (v43,
-# benchmarks/attention_kv4.py, Llama-3-8B attention, µs a call at batch 4 / 16 / 32, context 575, registers form ->
+# each row's (min, max) pairs in one reduction (KernelSettings.attn_kv4_minmax; the same bits) rather than four. Measured (v43,
+# benchmarks/kernels/attention_kv4.py, Llama-3-8B attention, µs a call at batch 4 / 16 / 32, context 575, registers form ->
 # both): 4-bit cache 14.30 / 17.58 / 23.50 -> 9.80 / 15.36 / 20.56 (the min-max reduction alone 13.01 / 17.10 /
 # 22.51), 16-bit cache 8.84 / 15.81 / 23.76 -> 8.56 / 15.03 / 23.19. Where the new key starts a loop step of its
 # own (position a multiple of the step: 64 keys at 16 bits, 128 at 4 bits) that step costs one more iteration:
 # at context 512 the 16-bit cache took 7.93 / 14.88 / 21.90 -> 8.06 / 15.23 / 22.67, the 4-bit one still gained.
-# ATTN_KV4_MINMAX names the quantizer's row extremes (all exact, the same bits): "four" reductions (a min and a max
+# KernelSettings.attn_kv4_minmax names the quantizer's row extremes (all exact, the same bits): "four" reductions (a min and a max
 # of each half), "pairs" (one tl.reduce over (min, max) pairs with its own combine) or "joined" (one max over the
 # joined (max, -min) pairs: no combine function of its own, 38 CTA barriers before the first product against the
 # pairs' 44 in the offline sm_90 compile, and about half the warp shuffles).
+# By default "pairs" compiled; Triton's interpreter runs a reduction with a combine function of its own element by
+# element in Python (a CPU test's prefill cache writes: ~7 s against ~2 s with numpy's reductions), so there the
+# default takes the four reductions, the same bits; a form the settings name runs as named. "joined" runs as numpy's
+# max on the interpreter.
 ATTN_NEW_CACHED = True
-ATTN_KV4_MINMAX = "pairs"
-KV4_MINMAX_FORMS = ("four", "pairs", "joined")
-# Triton's interpreter runs a reduction with a combine function of its own element by element in Python (a CPU
-# test's prefill cache writes: ~7 s against ~2 s with numpy's reductions): there "pairs" takes the four reductions,
-# the same bits, unless this is set (a test sets it, to run the pairs' form on the interpreter). "joined" runs as
-# numpy's max there.
-KV4_MINMAX_INTERPRETED = False
 # The 4-bit cache's kernels compiled without fused multiply-adds (the grid's range as methods.quant rounds it); with
 # them the step was the same within 0.3 % (v20), and the GPU's scales differed from the reference's in the last bit.
 KV4_NO_FP_FUSION = True
@@ -336,22 +331,6 @@ def _hadamard_halves(x1, x2, D: tl.constexpr, DT: tl.constexpr, BITS: tl.constex
         b = _butterfly(b, R, HALF, 1 << i)
     norm = 1.0 / tl.sqrt(D * 1.0)
     return rnd(a * norm, DT, BITS), rnd(b * norm, DT, BITS)
-
-
-@triton.jit
-def _hadamard_halves_dot(x1, x2, HP, D: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr, DOT_F32: tl.constexpr):
-    """:func:`_hadamard_halves` of rows already in ``DT`` (at least 16 of them) on the tensor cores, with the
-    ±1 Sylvester matrix ``H_{D/2}`` at ``HP`` (``DT``, exact): exact products, fp32 sums, ``H x1 ± H x2``."""
-    HALF: tl.constexpr = D // 2
-    h = tl.load(HP + tl.arange(0, HALF)[:, None] * HALF + tl.arange(0, HALF)[None, :])
-    if DOT_F32:  # Triton's interpreter computes 16-bit dots wrongly; the same products in fp32
-        a = tl.dot(x1.to(tl.float32), h.to(tl.float32))
-        b = tl.dot(x2.to(tl.float32), h.to(tl.float32))
-    else:
-        a = tl.dot(x1.to(DT), h)
-        b = tl.dot(x2.to(DT), h)
-    norm = 1.0 / tl.sqrt(D * 1.0)
-    return rnd((a + b) * norm, DT, BITS), rnd((a - b) * norm, DT, BITS)
 
 
 @triton.jit
@@ -755,18 +734,20 @@ def _kv_args(kv: KVFormat | None, scales: KVScales | None, fallback: torch.Tenso
 
 def _kv4_minmax() -> int:
     """The 4-bit quantizer's form of its row extremes as the kernels' ``MINMAX`` constant: 0 four reductions,
-    1 the pairs' reduction, 2 the joined max (:data:`ATTN_KV4_MINMAX`, :data:`KV4_MINMAX_INTERPRETED`)."""
-    if ATTN_KV4_MINMAX not in KV4_MINMAX_FORMS:
-        raise ValueError(f"decoder.ATTN_KV4_MINMAX = {ATTN_KV4_MINMAX!r}; allowed: {', '.join(KV4_MINMAX_FORMS)}")
-    form = KV4_MINMAX_FORMS.index(ATTN_KV4_MINMAX)
-    return 0 if form == 1 and triton_interpreting() and not KV4_MINMAX_INTERPRETED else form
+    1 the pairs' reduction, 2 the joined max (the settings' ``attn_kv4_minmax``; by default the pairs compiled and
+    the four reductions on the interpreter)."""
+    named = settings.current().attn_kv4_minmax
+    if named is None:
+        return 0 if triton_interpreting() else 1
+    return KV4_MINMAX_FORMS.index(named)
 
 
 def _kv4_loop_args(dtype: torch.dtype, packed: bool) -> dict:
     """The 4-bit loop's variant flags (:data:`ATTN_KV4_BIASED` and the rest); the byte-permute conversion only
     compiled (the interpreter runs no inline PTX) and for BF16; the stages only over a 4-bit cache."""
     stages = {} if ATTN_KV4_STAGES is None or not packed else {"num_stages": int(ATTN_KV4_STAGES)}
-    return dict(KV4_BIASED=bool(ATTN_KV4_BIASED), KV4_ZDOT=bool(ATTN_KV4_ZDOT), KV4_PW_ONCE=bool(ATTN_KV4_PW_ONCE),
+    chosen = settings.current()
+    return dict(KV4_BIASED=bool(ATTN_KV4_BIASED), KV4_ZDOT=chosen.attn_kv4_zdot, KV4_PW_ONCE=chosen.attn_kv4_pw_once,
                 KV4_ASM=bool(ATTN_KV4_ASM) and dtype == torch.bfloat16 and not triton_interpreting(), **stages)
 
 
@@ -1066,13 +1047,13 @@ def _cat_halves(x1, x2):
 
 
 @triton.jit
-def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS, KZ, VS, VZ, HP, FAULTS, eps,
+def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS, KZ, VS, VZ, FAULTS, eps,
                       scale_log2, clip, chunk, pos_max, stride_t, stride_cos, stride_cb, stride_ch, stride_cl,
                       stride_sb, stride_sh, stride_ob, HKV, NSPLIT,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                       QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr, DOT_F32: tl.constexpr,
                       DIRECT: tl.constexpr, ROT: tl.constexpr, KV4: tl.constexpr, SYM: tl.constexpr,
-                      CHAIN: tl.constexpr, ROT_DOT: tl.constexpr = True, KV4_BIASED: tl.constexpr = False,
+                      CHAIN: tl.constexpr, KV4_BIASED: tl.constexpr = False,
                       KV4_ASM: tl.constexpr = False, NEW_CACHED: tl.constexpr = False,
                       KV4_MINMAX: tl.constexpr = 1, KV4_ZDOT: tl.constexpr = False,
                       KV4_PW_ONCE: tl.constexpr = False):
@@ -1106,10 +1087,7 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
     loop_end = end if NEW_CACHED else tl.minimum(end, pos)  # the new token read back by the loop, or added after it
     v_row = row + (HKV * (G + 1) + h) * D
     if ROT:
-        if ROT_DOT:
-            q1, q2 = _hadamard_halves_dot(q1, q2, HP, D, DT, BITS, DOT_F32)
-        else:
-            q1, q2 = _hadamard_halves(q1, q2, D, DT, BITS)
+        q1, q2 = _hadamard_halves(q1, q2, D, DT, BITS)
     if KV4:
         sbase = b * stride_sb + h * stride_sh
         k1 = k1.to(tl.float32)
@@ -1120,14 +1098,7 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
         vd2 = tl.zeros([1, HALF], tl.float32)
         if owner:  # only the program whose chunk holds the position rotates, quantizes and stores the new key
             if ROT:
-                if ROT_DOT:  # the key as 16 equal rows, its rotation read back from the first
-                    k1r, k2r = _hadamard_halves_dot(tl.broadcast_to(k1, (16, HALF)), tl.broadcast_to(k2, (16, HALF)),
-                                                    HP, D, DT, BITS, DOT_F32)
-                    first = tl.arange(0, 16)[:, None] == 0
-                    k1 = tl.sum(tl.where(first, k1r, 0.0), axis=0)[None, :]
-                    k2 = tl.sum(tl.where(first, k2r, 0.0), axis=0)[None, :]
-                else:
-                    k1, k2 = _hadamard_halves(k1, k2, D, DT, BITS)
+                k1, k2 = _hadamard_halves(k1, k2, D, DT, BITS)
             at = base + pos * stride_cl + dh
             sat = sbase + pos + tl.zeros([1, 1], tl.int64)
             mine = tl.zeros([1, 1], tl.int32) == 0
@@ -1383,7 +1354,6 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     chain = chain_mode(qkv.device, b)
     qn = q_norm if q_norm is not None else cos
     direct = ATTN_DIRECT_ONE_CHUNK and p.nsplit == 1
-    rot_dot = ATTN_ROTATE_BY_DOT and kv is not None and kv.rotate  # only then the kernel reads the ±1 matrix
     _rope_attn_kernel[(b * kv_heads, p.nsplit)](
         qkv, positions, cos, sin, qn, k_norm if k_norm is not None else cos, k_cache, v_cache, pm, pl, pacc, out,
         FAULTS=range_fault_word(qkv.device), eps=float(eps), scale_log2=float(scale) * _LOG2E, chunk=p.chunk,
@@ -1391,8 +1361,8 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
         stride_cos=cos.stride(0), stride_cb=k_cache.stride(0), stride_ch=k_cache.stride(1),
         stride_cl=k_cache.stride(2), stride_ob=out.stride(0), HKV=kv_heads, NSPLIT=p.nsplit, G=p.g, GP=p.gp, D=d,
         BLOCK_N=block_n, QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype),
-        HP=_sylvester_on(d // 2, qkv.device, qkv.dtype) if rot_dot else cos, DOT_F32=triton_interpreting(),
-        DIRECT=direct, CHAIN=chain, ROT_DOT=rot_dot, NEW_CACHED=bool(ATTN_NEW_CACHED), KV4_MINMAX=_kv4_minmax(),
+        DOT_F32=triton_interpreting(),
+        DIRECT=direct, CHAIN=chain, NEW_CACHED=bool(ATTN_NEW_CACHED), KV4_MINMAX=_kv4_minmax(),
         **_kv4_loop_args(qkv.dtype, packed),
         num_warps=ATTN_KV4_WARPS if packed else 4, **_kv_args(kv, scales, cos), **chain_launch(chain))
     if direct:

@@ -28,10 +28,6 @@ multiplied the same way with the activation words of its block column and scaled
 block's row scales, accumulated in fp32 per thread. The residual thus costs its own bytes and
 a few instructions per word, like the dense part.
 
-:func:`gemv_quantize_triton` takes float activations instead and quantizes them in the kernel
-(every program computes the token scales and quantizes the words it multiplies): one launch
-instead of two, the same bits, but slower on most shapes (``benchmarks/NOTES.md`` v22).
-
 Taken: ``K`` a multiple of 8 (whole 32-bit words; rows of ``K / 2`` bytes at 4-byte aligned
 strides), ``K < 2**17``, M ≤ :data:`GEMV_MAX_M`; residual blocks of ``Bk`` a multiple of 8
 columns and ``Bn`` a multiple of 16 rows. :func:`gemv_reason` says why a call is not taken.
@@ -48,8 +44,6 @@ import triton.language as tl
 
 from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._common import (
-    check_same_device,
-    check_tensor,
     check_triton_device,
     gemm_pdl,
     output_buffer,
@@ -58,27 +52,14 @@ from mosaicquant.kernels._common import (
 )
 from mosaicquant.kernels._residual_check import check_residual
 from mosaicquant.kernels._tiles import LOCK_SLOTS, _sm_count, lock_buffer, pdl_launch
-from mosaicquant.kernels._tl import (
-    in_range,
-    max_nan,
-    maximum_nan,
-    quant_div,
-    quantize_int4,
-    store_output,
-    sym_scale,
-    wait_for_inputs,
-)
-from mosaicquant.kernels.act_quant import ACT_DTYPES
-from mosaicquant.kernels.w4a4_gemm import X16_MAX_K, check_gemm_args, check_weight_args
+from mosaicquant.kernels._tl import in_range, store_output, wait_for_inputs
+from mosaicquant.kernels.w4a4_gemm import X16_MAX_K, check_gemm_args
 from mosaicquant.methods.format import ResidualBlocks
 
-__all__ = ["gemv_triton", "gemv_quantize_triton", "gemv_reason", "gemv_config", "GEMV_MAX_M"]
+__all__ = ["gemv_triton", "gemv_reason", "gemv_config", "GEMV_MAX_M"]
 
 #: most tokens a call may have (one accumulator tile per token lives in registers)
 GEMV_MAX_M = 8
-# values of the activation rows a fused-quantization program reads a step while it finds their absmax
-# (all rows together; at least 256 a row)
-SCALE_BLOCK = 4096
 # 0xF0F0F0F0 as an int32: the high half of every byte
 _HIGH_HALVES = tl.constexpr(-0x0F0F0F10)
 
@@ -103,36 +84,10 @@ def _halves(w):
 
 
 @triton.jit
-def _bit_or(a, b):
-    return a | b
-
-
-@triton.jit
-def _quant_words(x_row, kw, mask, scale, MASKED: tl.constexpr):
-    """Packed int32 words ``kw`` of one token quantized on the fly: its float activations ``8 kw … 8 kw + 7``
-    divided by ``scale`` and rounded as :func:`mosaicquant.kernels.act_quant.quantize_store` does (the same
-    integers), element ``j`` of a word in nibble ``j`` (the packed layout's byte order). Words outside
-    ``mask`` are 0."""
-    j = tl.arange(0, 8)
-    k = kw[:, None] * 8 + j[None, :]
+def _token_mac(acc, w_lo, w_hi, a_row, kw, mask, USE_ASM: tl.constexpr, MASKED: tl.constexpr):
+    """``acc += 256 ·`` (even + odd K products) of one token's activation words ``kw`` (of ``a_row``, its
+    packed words) with the weight words."""
     if MASKED:
-        x = tl.load(x_row + k, mask=mask[:, None], other=0.0)
-    else:
-        x = tl.load(x_row + k)
-    q = quantize_int4(quant_div(x.to(tl.float32), scale))
-    return tl.reduce((q & 0xF) << (4 * j)[None, :], 1, _bit_or)
-
-
-@triton.jit
-def _token_mac(acc, w_lo, w_hi, a_row, kw, mask, USE_ASM: tl.constexpr, MASKED: tl.constexpr,
-               QUANT: tl.constexpr = False, scale=1.0):
-    """``acc += 256 ·`` (even + odd K products) of one token's activation words ``kw`` with the weight words.
-
-    ``a_row``: the token's packed words, or with ``QUANT`` its float activations, quantized with ``scale``
-    as they are loaded (:func:`_quant_words`)."""
-    if QUANT:
-        a = _quant_words(a_row, kw, mask, scale, MASKED)
-    elif MASKED:
         a = tl.load(a_row + kw, mask=mask, other=0)
     else:
         a = tl.load(a_row + kw)
@@ -148,38 +103,6 @@ def _token_rows(a_ptr, stride_am, M):
             a_ptr + tl.minimum(3, M - 1) * stride_am, a_ptr + tl.minimum(4, M - 1) * stride_am,
             a_ptr + tl.minimum(5, M - 1) * stride_am, a_ptr + tl.minimum(6, M - 1) * stride_am,
             a_ptr + tl.minimum(7, M - 1) * stride_am)
-
-
-@triton.jit
-def _row_scales(x_ptr, stride_xm, M, K, clip_ratio, BM: tl.constexpr, BK: tl.constexpr):
-    """Per-token scales ``[BM]`` of the activation quantizer (``absmax · clip / 7``, IEEE division, 1 for an
-    all-zero row; :func:`mosaicquant.kernels._token_split.token_scale`) over the float rows ``x``; rows
-    past ``M`` repeat row ``M - 1``. Every program of a fused-quantization launch computes them (the rows
-    are read from L2)."""
-    rows = tl.minimum(tl.arange(0, BM), M - 1).to(tl.int64)
-    cols = tl.arange(0, BK)
-    amax = tl.zeros([BM, BK], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k = k0 + cols
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=k[None, :] < K, other=0.0)
-        amax = maximum_nan(amax, tl.abs(x.to(tl.float32)))
-    return sym_scale(max_nan(amax, 1), clip_ratio, 7.0)
-
-
-@triton.jit
-def _pick(v, t: tl.constexpr):
-    """Entry ``t`` of a vector (0 past its end)."""
-    return tl.sum(tl.where(tl.arange(0, v.shape[0]) == t, v, 0.0), axis=0)
-
-
-@triton.jit
-def _token_scales(a_scales, QUANT: tl.constexpr):
-    """The scales of tokens 0 … 7 as scalars (``a_scales`` ``[BM]``; 0 past ``BM``), or eight 1s without ``QUANT``."""
-    if QUANT:
-        return (_pick(a_scales, 0), _pick(a_scales, 1), _pick(a_scales, 2), _pick(a_scales, 3),
-                _pick(a_scales, 4), _pick(a_scales, 5), _pick(a_scales, 6), _pick(a_scales, 7))
-    else:
-        return 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0
 
 
 @triton.jit
@@ -228,8 +151,7 @@ def residual_dp4a_begin(row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, pid
 @triton.jit
 def residual_dp4a(a_ptr, stride_am, M, KW, coords_ptr, res_val_ptr, res_scale_ptr, pid_n, offs_n,
                   first, last, col, r, s, NT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BN_RES: tl.constexpr, BKW_RES: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr,
-                  QUANT: tl.constexpr = False, a_scales=None):
+                  BN_RES: tl.constexpr, BKW_RES: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr):
     """``256 ·`` the residual product of ``BN`` channels (``offs_n``, inside one block row) for up to 8 tokens.
 
     Walks the kept blocks of the channels' block row, every ``SPLIT_K``-th one from ``first``
@@ -239,15 +161,12 @@ def residual_dp4a(a_ptr, stride_am, M, KW, coords_ptr, res_val_ptr, res_scale_pt
     summed in fp32 per thread; one cross-thread sum at the end. The next block is loaded while
     one is multiplied. ``NT`` (1, 2, 4 or 8, at least ``M``) tokens are multiplied. Returns fp32
     ``[BM, BN]`` (``BM >= NT``; rows from ``M`` on are zero), before the token scales.
-    ``a_ptr``/``res_val_ptr`` point to int32 words; with ``QUANT``, ``a_ptr`` points to the float
-    activations (``stride_am`` in elements), quantized as they are loaded with the per-token
-    ``a_scales`` ``[BM]`` (:func:`_quant_words`).
+    ``a_ptr``/``res_val_ptr`` point to int32 words.
     """
     block_row = (pid_n * BN) // BN_RES
     res_rows = (offs_n - block_row * BN_RES).to(tl.int64)
     rw = tl.arange(0, BKW_RES)
     a0, a1, a2, a3, a4, a5, a6, a7 = _token_rows(a_ptr, stride_am, M)
-    s0, s1, s2, s3, s4, s5, s6, s7 = _token_scales(a_scales, QUANT)
     r0 = tl.zeros([BN, BKW_RES], dtype=tl.float32)
     r1 = tl.zeros([BN, BKW_RES], dtype=tl.float32)
     r2 = tl.zeros([BN, BKW_RES], dtype=tl.float32)
@@ -264,17 +183,17 @@ def residual_dp4a(a_ptr, stride_am, M, KW, coords_ptr, res_val_ptr, res_scale_pt
         k = col * BKW_RES + rw
         inside = k < KW  # a ragged last block column ends early
         zero = tl.zeros([BN, BKW_RES], dtype=tl.int32)
-        r0 += _token_mac(zero, r_lo, r_hi, a0, k, inside, USE_ASM, True, QUANT, s0).to(tl.float32) * scale
+        r0 += _token_mac(zero, r_lo, r_hi, a0, k, inside, USE_ASM, True).to(tl.float32) * scale
         if NT > 1:
-            r1 += _token_mac(zero, r_lo, r_hi, a1, k, inside, USE_ASM, True, QUANT, s1).to(tl.float32) * scale
+            r1 += _token_mac(zero, r_lo, r_hi, a1, k, inside, USE_ASM, True).to(tl.float32) * scale
         if NT > 2:
-            r2 += _token_mac(zero, r_lo, r_hi, a2, k, inside, USE_ASM, True, QUANT, s2).to(tl.float32) * scale
-            r3 += _token_mac(zero, r_lo, r_hi, a3, k, inside, USE_ASM, True, QUANT, s3).to(tl.float32) * scale
+            r2 += _token_mac(zero, r_lo, r_hi, a2, k, inside, USE_ASM, True).to(tl.float32) * scale
+            r3 += _token_mac(zero, r_lo, r_hi, a3, k, inside, USE_ASM, True).to(tl.float32) * scale
         if NT > 4:
-            r4 += _token_mac(zero, r_lo, r_hi, a4, k, inside, USE_ASM, True, QUANT, s4).to(tl.float32) * scale
-            r5 += _token_mac(zero, r_lo, r_hi, a5, k, inside, USE_ASM, True, QUANT, s5).to(tl.float32) * scale
-            r6 += _token_mac(zero, r_lo, r_hi, a6, k, inside, USE_ASM, True, QUANT, s6).to(tl.float32) * scale
-            r7 += _token_mac(zero, r_lo, r_hi, a7, k, inside, USE_ASM, True, QUANT, s7).to(tl.float32) * scale
+            r4 += _token_mac(zero, r_lo, r_hi, a4, k, inside, USE_ASM, True).to(tl.float32) * scale
+            r5 += _token_mac(zero, r_lo, r_hi, a5, k, inside, USE_ASM, True).to(tl.float32) * scale
+            r6 += _token_mac(zero, r_lo, r_hi, a6, k, inside, USE_ASM, True).to(tl.float32) * scale
+            r7 += _token_mac(zero, r_lo, r_hi, a7, k, inside, USE_ASM, True).to(tl.float32) * scale
         col = col_next
         r = r_next
         s = s_next
@@ -287,10 +206,10 @@ def residual_dp4a(a_ptr, stride_am, M, KW, coords_ptr, res_val_ptr, res_scale_pt
 def _gemv_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr,
-    M, N, KW, stride_am, stride_wn, stride_om, clip_ratio,
+    M, N, KW, stride_am, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BN_RES: tl.constexpr, BKW_RES: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_ASM: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr, BK_SCALE: tl.constexpr,
+    USE_ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -315,10 +234,6 @@ def _gemv_kernel(
         res_first, res_last, res_col, res_r, res_s = residual_dp4a_begin(
             row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, pid_n, pid_k, offs_n, BN, BN_RES, BKW_RES)
     wait_for_inputs(PDL)  # the activations come from the kernel before us
-    a_scales = tl.zeros([BM], dtype=tl.float32)
-    if QUANT:  # the activation quantizer's scales, then its integers as the words are loaded
-        a_scales = _row_scales(a_ptr, stride_am, M, KW * 8, clip_ratio, BM, BK_SCALE)
-    s0, s1, s2, s3, s4, s5, s6, s7 = _token_scales(a_scales, QUANT)
     for step in range(step_begin, step_end):
         k = step * BKW + kw
         inside = k < KW
@@ -327,17 +242,17 @@ def _gemv_kernel(
         else:
             w = tl.load(w_ptrs, mask=inside[None, :], other=0)
         w_lo, w_hi = _halves(w)
-        acc0 = _token_mac(acc0, w_lo, w_hi, a0, k, inside, USE_ASM, not EVEN_K, QUANT, s0)
+        acc0 = _token_mac(acc0, w_lo, w_hi, a0, k, inside, USE_ASM, not EVEN_K)
         if BM > 1:
-            acc1 = _token_mac(acc1, w_lo, w_hi, a1, k, inside, USE_ASM, not EVEN_K, QUANT, s1)
+            acc1 = _token_mac(acc1, w_lo, w_hi, a1, k, inside, USE_ASM, not EVEN_K)
         if BM > 2:
-            acc2 = _token_mac(acc2, w_lo, w_hi, a2, k, inside, USE_ASM, not EVEN_K, QUANT, s2)
-            acc3 = _token_mac(acc3, w_lo, w_hi, a3, k, inside, USE_ASM, not EVEN_K, QUANT, s3)
+            acc2 = _token_mac(acc2, w_lo, w_hi, a2, k, inside, USE_ASM, not EVEN_K)
+            acc3 = _token_mac(acc3, w_lo, w_hi, a3, k, inside, USE_ASM, not EVEN_K)
         if BM > 4:
-            acc4 = _token_mac(acc4, w_lo, w_hi, a4, k, inside, USE_ASM, not EVEN_K, QUANT, s4)
-            acc5 = _token_mac(acc5, w_lo, w_hi, a5, k, inside, USE_ASM, not EVEN_K, QUANT, s5)
-            acc6 = _token_mac(acc6, w_lo, w_hi, a6, k, inside, USE_ASM, not EVEN_K, QUANT, s6)
-            acc7 = _token_mac(acc7, w_lo, w_hi, a7, k, inside, USE_ASM, not EVEN_K, QUANT, s7)
+            acc4 = _token_mac(acc4, w_lo, w_hi, a4, k, inside, USE_ASM, not EVEN_K)
+            acc5 = _token_mac(acc5, w_lo, w_hi, a5, k, inside, USE_ASM, not EVEN_K)
+            acc6 = _token_mac(acc6, w_lo, w_hi, a6, k, inside, USE_ASM, not EVEN_K)
+            acc7 = _token_mac(acc7, w_lo, w_hi, a7, k, inside, USE_ASM, not EVEN_K)
         w_ptrs += BKW
 
     w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
@@ -354,12 +269,8 @@ def _gemv_kernel(
     y = _token_tile(y0, y1, y2, y3, y4, y5, y6, y7, BM)
     if HAS_RES:
         y += residual_dp4a(a_ptr, stride_am, M, KW, coords_ptr, res_val_ptr, res_scale_ptr, pid_n, offs_n,
-                           res_first, res_last, res_col, res_r, res_s, BM, BM, BN, BN_RES, BKW_RES, SPLIT_K, USE_ASM,
-                           QUANT, a_scales)
-    if QUANT:
-        a_scale = tl.where(offs_m < M, a_scales, 0.0)
-    else:
-        a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+                           res_first, res_last, res_col, res_r, res_s, BM, BM, BN, BN_RES, BKW_RES, SPLIT_K, USE_ASM)
+    a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     y = y * a_scale[:, None] * 0.00390625  # both operands were 16x: exact power-of-two rescale
     store_output(
         out_ptr, part_ptr, lock_ptr, pid_n, pid_k, y, bias_ptr, offs_m, offs_n, M, N, stride_om,
@@ -433,7 +344,7 @@ def gemv_triton(
             a power of two ≥ 16 that divides the residual's block rows, ``block_kw`` a power of
             two ≥ 4 (32-bit words of K a step), ``split_k`` in [1, 64].
         num_stages: software-pipelining depth of the K loop.
-        pdl: programmatic dependent launch (``None``: the ``MOSAICQUANT_PDL`` default, on; measured
+        pdl: programmatic dependent launch (``None``: the settings' ``pdl``, on by default; measured
             1.04-1.16x faster at M = 1 on the H200, v13).
         out: optional preallocated contiguous ``bfloat16 [M, N]`` output.
 
@@ -444,65 +355,14 @@ def gemv_triton(
         UserInputError: bad operands, a call the GEMV does not take (:func:`gemv_reason`), or bad tiles.
     """
     m, n, kp = check_gemm_args(a_packed, a_scale, qweight, w_scale, bias, k)
-    return _launch(a_packed, a_scale, None, m, n, kp, qweight, w_scale, k, bias, residual, block_n, block_kw,
+    return _launch(a_packed, a_scale, m, n, kp, qweight, w_scale, k, bias, residual, block_n, block_kw,
                    split_k, num_warps, num_stages, pdl, out)
 
 
-def gemv_quantize_triton(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    w_scale: torch.Tensor,
-    k: int,
-    bias: torch.Tensor | None = None,
-    *,
-    clip_ratio: float = 1.0,
-    residual: ResidualBlocks | None = None,
-    block_n: int | None = None,
-    block_kw: int | None = None,
-    split_k: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int = 1,
-    pdl: bool | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The decode GEMV with the activation quantization in its prologue: float ``x`` in, one launch.
-
-    Every program computes the per-token scales of
-    :func:`mosaicquant.kernels.act_quant.quantize_activations_triton` itself (``absmax · clip_ratio / 7``
-    over the whole row, read from L2) and quantizes its words of ``x`` as it loads them, so the
-    integers, the scales and the result are those of that quantizer followed by :func:`gemv_triton`,
-    without the quantizer's launch. Each program quantizes the words it multiplies, so a launch does
-    the quantizer's work once for each of its ``N / block_n`` output tiles: on the H200, at its
-    default tiles, it beat the two launches only on 4096 × 4096 at M = 1 and was slower on the other
-    Llama-3 / Qwen3 shapes and at M = 4 and 8 (``benchmarks/NOTES.md`` v22). :class:`mosaicquant.kernels.QuantLinear` takes it
-    where ``_tiles.GEMV_FUSED_QUANT`` is set (off by default).
-
-    Args:
-        x: ``[M, K]`` BF16 / FP16 / FP32 activations, unit stride along K (``M`` ≤ :data:`GEMV_MAX_M`).
-        clip_ratio: fraction of each token's absmax kept, in (0, 1].
-        qweight, w_scale, k, bias, residual, block_n, block_kw, split_k, num_warps, num_stages, pdl, out:
-            as :func:`gemv_triton`.
-
-    Returns:
-        ``bfloat16 [M, N]``.
-
-    Raises:
-        UserInputError: bad operands or clip ratio, a call the GEMV does not take, or bad tiles.
-    """
-    check_tensor("x", x, dtypes=ACT_DTYPES, dim=2)
-    n, kp = check_weight_args(qweight, w_scale, bias, k)
-    check_tensor("x", x, dtypes=ACT_DTYPES, shape=(None, k))
-    if not isinstance(clip_ratio, (int, float)) or not 0.0 < float(clip_ratio) <= 1.0:
-        raise UserInputError(f"clip_ratio={clip_ratio!r} is out of range: allowed (0, 1]")
-    check_same_device(x=x, qweight=qweight, w_scale=w_scale, bias=bias)
-    return _launch(x, None, float(clip_ratio), x.shape[0], n, kp, qweight, w_scale, k, bias, residual,
-                   block_n, block_kw, split_k, num_warps, num_stages, pdl, out)
-
-
-def _launch(act, a_scale, clip_ratio, m, n, kp, qweight, w_scale, k, bias, residual, block_n, block_kw,
+def _launch(act, a_scale, m, n, kp, qweight, w_scale, k, bias, residual, block_n, block_kw,
             split_k, num_warps, num_stages, pdl, out) -> torch.Tensor:
     """Check the call's shape and tiles and launch :func:`_gemv_kernel` on packed activations ``act`` with
-    scales ``a_scale``, or (``clip_ratio`` given) on float activations ``act`` quantized in the kernel."""
+    scales ``a_scale``."""
     check_triton_device(act.device)
     if residual is not None:
         check_residual(residual, n, k, act.device)
@@ -511,8 +371,7 @@ def _launch(act, a_scale, clip_ratio, m, n, kp, qweight, w_scale, k, bias, resid
     reason = gemv_reason(max(m, 1), k, residual)
     if reason is not None:
         raise UserInputError(f"the decode GEMV cannot run this call: {reason}")
-    quant = clip_ratio is not None
-    for name, t in (("qweight", qweight),) if quant else (("a_packed", act), ("qweight", qweight)):
+    for name, t in (("a_packed", act), ("qweight", qweight)):
         if t.stride(0) % 4 or t.storage_offset() % 4:
             raise UserInputError(f"{name} rows must start at 4-byte boundaries (stride {t.stride(0)}, "
                                  f"offset {t.storage_offset()})")
@@ -535,10 +394,7 @@ def _launch(act, a_scale, clip_ratio, m, n, kp, qweight, w_scale, k, bias, resid
         split_k = 1
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=out.device) if split_k > 1 else out
     kw = kp // 4
-    if quant:  # the kernel's scales are its own: a_scale_ptr is never read
-        a_scale, stride_am = w_scale, act.stride(0)
-    else:  # 32-bit words of eight values
-        act, stride_am = act.view(torch.int32), act.stride(0) // 4
+    act, stride_am = act.view(torch.int32), act.stride(0) // 4  # 32-bit words of eight values
     if residual is not None:
         bn_res, bk_res = residual.block_shape
         res = (residual.row_ptr, residual.coords, residual.values.view(torch.int32), residual.scales)
@@ -550,11 +406,10 @@ def _launch(act, a_scale, clip_ratio, m, n, kp, qweight, w_scale, k, bias, resid
     _gemv_kernel[(tiles, split_k)](
         act, a_scale, qweight.view(torch.int32), w_scale.reshape(-1),
         bias if bias is not None else a_scale, out, part, lock_buffer(out.device), *res,
-        m, n, kw, stride_am, qweight.stride(0) // 4, out.stride(0), clip_ratio if quant else 1.0,
+        m, n, kw, stride_am, qweight.stride(0) // 4, out.stride(0),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, BN_RES=bn_res, BKW_RES=bk_res // 8,
         BM=bm, BN=block_n, BKW=block_kw, SPLIT_K=split_k, EVEN_K=kw % block_kw == 0,
-        USE_ASM=not triton_interpreting(), PDL=gemm_pdl(act.device, m, pdl), QUANT=quant,
-        BK_SCALE=max(SCALE_BLOCK // bm, 256),
+        USE_ASM=not triton_interpreting(), PDL=gemm_pdl(act.device, m, pdl),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return out

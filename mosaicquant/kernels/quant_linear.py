@@ -18,12 +18,10 @@ where those powers are at most ``2^-3`` (a kept unit's base and residual one int
 (``benchmarks/NOTES.md``, v7, v8, v10). The unfused pipeline always keeps the packed path.
 Layers without residual blocks also run decode calls of ``swap_decode`` tokens (16-32) that way,
 at decode tiles (v10), but for those of ``_tiles.WIDE_K_DECODE_MIN_M`` to 16 tokens (v17); layers
-with them from ``_tiles.SWAP_DECODE_RESIDUAL_MIN_M`` (``SWAP_DECODE_SHARED_MIN_M`` for power-of-two
-residual scales) tokens where that is set. Calls of at most
+with them keep ZipperEngine's packed kernels at those sizes (the swapped GEMM with the kept blocks in
+its tail, on each of its walks, measured slower: v17, v36, v41). Calls of at most
 ``gemv_max_m`` tokens run the decode GEMV on CUDA-core ``dp4a`` instead
-(:mod:`mosaicquant.kernels.gemv`, dense and with the residual; v13); with
-``_tiles.GEMV_FUSED_QUANT`` set, that GEMV quantizes the activations in its own prologue (one launch,
-the same integers and scales; off by default: slower on three of four layer shapes, v22).
+(:mod:`mosaicquant.kernels.gemv`, dense and with the residual; v13).
 
 It computes the function of the simulated layer
 ``fake_quantize(x, 4, clip_ratio) @ packed.dequantize().T (+ bias)`` up to float
@@ -52,7 +50,7 @@ from mosaicquant.kernels._tiles import (
     swapped_prefill,
 )
 from mosaicquant.kernels.act_quant import quantize_activations, quantize_activations_triton
-from mosaicquant.kernels.gemv import GEMV_MAX_M, gemv_quantize_triton, gemv_reason, gemv_triton
+from mosaicquant.kernels.gemv import GEMV_MAX_M, gemv_reason, gemv_triton
 from mosaicquant.kernels.norm_fold import NormFold
 from mosaicquant.kernels.residual_gemm import residual_add
 from mosaicquant.kernels.w4a4_gemm import (
@@ -90,8 +88,8 @@ class QuantLinear(nn.Module):
         packed: the layer in the shared packed format; per-output-channel base scales
             (``group_size`` ``None`` or ``K``).
         act_clip_ratio: activation clip ratio in (0, 1].
-        kernel: ``"auto"`` / ``"triton"`` / ``"torch"``, or ``None`` to read
-            ``MOSAICQUANT_KERNEL`` at each call (default ``"auto"``).
+        kernel: ``"auto"`` / ``"triton"`` / ``"torch"``, or ``None`` for the ``kernel`` of the
+            settings in force at each call (:mod:`mosaicquant.settings`; default ``"auto"``).
         fused: run the residual fused into the GEMM (ZipperEngine) or as the unfused
             pipeline (dense GEMM to fp32, separate residual kernel, add).
         mode: ZipperEngine fusion mode, ``"auto"``, ``"inline"`` or ``"tail"``.
@@ -108,9 +106,7 @@ class QuantLinear(nn.Module):
             tokens on the swapped GEMM too, at decode tiles (default
             :data:`mosaicquant.kernels._tiles.SWAP_DECODE_M`), but for calls of
             :data:`mosaicquant.kernels._tiles.WIDE_K_DECODE_MIN_M` to 16 tokens (the packed kernel's wide
-            K steps, read at each call); ``None`` never. A layer with residual
-            blocks does so from :data:`mosaicquant.kernels._tiles.SWAP_DECODE_RESIDUAL_MIN_M` tokens
-            (read at each call; 0: never).
+            K steps, read at each call); ``None`` never. Layers with residual blocks never do.
         gemv_max_m: calls of up to this many tokens on the Triton path run the decode GEMV where it
             takes them (:func:`mosaicquant.kernels.gemv.gemv_reason`; the fused residual only);
             default :data:`mosaicquant.kernels._tiles.GEMV_ROUTE_MAX_M`, ``0`` never.
@@ -277,9 +273,6 @@ class QuantLinear(nn.Module):
         if self.uses_swapped(x2.shape[0], backend):
             a_split, a_scale = quantize_activations_triton(x2, self.act_clip_ratio, layout="split8")
             y = self.forward_split8(a_split, a_scale)
-        elif backend == "triton" and _tiles.GEMV_FUSED_QUANT and self.uses_gemv(x2.shape[0]):
-            y = gemv_quantize_triton(x2, self.qweight, self.w_scale, self.in_features, self.bias,
-                                     clip_ratio=self.act_clip_ratio, residual=self.residual)
         else:
             a_packed, a_scale = quantize_activations(x2, self.act_clip_ratio, kernel=backend)
             y = self.forward_quantized(a_packed, a_scale, backend)
@@ -374,13 +367,7 @@ class QuantLinear(nn.Module):
         if self.swap_decode is not None and self.swap_decode[0] <= m <= self.swap_decode[1]:
             decode = (self.block_shape is None and not 0 < _tiles.WIDE_K_DECODE_MIN_M <= m <= 16
                       and not (m > 16 and _tiles.wide_decode(m, self.out_features, self.qweight.device, False)))
-            if self.block_shape is not None:
-                if self.res_merged is not None and MERGED_WALK and 0 < _tiles.SWAP_DECODE_MERGED_MIN_M <= m:
-                    return "decode", swapped_decode_config(m, self.out_features, (self.in_features + 1) // 2,
-                                                           self.qweight.device, block_kp=64)
-                min_m = _tiles.SWAP_DECODE_SHARED_MIN_M if self.res_shifts is not None else _tiles.SWAP_DECODE_RESIDUAL_MIN_M
-                decode = 0 < min_m <= m
-            if decode:
+            if decode:  # layers with residual blocks keep ZipperEngine's packed kernels at decode sizes
                 return "decode", swapped_decode_config(m, self.out_features, (self.in_features + 1) // 2,
                                                        self.qweight.device)
             return None, {}

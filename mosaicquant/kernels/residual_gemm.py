@@ -31,7 +31,7 @@ from mosaicquant.kernels._common import (
     triton_interpreting,
 )
 from mosaicquant.kernels._residual_check import check_residual
-from mosaicquant.kernels._tiles import FMA_MAX_M, TileConfig, fit_to_blocks
+from mosaicquant.kernels._tiles import TileConfig, fit_to_blocks
 from mosaicquant.kernels._tl import in_range, mac_int4
 from mosaicquant.kernels.zipper import residual_product_reference
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
@@ -126,11 +126,7 @@ def residual_add_triton(
     bn_res, bk_res = residual.block_shape
     if config is None:
         stages = 2 if a_packed.device.type == "cuda" else 1
-        if m <= FMA_MAX_M:
-            config = TileConfig(block_m=1 << (m - 1).bit_length(), block_n=32, block_kp=64, num_warps=4,
-                                num_stages=stages, use_dot=False)
-        else:
-            config = TileConfig(block_m=16 if m <= 16 else 64, block_n=128, block_kp=64, num_warps=4, num_stages=stages)
+        config = TileConfig(block_m=16 if m <= 16 else 64, block_n=128, block_kp=64, num_warps=4, num_stages=stages)
     cfg = fit_to_blocks(config, residual.block_shape)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _residual_add_kernel[grid](

@@ -71,7 +71,6 @@ from mosaicquant.kernels._tiles import (
     PREFETCH_MAX_M,
     TileConfig,
     lock_buffer,
-    maxnreg_launch,
     pdl_default,
     pdl_launch,
     pick_config,
@@ -713,11 +712,11 @@ def w4a4_gemm_triton(
         pdl: programmatic dependent launch; with it, launches of M ≤ 256 may prefetch their
             weights into L2 while the kernel before them finishes (``prefetch_mib``). ``None``:
             where :func:`mosaicquant.kernels._tiles.pdl_default` says so (small M) and
-            ``MOSAICQUANT_PDL`` is not ``0``; ``True``/``False`` force it (where the device
+            the settings' ``pdl`` is on (:mod:`mosaicquant.settings`); ``True``/``False`` force it (where the device
             supports it).
         prefetch_mib: with PDL, cap on the weight bytes the launch prefetches into L2
             (:func:`mosaicquant.kernels._tiles.prefetch_row_bytes`; ``None``:
-            ``MOSAICQUANT_PREFETCH_MIB`` if set, else
+            the settings' ``prefetch_mib`` if set, else
             :data:`mosaicquant.kernels._tiles.DENSE_PREFETCH_MIB`, shared by rows and splits;
             ``0``: PDL without prefetch).
         x16: unpack both operands as ``16 * q`` (:func:`mosaicquant.kernels._tl.mac_int4`; the
@@ -777,7 +776,7 @@ def w4a4_gemm_triton(
         PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
         X16=bool(x16) and cfg.use_dot and k < X16_MAX_K, GATED=bool(gated),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
-        **(maxnreg_launch(_tiles.DENSE_GATED_MAXNREG) if gated else {}), **fold_consts,
+        **fold_consts,
     )
     return out
 

@@ -73,6 +73,7 @@ import triton
 import triton.language as tl
 
 from mosaicquant.errors import UserInputError
+from mosaicquant import settings
 from mosaicquant.kernels._common import (
     check_tensor,
     check_triton_device,
@@ -91,7 +92,6 @@ from mosaicquant.kernels._tiles import (
     TileConfig,
     fit_to_blocks,
     lock_buffer,
-    maxnreg_launch,
     parallel_mode,
     parallel_residual,
     pdl_default,
@@ -468,7 +468,7 @@ def zipper_gemm_triton(
         out: optional preallocated contiguous ``[M, N]`` output of the output dtype.
         pdl: programmatic dependent launch, as in :func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_triton`
             (decode-sized launches also prefetch their tiles' residual blocks).
-        prefetch_mib: cap on the dense weight bytes prefetched, as there (``None``: ``MOSAICQUANT_PREFETCH_MIB``
+        prefetch_mib: cap on the dense weight bytes prefetched, as there (``None``: the settings' ``prefetch_mib``
             if set, else :data:`mosaicquant.kernels._tiles.ZIPPER_PREFETCH_MIB`; residual blocks are
             prefetched whole while the prefetch is on).
         x16: unpack as ``16 * q``, as in :func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_triton` (default on).
@@ -566,7 +566,6 @@ def zipper_gemm_triton(
             PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0, X16=bool(x16) and k < X16_MAX_K, ROWS=rows,
             GATED=bool(gated), WALK_STAGES=walk_stages(m),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
-            **maxnreg_launch(_tiles.PARALLEL_MAXNREG),
         )
         return out
     fold_args, fold_consts = fold_launch_args(fold, m, tiles, out)
@@ -586,7 +585,7 @@ def zipper_gemm_triton(
         X16=bool(x16) and cfg.use_dot and k < X16_MAX_K, DP4A_TOKENS=dp4a_tokens,
         WALK_STAGES=walk_stages(m) if fuse == "tail" and not dp4a_tokens else None,
         WALK_PRELOAD=fuse == "tail" and not dp4a_tokens and 0 < m <= _tiles.WALK_PRELOAD_MAX_M,
-        WALK_SCALES_AHEAD=bool(_tiles.WALK_SCALES_AHEAD) and fuse == "tail" and not dp4a_tokens and walk_stages(m) is None,
+        WALK_SCALES_AHEAD=settings.current().walk_scales_ahead and fuse == "tail" and not dp4a_tokens and walk_stages(m) is None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl), **fold_consts,
     )
     return out

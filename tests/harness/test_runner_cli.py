@@ -74,14 +74,14 @@ def test_help_exits_0(capsys):
     assert "--calib-samples" in capsys.readouterr().out
 
 
-def test_bad_kernel_environment_is_exit_2_before_any_work(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("MOSAICQUANT_PDL_CHAIN", "sideways")
+def test_bad_kernel_setting_is_exit_2_before_any_work(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MOSAICQUANT_OFFLINE", "1")
     monkeypatch.setenv("MOSAICQUANT_CACHE", str(tmp_path / "empty-cache"))  # no asset: the check comes first
-    rc = main(["run", "--model", "smollm2-135m", "--methods", "fp16", "--suites", "accuracy", "--out",
-               str(tmp_path / "r")])
+    rc = main(["run", "--model", "smollm2-135m", "--methods", "fp16", "--suites", "throughput:pdl_chain=sideways",
+               "--out", str(tmp_path / "r")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "MOSAICQUANT_PDL_CHAIN='sideways'" in err[0], err
+    assert rc == 2 and len(err) == 1 and "pdl_chain='sideways' is not allowed" in err[0], err
+    assert "'off', 'on'" in err[0], err
 
 
 def test_missing_asset_offline_is_exit_2(tmp_path, monkeypatch, capsys):

@@ -390,26 +390,6 @@ def test_energy_window_length_is_checked():
         speed.ThroughputConfig(energy_s=0.0)
 
 
-def test_kernel_benchmark_shapes_are_the_shape_models():
-    """``benchmarks/zipper.py`` times each SPEC model's linears by hand-written (N, K) pairs; they must be the
-    shape models' q/k/v, o, gate/up and down (a typo there would time a layer no model has)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "zipper.py"
-    spec = importlib.util.spec_from_file_location("_zipper_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    names = {"llama3-8b": "llama-3-8b-shapes", "llama3.2-3b": "llama-3.2-3b-shapes", "qwen3-4b": "qwen3-4b-shapes",
-             "qwen3-8b": "qwen3-8b-shapes", "qwen3-14b": "qwen3-14b-shapes", "qwen3-32b": "qwen3-32b-shapes"}
-    assert set(bench.MODELS) == set(names)
-    for key, name in names.items():
-        s = shapes.SHAPE_MODELS[name]
-        expected = {"qkv": ((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden), "o": (s.hidden, s.heads * s.head_dim),
-                    "gate_up": (2 * s.intermediate, s.hidden), "down": (s.hidden, s.intermediate)}
-        assert bench.MODELS[key] == expected, key
-
-
 def test_mosaicquant_with_shifts_up_to_3_runs_the_merged_walk_and_counts_its_copies(tiny_shapes):
     # rscale_max_shift=3: every kept block's base and residual as one int8 operand, resident beside the format;
     # the execution path says so and weight memory counts the copies (exec_operands)

@@ -31,13 +31,13 @@ def ptxas_available() -> bool:
 
 
 def sm90_compile(script: str, *args: str, timeout: int) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """Run ``script`` (Python source that compiles kernels for sm_90 through ``benchmarks/offline_regs.py``'s
-    stand-in driver) in a subprocess, outside the interpreter, with ``benchmarks/`` as its ``argv[1]`` and ``args``
-    after it; returns the process and the JSON lines it printed."""
+    """Run ``script`` (Python source that compiles kernels for sm_90 through ``_offline``'s stand-in driver, which
+    it imports as ``_offline``) in a subprocess, outside the interpreter, with ``args`` as its ``argv[1:]``; returns
+    the process and the JSON lines it printed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", script, str(REPO / "benchmarks"), *args], capture_output=True,
-                         text=True, timeout=timeout, env=env, cwd=REPO)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
+                         env=env, cwd=REPO)
     return run, [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
 
 

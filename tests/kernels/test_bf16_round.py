@@ -2,16 +2,12 @@
 
 ``round_to_bf16(v)`` must equal ``v.to(torch.bfloat16).float()`` (round to nearest, ties to even) for every finite
 fp32 ``v``: at, between and one ulp beside BF16 values (the ties), at signed zeros, subnormals, the BF16 range's end
-(values that round to infinity) and fp32's extremes. On the GPU the default mode ("cvt") rounds two values with one
-``cvt.rn.bf16x2.f32``; the interpreter, and ``MOSAICQUANT_BF16_ROUND=bits``, run the bit arithmetic. Compiled for
-sm_90, the fused Hadamard quantizer carries the conversion in "cvt" mode and not in "bits" mode.
+(values that round to infinity) and fp32's extremes. Compiled, two values are rounded with one
+``cvt.rn.bf16x2.f32``; the interpreter runs the bit arithmetic. Compiled for sm_90, the fused Hadamard quantizer
+carries the conversion for its outputs.
 ``split_bf16(y)`` must give ``y``'s BF16 rounding and the BF16 rounding of the rest.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -63,13 +59,11 @@ def test_round_to_bf16_is_round_half_even():
 
 
 _COMPILE = r"""
-import importlib, json, sys, torch
-sys.path.insert(0, sys.argv[1])
-from offline_regs import _CompileOnlyDriver, compile_only
+import importlib, json, torch
+from _offline import CompileOnlyDriver, compile_only
 from triton.runtime.driver import driver
-driver.set_active(_CompileOnlyDriver())
+driver.set_active(CompileOnlyDriver())
 hq = importlib.import_module("mosaicquant.kernels.hadamard_quant")
-from mosaicquant.kernels import _tl
 from mosaicquant.methods.hadamard import OnlineHadamard
 compiled = compile_only(hq, "_hadamard_quant_kernel")
 hq.triton_interpreting = lambda: False
@@ -78,30 +72,18 @@ q = torch.zeros(2048, 4096, dtype=torch.int8)
 scale = torch.zeros(2048)
 hq._launch(x, OnlineHadamard(4096), q, scale, 1.0, True, False, 1, None)
 ptx = compiled[0].asm["ptx"]
-print(json.dumps({"mode": _tl.BF16_ROUND, "cvt_bf16x2": ptx.count("cvt.rn.bf16x2.f32")}))
+print(json.dumps({"cvt_bf16x2": ptx.count("cvt.rn.bf16x2.f32")}))
 """
 
 
 @pytest.mark.skipif(not ptxas_available(), reason="Triton's NVIDIA backend has no ptxas here")
-def test_hadamard_quantizer_rounds_by_mode_for_sm90(monkeypatch):
-    counts = {}
-    for mode in ("cvt", "bits"):
-        monkeypatch.setenv("MOSAICQUANT_BF16_ROUND", mode)
-        run, lines = sm90_compile(_COMPILE, timeout=600)
-        assert run.returncode == 0 and len(lines) == 1, run.stderr[-2000:]
-        assert lines[0]["mode"] == mode, json.dumps(lines)
-        counts[mode] = lines[0]["cvt_bf16x2"]
-    # the transform's 16-bit operands are converted by pairs either way (split_bf16, or the compiler's conversions of
-    # its parts); "cvt" adds one conversion per two output values of a thread (4,096 values on 128 threads: 16)
-    assert counts["cvt"] >= counts["bits"] + 16, counts
-
-
-def test_bad_mode_is_refused():
-    env = dict(os.environ, MOSAICQUANT_BF16_ROUND="truncate")
-    run = subprocess.run([sys.executable, "-c", "import mosaicquant.kernels._tl"], capture_output=True, text=True,
-                         env=env, timeout=300)
-    assert run.returncode != 0
-    assert "MOSAICQUANT_BF16_ROUND='truncate' is not allowed" in run.stderr and "cvt, bits" in run.stderr
+def test_hadamard_quantizer_rounds_by_pairs_for_sm90():
+    run, lines = sm90_compile(_COMPILE, timeout=600)
+    assert run.returncode == 0 and len(lines) == 1, run.stderr[-2000:]
+    # the transform's 16-bit operands take 32 conversions by pairs (split_bf16, and the compiler's conversions of
+    # its parts, as many with the bit arithmetic); the rounding adds one per two output values of a thread
+    # (4,096 values on 128 threads: 16)
+    assert lines[0]["cvt_bf16x2"] >= 32 + 16, lines
 
 
 @triton.jit

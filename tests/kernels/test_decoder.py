@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from mosaicquant import settings
 from mosaicquant.errors import UserInputError
 from mosaicquant.kernels import decoder
 from mosaicquant.kernels.decoder import (
@@ -26,6 +27,7 @@ from mosaicquant.kernels.decoder import (
     silu_mul,
     silu_mul_reference,
 )
+from mosaicquant.settings import KV4_MINMAX_FORMS
 from tests.kernels._helpers import DEVICE, needs_triton
 
 pytestmark = needs_triton()
@@ -298,25 +300,23 @@ def test_kv4_quantizer_is_the_methods_fake_quantizer(symmetric, clip):
 
 @pytest.mark.parametrize("form", ["pairs", "joined"])
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_rope_kv_one_minmax_reduction_on_the_interpreter(form, symmetric, monkeypatch):
+def test_rope_kv_one_minmax_reduction_on_the_interpreter(form, symmetric):
     # the quantizer's one-reduction forms, which the GPU runs, on the interpreter too (the pairs' form takes the
     # four reductions there by default, the same bits): the same cache as the reference's
-    monkeypatch.setattr(decoder, "ATTN_KV4_MINMAX", form)
-    monkeypatch.setattr(decoder, "KV4_MINMAX_INTERPRETED", True)
-    assert decoder._kv4_minmax() == decoder.KV4_MINMAX_FORMS.index(form) > 0
-    test_rope_kv_writes_the_4bit_cache(4, 2, 32, False, symmetric, False)
+    with settings.use(attn_kv4_minmax=form):
+        assert decoder._kv4_minmax() == KV4_MINMAX_FORMS.index(form) > 0
+        test_rope_kv_writes_the_4bit_cache(4, 2, 32, False, symmetric, False)
 
 
-def test_kv4_minmax_forms_on_the_interpreter_and_a_bad_name(monkeypatch):
-    monkeypatch.setattr(decoder, "triton_interpreting", lambda: True)
-    for form, interpreted, want in (("four", False, 0), ("pairs", False, 0), ("pairs", True, 1),
-                                    ("joined", False, 2), ("joined", True, 2)):
-        monkeypatch.setattr(decoder, "ATTN_KV4_MINMAX", form)
-        monkeypatch.setattr(decoder, "KV4_MINMAX_INTERPRETED", interpreted)
-        assert decoder._kv4_minmax() == want, (form, interpreted)
-    monkeypatch.setattr(decoder, "ATTN_KV4_MINMAX", True)
-    with pytest.raises(ValueError, match="ATTN_KV4_MINMAX = True; allowed: four, pairs, joined"):
-        decoder._kv4_minmax()
+@pytest.mark.parametrize("interpreting", [True, False])
+def test_kv4_minmax_forms_by_default_named_and_a_bad_name(interpreting, monkeypatch):
+    monkeypatch.setattr(decoder, "triton_interpreting", lambda: interpreting)
+    assert decoder._kv4_minmax() == (0 if interpreting else 1)  # the four reductions only on the interpreter
+    for form, want in (("four", 0), ("pairs", 1), ("joined", 2)):
+        with settings.use(attn_kv4_minmax=form):
+            assert decoder._kv4_minmax() == want, form
+    with pytest.raises(UserInputError, match="attn_kv4_minmax='both' is not allowed: choose one of 'four', 'pairs'"):
+        settings.KernelSettings(attn_kv4_minmax="both")
 
 
 @pytest.mark.parametrize("heads,kv_heads,d,qk_norm", [(8, 2, 64, False), (6, 2, 32, True)])
@@ -365,14 +365,12 @@ def test_rope_kv_writes_the_4bit_cache(heads, kv_heads, d, qk_norm, symmetric, r
 
 
 @pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (4, 4, 32)])
-@pytest.mark.parametrize("symmetric,rotate,by_dot", [(False, True, True), (False, True, False), (True, False, True)])
+@pytest.mark.parametrize("symmetric,rotate", [(False, True), (True, False)])
 @pytest.mark.parametrize("chunk,direct", [(None, True), (128, True), (256, True), (256, False)])
-def test_decode_rope_attention_over_the_4bit_cache(heads, kv_heads, d, symmetric, rotate, by_dot, chunk, direct,
+def test_decode_rope_attention_over_the_4bit_cache(heads, kv_heads, d, symmetric, rotate, chunk, direct,
                                                    monkeypatch):
-    # the integers into the dots, scales and zeros outside: attention over the dequantized cache to bf16 accuracy;
-    # the Q/K rotation on the tensor cores or in butterflies
+    # the integers into the dots, scales and zeros outside: attention over the dequantized cache to bf16 accuracy
     monkeypatch.setattr(decoder, "ATTN_DIRECT_ONE_CHUNK", direct)
-    monkeypatch.setattr(decoder, "ATTN_ROTATE_BY_DOT", by_dot)
     _check_4bit_attention(heads, kv_heads, d, symmetric, rotate, chunk)
 
 
@@ -389,20 +387,21 @@ def test_4bit_attention_loop_variants(biased, block_n, chunk, monkeypatch):
 @pytest.mark.parametrize("chunk", [None, 128])
 def test_4bit_attention_zero_points_by_dot(block_n, chunk, monkeypatch):
     # the zero points' term summed by a dot across the loop and taken off the value sums after it
-    monkeypatch.setattr(decoder, "ATTN_KV4_ZDOT", True)
     monkeypatch.setattr(decoder, "ATTN_KV4_BLOCK_N", block_n)
-    _check_4bit_attention(8, 2, 64, False, True, chunk)
-    if block_n == 128 and chunk is None:
-        _check_4bit_attention(4, 4, 64, True, False, None, torch.float16)
+    with settings.use(attn_kv4_zdot=True):
+        assert decoder._kv4_loop_args(BF16, True)["KV4_ZDOT"] is True
+        _check_4bit_attention(8, 2, 64, False, True, chunk)
+        if block_n == 128 and chunk is None:
+            _check_4bit_attention(4, 4, 64, True, False, None, torch.float16)
+    assert decoder._kv4_loop_args(BF16, True)["KV4_ZDOT"] is False  # off again after the block
 
 
 @pytest.mark.parametrize("zdot", [False, True])
-def test_4bit_attention_probabilities_converted_once(zdot, monkeypatch):
+def test_4bit_attention_probabilities_converted_once(zdot):
     # p·s converted to the dots' dtype once a step for all of its dots: the same attention
-    monkeypatch.setattr(decoder, "ATTN_KV4_PW_ONCE", True)
-    monkeypatch.setattr(decoder, "ATTN_KV4_ZDOT", zdot)
-    assert decoder._kv4_loop_args(BF16, True)["KV4_PW_ONCE"] is True
-    _check_4bit_attention(8, 2, 64, False, True, 128 if zdot else None)
+    with settings.use(attn_kv4_pw_once=True, attn_kv4_zdot=zdot):
+        assert decoder._kv4_loop_args(BF16, True)["KV4_PW_ONCE"] is True
+        _check_4bit_attention(8, 2, 64, False, True, 128 if zdot else None)
 
 
 @pytest.mark.parametrize("new_cached,minmax", [(False, "four"), (False, "pairs"), (True, "four"), (True, "joined")])
@@ -411,9 +410,8 @@ def test_4bit_attention_prologue_forms(new_cached, minmax, heads, kv_heads, symm
     # the new key and value from registers or read back by the loop, the quantizer's four reductions or one
     # (pairs or joined): the same attention, and the same cache (_check_4bit_attention checks both)
     monkeypatch.setattr(decoder, "ATTN_NEW_CACHED", new_cached)
-    monkeypatch.setattr(decoder, "ATTN_KV4_MINMAX", minmax)
-    monkeypatch.setattr(decoder, "KV4_MINMAX_INTERPRETED", True)  # the GPU's form on the interpreter too
-    _check_4bit_attention(heads, kv_heads, 64, symmetric, True, None)
+    with settings.use(attn_kv4_minmax=minmax):  # a named form runs as named on the interpreter too
+        _check_4bit_attention(heads, kv_heads, 64, symmetric, True, None)
 
 
 @pytest.mark.parametrize("rotate", [True, False])

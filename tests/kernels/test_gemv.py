@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from mosaicquant.errors import UserInputError
-from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton
-from mosaicquant.kernels.gemv import GEMV_MAX_M, gemv_config, gemv_quantize_triton, gemv_reason, gemv_triton
+from mosaicquant.kernels.act_quant import quantize_activations_reference
+from mosaicquant.kernels.gemv import GEMV_MAX_M, gemv_config, gemv_reason, gemv_triton
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference
 from mosaicquant.kernels.zipper import zipper_gemm_reference
 from mosaicquant.methods.format import pack_int4
@@ -125,52 +125,3 @@ def test_bad_calls_raise_clear_errors(bad, match):
     _, w, ws = random_layer(32, 256, gen)
     with pytest.raises(UserInputError, match=match):
         bad(a, s, w.to(DEVICE), ws.to(DEVICE))
-
-
-@needs_triton()
-@pytest.mark.parametrize("m,n,k,tiles,block,clip,dtype", [
-    (1, 80, 264, dict(block_n=32, block_kw=16, split_k=1), None, 1.0, torch.bfloat16),       # ragged N and K/8
-    (3, 96, 520, dict(block_n=32, block_kw=16, split_k=3), (32, 64), 0.9, torch.float16),    # ragged blocks, clip
-    (8, 130, 1024, dict(block_n=32, block_kw=64, split_k=2), None, 1.0, torch.float32),      # the most tokens
-    (4, 128, 1024, dict(block_n=32, block_kw=16, split_k=4), (128, 128), 1.0, torch.bfloat16),
-])
-def test_fused_quantization_equals_the_quantizer_launch(m, n, k, tiles, block, clip, dtype):
-    # the GEMV that quantizes in its prologue gives the bits of the activation quantizer + the GEMV
-    gen = torch.Generator().manual_seed(m * k + n)
-    x = (random_activations(m, k, gen) * 3).to(dtype)
-    x[0, :7] = 0.0
-    if m > 1:
-        x[m - 1] = 0.0  # an all-zero token (scale 1, integers 0)
-    _, qweight, w_scale = random_layer(n, k, gen)
-    bias = torch.randn(n, generator=gen)
-    residual = random_residual(n, k, block, 0.3, gen).to(DEVICE) if block else None
-    x, qweight, w_scale, bias = _dev(x, qweight, w_scale, bias)
-    a_packed, a_scale = quantize_activations_triton(x, clip)
-    two = gemv_triton(a_packed, a_scale, qweight, w_scale, k, bias, residual=residual, **tiles)
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    one = gemv_quantize_triton(x, qweight, w_scale, k, bias, clip_ratio=clip, residual=residual, out=out, **tiles)
-    assert one.data_ptr() == out.data_ptr()
-    assert torch.equal(one, two), (one.float() - two.float()).abs().max()
-    ap_ref, as_ref = quantize_activations_reference(x.cpu(), clip)
-    if residual is None:
-        ref = w4a4_gemm_reference(ap_ref, as_ref, qweight.cpu(), w_scale.cpu(), k, bias.cpu(), out_fp32=True)
-    else:
-        ref = zipper_gemm_reference(ap_ref, as_ref, qweight.cpu(), w_scale.cpu(), k, residual.to("cpu"), bias.cpu(),
-                                    out_fp32=True)
-    assert_close_bf16(one, ref, f"fused-quantization gemv {m}x{n}x{k}")
-
-
-@needs_triton()
-@pytest.mark.parametrize("bad,match", [
-    (lambda x, w, ws: gemv_quantize_triton(x[:, :-8], w, ws, 256), r"x must have shape \[\*, 256\]"),
-    (lambda x, w, ws: gemv_quantize_triton(x[:, :-2], w[:, :-1], ws, 254), "multiple of 8"),
-    (lambda x, w, ws: gemv_quantize_triton(x.to(torch.int32), w, ws, 256), "x has dtype int32"),
-    (lambda x, w, ws: gemv_quantize_triton(x, w, ws, 256, clip_ratio=1.5), "clip_ratio=1.5"),
-    (lambda x, w, ws: gemv_quantize_triton(torch.cat([x, x]), w, ws, 256), "1 to 8"),
-])
-def test_fused_quantization_bad_calls_raise_clear_errors(bad, match):
-    gen = torch.Generator().manual_seed(2)
-    x = random_activations(5, 256, gen).to(DEVICE)
-    _, w, ws = random_layer(32, 256, gen)
-    with pytest.raises(UserInputError, match=match):
-        bad(x, w.to(DEVICE), ws.to(DEVICE))

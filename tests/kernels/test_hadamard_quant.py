@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from mosaicquant import settings
 from mosaicquant.errors import UserInputError
 from mosaicquant.kernels import hadamard_quant
 from mosaicquant.kernels.act_quant import split8_width
@@ -117,9 +118,8 @@ def test_triton_launcher_refuses_a_transform_it_cannot_fuse():
 
 @needs_triton()
 @pytest.mark.parametrize("kernel", [None, "auto"])
-def test_the_automatic_choice_runs_the_reference_where_the_fused_kernel_cannot(kernel, monkeypatch):
+def test_the_automatic_choice_runs_the_reference_where_the_fused_kernel_cannot(kernel):
     # as the docstring says: only kernel="triton" refuses a dtype or transform the fused kernel does not take
-    monkeypatch.delenv("MOSAICQUANT_KERNEL", raising=False)
     gen = torch.Generator().manual_seed(4)
     for x, had in ((random_activations(3, 64, gen).float(), OnlineHadamard(64)),       # float32 input
                    (random_activations(3, 20, gen), OnlineHadamard(20))):             # 20 = 20 · 2^0
@@ -130,9 +130,8 @@ def test_the_automatic_choice_runs_the_reference_where_the_fused_kernel_cannot(k
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         with pytest.raises(UserInputError, match="the fused Hadamard"):
             hadamard_quantize(x, had, kernel="triton")
-    # a preference set in the environment is the caller's choice, as kernel="triton" is
-    monkeypatch.setenv("MOSAICQUANT_KERNEL", "triton")
-    with pytest.raises(UserInputError, match="bfloat16 or float16"):
+    # a preference in the settings is the caller's choice, as kernel="triton" is
+    with settings.use(kernel="triton"), pytest.raises(UserInputError, match="bfloat16 or float16"):
         hadamard_quantize(torch.randn(2, 64, device=DEVICE), OnlineHadamard(64).to(DEVICE))
 
 # --- several programs per token -------------------------------------------------------------

@@ -59,28 +59,27 @@ def test_joined_dot_gives_the_split_dots_bits(walk, m, n, k, block, opts):
     assert torch.equal(outs[0], outs[1])
 
 
-# Compiles the swapped GEMM at its prefill tiles for sm_90 (benchmarks/offline_regs.py's stand-in driver, in a
+# Compiles the swapped GEMM at its prefill tiles for sm_90 (tests/kernels/_offline.py's stand-in driver, in a
 # subprocess: the driver stays replaced there), dense and with each power-of-two walk, with and without the joined
 # dot, and prints one JSON line a compile with what its PTX holds.
 _COMPILE = r"""
-import importlib, json, sys, torch
-sys.path.insert(0, sys.argv[1])
-from offline_regs import _CompileOnlyDriver, compile_only
+import importlib, json, torch
+from _offline import CompileOnlyDriver, compile_only
 from triton.runtime.driver import driver
-driver.set_active(_CompileOnlyDriver())
+driver.set_active(CompileOnlyDriver())
 from mosaicquant.kernels import _tiles
 _tiles._sm_count = lambda device: 132
 wmod = importlib.import_module("mosaicquant.kernels.w4a4_gemm")
 wmod.triton_interpreting = lambda: False
 wmod.check_triton_device = lambda device: None
 compiled = compile_only(wmod, "_w4a4_swapped_kernel")
-from zipper import random_residual
+from _helpers import pow2_residual, random_residual
 from mosaicquant.methods.format import residual_shifts
 gen = torch.Generator().manual_seed(0)
 m, n, k = 2048, 1024, 1024
 qw = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
 ws = (torch.rand(n, generator=gen) * 0.01 + 0.001).to(torch.float16)
-res = random_residual(n, k, 0.25, torch.device("cpu"), gen, w_scale=ws, max_shift=3)
+res = pow2_residual(random_residual(n, k, (128, 128), 0.25, gen), ws, gen, max_shift=3)
 shifts = residual_shifts(res, ws)
 a = torch.zeros(m, k, dtype=torch.int8)
 for walk in (None, "shared", "merged"):

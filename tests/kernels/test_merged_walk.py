@@ -151,32 +151,3 @@ def test_quant_linear_runs_the_merged_walk_where_the_shifts_allow(monkeypatch):
                                 merged_packed.residual, merged_packed.bias, out_fp32=True)
     assert_close_bf16(got, ref, "QuantLinear, merged walk")
 
-
-@needs_triton()
-def test_quant_linear_runs_decode_calls_on_the_merged_walk_when_asked(monkeypatch):
-    # off by default (_tiles.SWAP_DECODE_MERGED_MIN_M 0: slower than ZipperEngine's packed kernels on the H200);
-    # set, calls in the swapped decode range take the swapped GEMM's decode tiles at 64-byte steps
-    import mosaicquant.kernels.quant_linear as ql
-    from mosaicquant.kernels import _tiles
-    from mosaicquant.kernels.quant_linear import QuantLinear
-
-    from ._helpers import pow2_layers
-
-    gen = torch.Generator().manual_seed(13)
-    n, k = 256, 512
-    _, packed, _ = pow2_layers(n, k, (64, 128), 0.3, gen, max_shift=3)
-    layer = QuantLinear(packed).to(DEVICE)
-    x = random_activations(24, k, gen).to(DEVICE)
-    assert layer.swap_route(24) is None
-    packed_route = layer(x)  # ZipperEngine's packed kernel
-    monkeypatch.setattr(_tiles, "SWAP_DECODE_MERGED_MIN_M", 17)
-    assert layer.swap_route(24) == "decode" and layer.swap_tiles(24)["block_kp"] == 64
-    assert layer.swap_route(16) is None  # below the threshold
-    calls = []
-    real = ql.w4a4_gemm_swapped_triton
-    monkeypatch.setattr(ql, "w4a4_gemm_swapped_triton", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-    got = layer(x)
-    assert calls and calls[0]["residual_walk"] == "merged" and calls[0]["block_kp"] == 64
-    assert_close_bf16(got, packed_route.float(), "QuantLinear, merged walk at decode tiles vs packed route")
-    monkeypatch.setattr(ql, "MERGED_WALK", False)
-    assert layer.swap_route(24) is None

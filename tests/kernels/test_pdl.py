@@ -1,8 +1,11 @@
 """Programmatic dependent launch: the switch, and (on a Hopper GPU) the same results with and without it."""
 
+import re
+
 import pytest
 import torch
 
+from mosaicquant import settings
 from mosaicquant.errors import UserInputError
 from mosaicquant.harness import shapes
 from mosaicquant.harness.context import QuantContext
@@ -11,12 +14,9 @@ from mosaicquant.harness.speedforms import executable, speed_form
 from mosaicquant.harness.suites.speed import fused_decode_step
 from mosaicquant.kernels import _common
 from mosaicquant.kernels._common import (
-    PDL_CHAIN_ENV_VAR,
     PDL_CHAIN_MAX_M,
-    PDL_ENV_VAR,
     chain_launch,
     chain_mode,
-    check_kernel_environment,
     gemm_pdl,
     pdl_supported,
     use_pdl,
@@ -25,7 +25,6 @@ from mosaicquant.kernels._tiles import (
     PDL_ANY_SIZE_MAX_M,
     PDL_MAX_M,
     PDL_MAX_WEIGHT_BYTES,
-    PREFETCH_ENV_VAR,
     PREFETCH_MIN_KP,
     pdl_default,
     pdl_launch,
@@ -40,52 +39,62 @@ from mosaicquant.registry import get_method
 from ._helpers import assert_close_bf16, random_activations, random_layer, random_residual
 
 
-def test_cpu_and_interpreter_never_use_pdl(monkeypatch):
-    monkeypatch.setenv(PDL_ENV_VAR, "1")
-    assert not pdl_supported(torch.device("cpu"))
-    assert not use_pdl(torch.device("cpu"), True)
+def test_cpu_and_interpreter_never_use_pdl():
+    with settings.use(pdl=True):
+        assert not pdl_supported(torch.device("cpu"))
+        assert not use_pdl(torch.device("cpu"), True)
     assert pdl_launch(False) == {} and pdl_launch(True) == {"launch_pdl": True}
 
 
-@pytest.mark.parametrize("env,arg,want", [("1", None, True), ("0", None, False), ("off", None, False),
-                                          ("0", True, True), ("1", False, False)])
-def test_switch_reads_argument_then_environment(monkeypatch, env, arg, want):
+@pytest.mark.parametrize("setting,arg,want", [(True, None, True), (False, None, False), ("off", None, False),
+                                              (False, True, True), (True, False, False)])
+def test_switch_reads_argument_then_settings(monkeypatch, setting, arg, want):
     monkeypatch.setattr(_common, "pdl_supported", lambda device: True)
-    monkeypatch.setenv(PDL_ENV_VAR, env)
-    assert use_pdl(torch.device("cuda"), arg) is want
+    with settings.use(pdl=setting):
+        assert use_pdl(torch.device("cuda"), arg) is want
+    assert use_pdl(torch.device("cuda")) is True  # the default once the block ends
 
 
-@pytest.mark.parametrize("env,want", [("off", 1), ("on", 2), (" On ", 2), ("", 2)])
-def test_chain_mode_reads_the_environment(monkeypatch, env, want):
+@pytest.mark.parametrize("chain,want", [("off", 1), ("on", 2), (" On ", 2)])
+def test_chain_mode_reads_the_settings(monkeypatch, chain, want):
     monkeypatch.setattr(_common, "pdl_supported", lambda device: True)
-    monkeypatch.setenv(PDL_ENV_VAR, "1")
-    monkeypatch.setenv(PDL_CHAIN_ENV_VAR, env)
-    assert chain_mode(torch.device("cuda"), PDL_CHAIN_MAX_M) == want
-    assert chain_launch(want) == ({"launch_pdl": True} if want >= 2 else {})
-    assert chain_mode(torch.device("cuda"), PDL_CHAIN_MAX_M + 1) == 1  # larger launches keep the plain pairs
+    with settings.use(settings.KernelSettings(pdl=True, pdl_chain=chain)):
+        assert chain_mode(torch.device("cuda"), PDL_CHAIN_MAX_M) == want
+        assert chain_launch(want) == ({"launch_pdl": True} if want >= 2 else {})
+        assert chain_mode(torch.device("cuda"), PDL_CHAIN_MAX_M + 1) == 1  # larger launches keep the plain pairs
+    assert chain_mode(torch.device("cuda"), 1) == 2  # the default chain
 
 
 def test_gemms_signal_their_successor_only_inside_the_chain(monkeypatch):
     monkeypatch.setattr(_common, "pdl_supported", lambda device: True)
-    monkeypatch.setenv(PDL_ENV_VAR, "1")
     cuda = torch.device("cuda")
-    monkeypatch.setenv(PDL_CHAIN_ENV_VAR, "on")
-    assert gemm_pdl(cuda, 4, True) == 2 and gemm_pdl(cuda, 4, False) == 0
-    assert gemm_pdl(cuda, PDL_CHAIN_MAX_M + 1, True) == 1  # waits, but lets nothing start early
-    monkeypatch.setenv(PDL_CHAIN_ENV_VAR, "off")  # v6: back-to-back GEMMs do not overlap
-    assert gemm_pdl(cuda, 4, True) == 1
+    with settings.use(pdl=True, pdl_chain="on"):
+        assert gemm_pdl(cuda, 4, True) == 2 and gemm_pdl(cuda, 4, False) == 0
+        assert gemm_pdl(cuda, PDL_CHAIN_MAX_M + 1, True) == 1  # waits, but lets nothing start early
+    with settings.use(pdl=True, pdl_chain="off"):  # v6: back-to-back GEMMs do not overlap
+        assert gemm_pdl(cuda, 4, True) == 1
 
 
-def test_chain_mode_is_nothing_without_pdl_and_names_a_bad_mode(monkeypatch):
-    monkeypatch.setenv(PDL_CHAIN_ENV_VAR, "on")
+def test_chain_mode_is_nothing_without_pdl(monkeypatch):
     assert chain_mode(torch.device("cpu"), 1) == 0 and chain_launch(0) == {}
     monkeypatch.setattr(_common, "pdl_supported", lambda device: True)
-    monkeypatch.setenv(PDL_ENV_VAR, "0")
-    assert chain_mode(torch.device("cuda"), 1) == 0  # PDL off turns the chain off too
-    monkeypatch.setenv(PDL_ENV_VAR, "1")
-    monkeypatch.setenv(PDL_CHAIN_ENV_VAR, "sideways")
-    with pytest.raises(UserInputError, match="MOSAICQUANT_PDL_CHAIN='sideways'.*off, on"):
-        chain_mode(torch.device("cuda"), 1)
+    with settings.use(pdl=False, pdl_chain="on"):
+        assert chain_mode(torch.device("cuda"), 1) == 0  # PDL off turns the chain off too
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("kernel", "cuda", "kernel='cuda' is not allowed: choose one of 'auto', 'triton', 'torch'"),
+    ("pdl_chain", "sideways", "pdl_chain='sideways' is not allowed: choose one of 'off', 'on'"),
+    ("pdl", "maybe", "pdl='maybe' is not a boolean"),
+    ("prefetch_mib", "-1", "prefetch_mib=-1.0 is out of range: allowed numbers >= 0"),
+    ("prefetch_mib", "lots", "prefetch_mib='lots' is not a number"),
+    ("attn_kv4_minmax", "both", "attn_kv4_minmax='both' is not allowed: choose one of 'four', 'pairs', 'joined'"),
+])
+def test_bad_settings_are_refused_with_the_allowed_values(field, value, message):
+    with pytest.raises(UserInputError, match=re.escape(message)):
+        settings.KernelSettings.from_dict({field: value})
+    with pytest.raises(UserInputError, match="has no option 'pdl_mode'"):
+        settings.KernelSettings.from_dict({"pdl_mode": "on"})
 
 
 def test_default_covers_small_m_and_prefetches_long_rows_that_fit_l2():
@@ -110,38 +119,21 @@ def test_prefetch_cap_shares_the_bytes_between_rows_and_splits():
         prefetch_row_bytes(1, 1, 1, -1.0)
 
 
-@pytest.mark.parametrize("var,value,message", [
-    ("MOSAICQUANT_KERNEL", "cuda", "MOSAICQUANT_KERNEL='cuda' is not allowed: choose one of auto, triton, torch"),
-    ("MOSAICQUANT_PDL_CHAIN", "early", "MOSAICQUANT_PDL_CHAIN='early' is not allowed: choose one of off, on"),
-    ("MOSAICQUANT_PREFETCH_MIB", "-1", "MOSAICQUANT_PREFETCH_MIB='-1' is not allowed: a number of MiB >= 0"),
-    ("MOSAICQUANT_PREFETCH_MIB", "lots", "MOSAICQUANT_PREFETCH_MIB='lots' is not allowed"),
-])
-def test_kernel_environment_is_checked_up_front(monkeypatch, var, value, message):
-    for v in ("MOSAICQUANT_KERNEL", "MOSAICQUANT_PDL_CHAIN", "MOSAICQUANT_PREFETCH_MIB"):
-        monkeypatch.delenv(v, raising=False)
-    check_kernel_environment()  # the defaults pass
-    monkeypatch.setenv(var, value)
-    with pytest.raises(UserInputError, match=message):
-        check_kernel_environment()
-
-
-def test_launcher_default_cap_applies_without_the_environment(monkeypatch):
-    monkeypatch.delenv(PREFETCH_ENV_VAR, raising=False)
+def test_launcher_default_cap_applies_without_a_setting():
+    assert settings.current().prefetch_mib is None
     # the dense GEMM's 8 MiB cap over 12 MiB of q/k/v: two thirds of each row
     assert prefetch_row_bytes(6144, 2048, 1, None, 8.0) == 8 * 2**20 // 6144
     assert prefetch_row_bytes(4096, 2048, 2, None, 8.0) == 1024  # 8 MiB o_proj over 2 splits: each its half
     assert prefetch_row_bytes(6144, 2048, 1, 0, 8.0) == 0  # an argument wins
 
 
-def test_prefetch_cap_from_the_environment(monkeypatch):
-    monkeypatch.setenv(PREFETCH_ENV_VAR, "24")
-    assert prefetch_row_bytes(28672, 2048, 1, None) == 24 * 2**20 // 28672  # in place of the default's 0
-    assert prefetch_row_bytes(6144, 2048, 2, None) == 2048  # 12 MiB: under the cap, the whole slices
-    assert prefetch_row_bytes(6144, 2048, 2, 0) == 0  # an argument still wins
-    assert prefetch_row_bytes(6144, 2048, 2, None, 8.0) == 2048  # and the environment beats a launcher default
-    monkeypatch.setenv(PREFETCH_ENV_VAR, "lots")
-    with pytest.raises(UserInputError, match="MOSAICQUANT_PREFETCH_MIB='lots'"):
-        prefetch_row_bytes(6144, 2048, 2, None)
+def test_prefetch_cap_from_the_settings():
+    with settings.use(prefetch_mib=24):
+        assert prefetch_row_bytes(28672, 2048, 1, None) == 24 * 2**20 // 28672  # in place of the default's 0
+        assert prefetch_row_bytes(6144, 2048, 2, None) == 2048  # 12 MiB: under the cap, the whole slices
+        assert prefetch_row_bytes(6144, 2048, 2, 0) == 0  # an argument still wins
+        assert prefetch_row_bytes(6144, 2048, 2, None, 8.0) == 2048  # and the setting beats a launcher default
+    assert prefetch_row_bytes(28672, 2048, 1, None) == 0  # the block's cap is gone after it
 
 
 def _hopper() -> bool:
@@ -200,10 +192,9 @@ def test_every_chain_mode_gives_the_same_decode_step_in_a_cuda_graph(monkeypatch
     for batch in (1, 4, 8, 32):
         logits = {}
         for mode in ("plain", "off", "on"):
-            monkeypatch.setenv(PDL_ENV_VAR, "0" if mode == "plain" else "1")
-            monkeypatch.setenv(PDL_CHAIN_ENV_VAR, "off" if mode == "plain" else mode)
+            chosen = settings.KernelSettings(pdl=mode != "plain", pdl_chain="off" if mode == "plain" else mode)
             torch.manual_seed(batch)
-            with torch.no_grad():
+            with torch.no_grad(), settings.use(chosen):
                 step = fused_decode_step(dec, batch, 40)
                 step()  # compile outside the capture
                 torch.cuda.synchronize()

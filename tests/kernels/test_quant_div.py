@@ -20,6 +20,8 @@ from ._helpers import DEVICE, needs_triton
 # quant_div's range guard in its "fma" mode
 GUARD_LO, GUARD_HI, GUARD_F = (float(c.value) for c in (_tl._GUARD_LO, _tl._GUARD_HI, _tl._GUARD_UP))
 assert _tl._GUARD_DOWN.value == 1 / GUARD_F
+# the form that runs here: the float64 product on the interpreter, the two-FMA correction compiled
+_FORM = "fp64" if _tl._QDIV_FP64.value else "fma"
 
 
 @triton.jit
@@ -75,11 +77,11 @@ def test_quant_div_is_ieee_division(seed):
     _quant_div_kernel[(triton.cdiv(len(x), block),)](xt.to(DEVICE), st.to(DEVICE), out, len(x), BLOCK=block)
     out = out.cpu()
     # The integers are what the quantizers keep; every normal quotient must be the IEEE one itself.
-    assert torch.equal(torch.round(out), torch.round(expect)), f"mode {_tl.QUANT_DIV}: integers differ"
+    assert torch.equal(torch.round(out), torch.round(expect)), f"form {_FORM}: integers differ"
     # Quotients from 1/4 up must be the IEEE ones themselves (smaller ones round to 0 either way).
     large = expect.abs() >= 0.25
     bad = (out != expect) & large
-    assert not bad.any(), (f"mode {_tl.QUANT_DIV}: {int(bad.sum())} of {int(large.sum())} quotients differ, "
+    assert not bad.any(), (f"form {_FORM}: {int(bad.sum())} of {int(large.sum())} quotients differ, "
                            f"e.g. x={x[bad.numpy()][:3]} s={s[bad.numpy()][:3]}")
     assert (out[~large].abs() < 0.5).all()
     assert large.sum() > 0.8 * len(x)

@@ -54,11 +54,10 @@ def test_quantize_int4_is_clamped_round_half_even():
 
 
 _COMPILE = r"""
-import importlib, json, sys, torch
-sys.path.insert(0, sys.argv[1])
-from offline_regs import _CompileOnlyDriver, compile_only
+import importlib, json, torch
+from _offline import CompileOnlyDriver, compile_only
 from triton.runtime.driver import driver
-driver.set_active(_CompileOnlyDriver())
+driver.set_active(CompileOnlyDriver())
 aq = importlib.import_module("mosaicquant.kernels.act_quant")
 hq = importlib.import_module("mosaicquant.kernels.hadamard_quant")
 from mosaicquant.methods.hadamard import OnlineHadamard

@@ -146,27 +146,6 @@ def test_shift_unpack_ptx_gives_each_nibble_times_two_to_the_four_minus_j(hi):
 
 
 @needs_triton()
-def test_quant_linear_runs_pow2_residual_layers_on_the_shared_walk(monkeypatch):
-    gen = torch.Generator().manual_seed(11)
-    n, k = 256, 512
-    _, packed, free_packed = pow2_layers(n, k, (64, 128), 0.3, gen)
-    layer = QuantLinear(packed).to(DEVICE)
-    free = QuantLinear(free_packed).to(DEVICE)
-    assert layer.res_shifts is not None and free.res_shifts is None
-    x = random_activations(24, k, gen).to(DEVICE)
-    packed_route = layer(x)  # 24 tokens: ZipperEngine's packed kernel
-    monkeypatch.setattr(_tiles, "SWAP_DECODE_SHARED_MIN_M", 17)
-    assert layer.swap_route(24) == "decode" and free.swap_route(24) is None
-    calls = []
-    import mosaicquant.kernels.quant_linear as ql
-    real = ql.w4a4_gemm_swapped_triton
-    monkeypatch.setattr(ql, "w4a4_gemm_swapped_triton", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-    swapped = layer(x)
-    assert calls and calls[0]["residual_walk"] == "shared"
-    assert_close_bf16(swapped, packed_route.float(), "QuantLinear, shared walk at decode tiles vs packed route")
-
-
-@needs_triton()
 @pytest.mark.parametrize("m,n,k,opts,rem", [
     # 130 rows in 64-row tiles x 67 tokens in 16-token tiles: 15 tiles, 8 programs at once on the
     # interpreter's 4 "SMs": 8 tiles whole, the last 7 split 2 ways (K = 1000: ragged last step)

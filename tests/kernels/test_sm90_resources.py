@@ -5,7 +5,7 @@ every CPU test and still not launch on the GPU: the fused Hadamard quantizer ask
 memory for Qwen3-14B's and Qwen3-32B's down_proj inputs (17408, 25600) until it folded a Sylvester
 level into registers (``benchmarks/NOTES.md`` v32). Here every online-Hadamard size of the SPEC's
 model shapes, at every split a token may take, is compiled for ``GPUTarget("cuda", 90, 32)`` through
-a stand-in driver (``benchmarks/offline_regs.py``'s method), in a subprocess (the driver stays replaced
+a stand-in driver (``tests/kernels/_offline.py``), in a subprocess (the driver stays replaced
 there), and its shared memory is checked against the SM's limit.
 """
 
@@ -25,15 +25,14 @@ SM90_MAX_SHARED = 232448
 # one JSON line per compile: its shared memory, or the compiler's error.
 _COMPILE = r"""
 import importlib, json, sys, torch
-sys.path.insert(0, sys.argv[1])
-from offline_regs import _CompileOnlyDriver, compile_only
+from _offline import CompileOnlyDriver, compile_only
 from triton.runtime.driver import driver
-driver.set_active(_CompileOnlyDriver())
+driver.set_active(CompileOnlyDriver())
 hq = importlib.import_module("mosaicquant.kernels.hadamard_quant")
 from mosaicquant.methods.hadamard import OnlineHadamard
 compiled = compile_only(hq, "_hadamard_quant_kernel")
 hq.triton_interpreting = lambda: False  # the GPU's 16-bit dots, not the interpreter's fp32 stand-ins
-for n, p, layout, gated in json.loads(sys.argv[2]):
+for n, p, layout, gated in json.loads(sys.argv[1]):
     had = OnlineHadamard(n)
     x = torch.zeros(4, 2 * n if gated else n, dtype=torch.bfloat16)
     q = torch.zeros(4, n, dtype=torch.int8)

@@ -187,7 +187,7 @@ def test_wide_dense_layers_take_unsplit_wide_tiles_at_decode_sizes(monkeypatch):
 
 
 def test_decode_tile_depths_are_read_when_tiles_are_picked(monkeypatch):
-    # WIDE_DECODE_STAGES / WIDE_DECODE_BLOCK_KP / DECODE_STAGES: benchmarks/decode_depth.py varies them per call
+    # WIDE_DECODE_STAGES / WIDE_DECODE_BLOCK_KP / DECODE_STAGES: benchmarks/kernels/decode_depth.py varies them per call
     from mosaicquant.kernels import _tiles
 
     monkeypatch.setattr(_tiles, "_sm_count", lambda device: 132)

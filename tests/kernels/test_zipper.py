@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from mosaicquant import settings
 from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._tiles import TileConfig, fit_to_blocks
 from mosaicquant.kernels.act_quant import quantize_activations_reference
@@ -363,30 +364,6 @@ def test_dp4a_residual_walk_refuses_what_it_cannot_take():
         zipper_gemm_triton(*args, residual_walk="fp8")
 
 
-def test_register_cap_is_a_launch_option_only_where_set():
-    from mosaicquant.kernels._tiles import maxnreg_launch
-
-    assert maxnreg_launch(0) == {} and maxnreg_launch(80) == {"maxnreg": 80}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("gated", [False, True])
-def test_parallel_kernel_under_a_register_cap_writes_the_same_bits(monkeypatch, gated):
-    # PARALLEL_MAXNREG only changes how ptxas allocates registers (spills at worst), never a result
-    from mosaicquant.kernels import _tiles
-
-    m, n, k, block = 8, 512, 1024, (128, 128)
-    a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, 0.2, seed=41)
-    args = (a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k, _dev(residual),
-            bias.to(DEVICE))
-    wide = TileConfig(block_m=16, block_n=128, block_kp=128, num_warps=8, num_stages=3)
-    outs = {}
-    for cap in (0, 64):
-        monkeypatch.setattr(_tiles, "PARALLEL_MAXNREG", cap)
-        outs[cap] = zipper_gemm_triton(*args, mode="parallel_rows", config=wide, gated=gated)
-    assert torch.equal(outs[0], outs[64]), f"{(outs[0] != outs[64]).sum()} of {outs[0].numel()} differ"
-
-
 @needs_triton()
 @pytest.mark.parametrize("mode,m", [("tail", 8), ("tail", 24), ("parallel_rows", 8)])
 def test_walk_pipelining_depth_writes_the_same_bits(monkeypatch, mode, m):
@@ -454,7 +431,7 @@ def _spy_kernel_constant(monkeypatch, name):
 @pytest.mark.parametrize("m,split,preload,k,fraction", [(8, 2, True, 1000, 0.3), (8, 2, True, 2000, 0.6),
                                                         (13, 3, False, 2000, 0.6)])
 def test_walk_scales_ahead_writes_the_same_bits(monkeypatch, m, split, preload, k, fraction):
-    # WALK_SCALES_AHEAD loads each kept block's row scales a block ahead: programs that walk no block (a row with fewer
+    # walk_scales_ahead (KernelSettings) loads each kept block's row scales a block ahead: programs that walk no block (a row with fewer
     # blocks than splits) or several, with and without the first block preloaded (the walk then starts a block on)
     from mosaicquant.kernels import _tiles
 
@@ -472,8 +449,8 @@ def test_walk_scales_ahead_writes_the_same_bits(monkeypatch, m, split, preload, 
     monkeypatch.setattr(_tiles, "WALK_PRELOAD_MAX_M", m if preload else 0)
     outs = {}
     for ahead in (False, True):
-        monkeypatch.setattr(_tiles, "WALK_SCALES_AHEAD", ahead)
-        outs[ahead] = zipper_gemm_triton(*args, mode="tail", config=config, residual_walk="dot")
+        with settings.use(walk_scales_ahead=ahead):
+            outs[ahead] = zipper_gemm_triton(*args, mode="tail", config=config, residual_walk="dot")
         assert_close_bf16(outs[ahead], ref, f"zipper tail, scales ahead={ahead}")
     assert torch.equal(outs[False], outs[True]), f"{(outs[False] != outs[True]).sum()} differ"
 
@@ -485,16 +462,16 @@ def test_walk_scales_ahead_applies_below_the_staged_walks(monkeypatch):
     from mosaicquant.kernels import _tiles
 
     seen = _spy_kernel_constant(monkeypatch, "WALK_SCALES_AHEAD")
-    assert _tiles.WALK_SCALES_AHEAD is False
+    assert settings.current().walk_scales_ahead is False
     n, k, block = 256, 512, (128, 128)
     cases = [(8, "dot", True), (_tiles.WALK_STAGES_MIN_M - 1, "dot", True), (_tiles.WALK_STAGES_MIN_M, "dot", False),
              (4, "dp4a", False)]
     for switch in (False, True):
-        monkeypatch.setattr(_tiles, "WALK_SCALES_AHEAD", switch)
         for m, walk, expected in cases:
             a_packed, a_scale, qweight, w_scale, residual, _ = _case(m, n, k, block, 0.3, seed=m)
-            zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
-                               _dev(residual), mode="tail", residual_walk=walk)
+            with settings.use(walk_scales_ahead=switch):
+                zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE),
+                                   k, _dev(residual), mode="tail", residual_walk=walk)
             assert seen[-1] is (expected and switch), (switch, m, walk, seen[-1])
 
 

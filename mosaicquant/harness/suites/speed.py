@@ -38,6 +38,11 @@ is recorded as unavailable with the reason, never timed on a stand-in. The recor
     * ``step_ms/prefill`` and ``step_ms/decode_b{B}``: the same measurements as
       ``throughput`` as step times.
 
+Both take the kernels' user-facing settings as options (:class:`mosaicquant.settings.KernelSettings`):
+``pdl`` (programmatic dependent launch, default on), ``pdl_chain`` (``on`` / ``off``) and
+``prefetch_mib`` (the L2 prefetch cap of PDL GEMM launches; default: each launcher's own), for
+example ``--suites throughput:pdl=false``; the timings run with them in force.
+
 Spreads are half the interquartile range of the replays. Token values are random (speed
 does not depend on them).
 """
@@ -48,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mosaicquant import settings
 from mosaicquant.config import Config, check_range
 from mosaicquant.errors import Unavailable, UserInputError
 from mosaicquant.harness.floor import decode_bytes, floor_fraction, measure_ceilings, module_bytes, prefill_flops, \
@@ -102,6 +108,8 @@ class ThroughputConfig(Config):
             token, mean power), after the timed replays.
         runtime: decoder code around the linears: ``auto``, ``fused`` or ``transformers``
             (:data:`mosaicquant.harness.runtime.RUNTIMES`).
+        pdl, pdl_chain, prefetch_mib: the kernels' settings of these names in force while timing
+            (:class:`mosaicquant.settings.KernelSettings`).
     """
 
     description = "prefill tokens/s and CUDA-graph decode tokens/s at batch 4-32, with NVML energy (GPU)"
@@ -114,9 +122,13 @@ class ThroughputConfig(Config):
     cuda_graphs: bool = True
     energy_s: float = 2.0
     runtime: str = "auto"
+    pdl: bool = True
+    pdl_chain: str = "on"
+    prefetch_mib: float | None = None
 
     def validate(self):
         _check_runtime(self.runtime)
+        self.set_canonical("pdl_chain", kernel_settings(self).pdl_chain)
         check_range("energy_s", self.energy_s, 0.1, 600.0)
         check_range("prefill_len", self.prefill_len, 1, None, integer=True)
         check_range("prefill_batch", self.prefill_batch, 1, None, integer=True)
@@ -137,6 +149,7 @@ class LatencyConfig(Config):
         prefill_len, batches, context: as in ``throughput`` (end-to-end steps).
         replays: timed repetitions.
         runtime: decoder code of the end-to-end steps, as in ``throughput``.
+        pdl, pdl_chain, prefetch_mib: the kernels' settings, as in ``throughput``.
     """
 
     description = "per-linear-layer latency over M = 1..8192 and end-to-end step latency (GPU, CUDA graphs)"
@@ -150,9 +163,13 @@ class LatencyConfig(Config):
     context: int = 512
     replays: int = 11
     runtime: str = "auto"
+    pdl: bool = True
+    pdl_chain: str = "on"
+    prefetch_mib: float | None = None
 
     def validate(self):
         _check_runtime(self.runtime)
+        self.set_canonical("pdl_chain", kernel_settings(self).pdl_chain)
         _check_ints("ms", self.ms)
         for g in self.groups:
             if g not in LINEAR_GROUPS:
@@ -162,6 +179,16 @@ class LatencyConfig(Config):
         _check_ints("batches", self.batches)
         check_range("context", self.context, 1, None, integer=True)
         check_range("replays", self.replays, 3, None, integer=True)
+
+
+def kernel_settings(config: ThroughputConfig | LatencyConfig) -> settings.KernelSettings:
+    """The kernel settings a speed suite's options name (the others as in force).
+
+    Raises:
+        UserInputError: a value the settings refuse (naming it and the allowed values).
+    """
+    return settings.KernelSettings.from_dict({**settings.current().to_dict(), "pdl": config.pdl,
+                                              "pdl_chain": config.pdl_chain, "prefetch_mib": config.prefetch_mib})
 
 
 def _require_cuda(device: torch.device, suite: str) -> None:
@@ -329,6 +356,11 @@ def _prepare(model, ctx, suite: str, graphs: bool = True, runtime: str | None = 
 @register_suite("throughput", config=ThroughputConfig, description=ThroughputConfig.description)
 def throughput(model, config: ThroughputConfig, ctx):
     """Prefill and decode tokens/s of the executable model on the GPU."""
+    with settings.use(kernel_settings(config)):
+        return _throughput(model, config, ctx)
+
+
+def _throughput(model, config: ThroughputConfig, ctx):
     decoder = _prepare(model, ctx, "throughput", config.cuda_graphs, config.runtime)
     device = ctx.device
     metrics: dict[str, Metric] = {}
@@ -371,6 +403,11 @@ def throughput(model, config: ThroughputConfig, ctx):
 @register_suite("latency", config=LatencyConfig, description=LatencyConfig.description)
 def latency(model, config: LatencyConfig, ctx):
     """Per-linear-layer latency over M and end-to-end step latency on the GPU."""
+    with settings.use(kernel_settings(config)):
+        return _latency(model, config, ctx)
+
+
+def _latency(model, config: LatencyConfig, ctx):
     decoder = _prepare(model, ctx, "latency", runtime=config.runtime if config.steps else None)
     device = ctx.device
     metrics: dict[str, Metric] = {}

@@ -1,0 +1,126 @@
+"""The kernels' settings: one typed, validated object in place of environment variables.
+
+:class:`KernelSettings` holds every choice of the kernels that is not fixed by the operands'
+shapes and device: which backend runs (Triton or the PyTorch reference), programmatic dependent
+launch (PDL) and how far its chain reaches, the L2 prefetch cap, and the kernel forms that are
+candidates still being timed (off by default). The launchers read the settings in force when
+they are called; :func:`use` puts settings in force for a block of code (and only for it, in the
+current thread or task), :func:`current` returns them.
+
+Example:
+    >>> from mosaicquant import settings
+    >>> settings.current().pdl
+    True
+    >>> with settings.use(settings.KernelSettings(pdl=False, prefetch_mib=8)):
+    ...     settings.current().prefetch_mib
+    8.0
+    >>> settings.current().prefetch_mib is None
+    True
+
+The speed suites take the user-facing fields as options (``throughput:pdl=false``,
+``latency:prefetch_mib=8``) and run their timings inside :func:`use`; benchmarks and tests
+choose variants the same way, never by assigning module constants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+
+from mosaicquant.config import Config, check_choice, check_range
+from mosaicquant.errors import UserInputError
+
+__all__ = ["KERNEL_PREFERENCES", "PDL_CHAINS", "KV4_MINMAX_FORMS", "KernelSettings", "current", "use"]
+
+#: backends a kernel call may prefer: ``auto`` (Triton where it can run, else the reference), ``triton``, ``torch``
+KERNEL_PREFERENCES = ("auto", "triton", "torch")
+#: how far programmatic dependent launch reaches in the decode step (``mosaicquant.kernels._common.chain_mode``)
+PDL_CHAINS = ("off", "on")
+#: the 4-bit KV-cache quantizer's forms of its row extremes (``mosaicquant.kernels.decoder``)
+KV4_MINMAX_FORMS = ("four", "pairs", "joined")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSettings(Config):
+    """Choices of the kernels that shapes and device leave open.
+
+    Attributes:
+        kernel: ``"auto"`` (Triton on a CUDA device or under ``TRITON_INTERPRET=1``, else the
+            PyTorch reference), ``"triton"`` or ``"torch"``; a kernel call's own ``kernel=``
+            argument wins over it.
+        pdl: programmatic dependent launch where the device has it (compiled Triton on sm_90+).
+        pdl_chain: ``"on"`` (every kernel of a decode step of at most 8 tokens chained by PDL)
+            or ``"off"`` (only the activation kernels let the GEMM after them start early).
+        prefetch_mib: a cap (MiB) on what every PDL GEMM launch prefetches into L2, in place of
+            each launcher's default; ``None``: the launchers' defaults; ``0``: no prefetch.
+        walk_scales_ahead: ZipperEngine's tail walk loads each kept block's row scales a block
+            ahead (a candidate, off).
+        attn_kv4_zdot: the 4-bit-cache attention sums its zero-point term by a dot (a candidate, off).
+        attn_kv4_pw_once: the 4-bit-cache attention converts the rounded ``p·s`` to the dots'
+            dtype once a step (a candidate, off).
+        attn_kv4_minmax: the 4-bit cache quantizer's row extremes, one of
+            :data:`KV4_MINMAX_FORMS`; ``None``: ``"pairs"`` compiled, and ``"four"`` (the same
+            bits) on Triton's interpreter, which runs a reduction with its own combine function
+            element by element in Python. A form named here runs as named everywhere.
+
+    Raises:
+        UserInputError: a value outside its allowed set, naming the value and the set.
+    """
+
+    description = "kernel backend, programmatic dependent launch, L2 prefetch and candidate kernel forms"
+
+    kernel: str = "auto"
+    pdl: bool = True
+    pdl_chain: str = "on"
+    prefetch_mib: float | None = None
+    walk_scales_ahead: bool = False
+    attn_kv4_zdot: bool = False
+    attn_kv4_pw_once: bool = False
+    attn_kv4_minmax: str | None = None
+
+    def validate(self) -> None:
+        kernel = self.kernel.strip().lower()
+        check_choice("kernel", kernel, KERNEL_PREFERENCES)
+        self.set_canonical("kernel", kernel)
+        chain = self.pdl_chain.strip().lower()
+        check_choice("pdl_chain", chain, PDL_CHAINS)
+        self.set_canonical("pdl_chain", chain)
+        if self.prefetch_mib is not None:
+            check_range("prefetch_mib", self.prefetch_mib, 0, None)
+        if self.attn_kv4_minmax is not None:
+            check_choice("attn_kv4_minmax", self.attn_kv4_minmax, KV4_MINMAX_FORMS)
+
+
+_DEFAULT = KernelSettings()
+_CURRENT: contextvars.ContextVar[KernelSettings] = contextvars.ContextVar("mosaicquant_kernel_settings",
+                                                                          default=_DEFAULT)
+
+
+def current() -> KernelSettings:
+    """The settings in force here: those of the innermost :func:`use`, else the defaults."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def use(settings: KernelSettings | None = None, **changes) -> Iterator[KernelSettings]:
+    """Put ``settings`` (default: those in force), with ``changes`` applied, in force for the block.
+
+    Example: ``with use(pdl=False): ...`` runs the block's launches without PDL; the settings
+    before come back when the block ends, also on an exception.
+
+    Raises:
+        UserInputError: ``settings`` not a :class:`KernelSettings`, or a change the settings refuse.
+    """
+    if settings is None:
+        settings = current()
+    elif not isinstance(settings, KernelSettings):
+        raise UserInputError(f"settings must be a KernelSettings, got {type(settings).__name__}")
+    if changes:
+        settings = KernelSettings.from_dict({**settings.to_dict(), **changes})
+    token = _CURRENT.set(settings)
+    try:
+        yield settings
+    finally:
+        _CURRENT.reset(token)
