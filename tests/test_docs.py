@@ -11,6 +11,7 @@ registry and the parser have.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 import shlex
@@ -246,3 +247,37 @@ def test_cli_md_names_every_run_option(capsys):
     for option in options:
         if option != "--help":
             assert f"`{option}" in text, f"docs/cli.md does not name run's {option}"
+
+
+def _default_text(value) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def test_config_md_defaults_are_the_configs_defaults(listing):
+    from mosaicquant.harness.spec import parse_plugin_spec
+
+    sections = _sections((REPO / "docs" / "config.md").read_text(encoding="utf-8"))
+    kinds = {}
+    kind = None
+    for line in listing.splitlines():
+        if line in ("methods:", "suites:"):
+            kind = line[:-2]
+        elif not line.startswith("  "):
+            kind = None
+        elif kind:
+            kinds[line.split()[0]] = kind
+    assert "mosaicquant" in kinds and "accuracy" in kinds, kinds
+    for name, kind in kinds.items():
+        config = parse_plugin_spec(name, kind).config
+        for field in dataclasses.fields(config):
+            row = re.search(rf"^\| `{field.name}` \| `([^`]*)` \|", sections[name], re.M)
+            assert row, f"docs/config.md: {name!r} has no row for {field.name!r}"
+            assert row.group(1) == _default_text(getattr(config, field.name)), (
+                f"docs/config.md: {name}.{field.name} default {row.group(1)!r}, "
+                f"the config says {_default_text(getattr(config, field.name))!r}")
