@@ -1,12 +1,12 @@
-"""The documentation against the code: README.md's size, every relative link of README.md and docs/*.md,
-and the commands they quote.
+"""The documentation against the code: README.md's size, every relative link (and anchor) of README.md,
+docs/*.md and benchmarks/results/README.md, the record sets and scripts they cite, and the commands they quote.
 
 Commands are read from the pages' ``bash`` blocks. The cheap ones run as written, in this process
 (``python -m mosaicquant`` is :func:`mosaicquant.harness.cli.main`): every ``--help``, ``ls``, ``report`` of a
 committed record set (its outputs redirected to a temporary folder, the set only read), ``compare`` of two
 committed sets and a plain ``fingerprint``. The expensive ones (a sweep, a GPU run) are parsed as the CLI parses
-them, up to the validated run spec, without running. ``config.md`` and ``cli.md`` must name every option the
-registry and the parser have.
+them, up to the validated run spec, without running. ``config.md`` must list every option of every method and
+suite with the config's default, and ``cli.md`` every option of ``run``.
 """
 
 from __future__ import annotations
