@@ -3,6 +3,7 @@
 #   tests   - every kernel test compiled on the GPU
 #   kernels - the ZipperEngine table at the Llama-3-8B linears, M = 1 ... 8192, against BF16 in one run
 #   forms   - the untimed kernel forms (4-bit attention forms, tail-walk scales ahead)
+#   nan     - the NaN-propagating quantizers and range-checked decode kernels against their old forms
 #   suite   - the throughput suite on the Llama-3-8B shapes, every method with a speed form
 # Logs and records go to OUT (default ./results/gpu_queue); a short table is printed last.
 set -uo pipefail
@@ -22,9 +23,11 @@ case $step in
       --forms joined,zdot,pw_once --rounds 3 --out "$out/attn" 2>&1 | tee "$out/attn.log" | tail -25
     python3 benchmarks/kernels/decode_depth.py --ms 5,8,12,16 --variants base,sahead --rounds 3 --out "$out/depth" 2>&1 \
       | tee "$out/depth.log" | tail -25 ;;
+  nan)
+    python3 benchmarks/kernels/nan_guard.py 2>&1 | tee "$out/nan_guard.log" | tail -40 ;;
   suite)
     python3 -m mosaicquant run --model llama-3-8b-shapes \
       --methods fp16,rtn,quarot,atom,mosaicquant,mosaicquant:budget=0 --suites throughput \
       --device cuda --dtype bfloat16 --report --out "$out/suite" 2>&1 | tee "$out/suite.log" | tail -60 ;;
-  *) echo "unknown step $step (tests, kernels, forms, suite)"; exit 2 ;;
+  *) echo "unknown step $step (tests, kernels, forms, nan, suite)"; exit 2 ;;
 esac

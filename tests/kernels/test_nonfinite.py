@@ -23,7 +23,6 @@ from mosaicquant.kernels.decoder import (
     rmsnorm_quant_reference,
     silu_mul_reference,
 )
-from mosaicquant.kernels.gemv import gemv_quantize_triton, gemv_triton
 from mosaicquant.kernels.hadamard_quant import hadamard_quantize_reference, hadamard_quantize_triton
 from mosaicquant.kernels.mixed_gemm import (
     MixedFormat,
@@ -195,24 +194,6 @@ def test_rmsnorm_quant_nonfinite_token_gets_nan_scale(layout):
     _assert_scales(scale, ref_scale, f"rmsnorm_quant {layout}")
     good = _good_rows(M)
     assert torch.equal(q.cpu()[good], ref_q[good])
-
-
-@needs_triton()
-def test_gemv_fused_quantization_nonfinite_token_gives_nan_row():
-    m, n, k = 6, 64, 256
-    x = _poisoned(m, k, seed=13)
-    gen = torch.Generator().manual_seed(2)
-    _, qweight, w_scale = random_layer(n, k, gen)
-    qweight, w_scale = qweight.to(DEVICE), w_scale.to(DEVICE)
-    tiles = dict(block_n=32, block_kw=32, split_k=1)
-    out = gemv_quantize_triton(x, qweight, w_scale, k, **tiles).float().cpu()
-    assert torch.isnan(out[sorted(BAD_ROWS)]).all(), out[sorted(BAD_ROWS)]
-    clean = x.clone()
-    clean[sorted(BAD_ROWS)] = 0
-    a_packed, a_scale = quantize_activations_triton(clean)
-    ref = gemv_triton(a_packed, a_scale, qweight, w_scale, k, **tiles).float().cpu()
-    good = _good_rows(m)
-    assert torch.equal(out[good], ref[good])
 
 
 @needs_triton()

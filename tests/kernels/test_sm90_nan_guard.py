@@ -1,7 +1,7 @@
 """The NaN-propagating quantizers and the range-checked decode kernels compile for sm_90, without a GPU.
 
 The interpreter runs numpy, not the GPU's instructions: here every changed kernel is compiled for
-``GPUTarget("cuda", 90, 32)`` through a stand-in driver (``benchmarks/offline_regs.py``'s method, in a
+``GPUTarget("cuda", 90, 32)`` through a stand-in driver (``tests/kernels/_offline.py``, in a
 subprocess), and its PTX is read: each quantizer's ranges use the NaN-propagating ``max.NaN`` (and
 ``min.NaN`` on the asymmetric grids), and each kernel that reads positions or lengths has its atomic OR
 of the fault word.
@@ -15,10 +15,9 @@ from ._helpers import ptxas_available, sm90_compile
 
 _COMPILE = r"""
 import importlib, json, sys, torch
-sys.path.insert(0, sys.argv[1])
-from offline_regs import _CompileOnlyDriver, compile_only
+from _offline import CompileOnlyDriver, compile_only
 from triton.runtime.driver import driver
-driver.set_active(_CompileOnlyDriver())
+driver.set_active(CompileOnlyDriver())
 names = ("act_quant", "decoder", "mixed_gemm", "gemv", "hadamard_quant", "_token_split")
 mods = {n: importlib.import_module(f"mosaicquant.kernels.{n}") for n in names}
 for m in mods.values():
@@ -61,9 +60,6 @@ case("rmsnorm_quant", "_rmsnorm_quant_kernel", lambda: dec.rmsnorm_quant(x, torc
 for sym in (True, False):
     fmt = mx.MixedFormat(k_lo=4096 - 128, k_hi=128, group_size=128, lo_symmetric=sym, hi_symmetric=sym)
     case(f"mixed act quant symmetric={sym}", "_mixed_act_quant_kernel", lambda: mx.mixed_act_quant_triton(x, fmt))
-case("gemv fused quantization", "_gemv_kernel",
-     lambda: gv.gemv_quantize_triton(torch.zeros(2, 4096, dtype=bf), torch.zeros(256, 2048, dtype=torch.uint8),
-                                     torch.ones(256), 4096))
 H, KV, D, L, B = 32, 8, 128, 64, 2
 qkv = torch.zeros(B, (H + 2 * KV) * D, dtype=bf)
 pos = torch.tensor([1, 2])
@@ -85,7 +81,7 @@ case("decode_attention", "_attn_split_kernel",
 
 QUANTIZERS = ["act_quant packed", "act_quant split8, 4 programs a token", "act_quant two passes", "hadamard_quant",
               "rmsnorm_quant", "mixed act quant symmetric=True", "mixed act quant symmetric=False",
-              "gemv fused quantization", "rope_kv 4-bit symmetric=True", "rope_kv 4-bit symmetric=False",
+              "rope_kv 4-bit symmetric=True", "rope_kv 4-bit symmetric=False",
               "decode_rope_attention 4-bit symmetric=True", "decode_rope_attention 4-bit symmetric=False"]
 ASYMMETRIC = ["mixed act quant symmetric=False", "rope_kv 4-bit symmetric=False",
               "decode_rope_attention 4-bit symmetric=False"]

@@ -1,6 +1,6 @@
 """Bad inputs to ``mosaicquant run`` (every option, every run-spec key, the environment): each one is a
 single line ``mosaicquant: error: ...`` naming the value and what is allowed, exit code 2, and neither a
-model load nor a record happens. docs/reliability-inputs.md lists the cases with their messages."""
+model load nor a record happens. docs/reliability.md lists the cases with their messages."""
 
 import json
 import time
