@@ -302,7 +302,11 @@ def test_tiny_llama_end_to_end_through_the_runner(tmp_path, tiny_llama_dir, tiny
     for record in records.values():
         assert record["status"] == "ok", record.get("error")
         metrics = record["metrics"]
-        assert sorted(metrics) == ["lambada/acc", "lambada/perplexity", "piqa/acc", "piqa/acc_norm"]
+        # every record also carries the quantized model's effective bits (mosaicquant.methods.bits)
+        assert sorted(k for k in metrics if not k.startswith("bits/")) == \
+            ["lambada/acc", "lambada/perplexity", "piqa/acc", "piqa/acc_norm"]
+        bits = metrics["bits/weight"]["value"]
+        assert bits == 16.0 if record["method"]["name"] == "fp16" else 4.0 < bits < 4.5, bits
         for key in ("piqa/acc", "piqa/acc_norm", "lambada/acc"):
             assert 0.0 <= metrics[key]["value"] <= 1.0 and metrics[key]["higher_is_better"] is True
             assert metrics[key]["spread"] is not None and metrics[key]["spread"] >= 0.0
