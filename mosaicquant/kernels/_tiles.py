@@ -654,6 +654,9 @@ def persistent_zeros(name: str, numel: int, dtype: torch.dtype, device: torch.de
     Kernels keep state in it across launches (counters, barriers), and captured CUDA graphs keep
     pointing at it. Launches that share one must run on one stream.
     """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" name one buffer
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (name, str(device))
     if key not in _PERSISTENT:
         _PERSISTENT[key] = torch.zeros(numel, dtype=dtype, device=device)
