@@ -740,11 +740,15 @@ class FusedDecoder:
 
         The keys before each position must be in ``cache`` (from :meth:`prefill` or earlier
         steps). ``lengths`` (``positions + 1`` as int32) may be passed precomputed, e.g. for
-        a captured graph. Positions are device tensors and are not checked against the
-        cache length (that would synchronize); they must be below it.
+        a captured graph. Positions must lie in ``0..cache.length - 1``: host positions are
+        checked here, before any launch; device positions are checked by the kernels, which
+        clamp a value out of range and set the device's fault word, raised by
+        :meth:`check_ranges` (call it where the caller synchronises anyway, outside a
+        captured graph).
 
         Raises:
-            UserInputError: bad ids, positions of another shape, or a cache of another batch.
+            UserInputError: bad ids, positions of another shape, a cache of another batch, or
+                host positions outside the cache.
         """
         self._check_ids(ids)
         b = ids.shape[0]
@@ -776,3 +780,21 @@ class FusedDecoder:
 
         h, residual = self._layers(x, attend_qkv)
         return self._head(h, residual)
+
+    def check_ranges(self) -> None:
+        """Raise if a kernel read a position or length out of range on the decoder's device since the last check.
+
+        On a GPU the kernels check the positions and lengths they read (:meth:`decode` and :meth:`prefill` do
+        not: a host check would synchronise every step and cannot run inside a captured CUDA graph) and set a
+        fault word; this reads and clears it
+        (:func:`~mosaicquant.kernels.decoder.check_range_faults`), a device synchronisation. The speed suites
+        call it after each timed prefill or decode measurement, where the timing has synchronised; never inside
+        a capture.
+
+        Raises:
+            UserInputError: naming the launcher, the input and the allowed span; the steps since the last
+                check ran on clamped values, so what they computed is not valid.
+        """
+        from mosaicquant.kernels.decoder import check_range_faults
+
+        check_range_faults(self.device)
