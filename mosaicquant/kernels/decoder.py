@@ -657,7 +657,7 @@ def _check_rope_args(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads
 # range sets its bit in a per-device fault word (one atomic OR, only then) and is clamped into range, so the launch
 # reads and writes nothing outside the cache and the tables; its outputs are not valid. The check is a compare and
 # a never-taken branch a program, so it is always on. The word is read lazily, by check_range_faults, where the
-# caller synchronises anyway (the decode runtime: once a generated sequence, as it reads the tokens back).
+# caller synchronises anyway (FusedDecoder.check_ranges, which the speed suites call after each timed measurement).
 RANGE_FAULTS = (
     ("rope_kv", "positions", "0..min(cache slots, cos/sin rows) - 1"),
     ("decode_attention", "lengths", "1..cache slots"),
@@ -763,8 +763,9 @@ def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
         qkv: ``[T, (heads + 2·kv_heads)·D]`` projections of ``T = B · tokens_per_seq`` tokens,
             sequence-major (unit stride along the last dimension).
         positions: ``[T]`` integer position of each token (where its k/v go in the cache), in
-            ``0..min(L, P) - 1``: checked where they are on the host; on a GPU they are read on the
-            device, unchecked (a host check would synchronise each step).
+            ``0..min(L, P) - 1``: checked where they are on the host; on a GPU by the kernel, which
+            clamps a value out of range and sets the fault word (:func:`check_range_faults`; a host
+            check would synchronise each step).
         cos, sin: ``[P, D]`` tables in the model's dtype (transformers' rotary embedding at
             positions ``0..P-1``; both halves equal).
         k_cache, v_cache: ``[B, kv_heads, L, D]`` (``L > max(positions)``); with a 4-bit ``kv``
