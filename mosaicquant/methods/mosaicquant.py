@@ -57,10 +57,10 @@ from mosaicquant.methods.qlinear import (
 )
 from mosaicquant.methods.quant import quantize
 from mosaicquant.methods.residual import POW2_MAX_SHIFT, distortion_recovered, select_residual
-from mosaicquant.methods.rotation import rotate_model
+from mosaicquant.methods.rotation import TRANSFORM_SUPPORTS, rotate_model
 from mosaicquant.methods.smoothing import collect_input_absmax, smooth_model, smoothing_input_names
 from mosaicquant.methods.speed_form import check_w4a4
-from mosaicquant.registry import register_method
+from mosaicquant.registry import Supports, register_method
 
 __all__ = ["MosaicQuantConfig", "mosaicquant", "apply_transform", "quantize_linear_mosaic", "residual_base_scale"]
 
@@ -269,8 +269,13 @@ def _speed_form(model, config: MosaicQuantConfig, ctx):
                "rscale_max_shift": config.rscale_max_shift}
 
 
+def _supports(config: MosaicQuantConfig) -> Supports:
+    """The transforms' architectures; with ``transform="none"`` any causal LM (only linears are replaced)."""
+    return Supports() if config.transform == "none" else TRANSFORM_SUPPORTS
+
+
 @register_method("mosaicquant", config=MosaicQuantConfig, description=MosaicQuantConfig.description,
-                 speed_form=_speed_form)
+                 speed_form=_speed_form, supports=_supports)
 def mosaicquant(model, config: MosaicQuantConfig, ctx):
     """Quantize ``model`` in place with MosaicQuant; fills ``ctx.info``."""
     t0 = time.perf_counter()
