@@ -95,6 +95,7 @@ from mosaicquant.kernels._tl import (
 )
 from mosaicquant.kernels.act_quant import SPLIT_BLOCK, split8_width
 from mosaicquant.kernels.decoder import silu_mul_reference
+from mosaicquant.kernels.tile_table import table_for
 from mosaicquant.kernels.norm_fold import NormFold, fold_launch_args, fold_norm, fold_pdl, fold_reason
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 from mosaicquant.methods.format import residual_shifts as residual_shifts_of
@@ -359,7 +360,7 @@ def _w4a4_swapped_kernel(
     # tile, their partials in a buffer of their own (part_ptr, one [REM_SPLIT, BN, BM] block a split tile) and
     # counters from lock_ptr's slot 0 (_tiles.swapped_rem_split). This launch's first N_WHOLE programs run tiles
     # 0 .. N_WHOLE - 1 whole: N_DIRECT of them where the whole tiles share the launch, 0 where they had one of
-    # their own (REM_SPLIT = 1; _tiles.SWAP_REM_ONE_LAUNCH).
+    # their own (REM_SPLIT = 1; TileTable.swap_rem_one_launch).
     pid = tl.program_id(0)
     if REM_SPLIT > 1:
         if pid < N_WHOLE:
@@ -1169,8 +1170,8 @@ def w4a4_gemm_swapped_triton(
         run(grid, part, 1, 0, launch)
         return out
     # the whole tiles in the split tiles' launch, or first in a launch of their own as the unsplit kernel
-    # (_tiles.SWAP_REM_ONE_LAUNCH)
-    one = _tiles.SWAP_REM_ONE_LAUNCH
+    # (TileTable.swap_rem_one_launch)
+    one = table_for(a_split.device).swap_rem_one_launch
     if n_direct and not one:
         run((n_direct, 1), out, 1, 0, launch)
     if "maxnreg" not in launch and _tiles.SWAP_REM_MAXNREG:
