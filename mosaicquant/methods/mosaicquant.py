@@ -101,10 +101,10 @@ class MosaicQuantConfig(Config):
             the block's dense step (``residual_walk="merged"`` in :mod:`mosaicquant.kernels.w4a4_gemm`): measured on
             the H200 (Llama-3-8B linears, GEMM alone, 10 % blocks) the residual's cost over the dense GEMM went
             from +6 to +27 % to 0 to +19 % at 2048 tokens and from +2 to +17 % to -2 to +10 % at 8192; Llama-3-8B
-            prefill 1.28x -> 1.32x BF16 end to end (``benchmarks/results/merged_walk_v36``, ``llama3_8b_v36``).
+            prefill 1.28x -> 1.32x BF16 end to end (``benchmarks/results/merged_walk_gemm``, ``llama3_8b_shapes_rshift``).
             The price: a coarser step for rows that would take ``j = 4`` (on SmolLM2-135M, the protocol above,
             perplexity 24.67 at 4 and 24.92 at 3, distortion recovered 16.1 % and 15.9 %;
-            ``benchmarks/results/smollm2_rshift_v36``), and the int8 copies resident beside the format
+            ``benchmarks/results/smollm2_rshift``), and the int8 copies resident beside the format
             (Llama-3-8B's linears 0.276x -> 0.326x of BF16); decode is unchanged.
         calib_batch: calibration sequences per forward pass.
         kvbits: KV-cache bits, 2..8, or 16 (default: float cache, no Q/K rotation).
