@@ -1,4 +1,4 @@
-"""Kept: re-times the dense wide tiles' bounds, _tiles.DENSE_WIDE_* (NOTES v31, v32).
+"""Kept: re-times the dense wide tiles' bounds, _tiles.DENSE_WIDE_*.
 
 Dense W4A4 wide layers' 17-32-token calls: the packed kernel's wide tiles against the swapped GEMM's decode tiles.
 

@@ -1,4 +1,4 @@
-"""Kept: the tile grid behind _tiles.SWAP_MID_TILES and the mid route's bounds (NOTES v28).
+"""Kept: the tile grid behind _tiles.SWAP_MID_TILES and the mid route's bounds.
 
 Tiles of the operand-swapped GEMM for mid-sized calls (64-1024 tokens), dense and with the residual.
 

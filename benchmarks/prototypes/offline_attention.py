@@ -1,4 +1,4 @@
-"""Kept: the decode attention kernel's registers and loop instructions counted without a GPU (NOTES v43-v45).
+"""Kept: the decode attention kernel's registers and loop instructions counted without a GPU.
 
 Registers, shared memory and the code before the first tensor-core product of the decode attention kernel
 (``decoder._rope_attn_kernel``) compiled for sm_90 on a machine without a GPU: over the BF16 cache, QuaRot's 4-bit

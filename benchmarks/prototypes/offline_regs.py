@@ -1,4 +1,4 @@
-"""Kept: ZipperEngine's tail-walk registers compiled for sm_90 without a GPU (NOTES v29).
+"""Kept: ZipperEngine's tail-walk registers compiled for sm_90 without a GPU.
 
 Registers and shared memory of ZipperEngine's tail-walk kernel compiled for sm_90 on a machine without a GPU,
 with the walk's first-block preload off and on (the tile table's ``walk_preload_max_m``).

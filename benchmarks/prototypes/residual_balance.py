@@ -1,4 +1,4 @@
-"""Kept: the residual's decode cost against evenly spread blocks (NOTES v14-v17); the prototypes share its helpers.
+"""Kept: the residual's decode cost against evenly spread blocks; the prototypes share its helpers.
 
 How much of the residual's decode cost is load imbalance: random kept blocks against evenly spread ones.
 

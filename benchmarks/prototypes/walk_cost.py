@@ -1,4 +1,4 @@
-"""Kept: what a walked kept block costs a program at decode sizes (NOTES v30).
+"""Kept: what a walked kept block costs a program at decode sizes.
 
 What ZipperEngine's tail walk costs a program at decode sizes: the kernel without blocks to walk, one block a
 program, two blocks a program, against the dense GEMM on the same tiles.

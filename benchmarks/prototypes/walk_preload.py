@@ -1,4 +1,4 @@
-"""Kept: the measurement behind the tile table's walk_preload_max_m (NOTES v30); the prototypes share its timing helpers.
+"""Kept: the measurement behind the tile table's walk_preload_max_m; the prototypes share its timing helpers.
 
 ZipperEngine's tail walk with its first kept block loaded before the dense loop, off and on at every size
 (the tile table's ``walk_preload_max_m``: by default on up to 8 tokens), at decode sizes.

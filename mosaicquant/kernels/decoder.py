@@ -109,19 +109,19 @@ __all__ = [
 ]
 
 _HALF = (torch.bfloat16, torch.float16)
-# Keys a step of the attention kernels over a 16-bit cache. Measured (v26, Llama-3-8B shapes, context 512, CUDA-graph
+# Keys a step of the attention kernels over a 16-bit cache. Measured (Llama-3-8B shapes, context 512, CUDA-graph
 # step, 2 interleaved rounds, us at batch 16 / 32): BF16 5,005 / 5,362 at 64, 5,081 / 5,371 at 32, 5,002 / 5,547 at
 # 128; MosaicQuant 3,172 / 3,829, 3,265 / 3,850, 3,170 / 3,984.
 ATTN_BLOCK_N = 64
 # The decode attention cuts the cache into chunks for about this many programs an SM, twice as many where
-# fewer than ATTN_FEW_PAIRS (sequence, KV head) pairs share the GPU. Measured (v18, Llama-3-8B shapes, context
+# fewer than ATTN_FEW_PAIRS (sequence, KV head) pairs share the GPU. Measured (Llama-3-8B shapes, context
 # 512, CUDA-graph step, µs, 1 against 2 an SM): MosaicQuant 2,764 / 2,933 / 3,241 / 4,256 against 2,735 / 2,985 /
 # 3,292 / 4,342 at batch 4 / 8 / 16 / 32 (8 KV heads: 32 pairs at batch 4).
 ATTN_PROGRAMS_PER_SM = 1
 ATTN_FEW_PAIRS = 64
 # From this many pairs an SM the default cut is one chunk a head (the chunks' programs then write the output
 # themselves: TileTable.attn_direct_one_chunk), rather than two chunks and their combine where pairs fall just short of the
-# SMs (128 pairs on 132 SMs at batch 16). Measured (v23, Llama-3-8B shapes, context 512, CUDA-graph step at batch
+# SMs (128 pairs on 132 SMs at batch 16). Measured (Llama-3-8B shapes, context 512, CUDA-graph step at batch
 # 16, 3 interleaved rounds, µs): BF16 5,070 -> 5,024, QuaRot (16-bit KV) 2,898 -> 2,867, MosaicQuant 3,259 -> 3,233;
 # one chunk at batch 4 / 8 (32 / 64 pairs) was 6-11 % slower for the W4A4 methods.
 ATTN_ONE_CHUNK_PAIRS_PER_SM = 0.95
@@ -129,17 +129,17 @@ ATTN_ONE_CHUNK_PAIRS_PER_SM = 0.95
 # write the output themselves, as the combining kernel would, and that kernel is not launched.
 # Over a 4-bit cache: programs an SM the cache is cut for (ATTN_PROGRAMS_PER_SM's role, not doubled for few pairs) and
 # warps a program; the queries' Hadamard stays in butterflies (on the tensor cores, the ±1 matrix loaded, it was
-# slower). Measured (v20, Llama-3-8B shapes, context 512, QuaRot's CUDA-graph step at batch 4 / 16 / 32, µs): butterflies
+# slower). Measured (Llama-3-8B shapes, context 512, QuaRot's CUDA-graph step at batch 4 / 16 / 32, µs): butterflies
 # 2,676 / 3,060 / 3,915, the dot 2,897 / 3,205 / 4,051; 2 or 4 programs an SM 2,964 / 3,665 / 4,404 and 2,958 /
 # 3,811 / 4,762 (with the register-built matrix, itself 2,960 / 3,267 / 4,000); 8 warps 3,144 / 3,556 / 4,545.
 # Batch 4 / 8 / 16 with the doubling 2,688 / 2,791 / 3,077; 0.5 an SM (so 1 at batch 4) 2,494 / 2,794 / 3,330;
-# 0.25 2,609 / 3,141 / 3,339. Re-checked with v21's loop at batch 4 / 8 / 16 / 32: 1 an SM 2,485 / 2,637 / 2,915 /
+# 0.25 2,609 / 3,141 / 3,339. Re-checked with the current loop at batch 4 / 8 / 16 / 32: 1 an SM 2,485 / 2,637 / 2,915 /
 # 3,609, 0.5 2,487 / 2,671 / 3,015 / 3,614, 0.2 2,712 / 2,817 / 3,023 / 3,598.
 ATTN_KV4_PROGRAMS_PER_SM = 1.0
 ATTN_KV4_WARPS = 4
 # The 4-bit cache's loop (_attend_chunk_kv4): the integers into the dots biased by 128 (BF16 made by byte permutes on
 # the GPU: ATTN_KV4_ASM); keys a step and software-pipeline stages (None: Triton's default). QuaRot's CUDA-graph step,
-# Llama-3-8B shapes, context 512, batch 4 / 16 / 32 (NOTES v21): 2,517 / 3,104 / 3,944 µs unbiased at 64 keys,
+# Llama-3-8B shapes, context 512, batch 4 / 16 / 32: 2,517 / 3,104 / 3,944 µs unbiased at 64 keys,
 # 2,503 / 3,006 / 3,761 biased, 2,502 / 2,925 / 3,609 biased at 128 keys and 2 stages (one run); 256 keys, 8 warps,
 # 1 or 3 stages were slower.
 ATTN_KV4_ASM = True
@@ -153,7 +153,7 @@ ATTN_KV4_STAGES = 2
 # decode_rope_attention's new token: the program whose chunk holds it writes its key and value into the cache and,
 # after a CTA barrier, its loop reads them back as one more cached key (TileTable.attn_new_cached), rather than adding them to
 # the online softmax from registers after the loop. Over a 4-bit cache the new key's and value's quantizer reduces
-# each row's (min, max) pairs in one reduction (KernelSettings.attn_kv4_minmax; the same bits) rather than four. Measured (v43,
+# each row's (min, max) pairs in one reduction (KernelSettings.attn_kv4_minmax; the same bits) rather than four. Measured (
 # benchmarks/kernels/attention_kv4.py, Llama-3-8B attention, µs a call at batch 4 / 16 / 32, context 575, registers form ->
 # both): 4-bit cache 14.30 / 17.58 / 23.50 -> 9.80 / 15.36 / 20.56 (the min-max reduction alone 13.01 / 17.10 /
 # 22.51), 16-bit cache 8.84 / 15.81 / 23.76 -> 8.56 / 15.03 / 23.19. Where the new key starts a loop step of its
@@ -168,7 +168,7 @@ ATTN_KV4_STAGES = 2
 # default takes the four reductions, the same bits; a form the settings name runs as named. "joined" runs as numpy's
 # max on the interpreter.
 # The 4-bit cache's kernels compiled without fused multiply-adds (the grid's range as methods.quant rounds it); with
-# them the step was the same within 0.3 % (v20), and the GPU's scales differed from the reference's in the last bit.
+# them the step was the same within 0.3 %, and the GPU's scales differed from the reference's in the last bit.
 KV4_NO_FP_FUSION = True
 _LOG2E = 1.4426950408889634
 
@@ -1305,7 +1305,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     programs write the output themselves instead (:attr:`~mosaicquant.kernels.tile_table.TileTable.attn_direct_one_chunk`). The cache ends up
     as :func:`rope_kv` leaves it; the output agrees with the two ops to attention's bf16 accuracy.
 
-    Measured on the H200 (``benchmarks/NOTES.md`` v18): also combining in the attention kernel (the
+    Measured on the H200: also combining in the attention kernel (the
     last chunk of a head to finish, by a counter) and prefetching the chunk's cached keys into L2
     before waiting for the qkv GEMM were both slower in the decode step.
 

@@ -15,13 +15,13 @@ fused in its tail: the ``"shared"`` walk into the dense accumulator where the re
 the base's times powers of two, :func:`mosaicquant.methods.format.residual_shifts`, the ``"merged"`` walk
 where those powers are at most ``2^-3`` (a kept unit's base and residual one int8 operand, built once here;
 :attr:`~mosaicquant.kernels.tile_table.TileTable.merged_walk`), else the FP8 walk): the same integers and scales, the same result up to float rounding
-(``benchmarks/NOTES.md``, v7, v8, v10). The unfused pipeline always keeps the packed path.
+. The unfused pipeline always keeps the packed path.
 Layers without residual blocks also run decode calls of ``swap_decode`` tokens (16-32) that way,
-at decode tiles (v10), but for those of ``TileTable.wide_k_decode_min_m`` to 16 tokens (v17); layers
+at decode tiles, but for those of ``TileTable.wide_k_decode_min_m`` to 16 tokens; layers
 with them keep ZipperEngine's packed kernels at those sizes (the swapped GEMM with the kept blocks in
-its tail, on each of its walks, measured slower: v17, v36, v41). Calls of at most
+its tail, on each of its walks, measured slower). Calls of at most
 ``gemv_max_m`` tokens run the decode GEMV on CUDA-core ``dp4a`` instead
-(:mod:`mosaicquant.kernels.gemv`, dense and with the residual; v13).
+(:mod:`mosaicquant.kernels.gemv`, dense and with the residual).
 
 It computes the function of the simulated layer
 ``fake_quantize(x, 4, clip_ratio) @ packed.dequantize().T (+ bias)`` up to float

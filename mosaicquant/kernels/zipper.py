@@ -46,7 +46,7 @@ any), and the grid holds one residual program per row instead of one per block (
 10 %: 224 instead of ~717; with the 224 dense programs ~1.1 waves instead of ~2.4 at 3 programs
 per SM, what an offline sm_90 compile's 80 registers a thread at 8 warps allows). ``"auto"`` runs
 it on tiles that split K at most :attr:`~mosaicquant.kernels.tile_table.TileTable.parallel_rows_max_split` ways
-(gate/up; on q/k/v, split 4, it was 1.17-1.25x slower than ``"parallel"``, ``benchmarks/NOTES.md`` v16).
+(gate/up; on q/k/v, split 4, it was 1.17-1.25x slower than ``"parallel"``).
 
 ``gated=True`` (both parallel modes; a stacked ``[gate | up]`` layer): gate tile ``q`` and up tile
 ``q + I / BN`` share one counter; the last of their contributors sums each tile's partials in slot
@@ -55,8 +55,8 @@ order, rounds both to BF16 and writes ``bf16(silu(g)) · u`` at ``[M, I]``
 followed by the SiLU·mul kernel, one kernel fewer in the decode step.
 
 ``"auto"`` picks tail, or parallel where :func:`mosaicquant.kernels._tiles.parallel_residual`
-says so (measured faster there, ``benchmarks/NOTES.md`` v14): inline measured slower than
-tail at every M (v1), because the per-step residual dot doubles the operand conversion work,
+says so (measured faster there): inline measured slower than
+tail at every M, because the per-step residual dot doubles the operand conversion work,
 which dominates at small M too. Split-K (small M) splits the dense steps and, in tail mode,
 deals the blocks of a row round-robin over the splits.
 
@@ -477,7 +477,7 @@ def zipper_gemm_triton(
             on ``[BM, BKP]`` activation tiles, or ``"dp4a"``, the blocks' 32-bit words on CUDA-core
             ``dp4a`` (:func:`mosaicquant.kernels.gemv.residual_dp4a`; calls the decode GEMV takes:
             at most 8 tokens, ``K`` a multiple of 8); ``"auto"``: ``"dp4a"`` where it can run, up to
-            :data:`mosaicquant.kernels._tiles.DP4A_WALK_MAX_M` tokens (measured faster there, v13).
+            :data:`mosaicquant.kernels._tiles.DP4A_WALK_MAX_M` tokens (measured faster there).
         gated: the layer is stacked ``[gate | up]`` (``N = 2I``): write ``bf16(silu(gate)) · up``,
             ``[M, I]`` BF16, from the fix-up of each pair of tiles (the same bits as the GEMM then
             :func:`mosaicquant.kernels.decoder.silu_mul`); the parallel modes only, where

@@ -212,7 +212,7 @@ def test_quant_linear_decode_route_runs_dense_layers_swapped_at_17_to_32_tokens(
 
 
 def test_quant_linear_decode_route_leaves_residual_layers_on_the_packed_kernels():
-    # the swapped GEMM with kept blocks in its tail measured slower at 16-32 tokens on every walk (v17, v36, v41)
+    # the swapped GEMM with kept blocks in its tail measured slower at 16-32 tokens on every walk
     gen = torch.Generator().manual_seed(7)
     n, k = 130, 640
     qt = quantize(torch.randn(n, k, generator=gen), 4, scale_dtype=torch.float16)
@@ -224,7 +224,7 @@ def test_quant_linear_decode_route_leaves_residual_layers_on_the_packed_kernels(
 
 
 def test_prefill_route_needs_enough_output_tiles_to_fill_the_gpu():
-    # 128 x 128 output tiles per SM: 0.7 for a dense layer, 1.2 with residual blocks (v10 measurements)
+    # 128 x 128 output tiles per SM: 0.7 for a dense layer, 1.2 with residual blocks (measured)
     sms = _sm_count(torch.device("cpu"))
     assert swapped_prefill(4096, 128, torch.device("cpu"), residual=False)
     assert not swapped_prefill(_tiles.SWAP_MIN_M - 1, 10**6, torch.device("cpu"), residual=False)  # below SWAP_MIN_M

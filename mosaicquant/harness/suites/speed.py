@@ -11,7 +11,7 @@ is recorded as unavailable with the reason, never timed on a stand-in. The recor
       the last position only, as a server computes them), captured in a CUDA graph and
       replayed, median of ``replays`` passes. Eager launches (``cuda_graphs=false``) put the
       host's Python launch overhead into the number: on the Triton paths it varied 15k–28k
-      tok/s for one cell between runs while BF16 stayed within 1% (benchmarks/NOTES.md).
+      tok/s for one cell between runs while BF16 stayed within 1%.
     * ``decode_tok_s/b{B}`` for each batch ``B``: one decode step with a static KV cache
       holding ``context`` tokens, captured in a CUDA graph and replayed (launch overhead
       excluded, as in CUDA-graph serving); tokens/s = ``B`` / median step time.
