@@ -65,7 +65,7 @@ from mosaicquant.errors import UserInputError
 from mosaicquant.methods.calibration import gptq_quantize_model
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant, fake_quantize_ste
 from mosaicquant.methods.qlinear import ActQuantSpec, weight_memory
-from mosaicquant.methods.rotation import ROTATIONS, model_parts, rotate_model
+from mosaicquant.methods.rotation import ROTATIONS, TRANSFORM_SUPPORTS, model_parts, rotate_model
 from mosaicquant.methods.speed_form import rotated_speed_form
 from mosaicquant.registry import register_method
 
@@ -476,7 +476,7 @@ def train_rotations(
 
 # no online Hadamard on o_proj's input: SpinQuant learns that rotation and folds it in
 @register_method("spinquant", config=SpinQuantConfig, description=SpinQuantConfig.description,
-                 speed_form=rotated_speed_form(lambda config: False))
+                 speed_form=rotated_speed_form(lambda config: False), supports=TRANSFORM_SUPPORTS)
 def spinquant(model, config: SpinQuantConfig, ctx):
     """Quantize ``model`` in place with SpinQuant; fills ``ctx.info``."""
     t0 = time.perf_counter()

@@ -217,6 +217,20 @@ def check_finished_settings(spec: RunSpec, finished: list[tuple[Cell, dict[str, 
         "use another --out, or remove those records to recompute them")
 
 
+def check_supported(spec: RunSpec, architecture: str | None) -> None:
+    """Refuse a method that cannot run on the sweep's device, dtype or model architecture.
+
+    Args:
+        spec: the sweep.
+        architecture: the model's class name, or None where not known yet (checked once loaded).
+
+    Raises:
+        UserInputError: naming the method, the value and what the method allows (its ``Supports``).
+    """
+    for method in spec.methods:
+        method.entry.supports_for(method.config).check(method.name, spec.device, spec.dtype, architecture)
+
+
 def validate_run(spec: RunSpec) -> None:
     """Check model (its files and the options that depend on its sizes, without loading it), corpus,
     cache and results directory (names and options, the kernels' settings among them, were checked
@@ -228,6 +242,7 @@ def validate_run(spec: RunSpec) -> None:
     spec.validate()
     assets.cache_dir()  # a cache variable naming a file fails here, not at the first write
     check_model_fit(spec, models_mod.model_dimensions(spec.model))  # also checks the model's files
+    check_supported(spec, models_mod.model_architecture(spec.model))
     data_mod.resolve_corpus(spec.corpus)
     ensure_writable_dir(spec.out)
     if spec.device.startswith("cuda") and not torch.cuda.is_available():
@@ -470,6 +485,7 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
     quant_error = None
     try:
         model = state.model_for_group(device, task.device_map)
+        method.entry.supports_for(method.config).check(method.name, spec.device, spec.dtype, type(model).__name__)
         if shapes_mod.is_shape_model(spec.model):
             model = speed_form(method.name, model, method.config, qctx)
         else:

@@ -49,10 +49,12 @@ from mosaicquant.methods.hadamard import (
     is_hadamard_size,
     random_signs,
 )
+from mosaicquant.registry import Supports
 
 __all__ = [
     "ROTATIONS",
     "SUPPORTED_ARCHITECTURES",
+    "TRANSFORM_SUPPORTS",
     "DecoderLayerParts",
     "ModelParts",
     "model_parts",
@@ -66,6 +68,8 @@ __all__ = [
 
 ROTATIONS = ("hadamard", "orthogonal")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+#: what a method whose transforms go through :func:`model_parts` can run (its registry entry's ``supports``)
+TRANSFORM_SUPPORTS = Supports(architectures=SUPPORTED_ARCHITECTURES)
 
 # Rows (or columns) transformed at a time: bounds the float64 working copy of large
 # matrices such as a 150k-token embedding.
