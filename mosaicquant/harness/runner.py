@@ -296,6 +296,7 @@ class SweepState:
         self._spread: torch.nn.Module | None = None
         self._calibration: dict[int, torch.Tensor] = {}
         self._test: torch.Tensor | None = None
+        self._corpus_summary: dict[str, Any] | None = None
         self._env: dict[str, Any] | None = None
         self._git: dict[str, Any] | None = None
 
@@ -367,6 +368,12 @@ class SweepState:
             return self._test
         return get
 
+    def corpus_summary(self) -> dict[str, Any]:
+        """The sweep's corpus: source, split rule, and each split's counts and text digest (read once)."""
+        if self._corpus_summary is None:
+            self._corpus_summary = data_mod.corpus_summary(self.spec.corpus)
+        return self._corpus_summary
+
     def calibration_record(self, seed: int) -> dict[str, Any] | None:
         if seed not in self._calibration:
             return None
@@ -413,6 +420,7 @@ def _record_head(spec: RunSpec, model_meta: dict[str, Any], cell: Cell, env: dic
         "corpus": spec.corpus,
         "calibration": None,
         "test_corpus": None,
+        "corpus_summary": None,
         "method_info": {},
         "env": env,
         "git": git,
@@ -504,6 +512,8 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         record["method_info"] = dict(qctx.info)
         record["timing"] = {"quantize_s": round(quant_s, 3)}
         record["calibration"] = state.calibration_record(seed) if method_calibration.used else None
+        if method_calibration.used:
+            record["corpus_summary"] = state.corpus_summary()
         if quant_error is not None:
             status = "unavailable" if isinstance(quant_error, Unavailable) else "failed"
             record.update(status=status, stage="quantize", metrics={}, error=_error_dict(quant_error))
@@ -539,6 +549,8 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         if method_calibration.used or suite_calibration.used:
             record["calibration"] = state.calibration_record(seed)
         record["test_corpus"] = spec.corpus if suite_test.used else None
+        if method_calibration.used or suite_calibration.used or suite_test.used:
+            record["corpus_summary"] = state.corpus_summary()
         save_record(cell.path, record)
         if record["status"] == "ok":
             shown = ", ".join(f"{k}={v['value']:.4g}" for k, v in list(record["metrics"].items())[:3])

@@ -435,6 +435,7 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
             directory more often than not; no file is written), or an output cannot be written (naming it).
     """
     from mosaicquant.reports.bits import equal_bits_section
+    from mosaicquant.reports.noise import noise_section
     from mosaicquant.reports.plots import draw_figures
 
     results_dir = Path(results_dir)
@@ -458,6 +459,7 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
     parts.append(f"Each value is the mean over seeds ± its spread (the larger of the recorded spread and the standard "
                  f"deviation across seeds; no ± where neither exists). {UP_DOWN_LEGEND}\n")
     parts.append(render_markdown(paper))
+    parts.extend(noise_section(records))
     parts.extend(_speed_sections(records, notes))
     if notes.texts:  # one list for the report: GitHub shows Markdown footnotes at its end anyway
         parts.append("## Execution paths\n")
