@@ -48,6 +48,7 @@ from mosaicquant.harness import data as data_mod
 from mosaicquant.harness import models as models_mod
 from mosaicquant.harness import shapes as shapes_mod
 from mosaicquant.harness.context import QuantContext, SuiteContext
+from mosaicquant.harness.qcache import QuantCache, key_parts
 from mosaicquant.harness.results import (
     SCHEMA, Metric, command_line, ensure_writable_dir, environment, git_info, now_iso, read_valid_record,
     record_path, save_record,
@@ -487,23 +488,36 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
     torch.manual_seed(seed)
     method_calibration = _Tracked(state.calibration_for(seed, meta.tokenizer))
     qctx = QuantContext(calibration=method_calibration, seed=seed, device=device, tokenizer=meta.tokenizer, log=log)
-    log(f"[mosaicquant] quantizing: {label} (seed {seed})")
+    cache = _quant_cache(task, log)
     t_q = time.perf_counter()
     model = None
     quant_error = None
+    cached = None
     try:
         model = state.model_for_group(device, task.device_map)
         method.entry.supports_for(method.config).check(method.name, spec.device, spec.dtype, type(model).__name__)
-        if shapes_mod.is_shape_model(spec.model):
-            model = speed_form(method.name, model, method.config, qctx)
+        cached = cache.load(model, device) if cache is not None else None
+        if cached is not None:
+            model = cached.model
+            qctx.info.update(cached.method_info)
+            log(f"[mosaicquant] loaded quantized {label} (seed {seed}) from {cache.status['file']} "
+                f"in {cached.load_s:.1f}s")
         else:
-            model = task.method_fn(model, method.config, qctx)
-        model.eval()
+            log(f"[mosaicquant] quantizing: {label} (seed {seed})")
+            if shapes_mod.is_shape_model(spec.model):
+                model = speed_form(method.name, model, method.config, qctx)
+            else:
+                model = task.method_fn(model, method.config, qctx)
+            model.eval()
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # noqa: BLE001 - recorded in the cell, the sweep goes on
         quant_error = exc
-    quant_s = time.perf_counter() - t_q
+    quant_s = cached.quantize_s if cached is not None else time.perf_counter() - t_q
+    method_calibration_record = (cached.calibration if cached is not None else
+                                 state.calibration_record(seed) if method_calibration.used else None)
+    if cache is not None and cached is None and quant_error is None:
+        cache.store(model, state.loaded().model, round(quant_s, 3), dict(qctx.info), method_calibration_record)
     model_meta = {"name": meta.name, "source": meta.source, "caveat": meta.caveat}
     bits = _effective_bits(model, qctx.info) if quant_error is None else {}
 
@@ -511,8 +525,12 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         record = _record_head(spec, model_meta, cell, state.env, state.git)
         record["method_info"] = dict(qctx.info)
         record["timing"] = {"quantize_s": round(quant_s, 3)}
-        record["calibration"] = state.calibration_record(seed) if method_calibration.used else None
-        if method_calibration.used:
+        if cached is not None:
+            record["timing"]["cache_load_s"] = round(cached.load_s, 3)
+        if cache is not None:
+            record["quantized_cache"] = dict(cache.status)
+        record["calibration"] = method_calibration_record
+        if method_calibration_record is not None:
             record["corpus_summary"] = state.corpus_summary()
         if quant_error is not None:
             status = "unavailable" if isinstance(quant_error, Unavailable) else "failed"
@@ -546,7 +564,7 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         record["timing"]["suite_s"] = round(time.perf_counter() - t_s, 3)
         record["method_info"] = dict(qctx.info)
         # what the cell read, for a rerun to compare its settings with (the suite may draw calibration too)
-        if method_calibration.used or suite_calibration.used:
+        if suite_calibration.used:
             record["calibration"] = state.calibration_record(seed)
         record["test_corpus"] = spec.corpus if suite_test.used else None
         if method_calibration.used or suite_calibration.used or suite_test.used:
@@ -560,6 +578,15 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
     del model
     release_memory()
     return outcomes
+
+
+def _quant_cache(task: GroupTask, log: Callable[[str], None]) -> QuantCache | None:
+    """The results folder's cache place for ``task`` (:mod:`mosaicquant.harness.qcache`), or ``None`` where
+    nothing is cached: a shape model (random weights built anew, its speed form needs no calibration) and a
+    model spread over GPUs by a device map (no float copy to rebuild it on)."""
+    if shapes_mod.is_shape_model(task.spec.model) or task.device_map is not None:
+        return None
+    return QuantCache(task.spec.out, key_parts(task.spec, task.method, task.seed), log)
 
 
 def _record_load_failure(task: GroupTask, cells: list[Cell], exc: Exception, state: SweepState,
