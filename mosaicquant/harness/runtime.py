@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mosaicquant.architectures import ARCHITECTURES
 from mosaicquant.errors import UserInputError, unknown_name
 
 __all__ = ["RUNTIMES", "FUSED_DESCRIPTION", "FusedDecoder", "DecodeCache", "fused_reason", "resolve_runtime",
@@ -120,6 +121,10 @@ def _hooked(module: nn.Module) -> bool:
 
 def fused_reason(model: nn.Module) -> str | None:
     """``None`` when :class:`FusedDecoder` can run ``model``, else why not (one sentence)."""
+    entry = next((ARCHITECTURES[c.__name__] for c in type(model).__mro__ if c.__name__ in ARCHITECTURES), None)
+    if entry is not None and not entry.fused_runtime:
+        runs = ", ".join(a.class_name for a in ARCHITECTURES.values() if a.fused_runtime)
+        return f"{entry.class_name} ({entry.family}) is not implemented in the fused decoder, which runs {runs}"
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     config = getattr(model, "config", None)

@@ -57,7 +57,7 @@ from mosaicquant.methods.qlinear import (
 )
 from mosaicquant.methods.quant import quantize
 from mosaicquant.methods.residual import POW2_MAX_SHIFT, distortion_recovered, select_residual
-from mosaicquant.methods.rotation import TRANSFORM_SUPPORTS, rotate_model
+from mosaicquant.methods.rotation import TRANSFORM_SUPPORTS, online_transforms, rotate_model
 from mosaicquant.methods.smoothing import collect_input_absmax, smooth_model, smoothing_input_names
 from mosaicquant.methods.speed_form import check_w4a4
 from mosaicquant.registry import Supports, register_method
@@ -305,6 +305,7 @@ def mosaicquant(model, config: MosaicQuantConfig, ctx):
         exec_path="simulated (fake-quant of the packed W4 + residual format)" if config.wbits == 4
         else "simulated (fake-quant activations, float weights)",
         transform=transform_info,
+        online_transforms=online_transforms(model),
         memory_bytes=memory,
         residual_overhead=(residual_bytes / base_bytes) if base_bytes else 0.0,
         weight_bytes_vs_bf16=(memory["total_quantized_linears"] / memory["linear_bf16_equivalent"])
