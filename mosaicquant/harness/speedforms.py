@@ -66,9 +66,13 @@ def _has_kernel_layers(model: nn.Module) -> bool:
 def executable(model: nn.Module, info: dict) -> str:
     """Make ``model`` run on the kernels in place (once) and return the execution path.
 
+    The form that runs is recorded as ``info["speed"]["form"]``: ``bf16`` (a float model on
+    cuBLAS), ``native`` (a method whose layers execute on their own kernels, e.g. torchao's tensor
+    subclasses) or ``kernels`` (the simulated format on this package's W4A4 / mixed kernels).
+
     Args:
         model: a float model, a simulated (fake-quant) model, or an already converted one.
-        info: the method's info dict; ``exec_path_speed`` and ``kernel_layers`` are set there.
+        info: the method's info dict; ``exec_path_speed``, ``kernel_layers`` and ``speed.form`` are set there.
 
     Raises:
         Unavailable: a quantized layer has no kernel path (the message names it and why).
@@ -79,6 +83,7 @@ def executable(model: nn.Module, info: dict) -> str:
         # a float model, or a method whose layers are executable as they are (e.g. torchao's)
         path = info.get("exec_path") if info.get("wbits", 16) < 16 and info.get("exec_path") else FLOAT_PATH
         info["exec_path_speed"] = path
+        info.setdefault("speed", {})["form"] = "bf16" if path == FLOAT_PATH else "native"
         return path
     if simulated:
         report = kernelize(model)
@@ -165,6 +170,7 @@ def executable(model: nn.Module, info: dict) -> str:
         parts.append(part)
     path = " | ".join(parts)
     info["exec_path_speed"] = path
+    info.setdefault("speed", {})["form"] = "kernels"
     return path
 
 
