@@ -25,8 +25,7 @@ Two things live here.
    (:mod:`mosaicquant.methods.kvcache`; QuaRot's, SpinQuant's and Atom's 4-bit caches by default,
    MosaicQuant's with ``kvbits=4``) is installed as the method installs it, the fused decoder
    runs it as a 4-bit cache where its kernels can, and the records say ``kv_bits``.
-   Methods registered with no speed form
-   (``resq``: its PCA bases need data) raise
+   Methods registered with no speed form raise
    :class:`~mosaicquant.errors.Unavailable`. Methods registered ``data_free=True`` (they need no
    data at all: ``torchao``) run as they are and execute on their own kernels.
 """
