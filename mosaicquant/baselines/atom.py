@@ -50,7 +50,7 @@ from mosaicquant.methods.mixed import (
     MixedActQuant, WeightSegment, gptq_quantize_segments, mixed_weight_memory, ragged_groups, salient_order,
 )
 from mosaicquant.methods.qlinear import ActQuantSpec, FakeQuantLinear, input_transform_of, replace_linears, set_module
-from mosaicquant.methods.quant import quantize
+from mosaicquant.methods.speed_form import segmented_rtn_linear
 from mosaicquant.registry import register_method
 
 __all__ = [
@@ -157,26 +157,13 @@ def _speed_form(model, config: AtomConfig, ctx):
     low = ActQuantSpec(bits=config.abits, symmetric=True, group_size=config.group_size, clip_ratio=config.a_clip)
 
     def make(name, linear):
-        w = linear.weight.data.to(torch.float32)
-        k = w.shape[1]
+        k = linear.weight.shape[1]
         normal, outliers = salient_order(torch.rand(k, generator=gen), min(config.n_outliers, k))
         columns = [(g, config.wbits, config.w_clip) for g in ragged_groups(normal, config.group_size)]
         if outliers.numel():
             columns.append((outliers, config.outlier_bits, 1.0))
-        deq = torch.empty_like(w)
-        segments = []
-        for cols, bits, clip in columns:
-            dev_cols = cols.to(w.device)
-            qt = quantize(w[:, dev_cols], bits, symmetric=True, clip_ratio=clip, scale_dtype=torch.float16)
-            deq[:, dev_cols] = qt.dequantize(torch.float32)
-            segments.append((cols, qt))
-        act = MixedActQuant(outliers, normal, k, high=high, low=low).to(w.device)
-        wbits = sum(qt.q.numel() * qt.bits for _, qt in segments) / w.numel()
-        layer = FakeQuantLinear(deq.to(linear.weight.dtype), linear.bias, act,
-                                getattr(linear, "input_transform", None), None, wbits)
-        layer.weight_groups = len(segments)
-        layer.weight_segments = segments
-        return layer.to(linear.weight.device)
+        act = MixedActQuant(outliers, normal, k, high=high, low=low).to(linear.weight.device)
+        return segmented_rtn_linear(linear, columns, act, getattr(linear, "input_transform", None))
 
     n = len(replace_linears(model, make))
     return n, {"salient_channels": "random (data-free speed form)", "n_outliers": config.n_outliers,

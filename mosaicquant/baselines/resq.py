@@ -53,7 +53,8 @@ from mosaicquant.methods.calibration import calibrate_layerwise
 from mosaicquant.methods.hadamard import OnlineHadamard, apply_hadamard, is_hadamard_size
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant
 from mosaicquant.methods.mixed import MixedActQuant, WeightSegment, gptq_quantize_segments, mixed_weight_memory
-from mosaicquant.methods.qlinear import ActQuantSpec, FakeQuantLinear, input_transform_of, set_module
+from mosaicquant.methods.qlinear import ActQuantSpec, FakeQuantLinear, input_transform_of, replace_linears, set_module
+from mosaicquant.methods.speed_form import check_w4a4, segmented_rtn_linear
 from mosaicquant.methods.rotation import random_orthogonal
 from mosaicquant.registry import register_method
 
@@ -272,7 +273,34 @@ def _groups_of(stats_names) -> tuple[list[tuple[str, ...]], list[str]]:
     return groups, [n for n in _HADAMARD_INPUTS if n in names]
 
 
-@register_method("resq", config=ResQConfig, description=ResQConfig.description)
+def _speed_form(model, config: ResQConfig, ctx):
+    """ResQ's deployed format on a random-weight model: the bases folded into the weights (a random
+    orthogonal basis of random weights is random weights), the last ``n_high(K)`` channels of each
+    input at ``high_bits``, the rest at ``wbits``/``abits``, down_proj all low behind its online
+    Hadamard; round-to-nearest integers in place of GPTQ."""
+    check_w4a4("resq", config.wbits, config.abits)
+    low = ActQuantSpec(bits=config.abits, symmetric=config.a_symmetric, clip_ratio=config.a_clip)
+    high = ActQuantSpec(bits=config.high_bits, symmetric=config.a_symmetric, clip_ratio=config.a_clip)
+
+    def make(name, linear):
+        k = linear.in_features
+        if name.endswith(_HADAMARD_INPUTS):
+            if not is_hadamard_size(k):
+                raise ValueError(f"down_proj input size {k} has no Hadamard matrix for the online transform")
+            linear.weight.data = apply_hadamard(linear.weight.data.to(torch.float32)).to(linear.weight.dtype)
+            return segmented_rtn_linear(linear, [(torch.arange(k), config.wbits, 1.0)], low, OnlineHadamard(k))
+        n_high = config.n_high(k)
+        lo_cols, hi_cols = torch.arange(k - n_high), torch.arange(k - n_high, k)
+        columns = [(lo_cols, config.wbits, 1.0)] + ([(hi_cols, config.high_bits, 1.0)] if n_high else [])
+        act = MixedActQuant(hi_cols, lo_cols, k, high=high, low=low) if n_high else low
+        return segmented_rtn_linear(linear, columns, act.to(linear.weight.device) if n_high else act)
+
+    n = len(replace_linears(model, make))
+    return n, {"bases": "folded into the weights (random orthogonal on random weights)",
+               "high_fraction": config.high_fraction, "high_bits": config.high_bits}
+
+
+@register_method("resq", config=ResQConfig, description=ResQConfig.description, speed_form=_speed_form)
 def resq(model, config: ResQConfig, ctx):
     """Quantize ``model`` in place with ResQ; fills ``ctx.info``."""
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["Ceilings", "measure_ceilings", "module_bytes", "decode_bytes", "prefill_flops", "quantized_linears",
+__all__ = ["Ceilings", "measure_ceilings", "module_bytes", "tensor_bytes", "decode_bytes", "prefill_flops", "quantized_linears",
            "floor_fraction"]
 
 #: bytes copied per bandwidth sample (well past any L2 cache)
@@ -112,9 +112,20 @@ def module_bytes(module: torch.nn.Module, seen: set[int] | None = None) -> int:
     seen.add(id(module))
     if hasattr(module, "weight_nbytes"):
         return int(sum(module.weight_nbytes().values()))
-    total = sum(int(t.numel() * t.element_size()) for t in module.parameters(recurse=False))
-    total += sum(int(t.numel() * t.element_size()) for t in module.buffers(recurse=False))
+    total = sum(tensor_bytes(t) for t in module.parameters(recurse=False))
+    total += sum(tensor_bytes(t) for t in module.buffers(recurse=False))
     return total + sum(module_bytes(child, seen) for child in module.children())
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes ``t`` stores: a tensor subclass that flattens into inner tensors (torchao's packed
+    weights: values, scales, zero points) counts those, a plain tensor its elements."""
+    data = t.data if isinstance(t, torch.nn.Parameter) else t
+    flatten = getattr(data, "__tensor_flatten__", None)
+    if flatten is not None and type(data) is not torch.Tensor:
+        names, _ = flatten()
+        return sum(tensor_bytes(getattr(data, name)) for name in names if getattr(data, name) is not None)
+    return int(data.numel() * data.element_size())
 
 
 def quantized_linears(model: torch.nn.Module) -> bool:

@@ -269,8 +269,10 @@ class _Stacked:
             self.kind = "group"
             # a W4A4 GEMM reading its input as it is: the norm before it can quantize for it
             self.quant = group.quant if group.input_transform is None else None
-        elif all(type(m) is nn.Linear and not _hooked(m) for m in mods) and len({m.weight.dtype for m in mods}) == 1:
-            # float weights: one stacked tensor; the original linears become views of it (no copy kept)
+        elif (all(type(m) is nn.Linear and not _hooked(m) and type(m.weight.data) is torch.Tensor for m in mods)
+              and len({m.weight.dtype for m in mods}) == 1):
+            # float weights: one stacked tensor; the original linears become views of it (no copy kept).
+            # A tensor subclass (torchao's packed weights) has no stacking: its linears run one by one
             weight = torch.cat([m.weight.data for m in mods])
             bias = None
             if any(m.bias is not None for m in mods):

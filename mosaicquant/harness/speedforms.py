@@ -25,8 +25,7 @@ Two things live here.
    (:mod:`mosaicquant.methods.kvcache`; QuaRot's, SpinQuant's and Atom's 4-bit caches by default,
    MosaicQuant's with ``kvbits=4``) is installed as the method installs it, the fused decoder
    runs it as a 4-bit cache where its kernels can, and the records say ``kv_bits``.
-   Methods registered with no speed form
-   (``resq``: its PCA bases need data) raise
+   Methods registered with no speed form raise
    :class:`~mosaicquant.errors.Unavailable`. Methods registered ``data_free=True`` (they need no
    data at all: ``torchao``) run as they are and execute on their own kernels.
 """
@@ -65,9 +64,13 @@ def _has_kernel_layers(model: nn.Module) -> bool:
 def executable(model: nn.Module, info: dict) -> str:
     """Make ``model`` run on the kernels in place (once) and return the execution path.
 
+    The form that runs is recorded as ``info["speed"]["form"]``: ``bf16`` (a float model on
+    cuBLAS), ``native`` (a method whose layers execute on their own kernels, e.g. torchao's tensor
+    subclasses) or ``kernels`` (the simulated format on this package's W4A4 / mixed kernels).
+
     Args:
         model: a float model, a simulated (fake-quant) model, or an already converted one.
-        info: the method's info dict; ``exec_path_speed`` and ``kernel_layers`` are set there.
+        info: the method's info dict; ``exec_path_speed``, ``kernel_layers`` and ``speed.form`` are set there.
 
     Raises:
         Unavailable: a quantized layer has no kernel path (the message names it and why).
@@ -78,6 +81,7 @@ def executable(model: nn.Module, info: dict) -> str:
         # a float model, or a method whose layers are executable as they are (e.g. torchao's)
         path = info.get("exec_path") if info.get("wbits", 16) < 16 and info.get("exec_path") else FLOAT_PATH
         info["exec_path_speed"] = path
+        info.setdefault("speed", {})["form"] = "bf16" if path == FLOAT_PATH else "native"
         return path
     if simulated:
         report = kernelize(model)
@@ -164,6 +168,7 @@ def executable(model: nn.Module, info: dict) -> str:
         parts.append(part)
     path = " | ".join(parts)
     info["exec_path_speed"] = path
+    info.setdefault("speed", {})["form"] = "kernels"
     return path
 
 

@@ -14,10 +14,12 @@ from collections.abc import Callable
 from torch import nn
 
 from mosaicquant.errors import Unavailable
-from mosaicquant.methods.qlinear import ActQuantSpec, fake_quant_linear_from, quantize_weight, replace_linears
+from mosaicquant.methods.qlinear import ActQuantSpec, FakeQuantLinear, fake_quant_linear_from, quantize_weight, \
+    replace_linears
+from mosaicquant.methods.quant import quantize
 from mosaicquant.methods.rotation import rotate_model
 
-__all__ = ["check_w4a4", "dense_w4", "rotated_speed_form"]
+__all__ = ["check_w4a4", "dense_w4", "rotated_speed_form", "segmented_rtn_linear"]
 
 
 def check_w4a4(method: str, wbits: int, abits: int) -> None:
@@ -53,3 +55,34 @@ def rotated_speed_form(online_o: Callable[[object], bool]) -> Callable:
             bits=config.abits, symmetric=True, clip_ratio=config.a_clip)
         return dense_w4(model, act, config.wbits, config.w_group_size), {"online": sorted(desc["online"])[:4]}
     return form
+
+
+def segmented_rtn_linear(linear: nn.Linear, columns, act: nn.Module, transform=None) -> FakeQuantLinear:
+    """A mixed-precision simulated linear with round-to-nearest symmetric integers per column segment.
+
+    Args:
+        linear: the float layer.
+        columns: ``[(column indices, bits, clip ratio), ...]`` covering the input channels; each
+            segment gets one scale per output row.
+        act: the activation quantizer (a :class:`~mosaicquant.methods.mixed.MixedActQuant` or an
+            :class:`ActQuantSpec`).
+        transform: the layer's online input transform, or None.
+
+    Returns:
+        :class:`FakeQuantLinear` with ``weight_segments`` (what the mixed kernels read) and ``weight_groups``.
+    """
+    import torch
+
+    w = linear.weight.data.to(torch.float32)
+    deq = torch.empty_like(w)
+    segments = []
+    for cols, bits, clip in columns:
+        dev_cols = cols.to(w.device)
+        qt = quantize(w[:, dev_cols], bits, symmetric=True, clip_ratio=clip, scale_dtype=torch.float16)
+        deq[:, dev_cols] = qt.dequantize(torch.float32)
+        segments.append((cols, qt))
+    wbits = sum(qt.q.numel() * qt.bits for _, qt in segments) / w.numel()
+    layer = FakeQuantLinear(deq.to(linear.weight.dtype), linear.bias, act, transform, None, wbits)
+    layer.weight_groups = len(segments)
+    layer.weight_segments = segments
+    return layer.to(linear.weight.device)

@@ -3,6 +3,9 @@
 Metric names read here (written by the ``throughput`` and ``latency`` suites):
 
 - ``throughput``: ``prefill_tok_s``, ``decode_tok_s/b{B}`` (tok/s, higher is better);
+  ``decode_floor_frac/b{B}`` and ``prefill_floor_frac`` (the step's byte / flop floor over its
+  measured time, :mod:`mosaicquant.harness.floor`), with the card's ceilings measured in the same
+  run in ``method_info.speed.ceilings`` (:func:`ceilings_of`);
   with NVML, ``decode_energy_j_per_tok/b{B}`` (J/tok, lower is better) and
   ``decode_power_w/b{B}`` (mean W over the energy window).
 - ``latency``: ``linear_us/{layer}/m{M}`` (µs, lower is better), ``step_ms/prefill`` and
@@ -42,6 +45,10 @@ __all__ = [
     "step_points",
     "speedup",
     "throughput_table",
+    "floor_points",
+    "form_of",
+    "ceilings_of",
+    "ceilings_text",
     "energy_table",
     "latency_table",
     "step_table",
@@ -51,6 +58,8 @@ __all__ = [
 ]
 
 DECODE_RE = re.compile(r"^decode_tok_s/b(\d+)$")
+FLOOR_RE = re.compile(r"^decode_floor_frac/b(\d+)$")
+PREFILL_FLOOR = "prefill_floor_frac"
 ENERGY_RE = re.compile(r"^decode_energy_j_per_tok/b(\d+)$")
 POWER_RE = re.compile(r"^decode_power_w/b(\d+)$")
 LINEAR_RE = re.compile(r"^linear_us/([^/]+)/m(\d+)$")
@@ -81,6 +90,47 @@ def decode_points(cell: Cell) -> dict[int, MetricSummary]:
     """``{batch: decode tok/s}``, sorted by batch."""
     found = {int(m.group(1)): v for name, v in cell.metrics.items() if (m := DECODE_RE.match(name))}
     return dict(sorted(found.items()))
+
+
+def floor_points(cell: Cell) -> dict[int, MetricSummary]:
+    """``{batch: fraction of the decode byte floor}``, sorted by batch (empty for records without floors)."""
+    found = {int(m.group(1)): v for name, v in cell.metrics.items() if (m := FLOOR_RE.match(name))}
+    return dict(sorted(found.items()))
+
+
+def form_of(cell: Cell) -> str | None:
+    """The form a speed cell timed (``method_info.speed.form``: ``bf16``, ``kernels``, ``torchao``,
+    ``compiled``), ``None`` for records that do not say."""
+    return (cell.method_info.get("speed") or {}).get("form")
+
+
+def ceilings_of(cell: Cell) -> dict | None:
+    """The card's copy bandwidth and tensor-core rates measured in the cell's run, ``None`` if not recorded."""
+    return (cell.method_info.get("speed") or {}).get("ceilings")
+
+
+def ceilings_text(group: list[Cell]) -> str | None:
+    """One sentence per distinct set of ceilings in ``group`` (one card, one run: usually one), or None."""
+    seen: list[dict] = []
+    for cell in group:
+        c = ceilings_of(cell)
+        if c and c not in seen:
+            seen.append(c)
+    if not seen:
+        return None
+    texts = []
+    for c in seen:
+        int8 = c.get("int8_tflop_s")
+        texts.append(f"{c.get('gpu', 'the GPU')}: copy {c['copy_gb_s']:,.0f} GB/s (read + write), BF16 "
+                     f"{c['bf16_tflop_s']:,.0f} TFLOP/s, INT8 "
+                     + (f"{int8:,.0f} TOP/s" if int8 is not None else "not measured (no int8 matrix product)"))
+    return "; ".join(texts)
+
+
+def _fraction_text(value: MetricSummary | None) -> str:
+    if value is None or not math.isfinite(value.value):
+        return ""
+    return f"{100 * value.value:.0f}%"
 
 
 def _layer_order(layer: str) -> tuple[int, str]:
@@ -168,17 +218,19 @@ def _info_columns(cell: Cell) -> dict[str, object]:
         return None if info.get(field) is None else str(info[field])
 
     # speed suites record the path that was timed (a kernel) next to the method's own
-    return {"method": cell.method, "W": text("wbits"), "A": text("abits"), "KV": text("kv_bits"),
-            "exec path": text("exec_path_speed") or text("exec_path")}
+    return {"method": cell.method, "form": form_of(cell) or "", "W": text("wbits"), "A": text("abits"),
+            "KV": text("kv_bits"), "exec path": text("exec_path_speed") or text("exec_path")}
 
 
 def throughput_table(group: list[Cell]) -> pd.DataFrame:
-    """One row per method: prefill and decode tok/s per batch, each with ±spread and (speed-up×).
+    """One row per method: prefill and decode tok/s per batch, each with ±spread and (speed-up×),
+    each beside its fraction of the floor (prefill: flop floor; decode: byte floor) where recorded.
 
     Every cell of the group has a row; one without numbers says why in ``notes``.
     """
     ref = fp16_cell(group)
     batches = sorted({b for c in group for b in decode_points(c)})
+    floors = any(floor_points(c) or PREFILL_FLOOR in c.metrics for c in group)
     rows = []
     for cell in group:
         row = _info_columns(cell)
@@ -186,10 +238,16 @@ def throughput_table(group: list[Cell]) -> pd.DataFrame:
         row["runtime"] = runtime_of(cell) or ""
         comparable = same_runtime(cell, ref)
         pre = cell.metrics.get(PREFILL)
-        row["prefill tok/s (batch 1) ↑"] = _cell_text(pre, speedup(pre, ref.metrics.get(PREFILL)) if comparable else None)
-        dec, ref_dec = decode_points(cell), decode_points(ref) if comparable else {}
+        row["prefill tok/s (batch 1) ↑"] = _cell_text(pre, speedup(pre, ref.metrics.get(PREFILL))
+                                                      if comparable and ref is not None else None)
+        if floors:
+            row["prefill: of flop floor"] = _fraction_text(cell.metrics.get(PREFILL_FLOOR))
+        dec, ref_dec = decode_points(cell), decode_points(ref) if comparable and ref is not None else {}
+        floor = floor_points(cell)
         for b in batches:
             row[f"decode tok/s (batch {b}) ↑"] = _cell_text(dec.get(b), speedup(dec.get(b), ref_dec.get(b)))
+            if floors:
+                row[f"batch {b}: of byte floor"] = _fraction_text(floor.get(b))
         row["notes"] = "; ".join(n for n in (cell.note, _runtime_note(cell, ref)) if n) or None
         rows.append(row)
     return pd.DataFrame(rows)

@@ -311,6 +311,7 @@ def _speed_sections(records: list[dict[str, Any]], footnotes: Footnotes | None =
         backend_fp16_cell,
         backend_groups,
         backend_table,
+        ceilings_text,
         energy_table,
         fp16_cell,
         latency_table,
@@ -332,6 +333,12 @@ def _speed_sections(records: list[dict[str, Any]], footnotes: Footnotes | None =
                 parts.append(f"No `fp16` row for {model} in this directory: values are shown without speed-ups.\n")
             if suite == "throughput":
                 parts.append("Tokens per second: prefill at batch 1, decode per batch size.\n")
+                ceilings = ceilings_text(group)
+                if ceilings:
+                    parts.append("Beside each speed, its fraction of the floor: a decode step's bytes (weights as "
+                                 "stored, output head, KV cache) over the copy bandwidth, a prefill's matrix flops "
+                                 "over the tensor-core rate its linears use (100% is the physics). Ceilings "
+                                 f"measured in this run: {ceilings}.\n")
                 table = throughput_table(group)
                 if "exec path" in table:
                     table["exec path"] = [footnotes.mark(v) for v in table["exec path"]]

@@ -422,3 +422,33 @@ def test_runtime_option_is_validated():
         speed.ThroughputConfig(runtime="vllm")
     with pytest.raises(ValueError, match="runtime"):
         speed.LatencyConfig(runtime="")
+
+
+def test_torchao_linears_run_one_by_one_in_the_fused_decoder(tiny):
+    # torchao's packed weights are tensor subclasses without aten.cat (int4: Int4TilePackedTo4dTensor):
+    # the decoder runs them unstacked, and the floor counts the bytes they store, not their logical shape
+    pytest.importorskip("torchao.quantization", reason="torchao is not installed")
+    from mosaicquant.harness.floor import decode_bytes, module_bytes
+
+    model = _model(TINY.name)
+    ctx = QuantContext(calibration=lambda: None, seed=0, device=DEVICE)
+    info = {}
+    speed_form("torchao", model, get_method("torchao").config(recipe="int8_dyn"), ctx)
+    info.update(ctx.info)
+    executable(model, info)
+    assert info["speed"]["form"] == "native" and "torch._int_mm" in info["exec_path_speed"]
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 256, (2, 9), generator=g).to(DEVICE)
+    steps = [torch.randint(0, 256, (2, 1), generator=g).to(DEVICE) for _ in range(2)]
+    ref = _eager_reference(model, prompt, steps)
+    dec = FusedDecoder(model)
+    assert dec.layers[0].qkv.kind == "separate" and dec.layers[0].gate_up.kind == "separate"
+    cache = dec.new_cache(2, 16)
+    assert _sqnr_db(dec.prefill(prompt, cache), ref[0]) > QUANT_SQNR_DB
+    for i, ids in enumerate(steps):
+        pos = torch.full((2,), 9 + i, device=DEVICE)
+        assert _sqnr_db(dec.decode(ids, pos, cache), ref[i + 1]) > QUANT_SQNR_DB
+    down = model.model.layers[0].mlp.down_proj
+    # int8 values (1 byte each) plus per-row scales: about half the BF16 weight
+    assert down.weight.numel() <= module_bytes(down) < 0.6 * down.weight.numel() * 2
+    assert decode_bytes(model, 2, 16, dec) > 0

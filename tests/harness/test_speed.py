@@ -168,8 +168,6 @@ def test_speed_forms_build_the_methods_format_and_run_on_the_kernels(tiny_shapes
 
 
 def test_methods_without_a_fast_path_are_unavailable_never_stand_ins(tiny_shapes):
-    with pytest.raises(Unavailable, match="no speed form for 'resq'"):
-        _form("resq", shapes.build_shape_model(tiny_shapes, dtype=torch.float32))
     with pytest.raises(Unavailable, match="W8A8"):
         _form("rtn", shapes.build_shape_model(tiny_shapes, dtype=torch.float32), wbits=8, abits=8)
     model = shapes.build_shape_model(tiny_shapes, dtype=torch.float32)
@@ -223,6 +221,24 @@ def test_atom_speed_form_runs_on_the_mixed_kernels(tiny_shapes):
         path = executable(model, ctx.info)
         kernels = model(input_ids=ids).logits.float()
     assert "mixed-precision GEMM on 14 linears" in path and "4-bit sym g32 + 16 ch 8-bit" in path
+    assert (kernels - simulated).norm() < 0.5 * (simulated - reference).norm()
+
+
+def test_resq_speed_form_runs_its_8_bit_share_on_the_mixed_kernels(tiny_shapes):
+    model = shapes.build_shape_model(tiny_shapes, dtype=torch.float32)
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits.float()
+    ctx = _form("resq", model, kvbits=16)
+    qkv, down = model.model.layers[0].self_attn.q_proj, model.model.layers[0].mlp.down_proj
+    assert qkv.act.high_channels.tolist() == list(range(56, 64)) and qkv.weight_groups == 2
+    assert down.input_transform is not None and not hasattr(down.act, "high_channels")
+    with torch.no_grad():
+        simulated = model(input_ids=ids).logits.float()
+        path = executable(model, ctx.info)
+        kernels = model(input_ids=ids).logits.float()
+    assert "mixed-precision GEMM on 14 linears" in path and "4-bit asym + 8 ch 8-bit" in path
+    assert ctx.info["speed"]["form"] == "kernels"
     assert (kernels - simulated).norm() < 0.5 * (simulated - reference).norm()
 
 
