@@ -4,7 +4,8 @@
 #   kernels - the ZipperEngine table at the Llama-3-8B linears, M = 1 ... 8192, against BF16 in one run
 #   forms   - the untimed kernel forms (4-bit attention forms, tail-walk scales ahead)
 #   nan     - the NaN-propagating quantizers and range-checked decode kernels against their old forms
-#   suite   - the throughput suite on the Llama-3-8B shapes, every method with a speed form
+#   suite   - the throughput suite on the Llama-3-8B shapes, every method with a speed form (torchao rows
+#             need its wheel carried in .whl/; without it they are recorded as unavailable)
 # Logs and records go to OUT (default ./results/gpu_queue); a short table is printed last.
 set -uo pipefail
 step=${1:?step}; out=${2:-results/gpu_queue}
@@ -27,7 +28,8 @@ case $step in
     python3 benchmarks/kernels/nan_guard.py 2>&1 | tee "$out/nan_guard.log" | tail -40 ;;
   suite)
     python3 -m mosaicquant run --model llama-3-8b-shapes \
-      --methods fp16,rtn,quarot,atom,mosaicquant,mosaicquant:budget=0 --suites throughput \
+      --methods fp16,rtn,quarot,spinquant,resq,atom,mosaicquant,mosaicquant:budget=0,torchao:recipe=int8_dyn,torchao:recipe=int4_wo \
+      --suites throughput \
       --device cuda --dtype bfloat16 --report --out "$out/suite" 2>&1 | tee "$out/suite.log" | tail -60 ;;
   *) echo "unknown step $step (tests, kernels, forms, nan, suite)"; exit 2 ;;
 esac
