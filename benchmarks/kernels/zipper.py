@@ -332,7 +332,7 @@ def bench_shape(n, k, ms, budgets, device, gen, rows, explore_cfgs, variants_fil
                     # the shared walk's shifts come with the layer (QuantLinear derives them once): deriving
                     # them in the call would synchronise with the host inside the graph capture
                     sh = {"residual_shifts": shifts[b][i]} if wopts.get("residual_walk") == "shared" else {}
-                    if sh and _tiles.swapped_row_order(wopts, BLOCK[0]):
+                    if sh and _tiles.swapped_row_order(wopts, BLOCK[0], device=device):
                         sh["row_order"] = orders[b][i]  # as QuantLinear.forward_split8 runs the call
                     def call():
                         q8, s8 = quantize_activations_triton(x, layout="split8")

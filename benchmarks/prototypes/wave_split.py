@@ -76,7 +76,7 @@ def main(argv=None) -> int:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             ap, a_s = quantize_activations_triton(x)
             a8, s8 = quantize_activations_triton(x, layout="split8")
-            tail = _tiles.swapped_tail(m, 128)
+            tail = _tiles.swapped_tail(m, 128, device=device)
             opts = {"block_m_tail": tail} if tail is not None else {}
             for kind in ("dense", "zip10"):
                 if kind == "dense":
