@@ -97,6 +97,9 @@ class Entry:
     speed_form: Callable[..., Any] | None = None
     #: a method that needs no calibration data: its own ``fn`` is its speed form
     data_free: bool = False
+    #: whether the result depends on the run's seed (calibration draw, rotations, random choices, timing
+    #: repeats); a cell whose method and suite are both unseeded runs once per sweep, whatever the seeds
+    seeded: bool = True
 
 
 class Registry:
@@ -110,7 +113,8 @@ class Registry:
         self._loading_source = "direct registration"
 
     def register(self, name: str, fn: Callable[..., Any], config: type[Config], description: str = "",
-                 speed_form: Callable[..., Any] | None = None, data_free: bool = False) -> Entry:
+                 speed_form: Callable[..., Any] | None = None, data_free: bool = False,
+                 seeded: bool = True) -> Entry:
         """Add ``name``; a second registration of the same name is an error."""
         if not name or name != name.strip() or ":" in name or "," in name:
             raise ValueError(f"{self.kind} name {name!r} must be non-empty and contain no ':' or ','")
@@ -127,7 +131,7 @@ class Registry:
             )
         doc = description or (fn.__doc__ or "").strip().splitlines()[0:1]
         entry = Entry(name, fn, config, self.kind, self._loading_source,
-                      doc if isinstance(doc, str) else (doc[0] if doc else ""), speed_form, data_free)
+                      doc if isinstance(doc, str) else (doc[0] if doc else ""), speed_form, data_free, seeded)
         self._entries[name] = entry
         return entry
 
@@ -200,7 +204,7 @@ def _decorator(registry: Registry, name: str, config: type[Config], description:
 
 
 def register_method(name: str, *, config: type[Config], description: str = "",
-                    speed_form: Callable[..., Any] | None = None, data_free: bool = False):
+                    speed_form: Callable[..., Any] | None = None, data_free: bool = False, seeded: bool = True):
     """Decorator: register ``fn(model, config, ctx) -> model`` as method ``name``.
 
     Args:
@@ -210,13 +214,22 @@ def register_method(name: str, *, config: type[Config], description: str = "",
         speed_form: ``fn(model, config, ctx) -> (quantized linears, notes)``: the method's format on a
             random-weight model without calibration data, for the speed suites; None: no such form.
         data_free: the method needs no calibration data; on a random-weight model it runs as it is.
+        seeded: its result depends on the seed (calibration draw, rotations, random choices); ``False``
+            (fp16, RTN) lets a sweep over several seeds run its cells once (see ``seeded`` of a suite).
     """
-    return _decorator(METHODS, name, config, description, speed_form=speed_form, data_free=data_free)
+    return _decorator(METHODS, name, config, description, speed_form=speed_form, data_free=data_free,
+                      seeded=seeded)
 
 
-def register_suite(name: str, *, config: type[Config], description: str = ""):
-    """Decorator: register ``fn(model, config, ctx) -> metrics`` as suite ``name``."""
-    return _decorator(SUITES, name, config, description)
+def register_suite(name: str, *, config: type[Config], description: str = "", seeded: bool = True):
+    """Decorator: register ``fn(model, config, ctx) -> metrics`` as suite ``name``.
+
+    Args:
+        seeded: its result depends on the seed (few-shot draws, held-out calibration, timing repeats);
+            ``False`` (perplexity on the fixed test split, counted memory): a cell of it and of an unseeded
+            method runs once per sweep, at the sweep's first seed.
+    """
+    return _decorator(SUITES, name, config, description, seeded=seeded)
 
 
 def register_backend(name: str, *, config: type[Config], description: str = ""):
