@@ -74,6 +74,8 @@ def bar(iterable: Iterable[Any] | None = None, *, desc: str, unit: str, total: i
 
     Returns:
         The bar; iterate over it, or call ``update``, and ``close`` it (or use it as a context manager).
+        A finished outermost bar keeps its last line (steps done, elapsed time); a finished bar
+        nested inside another is cleared.
     """
     return tqdm(iterable, desc=f"[mosaicquant] {desc}", unit=unit, total=total, file=sys.stderr,
-                disable=not shown(), leave=False, dynamic_ncols=True, mininterval=0.5)
+                disable=not shown(), leave=None, dynamic_ncols=True, mininterval=0.5)
