@@ -28,7 +28,8 @@ import yaml
 
 from mosaicquant.errors import UserInputError
 
-__all__ = ["Config", "check_choice", "check_range", "coerce_value", "exact_number_text", "parse_kv_pairs"]
+__all__ = ["Config", "WrongType", "check_choice", "check_range", "coerce_value", "exact_number_text",
+           "parse_kv_pairs"]
 
 C = TypeVar("C", bound="Config")
 
@@ -86,12 +87,35 @@ def check_range(name: str, value, lo=None, hi=None, *, integer: bool = False, ex
         raise UserInputError(f"{name}={value!r} is out of range: allowed {kind} {span}{more}")
 
 
+class WrongType(UserInputError):
+    """A value that is not of its option's type (:func:`coerce_value`); :class:`Config` adds the allowed span.
+
+    Attributes:
+        name: the option.
+        raw: the value as given.
+        kind: the type the option takes (``"an integer"``, ``"a number"``, ``"a boolean"``, ``"a string"``).
+        allowed: what the option allows (its type and range where known, e.g. ``"integers 2..8 or 16"``).
+    """
+
+    def __init__(self, name: str, raw: Any, kind: str, allowed: str | None = None):
+        self.name, self.raw, self.kind, self.allowed = name, raw, kind, allowed or kind
+        super().__init__(f"{name}={raw!r} is not {kind}: allowed {self.allowed}")
+
+
 def _unwrap_optional(tp):
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return (args[0] if len(args) == 1 else tp), True
     return tp, False
+
+
+def _from_text(name: str, raw: Any, convert, kind: str):
+    """``convert(str(raw))`` (command-line text, NumPy scalars), or :class:`WrongType` naming ``kind``."""
+    try:
+        return convert(str(raw))
+    except ValueError:
+        raise WrongType(name, raw, kind) from None
 
 
 def coerce_value(name: str, raw: Any, tp) -> Any:
@@ -121,26 +145,22 @@ def coerce_value(name: str, raw: Any, tp) -> Any:
             return raw
         if isinstance(raw, str) and raw.lower() in _TRUE | _FALSE:
             return raw.lower() in _TRUE
-        raise UserInputError(f"{name}={raw!r} is not a boolean: use true/false")
+        raise WrongType(name, raw, "a boolean", "true or false")
     if base is int:
         if isinstance(raw, bool):
-            raise UserInputError(f"{name}={raw!r} is not an integer")
+            raise WrongType(name, raw, "an integer")
         if isinstance(raw, int):
             return raw
         if isinstance(raw, float) and raw.is_integer():
             return int(raw)
-        try:
-            return int(str(raw))
-        except ValueError:
-            raise UserInputError(f"{name}={raw!r} is not an integer") from None
+        return _from_text(name, raw, int, "an integer")
     if base is float:
         if isinstance(raw, (int, float)) and not isinstance(raw, bool):
             return float(raw)
-        try:
-            return float(str(raw))
-        except ValueError:
-            raise UserInputError(f"{name}={raw!r} is not a number") from None
+        return _from_text(name, raw, float, "a number")
     if base is str:
+        if isinstance(raw, (dict, list, tuple, set)):
+            raise WrongType(name, raw, "a string")
         return str(raw)
     return raw
 
@@ -178,12 +198,53 @@ class Config:
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
+        wrong = None
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            coerced = coerce_value(f.name, value, hints.get(f.name, Any))
+            try:
+                coerced = coerce_value(f.name, value, hints.get(f.name, Any))
+            except WrongType as exc:
+                wrong = wrong or (exc, f.name, hints.get(f.name, Any))
+                continue
             if coerced is not value:
                 object.__setattr__(self, f.name, coerced)
+        if wrong is not None:
+            exc, name, tp = wrong
+            raise WrongType(exc.name, exc.raw, exc.kind, self._allowed_span(name, tp) or exc.allowed) from None
         self.validate()
+
+    def _allowed_span(self, name: str, tp) -> str | None:
+        """What :meth:`validate` allows for the numeric field ``name`` (``"integers 2..8 or 16"``), or None.
+
+        :meth:`validate` is the one statement of a field's range: it is run with NaN in the field (never in any
+        range, :func:`check_range`) and its refusal of ``name`` read back, the other fields holding their given
+        values, or their defaults where a given one is refused first.
+        """
+        base, optional = _unwrap_optional(tp)
+        listed = typing.get_origin(base) in (tuple, list)
+        if listed:
+            args = typing.get_args(base)
+            base, _ = _unwrap_optional(args[0] if args else str)
+        if base not in (int, float):
+            return None
+        probe = (math.nan,) if listed else math.nan
+        defaults = object.__new__(type(self))
+        for f in dataclasses.fields(self):
+            value = f.default
+            if value is dataclasses.MISSING:
+                value = getattr(self, f.name) if f.default_factory is dataclasses.MISSING else f.default_factory()
+            object.__setattr__(defaults, f.name, value)
+        for config in (self, defaults):
+            object.__setattr__(config, name, probe)
+            try:
+                config.validate()
+            except (UserInputError, ValueError, TypeError) as exc:  # only a refusal of `name` is read
+                text = str(exc)
+                if text.startswith(f"{name}=") and ": allowed " in text:
+                    span = text.split(": allowed ", 1)[1]
+                    span = f"a list of {span}" if listed else span
+                    return f"{span} or none" if optional else span
+        return None
 
     def validate(self) -> None:
         """Check field values; subclasses raise :class:`UserInputError`."""
@@ -218,7 +279,15 @@ class Config:
 
     @classmethod
     def from_dict(cls: type[C], data: dict[str, Any] | None) -> C:
-        """Build from a mapping (values may be strings); unknown keys are an error."""
+        """Build from a mapping (values may be strings).
+
+        Raises:
+            UserInputError: ``data`` not a mapping, an unknown key, or a value of another type or out of range
+                (naming the value, the option and what it allows).
+        """
+        if data is not None and not isinstance(data, dict):
+            raise UserInputError(f"{cls.__name__} options must be a mapping of option to value, got "
+                                 f"{type(data).__name__} {data!r}")
         data = dict(data or {})
         names = cls.field_names()
         unknown = sorted(set(data) - set(names))

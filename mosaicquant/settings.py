@@ -27,17 +27,19 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import re
 from collections.abc import Iterator
 
 from mosaicquant.config import Config, check_choice, check_range
 from mosaicquant.errors import UserInputError
 
-__all__ = ["KERNEL_PREFERENCES", "PDL_CHAINS", "KV4_MINMAX_FORMS", "KernelSettings", "current", "use"]
+__all__ = ["KERNEL_PREFERENCES", "PDL_CHAINS", "KV4_MINMAX_FORMS", "KernelSettings", "current", "use", "use_tiles"]
 
 #: backends a kernel call may prefer: ``auto`` (Triton where it can run, else the reference), ``triton``, ``torch``
 KERNEL_PREFERENCES = ("auto", "triton", "torch")
 #: how far programmatic dependent launch reaches in the decode step (``mosaicquant.kernels._common.chain_mode``)
 PDL_CHAINS = ("off", "on")
+_TILE_NAME = re.compile(r"[a-z][a-z0-9_]*")
 #: the 4-bit KV-cache quantizer's forms of its row extremes (``mosaicquant.kernels.decoder``)
 KV4_MINMAX_FORMS = ("four", "pairs", "joined")
 
@@ -64,6 +66,10 @@ class KernelSettings(Config):
             :data:`KV4_MINMAX_FORMS`; ``None``: ``"pairs"`` compiled, and ``"four"`` (the same
             bits) on Triton's interpreter, which runs a reduction with its own combine function
             element by element in Python. A form named here runs as named everywhere.
+        tiles: entries ``name=value`` that replace those of the device's tile table
+            (:class:`mosaicquant.kernels.tile_table.TileTable`, e.g. ``dense_gated_max_m=0``); a
+            mapping is taken too. Empty: the device's row as tuned. Names are checked against the
+            table at the first launch.
 
     Raises:
         UserInputError: a value outside its allowed set, naming the value and the set.
@@ -79,6 +85,12 @@ class KernelSettings(Config):
     attn_kv4_zdot: bool = False
     attn_kv4_pw_once: bool = False
     attn_kv4_minmax: str | None = None
+    tiles: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tiles, dict):
+            object.__setattr__(self, "tiles", tuple(f"{k}={v}" for k, v in self.tiles.items()))
+        super().__post_init__()
 
     def validate(self) -> None:
         kernel = self.kernel.strip().lower()
@@ -91,6 +103,14 @@ class KernelSettings(Config):
             check_range("prefetch_mib", self.prefetch_mib, 0, None)
         if self.attn_kv4_minmax is not None:
             check_choice("attn_kv4_minmax", self.attn_kv4_minmax, KV4_MINMAX_FORMS)
+        entries = {}
+        for item in self.tiles:
+            name, sep, value = item.partition("=")
+            name = name.strip().lower()
+            if not sep or not _TILE_NAME.fullmatch(name) or not value.strip():
+                raise UserInputError(f"tiles entry {item!r} is not allowed: write name=value, e.g. dense_gated_max_m=0")
+            entries[name] = value.strip()
+        self.set_canonical("tiles", tuple(f"{k}={v}" for k, v in sorted(entries.items())))
 
 
 _DEFAULT = KernelSettings()
@@ -124,3 +144,19 @@ def use(settings: KernelSettings | None = None, **changes) -> Iterator[KernelSet
         yield settings
     finally:
         _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
+def use_tiles(**entries) -> Iterator[KernelSettings]:
+    """Put tile-table entries (``name=value``, :class:`mosaicquant.kernels.tile_table.TileTable`'s fields)
+    in force for the block, beside those already in force.
+
+    Example: ``with use_tiles(dense_gated_max_m=0): ...`` runs SiLU·mul in its own kernel at every size.
+
+    Raises:
+        UserInputError: an entry the settings refuse.
+    """
+    merged = dict(item.split("=", 1) for item in current().tiles)
+    merged.update({name.lower(): value for name, value in entries.items()})
+    with use(tiles=merged) as chosen:
+        yield chosen

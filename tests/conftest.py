@@ -66,3 +66,22 @@ def tiny_corpus(monkeypatch):
     corpus = data.Corpus(name="tiny-text", description="test text", offline=True, loader=lambda split: docs[split])
     monkeypatch.setitem(data.CORPORA, "tiny-text", corpus)
     return "tiny-text"
+
+
+@pytest.fixture
+def tile_table():
+    """``tile_table(name=value, ...)``: put tile-table entries in force (kernel settings' ``tiles``) for the test.
+
+    Entries add to those already put; the settings before come back when the test ends.
+    """
+    import contextlib
+
+    from mosaicquant import settings
+
+    stack = contextlib.ExitStack()
+
+    def put(**entries):
+        stack.enter_context(settings.use_tiles(**entries))
+
+    yield put
+    stack.close()

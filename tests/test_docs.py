@@ -281,3 +281,21 @@ def test_config_md_defaults_are_the_configs_defaults(listing):
             assert row.group(1) == _default_text(getattr(config, field.name)), (
                 f"docs/config.md: {name}.{field.name} default {row.group(1)!r}, "
                 f"the config says {_default_text(getattr(config, field.name))!r}")
+
+
+def test_methods_page_lists_each_methods_supports():
+    from mosaicquant.registry import BUILTIN_MODULES, METHODS
+
+    text = (REPO / "docs" / "methods.md").read_text()
+    section = text.split("## What each method can run", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = cells[1:]
+    expected = {}
+    for entry in (e for e in METHODS.registered() if e.fn.__module__ in BUILTIN_MODULES["method"]):
+        supports = entry.supports_for()
+        archs = "any" if supports.architectures is None else ", ".join(f"`{a}`" for a in supports.architectures)
+        expected[entry.name] = [", ".join(supports.devices), ", ".join(supports.dtypes), archs]
+    assert rows == expected, "docs/methods.md's table of what each method can run differs from the registry"

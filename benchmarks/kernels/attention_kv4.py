@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import statistics
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from mosaicquant import settings  # noqa: E402
 from mosaicquant.harness.timing import time_calls  # noqa: E402
 from mosaicquant.kernels import decoder  # noqa: E402
+from mosaicquant.kernels.tile_table import TileTable, table_for  # noqa: E402
 from mosaicquant.kernels.decoder import (KVFormat, KVScales, decode_rope_attention,  # noqa: E402
                                          decode_rope_attention_reference)
 
@@ -58,16 +60,19 @@ REF_OFF_MAX = 0.01
 # together; "pw_once": p·s converted to the dots' dtype once a step (attn_kv4_pw_once; with "zdot" the compiler
 # already converts once: the same SASS). The 16-bit cache has only the first switch.
 FORMS = {
-    "v42": {"ATTN_NEW_CACHED": False, "attn_kv4_minmax": "four"},
+    "v42": {"attn_new_cached": False, "attn_kv4_minmax": "four"},
     "four": {"attn_kv4_minmax": "four"},
     "pairs": {"attn_kv4_minmax": "pairs"},
     "joined": {"attn_kv4_minmax": "joined"},
     "zdot": {"attn_kv4_zdot": True},
-    "zdot_64": {"attn_kv4_zdot": True, "ATTN_KV4_BLOCK_N": 64},
+    "zdot_64": {"attn_kv4_zdot": True, "attn_kv4_block_n": 64},
     "joined_zdot": {"attn_kv4_minmax": "joined", "attn_kv4_zdot": True},
     "pw_once": {"attn_kv4_pw_once": True},
 }
 FORMS_16 = ("v42",)
+
+#: the tile table's entries (the forms' other keys are kernel settings)
+TILE_ENTRIES = {f.name for f in dataclasses.fields(TileTable)}
 
 
 def _inputs(b: int, context: int, device, bits: int, g: torch.Generator):
@@ -100,19 +105,12 @@ def cache_bytes(b: int, context: int, bits: int) -> int:
 
 @contextlib.contextmanager
 def _settings(block_n: int, flags: dict):
-    """A form's kernel settings in force for a block, and ``decoder.ATTN_KV4_BLOCK_N`` with the form's tuned
-    decoder constants set for it (launches read them), restored after."""
-    chosen = {k: v for k, v in flags.items() if k.islower()}
-    tuned = {"ATTN_KV4_BLOCK_N": block_n, **{k: v for k, v in flags.items() if not k.islower()}}
-    saved = {k: getattr(decoder, k) for k in tuned}
-    for k, v in tuned.items():
-        setattr(decoder, k, v)
-    try:
-        with settings.use(**chosen):
-            yield
-    finally:
-        for k, v in saved.items():
-            setattr(decoder, k, v)
+    """A form's kernel settings in force for a block, with the tile table's ``attn_kv4_block_n`` and the form's
+    other tile entries (launches read them)."""
+    chosen = {k: v for k, v in flags.items() if k not in TILE_ENTRIES}
+    tuned = {"attn_kv4_block_n": block_n, **{k: v for k, v in flags.items() if k in TILE_ENTRIES}}
+    with settings.use(**chosen), settings.use_tiles(**tuned):
+        yield
 
 
 def main(argv=None) -> int:
@@ -120,7 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="4,16,32")
     ap.add_argument("--context", default="512", help="cached tokens a sequence (comma-separated: several)")
     ap.add_argument("--chunks", default="128,256", help="explicit chunks to time beside the default cut")
-    ap.add_argument("--block-ns", default="64", help="4-bit loop steps to time beside ATTN_KV4_BLOCK_N")
+    ap.add_argument("--block-ns", default="64", help="4-bit loop steps to time beside the tile table's attn_kv4_block_n")
     ap.add_argument("--forms", default=",".join(FORMS), help="forms (FORMS) to time beside the default")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median of their medians)")
     ap.add_argument("--out", default=None)
@@ -137,7 +135,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
     kv4 = KVFormat(4, False, 0.95, True)
-    default_bn = decoder.ATTN_KV4_BLOCK_N
+    default_bn = table_for(torch.device("cuda")).attn_kv4_block_n
     rows, checks = [], 0
     batches = [int(v) for v in args.batches.split(",")]
     for context, b in ((c, b) for c in (int(v) for v in args.context.split(",")) for b in batches):
@@ -152,8 +150,8 @@ def main(argv=None) -> int:
             if bits == 4:
                 variants += [(f"{bn} keys a step", None, bn, {})
                              for bn in (int(v) for v in args.block_ns.split(",") if v)]
-            variants += [(f"form {f}", None, FORMS[f].get("ATTN_KV4_BLOCK_N", default_bn),
-                          {k: v for k, v in FORMS[f].items() if k != "ATTN_KV4_BLOCK_N"})
+            variants += [(f"form {f}", None, FORMS[f].get("attn_kv4_block_n", default_bn),
+                          {k: v for k, v in FORMS[f].items() if k != "attn_kv4_block_n"})
                          for f in forms if bits == 4 or f in FORMS_16]
 
             def call(i, chunk):

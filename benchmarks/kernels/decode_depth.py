@@ -4,7 +4,7 @@ BF16 cuBLAS streams gate/up's weights at ~4.1 TB/s at 4 tokens (nvjet tiles 128 
 of weights in flight a CTA), the 4-bit packed kernel at ~3.2 TB/s (the wide tiles: 16 KB a step, 3 stages). This
 script times ``QuantLinear`` (BF16 in, BF16 out, activation quantizer included) on each Llama-3-8B linear, dense and
 with 10 % random 128 x 128 kept blocks (ZipperEngine), at decode sizes, for variants of the module constants that set
-those tiles (``_tiles.WIDE_DECODE_STAGES``, ``WIDE_DECODE_BLOCK_KP``, ``DECODE_STAGES``), and the tail walk's row
+those tiles (the tile table's ``wide_decode_stages``, ``wide_decode_block_kp``, ``decode_stages``), and the tail walk's row
 scales loaded a kept block ahead (``sahead``: the kernel setting ``walk_scales_ahead``). The variants change where
 the bytes wait, not the arithmetic: each variant's output must equal the default's bit for bit, and the default's
 must match the PyTorch reference. Weights are rotated through more than L2; medians of interleaved rounds.
@@ -31,7 +31,6 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / part) for part in ("ke
 from zipper import MODELS, ROTATE_BYTES, check, random_residual, time_calls  # noqa: E402
 
 from mosaicquant import settings  # noqa: E402
-from mosaicquant.kernels import _tiles  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_reference  # noqa: E402
 from mosaicquant.kernels.quant_linear import QuantLinear  # noqa: E402
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference  # noqa: E402
@@ -39,32 +38,25 @@ from mosaicquant.kernels.zipper import zipper_gemm_reference  # noqa: E402
 from mosaicquant.methods.format import PackedW4  # noqa: E402
 
 BUDGET = 0.10
-# label -> the _tiles constants (upper case) and kernel settings (lower case) it sets (the others keep their defaults)
+# label -> the tile-table entries and the kernel settings it sets (the others keep their defaults)
 VARIANTS = {
     "base": {},
-    "ws4": {"WIDE_DECODE_STAGES": 4},
-    "ws5": {"WIDE_DECODE_STAGES": 5},
-    "wkp256": {"WIDE_DECODE_BLOCK_KP": 256},
-    "wkp256s4": {"WIDE_DECODE_BLOCK_KP": 256, "WIDE_DECODE_STAGES": 4},
-    "ds3": {"DECODE_STAGES": 3},
-    "ds6": {"DECODE_STAGES": 6},
-    # the tail walk's row scales loaded a kept block ahead below WALK_STAGES_MIN_M tokens (the same bits)
+    "ws4": {"tiles": {"wide_decode_stages": 4}},
+    "ws5": {"tiles": {"wide_decode_stages": 5}},
+    "wkp256": {"tiles": {"wide_decode_block_kp": 256}},
+    "wkp256s4": {"tiles": {"wide_decode_block_kp": 256, "wide_decode_stages": 4}},
+    "ds3": {"tiles": {"decode_stages": 3}},
+    "ds6": {"tiles": {"decode_stages": 6}},
+    # the tail walk's row scales loaded a kept block ahead below walk_stages_min_m tokens (the same bits)
     "sahead": {"walk_scales_ahead": True},
 }
-DEFAULTS = {name: getattr(_tiles, name) for v in VARIANTS.values() for name in v if not name.islower()}
 
 
 @contextlib.contextmanager
 def variant(label: str):
-    """The variant's tile constants set and its kernel settings in force for a block; the defaults after."""
-    for name, value in DEFAULTS.items():
-        setattr(_tiles, name, VARIANTS[label].get(name, value))
-    try:
-        with settings.use(**{k: v for k, v in VARIANTS[label].items() if k.islower()}):
-            yield
-    finally:
-        for name, value in DEFAULTS.items():
-            setattr(_tiles, name, value)
+    """The variant's tile entries and kernel settings in force for a block; the defaults after."""
+    with settings.use(**VARIANTS[label]):
+        yield
 
 
 def layers(n: int, k: int, device, gen: torch.Generator) -> list[dict[str, QuantLinear]]:

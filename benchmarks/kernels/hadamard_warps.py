@@ -14,7 +14,7 @@ also times the plain quantizers with ``act_quant.MAX_BLOCK_KP`` at each value (p
 loads at once; a longer row takes two passes, the second reloading it), and ``--ceiling`` a
 BF16 → int8 cast of the same input (``x.to(torch.int8)``: the split8 layout's bytes, no reduction).
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/kernels/hadamard_warps.py   # decode sizes, as in v12
+    PYTHONUNBUFFERED=1 python3 benchmarks/kernels/hadamard_warps.py   # decode sizes
     PYTHONUNBUFFERED=1 python3 benchmarks/kernels/hadamard_warps.py --ms 256,2048,8192 --warps 2,4,8,16 \\
         --kernels hadamard,quant,split8 --rotate --out OUT
     PYTHONUNBUFFERED=1 python3 benchmarks/kernels/hadamard_warps.py --ms 2048,8192 --sizes 4096,14336 --warps 4,8 \

@@ -1,7 +1,7 @@
 """Activation quantizers at decode sizes with each token split over P programs (GPU).
 
 One program per token leaves most SMs idle at batch 4: the fused Hadamard + quantizer took
-17-18 µs on a 14336-wide row and the plain quantizer 7.8 µs (``benchmarks/NOTES.md``, v12).
+17-18 µs on a 14336-wide row and the plain quantizer 7.8 µs.
 Times both kernels (CUDA graphs, median µs per call) at n = 4096 and 14336, M = 1 ... 32:
 the fused Hadamard + quantizer (random signs) and the plain quantizer (gated and not), with
 P = 1 (one program per token, default warps) and every allowed P of 2, 4, 8, 16 with 4 and 8

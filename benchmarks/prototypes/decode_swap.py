@@ -1,9 +1,9 @@
-"""Kept: the measurement behind _tiles.SWAP_DECODE_M (dense layers' 16-32-token calls on the swapped GEMM, NOTES v10).
+"""Kept: the measurement behind _tiles.SWAP_DECODE_M (dense layers' 16-32-token calls on the swapped GEMM).
 
 Decode-sized W4A4 GEMMs: the packed kernel against the operand-swapped one, and cheaper unpacking.
 
 At M <= 32 the 4-bit GEMMs should stream their weights at close to the device's copy rate,
-but the packed-activation kernel (``w4a4_gemm_triton``) reached 1.4-1.7 TB/s (v8). Its K loop
+but the packed-activation kernel (``w4a4_gemm_triton``) reached 1.4-1.7 TB/s. Its K loop
 unpacks both operands (the activation tile again in every warp) with four to five integer
 instructions per four bytes. This script checks and times, for the Llama-3-8B / Qwen3-8B
 linears at M = 1 ... 32 (activation quantization included, weights rotated through buffers

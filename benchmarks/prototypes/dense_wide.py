@@ -1,8 +1,8 @@
-"""Kept: re-times the dense wide tiles' bounds, _tiles.DENSE_WIDE_* (NOTES v31, v32).
+"""Kept: re-times the dense wide tiles' bounds, _tiles.DENSE_WIDE_*.
 
 Dense W4A4 wide layers' 17-32-token calls: the packed kernel's wide tiles against the swapped GEMM's decode tiles.
 
-``_tiles.DENSE_WIDE_MAX_M``, ``_tiles.DENSE_WIDE_MIN_TILES_PER_SM`` and ``_tiles.DENSE_WIDE_MAX_TILES_PER_SM`` decide
+the tile table's ``dense_wide_max_m``, ``dense_wide_min_tiles_per_sm`` and ``dense_wide_max_tiles_per_sm`` decide
 which of the two a layer runs (``wide`` below is timed on every layer, whatever they decide).
 
 Times, on the gate/up layers of Llama-3-8B, Qwen3-8B, Qwen3-14B and Qwen3-32B (1.70, 1.45, 2.06 and 3.03 wide tiles a SM
@@ -60,9 +60,9 @@ def main(argv=None) -> int:
             a8, s8 = quantize_activations_triton(x, layout="split8")
             ref = w4a4_gemm_reference(ap, a_s, qws[0], wss[0], k, out_fp32=True)
             tiles = swapped_decode_config(m, n, k // 2, device)
-            with_wide = capped(("DENSE_WIDE_MAX_M", 32), capped(("DENSE_WIDE_MIN_TILES_PER_SM", 0.0), capped(
-                ("DENSE_WIDE_MAX_TILES_PER_SM", float("inf")), lambda: pick_config(m, n, k // 2, device))))()
-            narrow = capped(("DENSE_WIDE_MAX_M", 16), lambda: pick_config(m, n, k // 2, device))()
+            with_wide = capped(("dense_wide_max_m", 32), capped(("dense_wide_min_tiles_per_sm", 0.0), capped(
+                ("dense_wide_max_tiles_per_sm", float("inf")), lambda: pick_config(m, n, k // 2, device))))()
+            narrow = capped(("dense_wide_max_m", 16), lambda: pick_config(m, n, k // 2, device))()
             idx = range(len(qws))
             calls = {
                 "swapped": [lambda i=i: w4a4_gemm_swapped_triton(a8, s8, qws[i], wss[i], k, **tiles) for i in idx],

@@ -1,11 +1,11 @@
-"""Kept: a Gluon starting point for a prefill GEMM whose products stay in flight across K steps (NOTES v37).
+"""Kept: a Gluon starting point for a prefill GEMM whose products stay in flight across K steps.
 
 A prefill W4A4 GEMM in Gluon whose tensor-core products stay in flight while the next K step is unpacked.
 
 The swapped Triton GEMM (``w4a4_gemm_swapped_triton``: ``Cᵀ = W Aᵀ``, the unpacked weights the ``wgmma``
 instruction's register operand, the ``split8`` activations its shared-memory operand) waits for every product
 before the next step: Triton 3.6 keeps a ``wgmma`` in flight across loop iterations only when its register operand
-is defined outside the loop (``benchmarks/NOTES.md`` v37). So each step's shared-memory loads of the weights and
+is defined outside the loop. So each step's shared-memory loads of the weights and
 their unpacking run while the warpgroup's tensor-core work is drained; only the SM's other warpgroups fill it.
 
 Gluon (Triton's explicit-layout dialect) issues ``wgmma`` asynchronously and waits when told. This kernel has the
@@ -21,7 +21,7 @@ Triton kernel's tiles (128 weight rows × 128 tokens × 128 K values a step, 8 w
 
 Products in flight across loop iterations (a wait down to the two just issued) gave wrong sums: the register
 operands of the products in flight were reused. ``warpgroup_mma_wait``'s ``deps``, which would hold them, take no
-8-bit values in Triton 3.6, and an asm reading them after the wait holds them only within one iteration (NOTES v37).
+8-bit values in Triton 3.6, and an asm reading them after the wait holds them only within one iteration.
 
 Dense only (no residual blocks), M, N multiples of 128 and K of 256: a prototype to measure what the overlap is
 worth before building on it. Variants, GEMM alone on ``split8`` activations (weights rotated through more than L2,

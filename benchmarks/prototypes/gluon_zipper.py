@@ -1,9 +1,9 @@
-"""Kept: a Gluon starting point for ZipperEngine with its kept blocks staged in shared memory (NOTES v35).
+"""Kept: a Gluon starting point for ZipperEngine with its kept blocks staged in shared memory.
 
 A decode ZipperEngine in Gluon whose residual blocks are copied into shared memory beside the dense stream.
 
 The Triton kernels walk a program's kept blocks after their dense K loop: every program reaches its walk at once,
-and the blocks' loads come after the dense bytes instead of beside them (``benchmarks/NOTES.md`` v30, v35). Plain
+and the blocks' loads come after the dense bytes instead of beside them. Plain
 Triton has no way to start a copy before the loop and wait for it after. Gluon, Triton's explicit-layout dialect,
 has: this script's kernel issues ``cp.async`` copies of a program's residual blocks (and their activation tiles)
 into shared memory together with the first dense stage, and multiplies them after the dense loop. The dense loop

@@ -1,4 +1,4 @@
-"""Kept: the tile grid behind _tiles.SWAP_MID_TILES and the mid route's bounds (NOTES v28).
+"""Kept: the tile grid behind _tiles.SWAP_MID_TILES and the mid route's bounds.
 
 Tiles of the operand-swapped GEMM for mid-sized calls (64-1024 tokens), dense and with the residual.
 
@@ -47,8 +47,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / part) for part in ("ke
 
 from zipper import check, random_residual  # noqa: E402
 
+from mosaicquant import settings  # noqa: E402
 from mosaicquant.harness.timing import time_calls  # noqa: E402
-from mosaicquant.kernels import _tiles  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton  # noqa: E402
 from mosaicquant.kernels.quant_linear import QuantLinear  # noqa: E402
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference, w4a4_gemm_swapped_triton  # noqa: E402
@@ -148,7 +148,7 @@ BEFORE = dict(swap_min_m=128, swap_mid=False)
 def validate(name: str, n: int, k: int, ms, device, gen, rounds: int = 2, before: str = "v27") -> list[dict]:
     """``QuantLinear`` as routed now (``ql_*``) and with the routes before (``ql_*_off``), interleaved ``rounds``
     times, with BF16, dense and with the residual. ``before``: ``"v27"`` (:data:`BEFORE`: no mid route, prefill
-    tiles from 128 tokens), ``"nowide"`` (the mid route without its dense wide tier, ``SWAP_MID_WIDE_MIN_M`` = 0) or
+    tiles from 128 tokens), ``"nowide"`` (the mid route without its dense wide tier, the tile table's ``swap_mid_wide_min_m`` = 0) or
     ``"notail"`` (every token tile full size, ``QuantLinear(swap_tail=False)``)."""
     rows = []
     layers = layer_copies(n, k, device, gen)
@@ -159,7 +159,6 @@ def validate(name: str, n: int, k: int, ms, device, gen, rounds: int = 2, before
            "ql_dense_off": [QuantLinear(d, **off_kw).to(device) for d, _, _ in layers],
            "ql_pow2": [QuantLinear(r).to(device) for _, r, _ in layers],
            "ql_pow2_off": [QuantLinear(r, **off_kw).to(device) for _, r, _ in layers]}
-    wide = _tiles.SWAP_MID_WIDE_MIN_M
     for m in ms:
         x = (torch.randn(m, k, generator=gen) * 2).to(torch.bfloat16).to(device)
         pa, sa = quantize_activations_reference(x)
@@ -170,15 +169,12 @@ def validate(name: str, n: int, k: int, ms, device, gen, rounds: int = 2, before
             t = time_calls([lambda w=w: F.linear(x, w) for w in w_bf16])
             rows.append(dict(layer=name, n=n, k=k, m=m, variant="bf16", round=rnd, us=t.median_us, ok=True))
             for key, mods in qls.items():
-                if key.endswith("_off") and before == "nowide":
-                    _tiles.SWAP_MID_WIDE_MIN_M = 0
-                try:
+                no_wide = {"swap_mid_wide_min_m": 0} if key.endswith("_off") and before == "nowide" else {}
+                with settings.use_tiles(**no_wide):
                     ok, rel = check(mods[0](x).float(), ref_pow2 if "pow2" in key else ref_dense)
                     t = time_calls([lambda q=q: q(x) for q in mods])
                     route = mods[0].swap_route(m)
                     tiles = mods[0].swap_tiles(m) if route in ("mid", "prefill") else None
-                finally:
-                    _tiles.SWAP_MID_WIDE_MIN_M = wide
                 rows.append(dict(layer=name, n=n, k=k, m=m, variant=key, round=rnd, us=t.median_us, ok=ok,
                                  rel_err=rel, route=route, tiles=tiles))
             print(f"{name:14s} M={m:5d} round {rnd}: " + "  ".join(

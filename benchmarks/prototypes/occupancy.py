@@ -1,4 +1,4 @@
-"""Kept: the decode GEMMs' registers, shared memory and resident programs read on a GPU (NOTES v14, v26).
+"""Kept: the decode GEMMs' registers, shared memory and resident programs read on a GPU.
 
 Registers, shared memory and resident programs of the decode GEMMs, and ZipperEngine's time per split.
 

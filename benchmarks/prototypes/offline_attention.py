@@ -1,4 +1,4 @@
-"""Kept: the decode attention kernel's registers and loop instructions counted without a GPU (NOTES v43-v45).
+"""Kept: the decode attention kernel's registers and loop instructions counted without a GPU.
 
 Registers, shared memory and the code before the first tensor-core product of the decode attention kernel
 (``decoder._rope_attn_kernel``) compiled for sm_90 on a machine without a GPU: over the BF16 cache, QuaRot's 4-bit
@@ -15,8 +15,9 @@ instructions between the kernel's longest backward branch and its target, one st
 issues it, with its CTA barriers (``BAR``), shared-memory loads and stores (``LDS``/``LDSM``, ``STS``), global
 loads it waits for (``LDG``; the pipelined copies are ``LDGSTS``), spill reloads (``LDL``) and tensor-core products
 (``HMMA``). ``--set NAME=VALUE`` (repeatable) puts a kernel setting in force first (a lower-case
-``KernelSettings`` field: ``attn_kv4_zdot=true``, ``attn_kv4_minmax=joined``), or sets a tuned ``decoder``
-constant (upper case: ``ATTN_KV4_BLOCK_N=64``; the text for a constant that is a string, else a number of its type).
+``KernelSettings`` field: ``attn_kv4_zdot=true``, ``attn_kv4_minmax=joined``; an entry of the tile table:
+``attn_kv4_block_n=64``), or sets a tuned ``decoder`` constant (upper case: ``ATTN_BLOCK_N=32``; the text for a
+constant that is a string, else a number of its type).
 Leaves the process's Triton driver replaced: run it on its own.
 
     python3 benchmarks/prototypes/offline_attention.py [--set attn_kv4_zdot=true --set attn_kv4_minmax=joined]
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import importlib
 import os
 import re
@@ -45,6 +47,10 @@ from decode_profile import set_constant  # noqa: E402
 from offline_regs import _CompileOnlyDriver, compile_only  # noqa: E402
 
 from mosaicquant import settings  # noqa: E402
+from mosaicquant.kernels.tile_table import TileTable  # noqa: E402
+
+#: the tile table's entries
+TILE_ENTRIES = {f.name for f in dataclasses.fields(TileTable)}
 
 HEADS, KV_HEADS, D, BATCH, SLOTS, CHUNK = 32, 8, 128, 32, 520, 640
 REGS_PER_SM, SMEM_PER_SM = 65536, 227 * 1024
@@ -72,6 +78,9 @@ def _set(dec, item: str, chosen: dict) -> None:
     """``NAME=VALUE``: a kernel setting into ``chosen`` (lower case), else set on ``dec``
     (:func:`decode_profile.set_constant`'s typing)."""
     name, eq, text = item.partition("=")
+    if eq and name in TILE_ENTRIES:
+        chosen.setdefault("tiles", {})[name] = text
+        return
     if eq and name.islower():
         chosen[name] = text
         return

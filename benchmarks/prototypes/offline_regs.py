@@ -1,7 +1,7 @@
-"""Kept: ZipperEngine's tail-walk registers compiled for sm_90 without a GPU (NOTES v29).
+"""Kept: ZipperEngine's tail-walk registers compiled for sm_90 without a GPU.
 
 Registers and shared memory of ZipperEngine's tail-walk kernel compiled for sm_90 on a machine without a GPU,
-with the walk's first-block preload off and on (``_tiles.WALK_PRELOAD_MAX_M``).
+with the walk's first-block preload off and on (the tile table's ``walk_preload_max_m``).
 
 The launcher runs on CPU tensors with the tiles and splits it picks for the H200 (132 SMs; PDL and the L2 prefetch
 off, as for calls of more than 8 tokens there); the launch is replaced by a
@@ -74,6 +74,7 @@ def main(argv=None) -> int:
         print("offline_regs.py compiles for the GPU: unset TRITON_INTERPRET", file=sys.stderr)
         return 2
     driver.set_active(_CompileOnlyDriver())
+    from mosaicquant import settings
     from mosaicquant.kernels import _tiles
     from mosaicquant.kernels._tiles import pick_config
     from mosaicquant.kernels.act_quant import quantize_activations_reference
@@ -95,9 +96,9 @@ def main(argv=None) -> int:
             cfg = pick_config(m, n, k // 2, torch.device("cuda"), res.block_shape)  # the H200's tiles
             cells = []
             for preload in (False, True):
-                _tiles.WALK_PRELOAD_MAX_M = m if preload else 0
-                zmod.zipper_gemm_triton(a_packed, a_scale, qweight, w_scale, k, res, mode="tail", residual_walk="dot",
-                                        config=cfg)
+                with settings.use_tiles(walk_preload_max_m=m if preload else 0):
+                    zmod.zipper_gemm_triton(a_packed, a_scale, qweight, w_scale, k, res, mode="tail",
+                                            residual_walk="dot", config=cfg)
                 ck = compiled[-1].result() if hasattr(compiled[-1], "result") else compiled[-1]
                 with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
                     fh.write(ck.asm["cubin"])

@@ -1,4 +1,4 @@
-"""Kept: the residual's decode cost against evenly spread blocks (NOTES v14-v17); the prototypes share its helpers.
+"""Kept: the residual's decode cost against evenly spread blocks; the prototypes share its helpers.
 
 How much of the residual's decode cost is load imbalance: random kept blocks against evenly spread ones.
 
@@ -58,7 +58,6 @@ from zipper import (  # noqa: E402
 )
 
 from mosaicquant import settings  # noqa: E402
-from mosaicquant.kernels import _tiles  # noqa: E402
 from mosaicquant.kernels._tiles import TileConfig, pick_config, swapped_decode_config  # noqa: E402
 from mosaicquant.kernels.act_quant import quantize_activations_triton  # noqa: E402
 from mosaicquant.kernels.decoder import silu_mul, silu_mul_reference  # noqa: E402
@@ -95,17 +94,13 @@ def even_residual(n: int, k: int, budget: float, device) -> ResidualBlocks:
 
 
 def capped(cap: tuple[str, int] | None, call):
-    """``call`` with the tuned constant ``_tiles.<name> = value`` set while it runs (launches, graph capture)."""
+    """``call`` with the tile-table entry ``name = value`` in force while it runs (launches, graph capture)."""
     if cap is None:
         return call
 
     def run():
-        saved = getattr(_tiles, cap[0])
-        setattr(_tiles, cap[0], cap[1])
-        try:
+        with settings.use_tiles(**{cap[0]: cap[1]}):
             return call()
-        finally:
-            setattr(_tiles, cap[0], saved)
     return run
 
 

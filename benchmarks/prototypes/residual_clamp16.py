@@ -1,8 +1,8 @@
-"""Kept: the accuracy bound behind the merged walk's opt-in, rscale_max_shift=3 (NOTES v36).
+"""Kept: the accuracy bound behind the merged walk's opt-in, rscale_max_shift=3.
 
 SmolLM2-135M accuracy of MosaicQuant (default, j <= 4) with its residual clamped after the fit so that every kept
 value's ``16 q + 2^(4-j) r`` is an int8 (an upper bound of what merging in the dense loop's ``s_w / 16`` units would
-cost without a refit; benchmarks/NOTES.md v36, Next 3). CPU; prints the perplexity and how many values changed.
+cost without a refit, Next 3). CPU; prints the perplexity and how many values changed.
 
     python3 benchmarks/prototypes/residual_clamp16.py OUT_DIR
 """

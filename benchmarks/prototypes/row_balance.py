@@ -1,4 +1,4 @@
-"""Kept: what the spread of kept blocks over block rows costs ZipperEngine (NOTES v35).
+"""Kept: what the spread of kept blocks over block rows costs ZipperEngine.
 
 What the spread of kept blocks over block rows costs ZipperEngine, on the GPU.
 

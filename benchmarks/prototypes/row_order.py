@@ -1,4 +1,4 @@
-"""Kept: the measurement behind _tiles.SWAP_ROW_ORDER (NOTES v39).
+"""Kept: the measurement behind the tile table's swap_row_order.
 
 The swapped prefill GEMM's weight-row tiles in the order of their residual work, against the grouped order.
 

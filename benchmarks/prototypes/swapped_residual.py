@@ -1,4 +1,4 @@
-"""Kept: the swapped prefill GEMM's cost per kept block, behind SWAP_MIN_TILES_PER_SM's residual entry (NOTES v9, v11).
+"""Kept: the swapped prefill GEMM's cost per kept block, behind SWAP_MIN_TILES_PER_SM's residual entry.
 
 Cost of the residual tail in the operand-swapped prefill GEMM, per kept block per block row.
 
@@ -7,7 +7,7 @@ in the ``split8`` layout) with a residual of exactly ``j`` kept 128×128 blocks 
 (evenly spaced columns), for each residual walk, against the same GEMM with no residual. The
 intercept (j → 0) and slope (per block) of the time separate a fixed cost of the residual code
 from the cost of each block. ``fp8_cc`` is the fp8 walk with the compiler's element-wise e4m3
-conversions instead of the inline-PTX ones (the default, v11). Checked against the PyTorch
+conversions instead of the inline-PTX ones (the default). Checked against the PyTorch
 reference before timing.
 
 Usage (GPU)::

@@ -1,4 +1,4 @@
-"""Kept: what a walked kept block costs a program at decode sizes (NOTES v30).
+"""Kept: what a walked kept block costs a program at decode sizes.
 
 What ZipperEngine's tail walk costs a program at decode sizes: the kernel without blocks to walk, one block a
 program, two blocks a program, against the dense GEMM on the same tiles.
@@ -12,7 +12,7 @@ interleaved rounds; ZipperEngine in ``mode="tail"`` with the tensor-core walk):
   zipper variants run);
 - ``zipE``: one kept block in the whole layer (the walk's kernel, nearly nothing to walk);
 - ``zip1`` / ``zip2``: every block row keeps ``S`` / ``2 S`` blocks in evenly spaced columns (one / two a program);
-- ``zip1_s0``: ``zip1`` with the walk's loop on the launch's stages instead of ``WALK_STAGES``;
+- ``zip1_s0``: ``zip1`` with the walk's loop on the launch's stages instead of the tile table's ``walk_stages``;
 - ``zip10``: 10 % of the blocks at random (tail walk); ``zip10_auto``: the same blocks as ``"auto"`` routes them.
 
 Each zipper call is checked against the PyTorch reference before it is timed. Prints the per-program cost
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
                                 for i in range(len(qws))]
                 if label == "zip1":
                     refs["zip1_s0"] = refs[label]
-                    calls["zip1_s0"] = [capped(("WALK_STAGES", 0), fn) for fn in calls[label]]
+                    calls["zip1_s0"] = [capped(("walk_stages", 0), fn) for fn in calls[label]]
                 if label == "zip10":
                     refs["zip10_auto"] = refs[label]
                     calls["zip10_auto"] = [lambda i=i, rs=rs, maps=maps: zipper_gemm_triton(

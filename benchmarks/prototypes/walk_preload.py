@@ -1,7 +1,7 @@
-"""Kept: the measurement behind _tiles.WALK_PRELOAD_MAX_M (NOTES v30); the prototypes share its timing helpers.
+"""Kept: the measurement behind the tile table's walk_preload_max_m; the prototypes share its timing helpers.
 
 ZipperEngine's tail walk with its first kept block loaded before the dense loop, off and on at every size
-(``_tiles.WALK_PRELOAD_MAX_M``: by default on up to 8 tokens), at decode sizes.
+(the tile table's ``walk_preload_max_m``: by default on up to 8 tokens), at decode sizes.
 
 A program reaches its residual walk after its dense loop, and the walk's first block is a chain of dependent loads
 (its coordinates, then its integers and activation tile). With the preload those loads are issued before the
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
             zref = zipper_gemm_reference(ap, a_s, qws[0], wss[0], k, rs[0], out_fp32=True)
             calls = {"w4a4": [lambda i=i: w4a4_gemm_triton(ap, a_s, qws[i], wss[i], k) for i in range(len(qws))]}
             for tag, pre in (("off", False), ("pre", True)):
-                calls[f"zip10_{tag}"] = [capped(("WALK_PRELOAD_MAX_M", m if pre else 0), lambda i=i: zipper_gemm_triton(
+                calls[f"zip10_{tag}"] = [capped(("walk_preload_max_m", m if pre else 0), lambda i=i: zipper_gemm_triton(
                     ap, a_s, qws[i], wss[i], k, rs[i], block_map=maps[i]))
                     for i in range(len(qws))]
             med = interleaved_medians(calls, args.rounds, lambda v, fn: v == "w4a4" or check(fn(), zref)[0],

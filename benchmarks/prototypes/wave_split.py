@@ -1,4 +1,4 @@
-"""Kept: the measurement behind _tiles.SWAP_REM_SPLIT_* (NOTES v34).
+"""Kept: the measurement behind _tiles.SWAP_REM_SPLIT_*.
 
 The swapped prefill GEMM with its last, partial wave split over K (``rem_split``) against the unsplit launch.
 
@@ -6,7 +6,7 @@ At the prefill tiles (128 weight rows x 128 tokens, 8 warps: two programs an SM,
 of ``T`` tiles runs ``T // 264`` whole waves and a last one of ``T mod 264`` tiles. Where that last wave is short
 (Qwen3-14B's o_proj and down_proj at 2048 tokens: 640 tiles, 2 waves and 112 tiles), its tiles can run split
 over K, ``F`` programs a tile, so the wave takes about ``1 / F`` of the time
-(``_tiles.swapped_rem_split``, whose bounds come from this script's measurements: benchmarks/NOTES.md v34).
+(``_tiles.swapped_rem_split``, whose bounds come from this script's measurements:).
 
 For every SPEC model's linears (``zipper.MODELS``) and every M asked for, where the tiles leave a partial last
 wave, times the GEMM alone (split8 activations quantized outside the timing, weights rotated through more than L2,

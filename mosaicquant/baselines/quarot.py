@@ -36,7 +36,7 @@ from mosaicquant.config import Config, check_choice, check_range
 from mosaicquant.methods.calibration import gptq_quantize_model
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant
 from mosaicquant.methods.qlinear import ActQuantSpec, weight_memory
-from mosaicquant.methods.rotation import ROTATIONS, rotate_model
+from mosaicquant.methods.rotation import ROTATIONS, TRANSFORM_SUPPORTS, online_transforms, rotate_model
 from mosaicquant.methods.speed_form import rotated_speed_form
 from mosaicquant.registry import register_method
 
@@ -104,7 +104,7 @@ class QuaRotConfig(Config):
 
 # o_proj's input gets an online Hadamard, as the method's rotation gives it one
 @register_method("quarot", config=QuaRotConfig, description=QuaRotConfig.description,
-                 speed_form=rotated_speed_form(lambda config: True))
+                 speed_form=rotated_speed_form(lambda config: True), supports=TRANSFORM_SUPPORTS)
 def quarot(model, config: QuaRotConfig, ctx):
     """Quantize ``model`` in place with QuaRot; fills ``ctx.info``."""
     t0 = time.perf_counter()
@@ -124,6 +124,7 @@ def quarot(model, config: QuaRotConfig, ctx):
         quantized_linears=replaced,
         transform={k: v for k, v in rotation.items() if k not in ("fused_norms", "per_head", "online")}
         | {"online_linears": len(rotation["online"])},
+        online_transforms=online_transforms(model),
         memory_bytes=weight_memory(model),
         timing={"rotate_s": round(t_rotate, 2), "total_s": round(time.perf_counter() - t0, 2)},
     )

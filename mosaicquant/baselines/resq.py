@@ -255,7 +255,9 @@ def resq_quantize_linear(
 # Linears of a decoder layer that read the same input share one basis (the first one's stats).
 _SHARED_INPUTS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                   ("mlp.gate_proj", "mlp.up_proj"),
-                  ("self_attn.o_proj",))
+                  ("self_attn.o_proj",),
+                  # Phi-3's fused projections: one linear per shared input
+                  ("self_attn.qkv_proj",), ("mlp.gate_up_proj",))
 _HADAMARD_INPUTS = ("mlp.down_proj",)
 
 

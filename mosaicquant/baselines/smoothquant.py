@@ -42,7 +42,7 @@ from mosaicquant.config import Config, check_range
 from mosaicquant.errors import UserInputError
 from mosaicquant.methods.qlinear import ActQuantSpec, fake_quant_linear_from, quantize_weight, replace_linears
 from mosaicquant.methods.quant import Quantized
-from mosaicquant.methods.rotation import model_parts
+from mosaicquant.methods.rotation import TRANSFORM_SUPPORTS, model_parts
 from mosaicquant.methods.smoothing import (
     DEFAULT_ALPHA,
     collect_input_absmax,
@@ -257,7 +257,7 @@ def _speed_form(model, config: SmoothQuantConfig, ctx):
 
 
 @register_method("smoothquant", config=SmoothQuantConfig, description=SmoothQuantConfig.description,
-                 speed_form=_speed_form)
+                 speed_form=_speed_form, supports=TRANSFORM_SUPPORTS)
 def smoothquant(model, config: SmoothQuantConfig, ctx):
     """Smooth ``model`` (fixed or searched α) and quantize it with RTN W4A4; fills ``ctx.info``."""
     t0 = time.perf_counter()

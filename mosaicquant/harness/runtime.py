@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mosaicquant.architectures import ARCHITECTURES
 from mosaicquant.errors import UserInputError, unknown_name
 
 __all__ = ["RUNTIMES", "FUSED_DESCRIPTION", "FusedDecoder", "DecodeCache", "fused_reason", "resolve_runtime",
@@ -68,7 +69,7 @@ TRANSFORMERS_DESCRIPTION = "transformers eager decoder (static KV cache, 16-bit 
 
 # Calls of this many tokens (first, last) run SiLU·mul inside down_proj's fused online Hadamard + quantizer
 # (methods with that Hadamard: QuaRot, SpinQuant, MosaicQuant) instead of in a kernel of its own, where the
-# FusedDecoder leaves it to this rule (silu_in_hadamard=None). Measured (v25, Llama-3-8B shapes, context 512,
+# FusedDecoder leaves it to this rule (silu_in_hadamard=None). Measured (Llama-3-8B shapes, context 512,
 # CUDA-graph step, µs, its own kernel / inside / its own kernel again): at batch 24 QuaRot 3,618 / 3,548 / 3,619
 # (16-bit KV), 3,592 / 3,540 / 3,576 (4-bit KV), MosaicQuant 3,770 / 3,720 / 3,782; at batch 32 QuaRot 3,593 /
 # 3,528 / 3,587 and 3,501 / 3,440 / 3,480, MosaicQuant 4,003 / 3,930 / 3,991; at batch 4 and 16 inside was
@@ -79,28 +80,28 @@ SILU_IN_HADAMARD_M = (17, 32)
 # SiLU·mul written by gate/up's own GEMM where it can (ZipperEngine's parallel modes and the dense W4A4 GEMM at
 # decode sizes, BF16 models, down_proj's quantizer not taking it: QuantLinear.writes_gated) instead of a kernel
 # of its own.
-# Measured (v16, Llama-3-8B shapes, MosaicQuant's CUDA-graph step at batch 4 / 8 / 16, µs): 3,109 / 3,244 /
+# Measured (Llama-3-8B shapes, MosaicQuant's CUDA-graph step at batch 4 / 8 / 16, µs): 3,109 / 3,244 /
 # 3,546 with the kernel, 2,979 / 3,164 / 3,478 without it.
 SILU_IN_GATE_UP = True
 # A decode step's RoPE + KV write inside the attention's kernel (decoder.decode_rope_attention: two kernels, the
 # chunks and their combine, instead of three) for layers whose KV cache is not simulated at lower precision.
-# Measured (v18, Llama-3-8B shapes, CUDA-graph step at batch 4 / 8 / 16 / 32, µs): MosaicQuant 2,865 / 3,070 /
+# Measured (Llama-3-8B shapes, CUDA-graph step at batch 4 / 8 / 16 / 32, µs): MosaicQuant 2,865 / 3,070 /
 # 3,377 / 4,410 without, 2,765 / 3,008 / 3,303 / 4,345 with; BF16 4,853 / 5,111 / 5,206 / 5,659 and 4,847 /
 # 4,971 / 5,124 / 5,592.
 FUSED_ROPE_ATTENTION = True
 # Decode calls of up to this many tokens run the RMSNorm after o_proj and after down_proj (with the next GEMM's
 # quantizer) in that GEMM's last programs (mosaicquant.kernels.norm_fold) where the GEMM can
 # (QuantLinear.folds_norm; BF16 models, the next GEMM's quantizer fused into the norm); 0: never, the norm runs
-# as a kernel of its own. Off: measured slower (v23, Llama-3-8B shapes, CUDA-graph step, 3 interleaved rounds,
+# as a kernel of its own. Off: measured slower (Llama-3-8B shapes, CUDA-graph step, 3 interleaved rounds,
 # us at batch 4 / 8, off -> folded up to 8 tokens): RTN 2,225 / 2,514 -> 2,537 / 2,712, QuaRot (16-bit KV)
 # 2,406 / 2,633 -> 2,653 / 2,853, MosaicQuant 2,774 / 2,983 -> 3,031 / 3,233. The folded o_proj GEMM's
 # increment was 12.0 us against 5.4 for the GEMM and 3.1 for the norm kernel: the row after the last tile
-# costs more than the launch boundary it removes (benchmarks/NOTES.md v23).
+# costs more than the launch boundary it removes.
 NORM_FOLD_MAX_M = 0
 # Prefill attention of grouped-query models: torch's SDPA reads each KV head for its group of query heads
 # (enable_gqa) instead of the keys and values copied once per query head (repeat_interleave: two copy kernels a
 # layer, 23-24 µs each on Qwen3-14B shapes at 2048 tokens, 21-22 on Llama-3-8B; the attention kernel's own time
-# unchanged). Measured (v33, 2048-token prefill, CUDA graph, µs, copies -> enable_gqa): Qwen3-14B shapes BF16
+# unchanged). Measured (2048-token prefill, CUDA graph, µs, copies -> enable_gqa): Qwen3-14B shapes BF16
 # 92,861 -> 91,171, QuaRot 87,112 -> 85,398, MosaicQuant 92,809 -> 90,484; Llama-3-8B shapes 49,363 -> 48,515,
 # 35,236 -> 34,134, 38,836 -> 37,707 (benchmarks/kernels/decode_profile.py --prefill 2048, 2 rounds).
 PREFILL_SDPA_GQA = True
@@ -120,6 +121,10 @@ def _hooked(module: nn.Module) -> bool:
 
 def fused_reason(model: nn.Module) -> str | None:
     """``None`` when :class:`FusedDecoder` can run ``model``, else why not (one sentence)."""
+    entry = next((ARCHITECTURES[c.__name__] for c in type(model).__mro__ if c.__name__ in ARCHITECTURES), None)
+    if entry is not None and not entry.fused_runtime:
+        runs = ", ".join(a.class_name for a in ARCHITECTURES.values() if a.fused_runtime)
+        return f"{entry.class_name} ({entry.family}) is not implemented in the fused decoder, which runs {runs}"
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     config = getattr(model, "config", None)
@@ -740,11 +745,15 @@ class FusedDecoder:
 
         The keys before each position must be in ``cache`` (from :meth:`prefill` or earlier
         steps). ``lengths`` (``positions + 1`` as int32) may be passed precomputed, e.g. for
-        a captured graph. Positions are device tensors and are not checked against the
-        cache length (that would synchronize); they must be below it.
+        a captured graph. Positions must lie in ``0..cache.length - 1``: host positions are
+        checked here, before any launch; device positions are checked by the kernels, which
+        clamp a value out of range and set the device's fault word, raised by
+        :meth:`check_ranges` (call it where the caller synchronises anyway, outside a
+        captured graph).
 
         Raises:
-            UserInputError: bad ids, positions of another shape, or a cache of another batch.
+            UserInputError: bad ids, positions of another shape, a cache of another batch, or
+                host positions outside the cache.
         """
         self._check_ids(ids)
         b = ids.shape[0]
@@ -776,3 +785,21 @@ class FusedDecoder:
 
         h, residual = self._layers(x, attend_qkv)
         return self._head(h, residual)
+
+    def check_ranges(self) -> None:
+        """Raise if a kernel read a position or length out of range on the decoder's device since the last check.
+
+        On a GPU the kernels check the positions and lengths they read (:meth:`decode` and :meth:`prefill` do
+        not: a host check would synchronise every step and cannot run inside a captured CUDA graph) and set a
+        fault word; this reads and clears it
+        (:func:`~mosaicquant.kernels.decoder.check_range_faults`), a device synchronisation. The speed suites
+        call it after each timed prefill or decode measurement, where the timing has synchronised; never inside
+        a capture.
+
+        Raises:
+            UserInputError: naming the launcher, the input and the allowed span; the steps since the last
+                check ran on clamped values, so what they computed is not valid.
+        """
+        from mosaicquant.kernels.decoder import check_range_faults
+
+        check_range_faults(self.device)

@@ -54,6 +54,11 @@ class ShapeModel:
     tied: bool
 
     @property
+    def class_name(self) -> str:
+        """The transformers model class the shape model is built as."""
+        return {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.architecture]
+
+    @property
     def description(self) -> str:
         return (f"random weights of the {self.name[: -len(SHAPE_SUFFIX)]} shapes ({self.architecture}, {self.layers} "
                 f"layers, d {self.hidden}, ffn {self.intermediate}, {self.heads} q / {self.kv_heads} kv heads) "

@@ -26,6 +26,7 @@ other invalid YAML.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from dataclasses import dataclass, field
@@ -372,8 +373,30 @@ def load_run_spec(path: str | None, overrides: dict[str, Any], preset: str | Non
     return spec
 
 
-#: suites whose ``seqlen`` is one forward pass over text, so it cannot exceed the model's context
-_CONTEXT_BOUND_SUITES = ("accuracy",)
+#: the tokens a suite's option puts through the model at once, as (suite, option, extra positions, only on a
+#: GPU): the accuracy suite's ``seqlen`` is one forward pass, the memory suite's one on a GPU (its peak memory);
+#: the speed suites' ``prefill_len`` one prefill, and their decode step reads ``context`` cached tokens and
+#: writes one more
+_CONTEXT_BOUND = (("accuracy", "seqlen", 0, False), ("memory", "seqlen", 0, True),
+                  ("throughput", "prefill_len", 0, True), ("latency", "prefill_len", 0, True),
+                  ("throughput", "context", 1, True), ("latency", "context", 1, True))
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _kv_group(method: PluginSpec, head_dim: int) -> int | None:
+    """The K/V group the method's KV-cache quantizer would use on heads of ``head_dim`` (None: one a head, or no
+    K/V quantization)."""
+    kv_spec = getattr(method.config, "kv_spec", None)
+    if kv_spec is None:
+        return None
+    try:
+        spec = kv_spec(head_dim) if inspect.signature(kv_spec).parameters else kv_spec()
+    except UserInputError:  # a config that checks the head itself refuses its group: named with the model below
+        return method.config.kv_group_size
+    return spec.group_size if spec.enabled else None
 
 
 def check_model_fit(spec: RunSpec, dims: dict[str, int]) -> None:
@@ -381,9 +404,12 @@ def check_model_fit(spec: RunSpec, dims: dict[str, int]) -> None:
 
     A method's ``w_group_size`` groups each linear layer's input features, so it must divide
     every input size: ``hidden_size`` (attention and MLP inputs), ``num_attention_heads *
-    head_dim`` (attention output) and ``intermediate_size`` (MLP down projection). The
-    ``accuracy`` suite's ``seqlen`` is one forward pass, at most ``max_position_embeddings``.
-    A size the config does not state is not checked.
+    head_dim`` (attention output) and ``intermediate_size`` (MLP down projection). A method's
+    K/V groups (``kv_group_size``) split each head, so they must divide ``head_dim``. The tokens
+    a suite puts through the model at once are at most ``max_position_embeddings``: the
+    ``accuracy`` suite's ``seqlen``, and on a GPU the ``memory`` suite's ``seqlen`` (its peak-memory
+    pass), the speed suites' ``prefill_len``, and their ``context`` plus the decoded token. A size
+    the config does not state is not checked.
 
     Args:
         spec: the sweep.
@@ -400,15 +426,25 @@ def check_model_fit(spec: RunSpec, dims: dict[str, int]) -> None:
         if group is None or not inputs or all(size % group == 0 for size in inputs.values()):
             continue
         common = math.gcd(*inputs.values())
-        divisors = [d for d in range(1, common + 1) if common % d == 0]
         sizes = ", ".join(f"{key} {size}" for key, size in inputs.items())
         raise UserInputError(
             f"method {method.label!r}: w_group_size={group} does not divide the input size of every linear layer "
-            f"of model {spec.model!r} ({sizes}): allowed the divisors of {common}: {', '.join(map(str, divisors))}")
+            f"of model {spec.model!r} ({sizes}): allowed the divisors of {common}: {_divisors(common)}")
+    head_dim = dims.get("head_dim")
+    for method in spec.methods:
+        group = _kv_group(method, head_dim) if head_dim is not None else None
+        if group is not None and head_dim % group:
+            raise UserInputError(
+                f"method {method.label!r}: kv_group_size={group} does not divide the head dimension of model "
+                f"{spec.model!r} (head_dim {head_dim}): allowed the divisors of {head_dim}: {_divisors(head_dim)}")
     context = dims.get("max_position_embeddings")
     for suite in spec.suites:
-        seqlen = getattr(suite.config, "seqlen", None)
-        if context is not None and suite.name in _CONTEXT_BOUND_SUITES and seqlen is not None and seqlen > context:
-            raise UserInputError(
-                f"suite {suite.label!r}: seqlen={seqlen} is longer than model {spec.model!r} reads at once "
-                f"(max_position_embeddings {context}): allowed integers 2..{context}")
+        for name, option, extra, gpu_only in _CONTEXT_BOUND:
+            used = suite.name == name and (str(spec.device).startswith("cuda") or not gpu_only)
+            value = getattr(suite.config, option, None) if used else None
+            if context is not None and value is not None and value + extra > context:
+                lo = 2 if (name, option) == ("accuracy", "seqlen") else 1
+                more = " plus the decoded token" if extra else ""
+                raise UserInputError(
+                    f"suite {suite.label!r}: {option}={value}{more} is longer than model {spec.model!r} reads at "
+                    f"once (max_position_embeddings {context}): allowed integers {lo}..{context - extra}")

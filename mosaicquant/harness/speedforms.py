@@ -37,10 +37,10 @@ import torch
 from torch import nn
 
 from mosaicquant.errors import Unavailable
-from mosaicquant.kernels import quant_linear
 from mosaicquant.kernels.convert import FusedProjections, kernelize
 from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason
 from mosaicquant.kernels.mixed_gemm import MixedQuantLinear
+from mosaicquant.kernels.tile_table import table_for
 from mosaicquant.methods.calibration import decoder_layers
 from mosaicquant.methods.kvcache import enable_kv_quant
 from mosaicquant.methods.qlinear import FakeQuantLinear
@@ -53,10 +53,9 @@ FLOAT_PATH = "torch BF16 (cuBLAS)"
 MID_PROBE_M = (33, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2047)
 
 
-def _merged_walk_on() -> bool:
-    """Whether kernel-backed layers run the swapped GEMM's merged walk where they hold its operands."""
-
-    return bool(quant_linear.MERGED_WALK)
+def _merged_walk_on(device: torch.device) -> bool:
+    """Whether kernel-backed layers on ``device`` run the swapped GEMM's merged walk where they hold its operands."""
+    return table_for(device).merged_walk
 
 
 def _has_kernel_layers(model: nn.Module) -> bool:
@@ -110,7 +109,7 @@ def executable(model: nn.Module, info: dict) -> str:
                      + (" with the residual blocks in its tail" if fused else "")
                      + (f" ({'every' if merged == len(w4) else f'{merged} of {len(w4)}'} residual layer"
                         f"{'s' if merged != 1 else ''}: base and residual of a kept block as one int8 operand, its "
-                        f"dense steps skipped)" if merged and _merged_walk_on() else ""))
+                        f"dense steps skipped)" if merged and _merged_walk_on(w4[0].quant.qweight.device) else ""))
         top = max((m.quant.swap_decode[1] for m in w4 if m.quant.swap_decode is not None), default=0)
         for res, who in ((False, "layers without residual" if fused else "calls"), (True, "layers with residual")):
             decode = [m_ for m_ in range(1, top + 1) if any(

@@ -30,7 +30,7 @@ __all__ = [
 # The kernels' CHAIN constexpr (mosaicquant.kernels._tl.chain_start) for each KernelSettings.pdl_chain.
 PDL_CHAINS = {"off": 1, "on": 2}
 # The chain is taken by launches of at most this many tokens (rows): it measured 3-5 % faster on
-# the Llama-3-8B decode step at batch 4 and 8, 2.5-3.3 % slower at batch 16 (benchmarks/NOTES.md v15).
+# the Llama-3-8B decode step at batch 4 and 8, 2.5-3.3 % slower at batch 16.
 PDL_CHAIN_MAX_M = 8
 
 
@@ -74,7 +74,7 @@ def chain_mode(device: torch.device, m: int) -> int:
       PDL signal once they have waited. Each kernel's programs thus become resident while its
       predecessor runs, so the launch gaps between the step's ~11 kernels a layer overlap work
       (:func:`gemm_pdl`).
-      Measured on the H200 (``benchmarks/NOTES.md`` v15): 3-5 % off the Llama-3-8B batch-4
+      Measured on the H200: 3-5 % off the Llama-3-8B batch-4
       step of the W4A4 methods. Signalling *before* waiting, so that a run of small kernels
       and the GEMM after them launch several kernels ahead, was 7-13 % slower.
 

@@ -2,8 +2,8 @@
 
 Sizes are in *packed* K: ``block_kp`` bytes of a row hold ``2 * block_kp`` K elements.
 The heuristic is a small table by M (the kernels are memory-bound at small M and
-tensor-core-bound at large M); ``benchmarks/kernels/zipper.py`` measures the choices and
-``benchmarks/NOTES.md`` records why the table holds what it holds.
+tensor-core-bound at large M); ``benchmarks/kernels/zipper.py`` measures the choices, and the
+comments beside each rule give the measurements behind it.
 """
 
 from __future__ import annotations
@@ -14,20 +14,16 @@ import torch
 
 from mosaicquant.errors import UserInputError
 from mosaicquant import settings
+from mosaicquant.kernels.tile_table import table_for
 
 __all__ = ["TileConfig", "pick_config", "LOCK_SLOTS", "PREFETCH_MAX_M", "SWAP_MIN_M", "SWAP_MIN_TILES_PER_SM",
-           "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "DP4A_WALK_MAX_M", "PARALLEL_MIN_M", "PARALLEL_MAX_M",
-           "PARALLEL_MAX_SPLIT", "PARALLEL_MAX_BLOCKS_PER_ROW", "SWAP_DECODE_SPLIT_MIN_STEPS", "SWAP_DECODE_BLOCK_KP",
-           "SWAP_DECODE_STAGES", "DECODE_SPLIT_MIN_STEPS", "DECODE_SPLIT_MIN_STEPS_17",
-           "DENSE_GATED_MAX_M", "DENSE_PREFETCH_MIB", "ZIPPER_PREFETCH_MIB",
-           "WIDE_K_DECODE_MIN_M", "TAIL_WIDE_K_MIN_M", "TAIL_WIDE_K_MAX_M", "WIDE_DECODE_MAX_M", "DENSE_WIDE_MAX_M",
-           "DENSE_WIDE_MIN_TILES_PER_SM", "DENSE_WIDE_MAX_TILES_PER_SM", "WALK_STAGES", "WALK_STAGES_MIN_M",
-           "walk_stages",
+           "SWAP_DECODE_M", "GEMV_ROUTE_MAX_M", "DP4A_WALK_MAX_M", "PARALLEL_MIN_M", "PARALLEL_MAX_SPLIT", "PARALLEL_MAX_BLOCKS_PER_ROW", "SWAP_DECODE_BLOCK_KP",
+           "SWAP_DECODE_STAGES", "DECODE_SPLIT_MIN_STEPS", "DENSE_PREFETCH_MIB", "ZIPPER_PREFETCH_MIB",
+           "TAIL_WIDE_K_MIN_M", "TAIL_WIDE_K_MAX_M", "walk_stages",
            "wide_decode",
            "parallel_mode", "parallel_residual",
            "pdl_default", "pdl_launch", "prefetch_default", "prefetch_row_bytes", "swapped_decode_config",
-           "swapped_prefill", "swapped_mid_config", "SWAP_MID_MIN_M", "SWAP_MID_RESIDUAL_MIN_M", "SWAP_MID_WIDE_MIN_M",
-           "SWAP_MID_TILES"]
+           "swapped_prefill", "swapped_mid_config", "SWAP_MID_TILES"]
 
 # Size of the per-device split-K counter buffer (int32 slots, one per output tile).
 LOCK_SLOTS = 1 << 16
@@ -36,7 +32,7 @@ LOCK_SLOTS = 1 << 16
 PREFETCH_MAX_M = 256
 # Where launches use programmatic dependent launch by default, and where they also prefetch their
 # weights into L2 while they wait. Measured on the H200 against the same launches without PDL
-# (benchmarks/NOTES.md, v6 and v7): PDL alone gains 3-11% at M <= 4 on every Llama-3 / Qwen3
+#: PDL alone gains 3-11% at M <= 4 on every Llama-3 / Qwen3
 # linear, and at M = 8 on weights of up to 32 MiB packed (the 48-56 MiB gate/up lost 0-13% there);
 # at M >= 16 it loses up to 16%. The L2 prefetch on top gains a further ~5% on the long-K
 # down_proj rows (K >= 8192, 24-28 MiB), loses 3-7% on K = 4096 weights, and 15-26% once the
@@ -46,15 +42,15 @@ PDL_ANY_SIZE_MAX_M = 4
 PDL_MAX_WEIGHT_BYTES = 32 * 2**20
 PREFETCH_MIN_KP = 4096
 # The dense W4A4 GEMM's default cap. In the decode step with every kernel chained by PDL
-# (benchmarks/NOTES.md v15), an 8 MiB prefetch on every launch took RTN's Llama-3-8B step
+#, an 8 MiB prefetch on every launch took RTN's Llama-3-8B step
 # 4.0 / 3.3 % and QuaRot's 1.4 / 3.9 % down at batch 4 / 8 against prefetch_default's rule
 # (16 and 32 MiB gained less; ZipperEngine's launches were 2 % slower with it at batch 4 and
 # keep the rule).
 DENSE_PREFETCH_MIB = 8.0
 # ZipperEngine's default cap (its residual blocks are prefetched whole as well while the prefetch is on).
-# In MosaicQuant's decode step (v17, Llama-3-8B shapes, CUDA graph, medians of 3 interleaved rounds, us at
+# In MosaicQuant's decode step (Llama-3-8B shapes, CUDA graph, medians of 3 interleaved rounds, us at
 # batch 4 / 8 / 16): 8 MiB 2,874 / 3,071 / 3,429 against prefetch_default's rule 2,942 / 3,127 / 3,429, no
-# prefetch 2,899 / 3,077 / 3,426 and 16 MiB 2,909 / 3,101 / 3,428 (v15, before the parallel modes' row
+# prefetch 2,899 / 3,077 / 3,426 and 16 MiB 2,909 / 3,101 / 3,428 (before the parallel modes' row
 # walk and gated fix-up, had found 8 MiB 2 % slower at batch 4).
 ZIPPER_PREFETCH_MIB = 8.0
 
@@ -71,32 +67,31 @@ def prefetch_default(n: int, kp: int) -> bool:
 
 # Calls of at least this many tokens may run the operand-swapped prefill GEMM (QuantLinear), when
 # its 128 x 128 output tiles fill the GPU (swapped_prefill). Measured against the packed-activation
-# GEMM on every Llama-3 / Qwen3 linear at M = 128 ... 8192 in one run (v10): with 96 or more tiles
+# GEMM on every Llama-3 / Qwen3 linear at M = 128 ... 8192 in one run: with 96 or more tiles
 # (0.7 per SM of the H200) the dense swapped GEMM was 1.07-1.63x faster, with 64 or fewer 0.55-0.97x;
 # with residual blocks in its tail it needs 192 or more (1.03-1.30x faster; 0.48-0.87x at <= 128).
-# From 65 tokens (v28): only the wide layers (gate/up) have that many tiles below 128 tokens, where the packed
+# From 65 tokens: only the wide layers (gate/up) have that many tiles below 128 tokens, where the packed
 # kernel's two 64-row token tiles read their 48-56 MiB of weights twice (Llama-3-8B gate/up at 96 tokens
-# 1.10x BF16 against 1.69x at 64 and 1.72x at 128; benchmarks/NOTES.md v28).
+# 1.10x BF16 against 1.69x at 64 and 1.72x at 128).
 SWAP_MIN_M = 65
 SWAP_MIN_TILES_PER_SM = {"dense": 0.7, "residual": 1.2}
 # Dense layers (no residual) also run calls of this many tokens on the swapped GEMM, at decode
 # tiles (swapped_decode_config): measured against the packed kernel with the same unpacking on
-# every Llama-3 / Qwen3 linear in one run (v10): 1.12-1.19x faster on gate/up, 1.02-1.06x on
+# every Llama-3 / Qwen3 linear in one run: 1.12-1.19x faster on gate/up, 1.02-1.06x on
 # down_proj, 0.99-1.03x on q/k/v and o_proj at M = 16 and 32; at M <= 8 no tile of it was faster
 # on every shape.
 SWAP_DECODE_M = (16, 32)
-# ... except calls of WIDE_K_DECODE_MIN_M to 16 tokens (one 16-row tile; 0: none), which stay on the packed
+# ... except calls of TileTable.wide_k_decode_min_m to 16 tokens (one 16-row tile; 0: none), which stay on the packed
 # kernel: gate/up on its wide tiles, and 64-channel layers (q/k/v, o, down) on 256-byte K steps at a quarter
 # of the 64-byte tiles' split (as many steps a program, four times the bytes a step; layers without residual
 # blocks only: ZipperEngine's tail walk deals a block row's kept blocks over the splits). GEMM alone at M = 16
-# (v17, Llama-3-8B, us): q/k/v 7.48, o 6.84, down 12.36, gate/up 20.25 against 8.47 / 7.77 / 13.85 / - on the
+# (Llama-3-8B, us): q/k/v 7.48, o 6.84, down 12.36, gate/up 20.25 against 8.47 / 7.77 / 13.85 / - on the
 # 64-byte tiles and 8.49 / 7.84 / 13.89 / 21.16 on the swapped GEMM; at M = 12 7.38 / 6.73 / 12.32 against
-# 7.97 / 7.27 / 13.36; at M = 8 within -0.4 / +9 %, at M = 4 slower. In the decode step at batch 16 (v17):
+# 7.97 / 7.27 / 13.36; at M = 8 within -0.4 / +9 %, at M = 4 slower. In the decode step at batch 16:
 # QuaRot 3,140 -> 3,025 us, RTN 2,952 -> 2,826.
-WIDE_K_DECODE_MIN_M = 12
 # ZipperEngine's tail walk on 64-channel tiles split K at least 8 ways (o, down) takes 128-byte K steps at
 # the same split for calls of TAIL_WIDE_K_MIN_M to 16 tokens (0: never; below it the dp4a walk, which was
-# slower with them). GEMM alone (v17, Llama-3-8B, M = 8 / 12 / 16, M = 16 in another run, us): down_proj
+# slower with them). GEMM alone (Llama-3-8B, M = 8 / 12 / 16, M = 16 in another run, us): down_proj
 # 15.64 / 14.72 / 15.05 against 17.06 / 16.14 / 16.19; o_proj 8.85 / 8.25 / 8.55 against 8.81 / 8.58 / 8.59.
 # MosaicQuant's decode step at batch 8 / 16: 3,048 / 3,411 -> 3,039 / 3,366 us.
 TAIL_WIDE_K_MIN_M = 5
@@ -105,33 +100,28 @@ TAIL_WIDE_K_MIN_M = 5
 TAIL_WIDE_K_MAX_M = 16
 # Split-K at decode doubles the split while the programs cover the SMs less than twice and each program would keep
 # at least this many K steps: the swapped GEMM's decode tiles (256 K values a step), the packed kernel's calls of
-# 17-64 tokens (128 a step) and its other calls (DECODE_SPLIT_MIN_STEPS: v14 measured its splits fastest at 1-16
-# tokens; in v26's step at batch 4 / 8 / 16, 8 was level and 16 4-9 % slower for RTN, QuaRot and MosaicQuant). On the
+# 17-64 tokens (128 a step) and its other calls (DECODE_SPLIT_MIN_STEPS: its splits measured fastest at 1-16
+# tokens; in the decode step at batch 4 / 8 / 16, 8 was level and 16 4-9 % slower for RTN, QuaRot and MosaicQuant). On the
 # Llama-3-8B linears at 17-32 tokens, 8 rather than 2 takes the swapped GEMM's q/k/v from split 4 to 2, o from 8 to
 # 2 and down from 8 to 4; 8 rather than 4 takes ZipperEngine's o from split 8 to 4 (its q/k/v, down and gate/up keep
-# theirs). Decode step (v26, CUDA graph, 2 interleaved rounds, us at batch 17 / 24 / 32): QuaRot 3,522 / 3,570 /
+# theirs). Decode step (CUDA graph, 2 interleaved rounds, us at batch 17 / 24 / 32): QuaRot 3,522 / 3,570 /
 # 3,456 at 2, 3,450 / 3,483 / 3,382 at 4, 3,296 / 3,302 / 3,280 at 8; MosaicQuant 3,569 / 3,695 / 3,900 at 4,
 # 3,503 / 3,626 / 3,815 at 8.
-SWAP_DECODE_SPLIT_MIN_STEPS = 8
 DECODE_SPLIT_MIN_STEPS = 4
-DECODE_SPLIT_MIN_STEPS_17 = 8
 # Mid-sized calls, between the decode tiles and the swapped prefill GEMM's 128 x 128 tiles: a call of at least
-# SWAP_MID_MIN_M tokens (a dense layer, ahead of swapped_prefill) or SWAP_MID_RESIDUAL_MIN_M (residual blocks with
+# TileTable.swap_mid_min_m tokens (a dense layer, ahead of swapped_prefill) or TileTable.swap_mid_residual_min_m (residual blocks with
 # power-of-two scales, the shared walk, where swapped_prefill does not take it; 0: never) runs the swapped GEMM on
 # the tiles of swapped_mid_config where the layer is short of output tiles (fewer than SWAP_MID_TILES' max_tiles_per_sm a SM);
 # the other calls keep the packed kernels. Chosen from a grid of tiles and splits timed on every Llama-3 / Qwen3
-# linear at M = 64 / 128 / 256 / 512 / 1024 (benchmarks/NOTES.md v28, benchmarks/prototypes/mid_m.py), where the packed
+# linear at M = 64 / 128 / 256 / 512 / 1024, benchmarks/prototypes/mid_m.py), where the packed
 # kernels had left q/k/v, o and down_proj at 0.73-0.98x BF16 (dense, 64-256 tokens) and 0.50-0.73x (10 %
 # residual, 128-512). Against the routes before, on the same linears at 40-1024 tokens: 0.68-0.97x the time
 # (dense), 0.65-1.01x (residual).
-SWAP_MID_MIN_M = 33
-SWAP_MID_RESIDUAL_MIN_M = 65
 # Dense layers' calls of at least this many tokens take the mid route's wide tier (128 weight rows x 64 tokens; 0:
-# never), ahead of the prefill tiles, where it gives fewer than its max_tiles_per_sm. Grid at 160-768 tokens (v28,
+# never), ahead of the prefill tiles, where it gives fewer than its max_tiles_per_sm. Grid at 160-768 tokens (
 # GEMM alone, against the prefill tiles' 128 x 128): down_proj at 320 / 384 tokens 49.4 / 52.0 us (split 2) against
 # 72.9 / 74.4, q/k/v at 320 22.3 against 27.7, o at 320-768 3-8 % less; at 1024 tokens (512 tiles) o and down
 # were 1.45-1.56x slower on it, hence the bound.
-SWAP_MID_WIDE_MIN_M = 257
 # Per kind of layer: the tiles' weight rows, packed K bytes a step, warps and stages; the output tiles per SM from
 # which a call keeps its other route; the programs per SM that split-K aims at; the K steps a program keeps.
 SWAP_MID_TILES = {
@@ -149,17 +139,18 @@ def swapped_mid_config(m: int, n: int, kp: int, device: torch.device, residual: 
     the call keeps its other route (too few tokens, or enough output tiles for the packed kernels).
 
     Dense layers: 64 weight rows x 32 tokens (up to 64 tokens) or 64, 256 K values a step, 4 warps, 4 stages; from
-    :data:`SWAP_MID_WIDE_MIN_M` tokens 128 weight rows x 64 tokens, 128 K values a step, 8 warps, 3 stages.
+    :attr:`~mosaicquant.kernels.tile_table.TileTable.swap_mid_wide_min_m` tokens 128 weight rows x 64 tokens, 128 K values a step, 8 warps, 3 stages.
     Layers with residual blocks (the shared walk): 128 weight rows x 64 tokens (up to 256) or 128, 128 K values
     a step, 8 warps, 3 stages. K split while the programs cover the SMs less than ``cover`` times and each keeps
     ``min_steps`` K steps.
     """
-    min_m = SWAP_MID_RESIDUAL_MIN_M if residual else SWAP_MID_MIN_M
+    table = table_for(device)
+    min_m = table.swap_mid_residual_min_m if residual else table.swap_mid_min_m
     if not 0 < min_m <= m:
         return None
     if residual:
         kind, block_m = "residual", 64 if m <= 256 else 128
-    elif 0 < SWAP_MID_WIDE_MIN_M <= m:
+    elif 0 < table.swap_mid_wide_min_m <= m:
         kind, block_m = "dense_wide", 64
     else:
         kind, block_m = "dense", 32 if m <= 64 else 64
@@ -173,33 +164,32 @@ def swapped_mid_config(m: int, n: int, kp: int, device: torch.device, residual: 
             "num_warps": t["num_warps"], "num_stages": t["num_stages"]}
 
 
-# A swapped GEMM call on the prefill or mid tiles whose tokens leave a remainder of at most SWAP_TAIL_MAX_FRACTION of a
+# A swapped GEMM call on the prefill or mid tiles whose tokens leave a remainder of at most TileTable.swap_tail_max_fraction of a
 # token tile over a whole number of tiles (at least one), where full-size tiles would pad the call by at least
-# SWAP_TAIL_MIN_PADDING of their tokens, runs its last token tile narrower (w4a4_gemm_swapped_triton's block_m_tail:
-# the remainder rounded up to a power of two, at least 16; SWAP_TAIL_MAX_FRACTION 0: never). At 160 tokens on
-# 128-token tiles the second tile's programs would otherwise multiply 96 padding rows (Llama-3-8B gate/up, v28: 1.11x
+# TileTable.swap_tail_min_padding of their tokens, runs its last token tile narrower (w4a4_gemm_swapped_triton's block_m_tail:
+# the remainder rounded up to a power of two, at least 16; TileTable.swap_tail_max_fraction 0: never). At 160 tokens on
+# 128-token tiles the second tile's programs would otherwise multiply 96 padding rows (Llama-3-8B gate/up: 1.11x
 # BF16 at 160 tokens against 1.72x at 128). QuantLinear with and without it on the six Llama-3 / Qwen3 linears at
-# 40-800 tokens (benchmarks/NOTES.md v29): 0.87-1.00x the time where it applies, dense and with the 10 % residual
+# 40-800 tokens: 0.87-1.00x the time where it applies, dense and with the 10 % residual
 # (gate/up at 144-160 tokens 0.87-0.93x, down_proj's mid tiles at 80 0.87-0.94x), the other calls 0.99-1.01x. Where
 # full tiles pad only 4-11 % a tail was mixed (q/k/v at 800 tokens 1.05x, gate/up at 2080 1.05-1.18x): hence the bound.
-SWAP_TAIL_MAX_FRACTION = 0.5
-SWAP_TAIL_MIN_PADDING = 0.125
 
 
-def swapped_tail(m: int, block_m: int) -> int | None:
+def swapped_tail(m: int, block_m: int, *, device: torch.device) -> int | None:
     """``block_m_tail`` of a swapped GEMM call of ``m`` tokens on ``block_m``-token tiles, or ``None`` (every token
-    tile ``block_m``): see :data:`SWAP_TAIL_MAX_FRACTION`."""
+    tile ``block_m``): see :attr:`~mosaicquant.kernels.tile_table.TileTable.swap_tail_max_fraction`."""
+    table = table_for(device)
     r = m % block_m
-    if not SWAP_TAIL_MAX_FRACTION or m < block_m or r == 0:
+    if not table.swap_tail_max_fraction or m < block_m or r == 0:
         return None
-    if (block_m - r) < SWAP_TAIL_MIN_PADDING * (m - r + block_m):
+    if (block_m - r) < table.swap_tail_min_padding * (m - r + block_m):
         return None  # full-size tiles pad the call by little
     tail = max(16, 1 << (r - 1).bit_length())
-    return tail if tail < block_m and tail <= SWAP_TAIL_MAX_FRACTION * block_m else None
+    return tail if tail < block_m and tail <= table.swap_tail_max_fraction * block_m else None
 
 
 # The swapped GEMM's decode tiles: packed K bytes a step and software-pipeline stages. With the 8-step split, RTN's and
-# QuaRot's step at batch 24 / 32 (v26, 2 interleaved rounds, us): 128 bytes and 4 stages 3,077 / 3,150 and 3,336 /
+# QuaRot's step at batch 24 / 32 (2 interleaved rounds, us): 128 bytes and 4 stages 3,077 / 3,150 and 3,336 /
 # 3,296; 3 or 5 stages 1-3 % slower; 64 bytes (16 steps) 11-13 % slower; 256 bytes (4 steps) level to 1.5 % slower,
 # with 3 stages level.
 SWAP_DECODE_BLOCK_KP = 128
@@ -207,147 +197,134 @@ SWAP_DECODE_STAGES = 4
 # A layer of at least this many 64-channel tiles per SM runs its calls of 2-16 tokens (one 16-row
 # tile) on 128 x 128-byte tiles, 8 warps, 3 stages, unsplit. Measured against the default tiles (64 x 64
 # bytes, 4 warps, 4 stages, split-K to two programs per SM) on o, gate/up and down at M = 4 and 8 in one
-# run (v13): 1.15x faster on gate/up (28672 x 4096, 448 tiles); no faster on o or down, where split-K is
+# run: 1.15x faster on gate/up (28672 x 4096, 448 tiles); no faster on o or down, where split-K is
 # what fills the GPU. ZipperEngine takes them too since its tail walk steps through the blocks on its
 # own (128-byte dense steps over 64-byte block columns): 1.08-1.14x faster on gate/up with 10 % of
-# 128 x 128 blocks at M = 2-16 (v14); cut to 64-byte steps to nest in the blocks they had been
-# 1.10-1.20x slower (v13).
+# 128 x 128 blocks at M = 2-16; cut to 64-byte steps to nest in the blocks they had been
+# 1.10-1.20x slower.
 WIDE_DECODE_TILES_PER_SM = 2
 # The wide tiles' software-pipelining depth and K step (packed bytes of a weight row a step), and the 64-channel
 # decode tiles' depth (calls of at most 64 tokens on the packed kernels); read when a call picks its tiles. More bytes
-# in flight did not pay (v41, benchmarks/kernels/decode_depth.py: QuantLinear on the Llama-3-8B linears at M = 4-32, dense and
+# in flight did not pay (benchmarks/kernels/decode_depth.py: QuantLinear on the Llama-3-8B linears at M = 4-32, dense and
 # with 10 % kept blocks, 3 interleaved rounds, time / the defaults; the layers whose kernels a variant leaves alone
 # read 0.98-1.04): on gate/up 4 wide stages 0.96-0.99 dense and 0.99-1.03 with the blocks, 5 stages 0.99-1.02 and
 # 1.00-1.10, 256-byte steps 0.99-1.01 and 1.10-1.16; on q/k/v, o and down a 64-channel depth of 3 0.93-1.08, of 6
 # 0.99-1.12. Every variant gave the defaults' bits.
-WIDE_DECODE_STAGES = 3
-WIDE_DECODE_BLOCK_KP = 128
-DECODE_STAGES = 4
 # ZipperEngine's layers (residual blocks) take the wide tiles for calls of 17 to this many tokens too, on
-# 32-row tiles (dense layers run those calls on the swapped GEMM). Llama-3-8B gate/up at M = 32 (v17, GEMM
+# 32-row tiles (dense layers run those calls on the swapped GEMM). Llama-3-8B gate/up at M = 32 (GEMM
 # alone): 29.79 us against 32.83 on the 64-channel tiles; MosaicQuant's batch-32 step 4,487 -> 4,407 us.
-WIDE_DECODE_MAX_M = 32
-# Dense layers (no residual blocks) take them for calls of 17 to DENSE_WIDE_MAX_M tokens (16: none; those calls then
-# run the swapped GEMM at decode tiles, SWAP_DECODE_M) where the layer has at least DENSE_WIDE_MIN_TILES_PER_SM of the
-# wide tiles' 128 channels a SM. GEMM alone (v31, 32-row wide tiles against the swapped GEMM, M = 17 / 24 / 32, us):
+# Dense layers (no residual blocks) take them for calls of 17 to TileTable.dense_wide_max_m tokens (16: none; those calls then
+# run the swapped GEMM at decode tiles, SWAP_DECODE_M) where the layer has at least TileTable.dense_wide_min_tiles_per_sm of the
+# wide tiles' 128 channels a SM. GEMM alone (32-row wide tiles against the swapped GEMM, M = 17 / 24 / 32, us):
 # Llama-3-8B gate/up (28672 channels, 1.70 tiles a SM) 21.73 / 21.89 / 22.87 against 28.63 / 24.69 / 25.51, Qwen3-8B
 # gate/up (24576, 1.45) 21.10 / 21.21 / 21.46 against 24.10 / 20.80 / 21.06. Decode step (CUDA graph, 3 interleaved
 # rounds, batch 17 / 24 / 32, us): Llama-3-8B QuaRot 3,272 / 3,307 / 3,287 -> 3,178 / 3,226 / 3,265 and RTN 2,986 /
 # 3,076 / 3,149 -> 2,906 / 2,971 / 3,111; Qwen3-8B QuaRot 3,531 / 3,542 / 3,566 -> 3,545 / 3,571 / 3,634 and RTN
 # 3,202 / 3,261 / 3,337 -> 3,180 / 3,268 / 3,417, hence the bound between the two layers. And at most
-# DENSE_WIDE_MAX_TILES_PER_SM of them a SM: two of these 8-warp programs share an SM (128 registers a thread), so
-# above two tiles a SM the last ones run in a second wave. GEMM alone (v32, M = 17 / 24 / 32, us): Qwen3-14B gate/up
+# TileTable.dense_wide_max_tiles_per_sm of them a SM: two of these 8-warp programs share an SM (128 registers a thread), so
+# above two tiles a SM the last ones run in a second wave. GEMM alone (M = 17 / 24 / 32, us): Qwen3-14B gate/up
 # (34816 x 5120, 2.06 tiles a SM) 40.68 / 40.70 / 39.79 wide against 33.94 / 33.86 / 33.67 swapped, Qwen3-32B gate/up
 # (51200 x 5120, 3.03) 48.50 / 48.67 / 51.25 against 44.90 / 49.17 / 46.99.
-# Since the swapped GEMM multiplies a K step in one dot (w4a4_gemm.JOINED_DOT, v37) the bound is 16 (the wide tiles
+# Since the swapped GEMM multiplies a K step in one dot (w4a4_gemm.JOINED_DOT) the bound is 16 (the wide tiles
 # for no dense call above 16 tokens): QuaRot's Llama-3-8B decode step at batch 24 / 32 ran 3,191 / 3,241 us with
 # gate/up on the wide tiles and 3,146 / 3,176 on the swapped GEMM (2 interleaved rounds); the swapped GEMM alone took
 # 20.1 / 21.5 us at 24 / 32 tokens there. The only SPEC layer inside the bounds below is Llama-3-8B's gate/up (1.70
 # tiles a SM); Qwen3-8B and Qwen3-14B steps were level under both bounds (their gate/up lie outside them).
-DENSE_WIDE_MAX_M = 16
-DENSE_WIDE_MIN_TILES_PER_SM = 1.6
-DENSE_WIDE_MAX_TILES_PER_SM = 2.0
 # Calls of up to this many tokens run the decode GEMV (CUDA-core dp4a, mosaicquant.kernels.gemv)
-# instead of the tensor-core GEMMs. Measured on every Llama-3 / Qwen3 linear in one run (v13): at
+# instead of the tensor-core GEMMs. Measured on every Llama-3 / Qwen3 linear in one run: at
 # M = 1 it was 1.77-3.05x BF16 against the tensor-core kernel's 1.64-2.30x; at M = 4 its dp4a work
 # (two instructions a word per token) made it slower on every shape but gate/up.
 GEMV_ROUTE_MAX_M = 1
 # ZipperEngine's tail walks its residual blocks on dp4a (mosaicquant.kernels.gemv.residual_dp4a) up to
 # this many tokens, on int8 tensor-core dots above. Measured against each other on every Llama-3 / Qwen3
-# linear in one run (v13): the dp4a walk was 1.01-1.14x faster at M = 1, 0.97-1.05x at M = 2, 0.99-1.08x
+# linear in one run: the dp4a walk was 1.01-1.14x faster at M = 1, 0.97-1.05x at M = 2, 0.99-1.08x
 # at M = 4 (the gain on the gate/up shapes), and 0.92-1.02x at M = 8.
 DP4A_WALK_MAX_M = 4
 
 
 # Software-pipelining depth of ZipperEngine's walks over a block row's kept blocks on tensor-core dots (the
 # tail walk, the parallel mode's row walk; ``tl.range(num_stages=...)``; 0: the launch's num_stages), for
-# calls of WALK_STAGES_MIN_M tokens or more. A block's column comes from a load, so its activation tile
+# calls of TileTable.walk_stages_min_m tokens or more. A block's column comes from a load, so its activation tile
 # hangs on a load chain: compiled for sm_90 (the row walk on gate/up's wide tiles, 8 warps, 3 stages) up to
 # 4 stages leave its tiles in one buffer, and a block's loads start only after the block before was
 # multiplied; from 5 two buffers let the next block load during the product. MosaicQuant's decode step
-# (Llama-3-8B shapes, CUDA graph, 3 interleaved rounds, us, at batch 4 / 8 / 16 / 32; benchmarks/NOTES.md
-# v24): the default 2,723 / 2,916 / 3,163 / 4,104, 4 stages 2,723 / 2,918 / 3,148 / 4,087, 5 stages
+# (Llama-3-8B shapes, CUDA graph, 3 interleaved rounds, us, at batch 4 / 8 / 16 / 32):
+# the default 2,723 / 2,916 / 3,163 / 4,104, 4 stages 2,723 / 2,918 / 3,148 / 4,087, 5 stages
 # 2,715 / 2,938 / 3,152 / 3,999: -2.6 % at 32 (its 32-row tiles walk on every layer), +0.8 % at 8. From 17
 # tokens only (another run, batch 8 / 24 / 32): 2,931 / 3,883 / 4,090 with none, 2,929 / 3,793 / 3,990 with
 # 5 stages, 2,930 / 3,783 / 3,988 with 6.
-WALK_STAGES = 5
-WALK_STAGES_MIN_M = 17
 # ZipperEngine's tail walk on tensor-core dots loads the first kept block a program walks (its coordinates, integers,
 # scales and activation tile) before the dense loop in calls of at most this many tokens (0: never), where a block is
 # one step of the walk (read at each launch; the same bits). Under programmatic dependent launch all but the
 # activation tile load before the wait on the kernel before. MosaicQuant's decode step (Llama-3-8B shapes, CUDA graph,
-# 3 interleaved rounds, us; benchmarks/NOTES.md v30): at batch 4 / 8 / 16 2,744 / 2,905 / 3,164 without, 2,733 /
+# 3 interleaved rounds, us): at batch 4 / 8 / 16 2,744 / 2,905 / 3,164 without, 2,733 /
 # 2,845 / 3,163 up to 8 tokens, 2,742 / 2,849 / 3,173 up to 16; at every size (another run) batch 32 3,812 -> 4,126
 # (gate/up's 8-warp tiles at 32 tokens: 128 -> 172 registers a thread, two waves). Its tail calls at 5-8 tokens are
 # o_proj and down_proj. GEMM alone, without PDL, it was level to 5 % slower at 8-32 tokens.
-WALK_PRELOAD_MAX_M = 8
 
 # ZipperEngine's "auto" mode runs the kept blocks in programs of their own ("parallel": one per block
 # and 64- or 128-row slice, summed into the dense tiles' counted fix-up) for calls of PARALLEL_MIN_M to
-# PARALLEL_MAX_M tokens in one tile of tokens, on layers whose tiles split K at most PARALLEL_MAX_SPLIT
-# ways. Measured against the tail walk on the Llama-3-8B linears at M = 1-16 in one run (v14): q/k/v
+# TileTable.parallel_max_m tokens in one tile of tokens, on layers whose tiles split K at most PARALLEL_MAX_SPLIT
+# ways. Measured against the tail walk on the Llama-3-8B linears at M = 1-16 in one run: q/k/v
 # (split 4) 1.03-1.08x faster at M = 4-16, gate/up (unsplit, wide tiles) 1.03-1.06x; o_proj 1.08-1.14x
 # and down_proj 1.24-1.30x slower (split 8: 8 dense partials and ~3 / ~11 block partials a tile to
 # sum); at M = 2 the dp4a tail walk was 1.10x faster on gate/up.
-# With K split 4 ways (tiles given explicitly, v15), o_proj's parallel mode ran level with the
+# With K split 4 ways (tiles given explicitly), o_proj's parallel mode ran level with the
 # default tail walk (split 8) at M = 4 and 1.14x faster at M = 8, down_proj's 1.47-1.75x slower at
 # M = 2-8: its tiles sum ~11 block partials (14336 / 128 block columns at 10 %), o's ~3; hence also
 # at most PARALLEL_MAX_BLOCKS_PER_ROW kept blocks per block row on average.
-# At 32 tokens (v17, GEMM alone) the parallel modes were slower than the tail walk on every layer (q/k/v
+# At 32 tokens (GEMM alone) the parallel modes were slower than the tail walk on every layer (q/k/v
 # 13.36 / 12.51 against 11.69 us, o 15.63 / 13.62 against 12.23, gate/up 36.81 / 32.88 against 32.18).
 PARALLEL_MIN_M = 4
-PARALLEL_MAX_M = 16
 PARALLEL_MAX_SPLIT = 4
 PARALLEL_MAX_BLOCKS_PER_ROW = 6.0
 # Which parallel mode "auto" runs: one program per block row walking its kept blocks ("parallel_rows")
-# on tiles that split K at most PARALLEL_ROWS_MAX_SPLIT ways, else one program per kept block
-# ("parallel"). GEMM alone (v16, M = 2-16): on gate/up (unsplit) the row walk was 1.00-1.06x faster,
+# on tiles that split K at most TileTable.parallel_rows_max_split ways, else one program per kept block
+# ("parallel"). GEMM alone (M = 2-16): on gate/up (unsplit) the row walk was 1.00-1.06x faster,
 # on q/k/v (split 4) 1.17-1.25x slower; in the decode step with the row walk on gate/up only,
 # MosaicQuant's batch-4 / 8 / 16 step 3,109 / 3,244 / 3,546 -> 2,994 / 3,225 / 3,503 us.
-PARALLEL_ROWS_MAX_SPLIT = 1
 
 
 # A layer without residual blocks writes SiLU·mul of a stacked [gate | up] call of 2 to this many tokens
 # from its dense GEMM's counted fix-up of each gate tile and its up tile, as ZipperEngine's parallel modes
 # do (QuantLinear.writes_gated; the fused decoder, BF16; 0: never, the SiLU·mul kernel runs), on the
 # packed kernel even where the swapped GEMM would take the call (SWAP_DECODE_M). GEMM alone, Llama-3-8B
-# gate/up (v17): 21.07 / 21.60 us at M = 4 / 16 against 22.53 / 23.98 for the GEMM and the SiLU·mul
+# gate/up: 21.07 / 21.60 us at M = 4 / 16 against 22.53 / 23.98 for the GEMM and the SiLU·mul
 # kernel, and the swapped GEMM's 20.83 at M = 16 before its SiLU·mul kernel. QuaRot's decode step (CUDA
 # graph, 3 interleaved rounds, batch 4 / 8 / 16, us): 2,551 / 2,788 / 3,205 without, 2,474 / 2,712 / 3,098
 # with it up to 16 tokens (3,195 at batch 16 up to 15 tokens, the swapped GEMM then taking 16).
-DENSE_GATED_MAX_M = 16
 # The swapped GEMM's prefill and mid calls of a layer with residual blocks (unsplit, tiles a block row high) run its
 # weight-row tiles in QuantLinear's row_tile_order, the block rows that keep the most blocks first, so that the last
 # wave holds the light ones (w4a4_gemm.row_tile_order). Measured (benchmarks/prototypes/row_order.py, Llama-3-8B / Qwen3-8B /
-# Qwen3-14B linears, 10 % random blocks on the shared walk, two runs; benchmarks/NOTES.md v39): time ordered ÷
+# Qwen3-14B linears, 10 % random blocks on the shared walk, two runs): time ordered ÷
 # grouped 0.96-0.97 on Llama-3-8B's q/k/v and o at 2048 tokens, 0.93 on Qwen3-8B gate/up and 0.95 on Qwen3-14B
 # down at 512; 0.93-1.04 over every cell, median 0.99; MosaicQuant's 2048-token prefill 35,907 -> 35,539 µs.
-SWAP_ROW_ORDER = True
 
 
-def swapped_row_order(tiles: dict, block_rows: int) -> bool:
+def swapped_row_order(tiles: dict, block_rows: int, *, device: torch.device) -> bool:
     """Whether a swapped-GEMM call on ``tiles`` (its keyword arguments; ``{}``: the prefill defaults) runs its
-    weight-row tiles in ``row_tile_order`` for a residual of ``block_rows``-row blocks (:data:`SWAP_ROW_ORDER`):
+    weight-row tiles in ``row_tile_order`` for a residual of ``block_rows``-row blocks (:attr:`~mosaicquant.kernels.tile_table.TileTable.swap_row_order`):
     unsplit, on tiles a block row high."""
-    return SWAP_ROW_ORDER and tiles.get("split_k", 1) == 1 and tiles.get("block_n", 128) == block_rows
+    return table_for(device).swap_row_order and tiles.get("split_k", 1) == 1 and tiles.get("block_n", 128) == block_rows
 
 
-def walk_stages(m: int) -> int | None:
+def walk_stages(m: int, *, device: torch.device) -> int | None:
     """The ``WALK_STAGES`` constexpr of a ZipperEngine call of ``m`` tokens (``None``: the launch's ``num_stages``)."""
-    return (WALK_STAGES or None) if m >= WALK_STAGES_MIN_M else None
+    table = table_for(device)
+    return (table.walk_stages or None) if m >= table.walk_stages_min_m else None
 
 
-def parallel_mode(cfg: "TileConfig") -> str:
+def parallel_mode(cfg: "TileConfig", *, device: torch.device) -> str:
     """The parallel mode ``"auto"`` runs on ``cfg``'s tiles where :func:`parallel_residual` says so."""
-    return "parallel_rows" if cfg.split_k <= PARALLEL_ROWS_MAX_SPLIT else "parallel"
+    return "parallel_rows" if cfg.split_k <= table_for(device).parallel_rows_max_split else "parallel"
 
 
-def parallel_residual(m: int, cfg: "TileConfig", blocks_per_row: float = 0.0) -> bool:
+def parallel_residual(m: int, cfg: "TileConfig", blocks_per_row: float = 0.0, *, device: torch.device) -> bool:
     """Whether ZipperEngine's ``"auto"`` mode runs a call of ``m`` tokens on ``cfg``'s tiles in the parallel mode.
 
     ``blocks_per_row``: the layer's kept blocks over its block rows.
     """
-    return (PARALLEL_MIN_M <= m <= min(cfg.block_m, PARALLEL_MAX_M) and cfg.use_dot
+    return (PARALLEL_MIN_M <= m <= min(cfg.block_m, table_for(device).parallel_max_m) and cfg.use_dot
             and cfg.split_k <= PARALLEL_MAX_SPLIT and blocks_per_row <= PARALLEL_MAX_BLOCKS_PER_ROW)
 
 
@@ -371,7 +348,7 @@ def swapped_prefill(m: int, n: int, device: torch.device, residual: bool, min_m:
 # this many programs a tile (1: never), so that wave takes a fraction of the time.
 # Why: Qwen3-14B's o / down (640 tiles at 2048 tokens: 2.42 waves) and q/k/v (896: 3.39) ran 1.16 / 1.16 / 1.25x
 # BF16 against Llama-3-8B's 1.36 / 1.39 / 1.47x (512 and 768 tiles: 1.94 and 2.91 waves), gate/up level (16.5 and
-# 13.6 waves) (benchmarks/NOTES.md v33). The bounds below are from benchmarks/prototypes/wave_split.py (NOTES.md v34): every
+# 13.6 waves). The bounds below are from benchmarks/prototypes/wave_split.py: every
 # GEMM they pick (a last wave under half full after one or two whole waves, >= 24 K steps = 3,072 K values a split:
 # down_proj, and Qwen3-32B's o_proj of K = 8,192) ran 3-28 % faster split, dense and with a 10 % residual (one
 # launch); with more whole waves the last one is too small a share to gain, and shorter splits (q/k/v and o at
@@ -386,14 +363,13 @@ SWAP_REM_SPLIT_MIN_STEPS = 24
 # programs of the prefill tiles an SM runs at once (see above)
 SWAP_PREFILL_PROGRAMS_PER_SM = 2
 # The whole tiles in the split tiles' launch (True) or in a launch of their own before it, as the unsplit kernel
-# (False). Measured (NOTES v34): a kernel holding both kinds of tile ran whole ones up to 11 % slower where there are
+# (False). Measured: a kernel holding both kinds of tile ran whole ones up to 11 % slower where there are
 # many waves (which the rule leaves whole), but where the rule splits one launch was faster on 15 of 18 GEMMs (its
 # split programs start as the last whole wave's end), and level or faster on the prefill (Qwen3-14B / Qwen3-4B at
 # 2048 tokens, same run, ms, off / two launches / one: QuaRot 67.8 / 67.8 / 67.1 and 26.1 / 25.5 / 25.5,
 # MosaicQuant 72.6 / 71.9 / 71.8 and 27.5 / 27.0 / 26.9).
-SWAP_REM_ONE_LAUNCH = True
 # A register cap for the launch of the split tiles (0: none). Offline sm_90 compile (dense): with the whole tiles in
-# it 202 registers a thread uncapped (one program an SM), 128 capped with no spill (NOTES v33); the split tiles alone
+# it 202 registers a thread uncapped (one program an SM), 128 capped with no spill; the split tiles alone
 # (Qwen3-14B's down_proj at 2048 tokens) 132 uncapped, 128 capped with 8 bytes of stack. The shared walk is capped
 # at 128 anyway (SHARED_TAIL_MAX_REGS).
 SWAP_REM_MAXNREG = 128
@@ -444,12 +420,12 @@ def swapped_decode_config(m: int, n: int, kp: int, device: torch.device, block_k
 
     64 weight rows (one warpgroup's ``wgmma`` M) x 16 or 32 tokens, :data:`SWAP_DECODE_BLOCK_KP` packed bytes
     a step (128: 256 K values), :data:`SWAP_DECODE_STAGES` stages, K split until every SM has about two
-    programs, each keeping at least :data:`SWAP_DECODE_SPLIT_MIN_STEPS` K steps (``block_kp``: other steps).
+    programs, each keeping at least :attr:`~mosaicquant.kernels.tile_table.TileTable.swap_decode_split_min_steps` K steps (``block_kp``: other steps).
     """
     block_kp = block_kp or SWAP_DECODE_BLOCK_KP
     block_m = 16 if m <= 16 else 32
     tiles = -(-n // 64) * -(-m // block_m)
-    split = _decode_split(tiles, -(-kp // block_kp), device, SWAP_DECODE_SPLIT_MIN_STEPS)
+    split = _decode_split(tiles, -(-kp // block_kp), device, table_for(device).swap_decode_split_min_steps)
     return {"block_n": 64, "block_m": block_m, "block_kp": block_kp, "split_k": split, "num_warps": 4,
             "num_stages": SWAP_DECODE_STAGES, "pdl": pdl_default(m, n, kp)}
 
@@ -546,13 +522,15 @@ def _sm_count(device: torch.device) -> int:
 def wide_decode(m: int, n: int, device: torch.device, residual: bool) -> bool:
     """Whether a call of ``m`` tokens on a layer of ``n`` channels (with residual blocks, or ``residual=False``
     dense) runs the packed kernels' wide decode tiles (:data:`WIDE_DECODE_TILES_PER_SM`)."""
-    max_m = max(16, WIDE_DECODE_MAX_M if residual else DENSE_WIDE_MAX_M)
+    table = table_for(device)
+    max_m = max(16, table.wide_decode_max_m if residual else table.dense_wide_max_m)
     if device.type != "cuda" or m > max_m:
         return False
     sms = _sm_count(device)
     if -(-n // 64) < WIDE_DECODE_TILES_PER_SM * sms:
         return False
-    return residual or m <= 16 or DENSE_WIDE_MIN_TILES_PER_SM * sms <= -(-n // 128) <= DENSE_WIDE_MAX_TILES_PER_SM * sms
+    return (residual or m <= 16
+            or table.dense_wide_min_tiles_per_sm * sms <= -(-n // 128) <= table.dense_wide_max_tiles_per_sm * sms)
 
 
 def pick_config(
@@ -578,18 +556,19 @@ def pick_config(
         UserInputError: a residual block shape the kernels cannot tile (``Bn`` not a
             multiple of 16 or ``Bk`` not a multiple of 32).
     """
+    table = table_for(device)
     wide = wide_decode(m, n, device, residual_block is not None)
     if device.type != "cuda":
         cfg = TileConfig(block_m=64 if m > 16 else 16, block_n=64, block_kp=64, num_warps=4, num_stages=1)
     elif wide:
         # a wide dense layer (gate/up): enough tiles without split-K, and longer steps per tile
-        cfg = TileConfig(block_m=16 if m <= 16 else 32, block_n=128, block_kp=WIDE_DECODE_BLOCK_KP, num_warps=8,
-                         num_stages=WIDE_DECODE_STAGES)
+        cfg = TileConfig(block_m=16 if m <= 16 else 32, block_n=128, block_kp=table.wide_decode_block_kp, num_warps=8,
+                         num_stages=table.wide_decode_stages)
     elif m <= 16:
-        cfg = TileConfig(block_m=16, block_n=64, block_kp=64, num_warps=4, num_stages=DECODE_STAGES)
+        cfg = TileConfig(block_m=16, block_n=64, block_kp=64, num_warps=4, num_stages=table.decode_stages)
     elif m <= 64:
         cfg = TileConfig(block_m=max(16, triton_next_pow2(m)), block_n=64, block_kp=64, num_warps=4,
-                         num_stages=DECODE_STAGES)
+                         num_stages=table.decode_stages)
     elif m <= 256:
         cfg = TileConfig(block_m=64, block_n=64, block_kp=64, num_warps=4, num_stages=4)
     elif m < 2048:
@@ -599,10 +578,10 @@ def pick_config(
     if residual_block is not None:
         cfg = fit_to_blocks(cfg, residual_block, nest_k=False)
     narrow = device.type == "cuda" and not wide and cfg.block_n == 64
-    wide_k = narrow and residual_block is None and 0 < WIDE_K_DECODE_MIN_M <= m <= 16
+    wide_k = narrow and residual_block is None and 0 < table.wide_k_decode_min_m <= m <= 16
     if device.type == "cuda" and m <= 256 and not wide:
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-        min_steps = DECODE_SPLIT_MIN_STEPS_17 if 16 < m <= 64 else DECODE_SPLIT_MIN_STEPS
+        min_steps = table.decode_split_min_steps_17 if 16 < m <= 64 else DECODE_SPLIT_MIN_STEPS
         cfg = replace(cfg, split_k=_decode_split(tiles, -(-kp // cfg.block_kp), device, min_steps))
     if wide_k:  # as many K steps a program, four times the bytes a step
         cfg = replace(cfg, block_kp=4 * cfg.block_kp, split_k=max(1, cfg.split_k // 4))

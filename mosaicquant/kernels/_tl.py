@@ -9,7 +9,7 @@ The GEMMs never interleave the two halves back: with activations packed the same
 
 so each packed K tile feeds two int8 dots (even and odd K), with no join/permute. On the GPU
 the unpacking runs as inline PTX on four bytes per 32-bit register (Triton's int8 shifts
-work one element per register; measured ALU-bound, see ``benchmarks/NOTES.md``); the
+work one element per register; measured ALU-bound); the
 interpreter runs the plain shifts, the GPU benchmark checks the PTX path against the
 reference.
 
@@ -152,7 +152,7 @@ def unpack_shift16(packed, shift, HI: tl.constexpr, USE_ASM: tl.constexpr = Fals
 # an unsigned b (q + 8 for a nibble, q + 128 for an int8), placed under 0x64 to form the fp16
 # 1024 + b (two a register, prmt), the bias subtracted in fp16x2, and each pair converted to e4m3
 # by the hardware. 10-12 instructions per four values, about half of the compiler's element-wise
-# int8 -> fp16 -> e4m3 chain (benchmarks/NOTES.md v11).
+# int8 -> fp16 -> e4m3 chain.
 _E4M3_TAIL = """
 mov.b32 k, 0x64646464;
 prmt.b32 lo, t, k, 0x4140;
@@ -297,8 +297,8 @@ def quant_div(x, scale):
 
     ``scale`` (positive, finite) is one value per row, shaped to broadcast against ``x``; its reciprocal is
     taken once. The IEEE division per value (``div_rn``: a reciprocal, a correction, a range check) cost the
-    quantizers ~1.2 µs a 4096-wide row on 4 warps (``benchmarks/NOTES.md`` v23); neither form here pays it (the
-    per-value ``div_rn`` and the float64 product on the GPU measured no faster, v24 and v25):
+    quantizers ~1.2 µs a 4096-wide row on 4 warps; neither form here pays it (the
+    per-value ``div_rn`` and the float64 product on the GPU measured no faster):
 
     - "fma" (GPU): ``r = div_rn(1, s)``, ``q0 = x·r``, ``e = fma(q0, -s, x)``, ``q = fma(e, r, q0)``. With ``r``
       the correctly rounded reciprocal and ``q0`` within an ulp of ``x / s``, ``e`` is exact and ``q`` is the
@@ -342,7 +342,7 @@ def quantize_int4(v):
     integer ``q``, ties to even, and holds it in the low bits of its fp32 encoding (``0x4B400000 + q``): no
     rounding subtraction, no float-to-integer conversion (``F2I``, which runs on the SM's conversion units at a
     fraction of the FP32 rate). On the H200 the plain quantizer took 0.80–0.94× its time with it, the Hadamard
-    one 0.94–0.99× (``benchmarks/NOTES.md`` v38).
+    one 0.94–0.99×.
     """
     return (tl.minimum(tl.maximum(v, -8.0), 7.0) + 12582912.0).to(tl.int32, bitcast=True)
 
@@ -625,7 +625,7 @@ def in_range(offs, n):
     """Indices ``offs`` as int64 rows of ``[0, n)`` for loads whose results are never stored: the ones past
     the end wrap around (``offs % n``). Pointing them all at row 0 instead made that row's line a hot spot,
     requested by every program once per out-of-range row at each K step: 17 tokens on 32-row tiles ran
-    ~2x slower than 32 (benchmarks/NOTES.md v19)."""
+    ~2x slower than 32."""
     return (offs % n).to(tl.int64)
 
 
@@ -658,7 +658,7 @@ def tile_coords(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.const
 # How round_to_bf16 and split_bf16 round (the same values either way): compiled, two values with one
 # ``cvt.rn.bf16x2.f32``, each widened back with one integer instruction; on the interpreter (it runs no PTX), the
 # rounding bias added to the fp32 encoding and masked (about four integer instructions a value, measured slower on
-# the GPU: benchmarks/NOTES.md v40).
+# the GPU:).
 _BF16_CVT = tl.constexpr(not _INTERPRETING)
 # $2, $3: two fp32 values; cvt.rn.bf16x2 puts its first source in the high half. $0 = the first value's BF16 in
 # the high half of an fp32 encoding (the packed word shifted left), $1 = the second's (the low half cleared).
@@ -675,7 +675,7 @@ def round_to_bf16(z):
     """fp32 → the nearest BF16 value (ties to even), kept in fp32; finite inputs.
 
     Not ``.to(tl.bfloat16)``: Triton's interpreter truncates that conversion, and compiled
-    ``.to(bf16).to(fp32)`` pairs were seen not to round on the H200 (``benchmarks/NOTES.md``, v12).
+    ``.to(bf16).to(fp32)`` pairs were seen not to round on the H200.
     Compiled, one ``cvt.rn.bf16x2.f32`` rounds two values; on the interpreter bit
     arithmetic on the fp32 encoding. Both are round-to-nearest-even.
     """

@@ -2,7 +2,7 @@
 
 At decode sizes (a few tokens) the quantizers' one program per token leaves most SMs idle: at
 batch 4 the fused Hadamard + quantizer of a 14336-wide row ran 17-18 µs on 4 of the H200's
-132 SMs (``benchmarks/NOTES.md``, v12). Split over ``P`` programs ("programs per token"), each
+132 SMs. Split over ``P`` programs ("programs per token"), each
 program transforms and quantizes one slice of the row. The token's scale needs the absmax of
 the whole row, so its ``P`` programs meet once, at a barrier in global memory
 (:func:`row_absmax`). Each token has ``TOKEN_WORDS`` ``int64`` words in :func:`barrier_buffer`:

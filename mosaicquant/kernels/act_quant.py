@@ -255,8 +255,8 @@ def _warps(block_kp: int, p: int, m: int = 1) -> int:
     take at least 8: on the H200 a 14336-wide row split 8 ways (896 pairs a program) took 3.5-4.2 µs
     with 8 warps against 4.7-5.4 with 4 (``benchmarks/kernels/quant_split.py``). From
     :data:`PREFILL_WARPS_MIN_M` tokens, 4 warps up to 2048 pairs and 8 above: at 1024 / 2048 / 8192
-    tokens (``benchmarks/kernels/hadamard_warps.py``, inputs rotated through more than L2, ``benchmarks/NOTES.md``
-    v28) a 4096-wide row took 6.63 / 10.21 / 31.09 µs (packed) and 6.87 / 10.66 / 34.52 (split8) on 4
+    tokens (``benchmarks/kernels/hadamard_warps.py``, inputs rotated through more than L2)
+    a 4096-wide row took 6.63 / 10.21 / 31.09 µs (packed) and 6.87 / 10.66 / 34.52 (split8) on 4
     warps against 6.70 / 10.64 / 34.76 and 7.51 / 11.92 / 40.51 on 8; a 14336-wide row 17.79 / 32.18 /
     114.08 and 20.31 / 37.32 / 132.23 on 8 against 18.17 / 33.41 / 121.41 and 21.41 / 39.10 / 147.55 on 16.
     """

@@ -79,6 +79,7 @@ from mosaicquant.kernels.act_quant import (
     split8_width,
 )
 from mosaicquant.kernels.norm_fold import add_residual, norm_quant_row
+from mosaicquant.kernels.tile_table import table_for
 from mosaicquant.methods.format import unpack_int4
 from mosaicquant.methods.hadamard import apply_hadamard
 from mosaicquant.methods.quant import _apply, _params
@@ -108,43 +109,40 @@ __all__ = [
 ]
 
 _HALF = (torch.bfloat16, torch.float16)
-# Keys a step of the attention kernels over a 16-bit cache. Measured (v26, Llama-3-8B shapes, context 512, CUDA-graph
+# Keys a step of the attention kernels over a 16-bit cache. Measured (Llama-3-8B shapes, context 512, CUDA-graph
 # step, 2 interleaved rounds, us at batch 16 / 32): BF16 5,005 / 5,362 at 64, 5,081 / 5,371 at 32, 5,002 / 5,547 at
 # 128; MosaicQuant 3,172 / 3,829, 3,265 / 3,850, 3,170 / 3,984.
 ATTN_BLOCK_N = 64
 # The decode attention cuts the cache into chunks for about this many programs an SM, twice as many where
-# fewer than ATTN_FEW_PAIRS (sequence, KV head) pairs share the GPU. Measured (v18, Llama-3-8B shapes, context
+# fewer than ATTN_FEW_PAIRS (sequence, KV head) pairs share the GPU. Measured (Llama-3-8B shapes, context
 # 512, CUDA-graph step, µs, 1 against 2 an SM): MosaicQuant 2,764 / 2,933 / 3,241 / 4,256 against 2,735 / 2,985 /
 # 3,292 / 4,342 at batch 4 / 8 / 16 / 32 (8 KV heads: 32 pairs at batch 4).
 ATTN_PROGRAMS_PER_SM = 1
 ATTN_FEW_PAIRS = 64
 # From this many pairs an SM the default cut is one chunk a head (the chunks' programs then write the output
-# themselves: ATTN_DIRECT_ONE_CHUNK), rather than two chunks and their combine where pairs fall just short of the
-# SMs (128 pairs on 132 SMs at batch 16). Measured (v23, Llama-3-8B shapes, context 512, CUDA-graph step at batch
+# themselves: TileTable.attn_direct_one_chunk), rather than two chunks and their combine where pairs fall just short of the
+# SMs (128 pairs on 132 SMs at batch 16). Measured (Llama-3-8B shapes, context 512, CUDA-graph step at batch
 # 16, 3 interleaved rounds, µs): BF16 5,070 -> 5,024, QuaRot (16-bit KV) 2,898 -> 2,867, MosaicQuant 3,259 -> 3,233;
 # one chunk at batch 4 / 8 (32 / 64 pairs) was 6-11 % slower for the W4A4 methods.
 ATTN_ONE_CHUNK_PAIRS_PER_SM = 0.95
 # Where the cache is one chunk (nsplit == 1: from ~132 sequence x KV-head pairs), decode_rope_attention's programs
 # write the output themselves, as the combining kernel would, and that kernel is not launched.
-ATTN_DIRECT_ONE_CHUNK = True
 # Over a 4-bit cache: programs an SM the cache is cut for (ATTN_PROGRAMS_PER_SM's role, not doubled for few pairs) and
 # warps a program; the queries' Hadamard stays in butterflies (on the tensor cores, the ±1 matrix loaded, it was
-# slower). Measured (v20, Llama-3-8B shapes, context 512, QuaRot's CUDA-graph step at batch 4 / 16 / 32, µs): butterflies
+# slower). Measured (Llama-3-8B shapes, context 512, QuaRot's CUDA-graph step at batch 4 / 16 / 32, µs): butterflies
 # 2,676 / 3,060 / 3,915, the dot 2,897 / 3,205 / 4,051; 2 or 4 programs an SM 2,964 / 3,665 / 4,404 and 2,958 /
 # 3,811 / 4,762 (with the register-built matrix, itself 2,960 / 3,267 / 4,000); 8 warps 3,144 / 3,556 / 4,545.
 # Batch 4 / 8 / 16 with the doubling 2,688 / 2,791 / 3,077; 0.5 an SM (so 1 at batch 4) 2,494 / 2,794 / 3,330;
-# 0.25 2,609 / 3,141 / 3,339. Re-checked with v21's loop at batch 4 / 8 / 16 / 32: 1 an SM 2,485 / 2,637 / 2,915 /
+# 0.25 2,609 / 3,141 / 3,339. Re-checked with the current loop at batch 4 / 8 / 16 / 32: 1 an SM 2,485 / 2,637 / 2,915 /
 # 3,609, 0.5 2,487 / 2,671 / 3,015 / 3,614, 0.2 2,712 / 2,817 / 3,023 / 3,598.
 ATTN_KV4_PROGRAMS_PER_SM = 1.0
 ATTN_KV4_WARPS = 4
 # The 4-bit cache's loop (_attend_chunk_kv4): the integers into the dots biased by 128 (BF16 made by byte permutes on
 # the GPU: ATTN_KV4_ASM); keys a step and software-pipeline stages (None: Triton's default). QuaRot's CUDA-graph step,
-# Llama-3-8B shapes, context 512, batch 4 / 16 / 32 (NOTES v21): 2,517 / 3,104 / 3,944 µs unbiased at 64 keys,
+# Llama-3-8B shapes, context 512, batch 4 / 16 / 32: 2,517 / 3,104 / 3,944 µs unbiased at 64 keys,
 # 2,503 / 3,006 / 3,761 biased, 2,502 / 2,925 / 3,609 biased at 128 keys and 2 stages (one run); 256 keys, 8 warps,
 # 1 or 3 stages were slower.
-ATTN_KV4_BIASED = True
 ATTN_KV4_ASM = True
-ATTN_KV4_BLOCK_N = 128
 ATTN_KV4_STAGES = 2
 # Candidates, off until timed (KernelSettings.attn_kv4_zdot, attn_kv4_pw_once): the 4-bit loop's zero-point term
 # summed by a dot (_attend_chunk_kv4's ZDOT: its zero points then load with the step's other tiles, ahead, as the
@@ -153,9 +151,9 @@ ATTN_KV4_STAGES = 2
 # dot (PW_ONCE: offline, sm_90, QuaRot's kernel at batch 32, 11 CTA barriers a step against 13, at 210 registers
 # against 208; with ZDOT the compiler already converts once, the same SASS either way).
 # decode_rope_attention's new token: the program whose chunk holds it writes its key and value into the cache and,
-# after a CTA barrier, its loop reads them back as one more cached key (ATTN_NEW_CACHED), rather than adding them to
+# after a CTA barrier, its loop reads them back as one more cached key (TileTable.attn_new_cached), rather than adding them to
 # the online softmax from registers after the loop. Over a 4-bit cache the new key's and value's quantizer reduces
-# each row's (min, max) pairs in one reduction (KernelSettings.attn_kv4_minmax; the same bits) rather than four. Measured (v43,
+# each row's (min, max) pairs in one reduction (KernelSettings.attn_kv4_minmax; the same bits) rather than four. Measured (
 # benchmarks/kernels/attention_kv4.py, Llama-3-8B attention, µs a call at batch 4 / 16 / 32, context 575, registers form ->
 # both): 4-bit cache 14.30 / 17.58 / 23.50 -> 9.80 / 15.36 / 20.56 (the min-max reduction alone 13.01 / 17.10 /
 # 22.51), 16-bit cache 8.84 / 15.81 / 23.76 -> 8.56 / 15.03 / 23.19. Where the new key starts a loop step of its
@@ -169,9 +167,8 @@ ATTN_KV4_STAGES = 2
 # element in Python (a CPU test's prefill cache writes: ~7 s against ~2 s with numpy's reductions), so there the
 # default takes the four reductions, the same bits; a form the settings name runs as named. "joined" runs as numpy's
 # max on the interpreter.
-ATTN_NEW_CACHED = True
 # The 4-bit cache's kernels compiled without fused multiply-adds (the grid's range as methods.quant rounds it); with
-# them the step was the same within 0.3 % (v20), and the GPU's scales differed from the reference's in the last bit.
+# them the step was the same within 0.3 %, and the GPU's scales differed from the reference's in the last bit.
 KV4_NO_FP_FUSION = True
 _LOG2E = 1.4426950408889634
 
@@ -657,7 +654,7 @@ def _check_rope_args(qkv, positions, cos, sin, k_cache, v_cache, heads, kv_heads
 # range sets its bit in a per-device fault word (one atomic OR, only then) and is clamped into range, so the launch
 # reads and writes nothing outside the cache and the tables; its outputs are not valid. The check is a compare and
 # a never-taken branch a program, so it is always on. The word is read lazily, by check_range_faults, where the
-# caller synchronises anyway (the decode runtime: once a generated sequence, as it reads the tokens back).
+# caller synchronises anyway (FusedDecoder.check_ranges, which the speed suites call after each timed measurement).
 RANGE_FAULTS = (
     ("rope_kv", "positions", "0..min(cache slots, cos/sin rows) - 1"),
     ("decode_attention", "lengths", "1..cache slots"),
@@ -742,12 +739,12 @@ def _kv4_minmax() -> int:
     return KV4_MINMAX_FORMS.index(named)
 
 
-def _kv4_loop_args(dtype: torch.dtype, packed: bool) -> dict:
-    """The 4-bit loop's variant flags (:data:`ATTN_KV4_BIASED` and the rest); the byte-permute conversion only
+def _kv4_loop_args(dtype: torch.dtype, packed: bool, device: torch.device) -> dict:
+    """The 4-bit loop's variant flags (:attr:`~mosaicquant.kernels.tile_table.TileTable.attn_kv4_biased` and the rest); the byte-permute conversion only
     compiled (the interpreter runs no inline PTX) and for BF16; the stages only over a 4-bit cache."""
     stages = {} if ATTN_KV4_STAGES is None or not packed else {"num_stages": int(ATTN_KV4_STAGES)}
     chosen = settings.current()
-    return dict(KV4_BIASED=bool(ATTN_KV4_BIASED), KV4_ZDOT=chosen.attn_kv4_zdot, KV4_PW_ONCE=chosen.attn_kv4_pw_once,
+    return dict(KV4_BIASED=bool(table_for(device).attn_kv4_biased), KV4_ZDOT=chosen.attn_kv4_zdot, KV4_PW_ONCE=chosen.attn_kv4_pw_once,
                 KV4_ASM=bool(ATTN_KV4_ASM) and dtype == torch.bfloat16 and not triton_interpreting(), **stages)
 
 
@@ -763,8 +760,9 @@ def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
         qkv: ``[T, (heads + 2·kv_heads)·D]`` projections of ``T = B · tokens_per_seq`` tokens,
             sequence-major (unit stride along the last dimension).
         positions: ``[T]`` integer position of each token (where its k/v go in the cache), in
-            ``0..min(L, P) - 1``: checked where they are on the host; on a GPU they are read on the
-            device, unchecked (a host check would synchronise each step).
+            ``0..min(L, P) - 1``: checked where they are on the host; on a GPU by the kernel, which
+            clamps a value out of range and sets the fault word (:func:`check_range_faults`; a host
+            check would synchronise each step).
         cos, sin: ``[P, D]`` tables in the model's dtype (transformers' rotary embedding at
             positions ``0..P-1``; both halves equal).
         k_cache, v_cache: ``[B, kv_heads, L, D]`` (``L > max(positions)``); with a 4-bit ``kv``
@@ -1302,13 +1300,13 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     Each program of the attention (a KV head of a sequence, a chunk of its cache) rotates its
     query heads and the head's new key itself (:func:`rope_kv`'s roundings); the program whose chunk
     holds the token's position writes the new key and value into the cache and, after a CTA
-    barrier, reads them back in its loop as one more cached key (:data:`ATTN_NEW_CACHED`; the loop
+    barrier, reads them back in its loop as one more cached key (:attr:`~mosaicquant.kernels.tile_table.TileTable.attn_new_cached`; the loop
     loads straight into the dot operands, as :func:`decode_attention`'s does).
     :func:`decode_attention`'s kernel then combines the chunks; where the cache is one chunk, the
-    programs write the output themselves instead (:data:`ATTN_DIRECT_ONE_CHUNK`). The cache ends up
+    programs write the output themselves instead (:attr:`~mosaicquant.kernels.tile_table.TileTable.attn_direct_one_chunk`). The cache ends up
     as :func:`rope_kv` leaves it; the output agrees with the two ops to attention's bf16 accuracy.
 
-    Measured on the H200 (``benchmarks/NOTES.md`` v18): also combining in the attention kernel (the
+    Measured on the H200: also combining in the attention kernel (the
     last chunk of a head to finish, by a counter) and prefetching the chunk's cached keys into L2
     before waiting for the qkv GEMM were both slower in the decode step.
 
@@ -1318,7 +1316,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
             to keys ``0..positions[b]`` (read on the device).
         cos, sin, k_cache, v_cache, heads, kv_heads, q_norm, k_norm, eps: as in :func:`rope_kv`.
         scale, chunk: as in :func:`decode_attention`; over a 4-bit cache ``chunk`` is a multiple of
-            :data:`ATTN_KV4_BLOCK_N` (128).
+            :attr:`~mosaicquant.kernels.tile_table.TileTable.attn_kv4_block_n` (128).
         out: optional ``[B, heads·D]`` output (unit-strided along its last dimension).
         kernel: kernel preference.
         kv, scales: the cache's format and a 4-bit cache's scales, as in :func:`rope_kv`. Over a
@@ -1343,7 +1341,8 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
         raise UserInputError("qkv, the caches and cos/sin must be unit-strided along D, cos and sin alike")
     packed = kv is not None and kv.quantized
     per_sm = ATTN_KV4_PROGRAMS_PER_SM if packed else None  # not doubled below ATTN_FEW_PAIRS (measured, above)
-    block_n = ATTN_KV4_BLOCK_N if packed else ATTN_BLOCK_N
+    tiles = table_for(qkv.device)
+    block_n = tiles.attn_kv4_block_n if packed else ATTN_BLOCK_N
     p = _AttnPlan.make(qkv.device, b, heads, kv_heads, k_cache.shape[2], d, chunk, per_sm, block_n)
     out = torch.empty(b, heads * d, dtype=qkv.dtype, device=qkv.device) if out is None else out
     check_tensor("out", out, dtypes=(qkv.dtype,), shape=(b, heads * d))
@@ -1353,7 +1352,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     pm, pl, pacc = p.partials()
     chain = chain_mode(qkv.device, b)
     qn = q_norm if q_norm is not None else cos
-    direct = ATTN_DIRECT_ONE_CHUNK and p.nsplit == 1
+    direct = tiles.attn_direct_one_chunk and p.nsplit == 1
     _rope_attn_kernel[(b * kv_heads, p.nsplit)](
         qkv, positions, cos, sin, qn, k_norm if k_norm is not None else cos, k_cache, v_cache, pm, pl, pacc, out,
         FAULTS=range_fault_word(qkv.device), eps=float(eps), scale_log2=float(scale) * _LOG2E, chunk=p.chunk,
@@ -1362,8 +1361,8 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
         stride_cl=k_cache.stride(2), stride_ob=out.stride(0), HKV=kv_heads, NSPLIT=p.nsplit, G=p.g, GP=p.gp, D=d,
         BLOCK_N=block_n, QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype),
         DOT_F32=triton_interpreting(),
-        DIRECT=direct, CHAIN=chain, NEW_CACHED=bool(ATTN_NEW_CACHED), KV4_MINMAX=_kv4_minmax(),
-        **_kv4_loop_args(qkv.dtype, packed),
+        DIRECT=direct, CHAIN=chain, NEW_CACHED=bool(tiles.attn_new_cached), KV4_MINMAX=_kv4_minmax(),
+        **_kv4_loop_args(qkv.dtype, packed, qkv.device),
         num_warps=ATTN_KV4_WARPS if packed else 4, **_kv_args(kv, scales, cos), **chain_launch(chain))
     if direct:
         return out

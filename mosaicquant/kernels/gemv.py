@@ -6,7 +6,7 @@ their weight operands must be unpacked into dot layouts. This kernel keeps the w
 words as loaded and multiplies them with ``dp4a`` (``Σ`` of four int8 products into an int32,
 one instruction). Its instruction work grows with M while its bytes do not: on the H200 it beat
 the tensor-core kernel at M = 1 on every Llama-3 / Qwen3 linear (1.85–3.03× BF16 against
-1.61–2.30×) and lost at M ≥ 4 on most (``benchmarks/NOTES.md``, v13), so ``QuantLinear`` routes
+1.61–2.30×) and lost at M ≥ 4 on most, so ``QuantLinear`` routes
 single tokens here:
 
 - a packed word holds eight 4-bit values, bytes ``4j … 4j+3`` of the row, the low nibble of
@@ -345,7 +345,7 @@ def gemv_triton(
             two ≥ 4 (32-bit words of K a step), ``split_k`` in [1, 64].
         num_stages: software-pipelining depth of the K loop.
         pdl: programmatic dependent launch (``None``: the settings' ``pdl``, on by default; measured
-            1.04-1.16x faster at M = 1 on the H200, v13).
+            1.04-1.16x faster at M = 1 on the H200).
         out: optional preallocated contiguous ``bfloat16 [M, N]`` output.
 
     Returns:

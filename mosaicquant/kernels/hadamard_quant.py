@@ -106,7 +106,7 @@ _DTYPES = (torch.bfloat16, torch.float16)
 # On the H200 (benchmarks/kernels/quant_split.py, M = 1 ... 32) a 4096-wide row ([32, 128] view) took
 # 4.3-4.7 µs with one program and 3.8-4.1 split 8 ways (512 values a program, 4 warps) at M <= 16;
 # a 14336-wide one ([112, 128] padded to 128) 17.1-17.4 µs with one and 6.0-6.3 split 8 ways (the
-# transposed products, 4 warps) at M <= 16, 7.3 split 4 ways at M = 32 (benchmarks/NOTES.md, v13).
+# transposed products, 4 warps) at M <= 16, 7.3 split 4 ways at M = 32.
 SPLIT_MIN_WIDTH = 512
 # Slices narrower than this of views of 64 rows or more run the transposed products (see _transposed).
 WGMMA_MIN_COLUMNS = 64
@@ -228,7 +228,7 @@ def _warps(m: int, padded: int, folded: bool = False) -> int:
     Larger calls keep 4 warps up to 4096 values and 8 above, but 4 from 256 tokens: 14336 values
     (16384 padded) at 256 / 1024 / 2048 / 8192 tokens took 17.98 / 64.39 / 125.54 / 481.03 µs on 4
     warps against 18.81 / 70.24 / 139.20 / 526.06 on 8 (at 64 tokens 13.03 against 9.66;
-    ``benchmarks/kernels/hadamard_warps.py``, inputs rotated through more than L2, ``benchmarks/NOTES.md`` v28).
+    ``benchmarks/kernels/hadamard_warps.py``, inputs rotated through more than L2).
     Split programs follow the same rule by their slice: 4096 values split 8 ways (512 a program) took
     3.6-4.3 µs with 4 warps against 4.4-4.6 with 8, and 14336 split 2 ways (8192 padded) 10.5-11.2 with
     8 against 12.1-12.6 with 4 (``benchmarks/kernels/quant_split.py``).
@@ -238,7 +238,7 @@ def _warps(m: int, padded: int, folded: bool = False) -> int:
     8 warps 248, 16 warps 532), the 25600-wide 988 (8 warps 264, 16 warps 551). At 1-32 tokens 8 warps ran the
     kernel alone in 9.5-10.6 µs against 11.2-12.5 on the rule's 16, but QuaRot's Qwen3-14B decode step was
     slower with them (4,506 against 4,359 µs at batch 4, 5,578 against 5,327 at 32), so decode keeps the rule
-    (``benchmarks/kernels/hadamard_warps.py``, ``benchmarks/kernels/decode_profile.py``; ``benchmarks/NOTES.md`` v33).
+    (``benchmarks/kernels/hadamard_warps.py``, ``benchmarks/kernels/decode_profile.py``).
     """
     if m <= 32 and padded >= 4096:
         return 8 if padded <= 8192 else 16

@@ -22,7 +22,7 @@ sums of squares and the absmax may be reduced in another order than the standalo
 the integers and scales agree with it up to that order (tests check both against the reference).
 The two counters reset themselves, so the buffer is zero between launches.
 
-Measured slower than the norm's own kernel on the H200 (``benchmarks/NOTES.md`` v23): the fused
+Measured slower than the norm's own kernel on the H200: the fused
 decoder leaves it off (``mosaicquant.harness.runtime.NORM_FOLD_MAX_M``).
 """
 
@@ -91,7 +91,7 @@ def fold_norm(wrote, y_ptr, stride_y, M, N, TOTAL, done_ptr, R, stride_r, W, Q, 
 
     ``TOTAL``: the launch's output tiles. ``done_ptr``: two int32 counters, zero between launches. Only the
     programs that wrote a tile count: one atomic a tile on the shared address (every split counting cost the
-    o_proj GEMM ~6 µs at 4 tokens, ``benchmarks/NOTES.md`` v23).
+    o_proj GEMM ~6 µs at 4 tokens).
     """
     if wrote:
         _fold_tile_done(y_ptr, stride_y, M, N, TOTAL, done_ptr, R, stride_r, W, Q, stride_q, S, eps, clip_ratio,

@@ -14,14 +14,14 @@ activations to the ``"split8"`` int8 layout instead and run the operand-swapped 
 fused in its tail: the ``"shared"`` walk into the dense accumulator where the residual's scales are
 the base's times powers of two, :func:`mosaicquant.methods.format.residual_shifts`, the ``"merged"`` walk
 where those powers are at most ``2^-3`` (a kept unit's base and residual one int8 operand, built once here;
-:data:`MERGED_WALK`), else the FP8 walk): the same integers and scales, the same result up to float rounding
-(``benchmarks/NOTES.md``, v7, v8, v10). The unfused pipeline always keeps the packed path.
+:attr:`~mosaicquant.kernels.tile_table.TileTable.merged_walk`), else the FP8 walk): the same integers and scales, the same result up to float rounding
+. The unfused pipeline always keeps the packed path.
 Layers without residual blocks also run decode calls of ``swap_decode`` tokens (16-32) that way,
-at decode tiles (v10), but for those of ``_tiles.WIDE_K_DECODE_MIN_M`` to 16 tokens (v17); layers
+at decode tiles, but for those of ``TileTable.wide_k_decode_min_m`` to 16 tokens; layers
 with them keep ZipperEngine's packed kernels at those sizes (the swapped GEMM with the kept blocks in
-its tail, on each of its walks, measured slower: v17, v36, v41). Calls of at most
+its tail, on each of its walks, measured slower). Calls of at most
 ``gemv_max_m`` tokens run the decode GEMV on CUDA-core ``dp4a`` instead
-(:mod:`mosaicquant.kernels.gemv`, dense and with the residual; v13).
+(:mod:`mosaicquant.kernels.gemv`, dense and with the residual).
 
 It computes the function of the simulated layer
 ``fake_quantize(x, 4, clip_ratio) @ packed.dequantize().T (+ bias)`` up to float
@@ -52,6 +52,7 @@ from mosaicquant.kernels._tiles import (
 from mosaicquant.kernels.act_quant import quantize_activations, quantize_activations_triton
 from mosaicquant.kernels.gemv import GEMV_MAX_M, gemv_reason, gemv_triton
 from mosaicquant.kernels.norm_fold import NormFold
+from mosaicquant.kernels.tile_table import table_for
 from mosaicquant.kernels.residual_gemm import residual_add
 from mosaicquant.kernels.w4a4_gemm import (
     MERGED_MAX_SHIFT,
@@ -76,9 +77,6 @@ from mosaicquant.kernels.zipper import (
 from mosaicquant.methods.format import PackedW4, ResidualBlocks, residual_shifts
 
 __all__ = ["QuantLinear"]
-
-# run the swapped GEMM's "merged" walk where a layer has its operands (shifts <= 3); False: the "shared" walk
-MERGED_WALK = True
 
 
 class QuantLinear(nn.Module):
@@ -105,13 +103,13 @@ class QuantLinear(nn.Module):
         swap_decode: ``(lo, hi)``: a layer without residual blocks runs calls of ``lo`` to ``hi``
             tokens on the swapped GEMM too, at decode tiles (default
             :data:`mosaicquant.kernels._tiles.SWAP_DECODE_M`), but for calls of
-            :data:`mosaicquant.kernels._tiles.WIDE_K_DECODE_MIN_M` to 16 tokens (the packed kernel's wide
+            :attr:`~mosaicquant.kernels.tile_table.TileTable.wide_k_decode_min_m` to 16 tokens (the packed kernel's wide
             K steps, read at each call); ``None`` never. Layers with residual blocks never do.
         gemv_max_m: calls of up to this many tokens on the Triton path run the decode GEMV where it
             takes them (:func:`mosaicquant.kernels.gemv.gemv_reason`; the fused residual only);
             default :data:`mosaicquant.kernels._tiles.GEMV_ROUTE_MAX_M`, ``0`` never.
-        swap_mid: mid-sized calls (from :data:`mosaicquant.kernels._tiles.SWAP_MID_MIN_M` tokens, or
-            :data:`~mosaicquant.kernels._tiles.SWAP_MID_RESIDUAL_MIN_M` with residual blocks of power-of-two
+        swap_mid: mid-sized calls (from :attr:`~mosaicquant.kernels.tile_table.TileTable.swap_mid_min_m` tokens, or
+            :attr:`~mosaicquant.kernels.tile_table.TileTable.swap_mid_residual_min_m` with residual blocks of power-of-two
             scales; read at each call) run the swapped GEMM on the tiles of
             :func:`mosaicquant.kernels._tiles.swapped_mid_config` where it gives them (layers short of output
             tiles): a dense layer's ahead of the prefill tiles, a residual layer's where neither the prefill nor
@@ -218,7 +216,7 @@ class QuantLinear(nn.Module):
             self.res_merged = merged_residual_operand(self.qweight, k, residual, self.res_shifts)
             self.res_steps = dense_step_table(residual, k)
         # the swapped GEMM's block-row tiles, those that keep the most blocks first (its row_order at prefill tiles
-        # of a block row's height: _tiles.SWAP_ROW_ORDER); an index of the block rows, like res_block_map not
+        # of a block row's height: TileTable.swap_row_order); an index of the block rows, like res_block_map not
         # counted by weight_nbytes
         self.register_buffer("res_row_order", None)
         if residual is not None and self.swap_ok:
@@ -297,9 +295,10 @@ class QuantLinear(nn.Module):
         cfg = pick_config(m, self.out_features, self.qweight.shape[1], self.qweight.device, self.block_shape)
         if self.mode != "auto":
             return self.mode, cfg
-        if not parallel_residual(m, cfg, self.residual.num_blocks / max(1, self.residual.grid[0])):
+        if not parallel_residual(m, cfg, self.residual.num_blocks / max(1, self.residual.grid[0]),
+                                 device=self.qweight.device):
             return None
-        return parallel_mode(cfg), cfg
+        return parallel_mode(cfg, device=self.qweight.device), cfg
 
     def parallel_mode(self, m: int) -> str | None:
         """ZipperEngine's parallel mode (``"parallel"``, ``"parallel_rows"``) a call of ``m`` tokens runs, or ``None``."""
@@ -310,11 +309,11 @@ class QuantLinear(nn.Module):
         """Whether a Triton call of ``m`` packed tokens can write SiLU·mul of this stacked ``[gate | up]``
         layer itself (``forward_quantized(..., gated=True)``): ZipperEngine's parallel modes sum each gate
         tile with its up tile (:func:`mosaicquant.kernels.zipper.gated_reason`), and so does the dense
-        GEMM of a layer without residual blocks at 2 to :data:`mosaicquant.kernels._tiles.DENSE_GATED_MAX_M`
+        GEMM of a layer without residual blocks at 2 to :attr:`~mosaicquant.kernels.tile_table.TileTable.dense_gated_max_m`
         tokens (:func:`mosaicquant.kernels.w4a4_gemm.gated_shape_reason`), on the packed kernel even where
         a plain call would run the swapped GEMM at decode tiles."""
         if self.block_shape is None:  # the dense GEMM's counted fix-up
-            if not 1 <= m <= _tiles.DENSE_GATED_MAX_M or self.uses_gemv(m) or self.swap_route(m) == "prefill":
+            if not 1 <= m <= table_for(self.qweight.device).dense_gated_max_m or self.uses_gemv(m) or self.swap_route(m) == "prefill":
                 return False
             cfg = pick_config(m, self.out_features, self.qweight.shape[1], self.qweight.device)
             return gated_shape_reason(m, self.out_features, cfg) is None
@@ -349,7 +348,7 @@ class QuantLinear(nn.Module):
         gives one (prefill and mid routes)."""
         route, tiles = self._swap_route_tiles(m)
         if self.swap_tail and route in ("prefill", "mid"):
-            tail = _tiles.swapped_tail(m, tiles.get("block_m", 128))  # 128: the launcher's default
+            tail = _tiles.swapped_tail(m, tiles.get("block_m", 128), device=self.qweight.device)  # 128: the launcher's default
             if tail is not None:
                 tiles = {**tiles, "block_m_tail": tail}
         return route, tiles
@@ -365,7 +364,7 @@ class QuantLinear(nn.Module):
                 self.swap_min_tiles_per_sm):
             return "prefill", {}
         if self.swap_decode is not None and self.swap_decode[0] <= m <= self.swap_decode[1]:
-            decode = (self.block_shape is None and not 0 < _tiles.WIDE_K_DECODE_MIN_M <= m <= 16
+            decode = (self.block_shape is None and not 0 < table_for(self.qweight.device).wide_k_decode_min_m <= m <= 16
                       and not (m > 16 and _tiles.wide_decode(m, self.out_features, self.qweight.device, False)))
             if decode:  # layers with residual blocks keep ZipperEngine's packed kernels at decode sizes
                 return "decode", swapped_decode_config(m, self.out_features, (self.in_features + 1) // 2,
@@ -392,9 +391,9 @@ class QuantLinear(nn.Module):
         walk = {}
         if self.block_shape is not None and self.res_shifts is not None:
             walk = {"residual_walk": "shared", "residual_shifts": self.res_shifts}
-            if self.res_merged is not None and MERGED_WALK and tiles.get("block_kp", 64) == 64:
+            if self.res_merged is not None and table_for(self.qweight.device).merged_walk and tiles.get("block_kp", 64) == 64:
                 walk.update(residual_walk="merged", residual_operand=self.res_merged, dense_steps=self.res_steps)
-        if self.res_row_order is not None and _tiles.swapped_row_order(tiles, self.block_shape[0]):
+        if self.res_row_order is not None and _tiles.swapped_row_order(tiles, self.block_shape[0], device=self.qweight.device):
             walk["row_order"] = self.res_row_order
         return w4a4_gemm_swapped_triton(a_split, a_scale, self.qweight, self.w_scale, self.in_features, self.bias,
                                         residual=self.residual, **tiles, **walk)

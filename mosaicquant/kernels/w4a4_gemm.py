@@ -26,7 +26,7 @@ Small M (decode) is memory-bound and has few output tiles, so K is split across
 tile) sums the partials in split order, adds the bias and writes the output. With
 ``gated=True`` (a stacked ``[gate | up]`` layer, one tile of tokens) a gate tile and its up tile
 share one counter and the last of their partials writes ``bf16(silu(g)) · u``, the SiLU·mul of
-the MLP, so the decode step needs no kernel of its own for it (``benchmarks/NOTES.md`` v17).
+the MLP, so the decode step needs no kernel of its own for it.
 
 Prefill-sized M runs the operand-swapped variant (:func:`w4a4_gemm_swapped_triton`,
 ``Cᵀ = W Aᵀ``) on int8 activations in the ``"split8"`` layout: the unpacked weights are the
@@ -35,13 +35,13 @@ also take a layer's residual blocks, walked after its dense loop (``residual_wal
 accumulating into the output tile itself (default on the GPU; the tile is divided by the
 block's row scales before and multiplied back after, exact integer products, one fp32
 accumulator: capped at 128 registers, two programs share an SM), or int8 dots into a second
-accumulator. ``benchmarks/NOTES.md`` (v7, v8) has the measurements. Where the blocks' scales are
+accumulator. Where the blocks' scales are
 the base's row scales times ``2^-j`` (MosaicQuant's default ``rscale=pow2``), the ``"shared"`` walk
 runs their int8 dots into the dense int32 accumulator itself, the integers shifted left by
-``4 - j`` (what ``QuantLinear`` runs for such layers; v27). With ``j <= 3`` (MosaicQuant's
+``4 - j`` (what ``QuantLinear`` runs for such layers). With ``j <= 3`` (MosaicQuant's
 ``rscale_max_shift=3``) the ``"merged"`` walk multiplies a kept unit's base and residual as one int8 operand
-``8 q + 2^(3-j) r`` and its dense loop skips the steps the kept blocks cover (v36). Where ``M`` leaves a small remainder over a
-multiple of the token tile, ``block_m_tail`` runs the last token tile narrower in the same launch (v29).
+``8 q + 2^(3-j) r`` and its dense loop skips the steps the kept blocks cover. Where ``M`` leaves a small remainder over a
+multiple of the token tile, ``block_m_tail`` runs the last token tile narrower in the same launch.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ from mosaicquant.kernels._tl import (
 )
 from mosaicquant.kernels.act_quant import SPLIT_BLOCK, split8_width
 from mosaicquant.kernels.decoder import silu_mul_reference
+from mosaicquant.kernels.tile_table import table_for
 from mosaicquant.kernels.norm_fold import NormFold, fold_launch_args, fold_norm, fold_pdl, fold_reason
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 from mosaicquant.methods.format import residual_shifts as residual_shifts_of
@@ -109,7 +110,7 @@ FP8_TAIL_MAX_REGS = 128
 SHARED_TAIL_MAX_REGS: int | None = 128
 # ... and its tail's software-pipelining depth there (when tail_stages is not given): 2 against the kernel's 3
 # stages measured -0.2 to -3.0 % on the Llama-3-8B linears at M = 2048 / 8192 (medians of three interleaved
-# pairs, the same bits; 1 and 4 slower; benchmarks/NOTES.md v27)
+# pairs, the same bits; 1 and 4 slower)
 SHARED_TAIL_STAGES: int | None = 2
 # Both operands unpacked as 16 q: |acc| <= 64 * 256 * K stays below 2**31 up to this K.
 X16_MAX_K = 2**17
@@ -120,13 +121,13 @@ RESIDUAL_WALKS = ("int8", "fp8", "shared", "shifted", "merged")
 MERGED_MAX_SHIFT = 3
 # software-pipelining depth of the "merged" walk's dense loop: its step index is a load the tiles' loads depend on,
 # and at the launch's 3 stages the compiler keeps one weight buffer and waits for every copy each step. On the H200
-# (Llama-3-8B linears, M = 2048 / 8192, GEMM alone; benchmarks/NOTES.md v36) 3 and 4 ran 14-43 % slower than 5; 7
+# (Llama-3-8B linears, M = 2048 / 8192, GEMM alone) 3 and 4 ran 14-43 % slower than 5; 7
 # against 5 at M = 512-8192: -4.7 to +0.6 % in one run, -1.2 to +2.0 % in another (6 between)
 MERGED_DENSE_STAGES = 7
 # the swapped GEMM's K steps (and walked units) as one dot each on the joined halves (_joined_weights) instead of a
 # dot per half, when joined_dot is not given. The compiler waits for every dot whose first operand is in registers
 # before the next, so two dots a step drained the tensor cores twice. On the H200 (Llama-3-8B linears, GEMM alone,
-# M = 512 / 2048 / 8192; benchmarks/NOTES.md v37): dense 0.90-0.99x the time, the shared walk 0.92-0.97x, the
+# M = 512 / 2048 / 8192): dense 0.90-0.99x the time, the shared walk 0.92-0.97x, the
 # merged walk 0.91-1.00x; the same bits
 JOINED_DOT = True
 
@@ -210,7 +211,7 @@ def _joined_weights(w, USE_ASM: tl.constexpr, X16: tl.constexpr, BN: tl.constexp
     (per 128 values: the 64 low nibbles, then the 64 high ones), for one dot per step instead of two.
 
     In the dot's register layout the concatenation is a renaming of registers (each thread's bytes of the low and the
-    high tile sit where the joined tile wants them): no data moves (offline sm_90 compile, benchmarks/NOTES.md v37)."""
+    high tile sit where the joined tile wants them): no data moves (offline sm_90 compile)."""
     if X16:
         lo = unpack_lo16(w, USE_ASM)
         hi = unpack_hi16(w, USE_ASM)
@@ -359,7 +360,7 @@ def _w4a4_swapped_kernel(
     # tile, their partials in a buffer of their own (part_ptr, one [REM_SPLIT, BN, BM] block a split tile) and
     # counters from lock_ptr's slot 0 (_tiles.swapped_rem_split). This launch's first N_WHOLE programs run tiles
     # 0 .. N_WHOLE - 1 whole: N_DIRECT of them where the whole tiles share the launch, 0 where they had one of
-    # their own (REM_SPLIT = 1; _tiles.SWAP_REM_ONE_LAUNCH).
+    # their own (REM_SPLIT = 1; TileTable.swap_rem_one_launch).
     pid = tl.program_id(0)
     if REM_SPLIT > 1:
         if pid < N_WHOLE:
@@ -722,7 +723,7 @@ def w4a4_gemm_triton(
         x16: unpack both operands as ``16 * q`` (:func:`mosaicquant.kernels._tl.mac_int4`; the
             same result exactly; taken only with tensor-core dots and ``K < 2**17``, where the
             256x accumulator cannot overflow). Default on: 1.04-1.37x faster at M <= 32 on the
-            H200 (``benchmarks/NOTES.md`` v10).
+            H200.
         gated: the layer is stacked ``[gate | up]`` (``N = 2I``): write ``bf16(silu(gate)) · up``,
             ``[M, I]`` BF16, from the counted fix-up of each gate tile and its up tile (the same
             bits as the GEMM followed by :func:`mosaicquant.kernels.decoder.silu_mul`), where
@@ -994,7 +995,7 @@ def w4a4_gemm_swapped_triton(
         tail_stages: software-pipelining depth of the residual walk (``None``: the compiler's
             default from ``num_stages``, but :data:`SHARED_TAIL_STAGES` for the shared walk at
             8-warp tiles; 5 compiles to double-buffered tiles but measured no faster on the H200
-            with the FP8 walk, ``benchmarks/NOTES.md`` v9).
+            with the FP8 walk).
         block_n, block_m: weight rows and tokens per program (powers of two, >= 16).
         block_m_tail: tokens of the last token tile where ``M`` leaves at most that many over a multiple of
             ``block_m`` (a power of two, >= 16, below ``block_m``; ``None``: every tile ``block_m``). At 160
@@ -1010,7 +1011,7 @@ def w4a4_gemm_swapped_triton(
             where the device supports it).
         x16: unpack the weights as ``16 * q`` (two and one instructions per four bytes instead
             of four and five; the same result, exactly). Default on: 1.03-1.11x faster dense at
-            M = 2048 on the H200, no change with a residual (``benchmarks/NOTES.md`` v10).
+            M = 2048 on the H200, no change with a residual.
         e4m3_asm: the fp8 walk converts the residual nibbles and the activation tiles to e4m3
             with inline PTX (:func:`mosaicquant.kernels._tl.to_e4m3`, about half the compiler's
             instructions) instead of Triton's element-wise casts; the same values, exactly.
@@ -1169,8 +1170,8 @@ def w4a4_gemm_swapped_triton(
         run(grid, part, 1, 0, launch)
         return out
     # the whole tiles in the split tiles' launch, or first in a launch of their own as the unsplit kernel
-    # (_tiles.SWAP_REM_ONE_LAUNCH)
-    one = _tiles.SWAP_REM_ONE_LAUNCH
+    # (TileTable.swap_rem_one_launch)
+    one = table_for(a_split.device).swap_rem_one_launch
     if n_direct and not one:
         run((n_direct, 1), out, 1, 0, launch)
     if "maxnreg" not in launch and _tiles.SWAP_REM_MAXNREG:

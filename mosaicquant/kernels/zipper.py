@@ -45,8 +45,8 @@ all of the row's kept blocks, so a tile sums ``SPLIT_K`` partials plus one (wher
 any), and the grid holds one residual program per row instead of one per block (on gate/up at
 10 %: 224 instead of ~717; with the 224 dense programs ~1.1 waves instead of ~2.4 at 3 programs
 per SM, what an offline sm_90 compile's 80 registers a thread at 8 warps allows). ``"auto"`` runs
-it on tiles that split K at most :data:`mosaicquant.kernels._tiles.PARALLEL_ROWS_MAX_SPLIT` ways
-(gate/up; on q/k/v, split 4, it was 1.17-1.25x slower than ``"parallel"``, ``benchmarks/NOTES.md`` v16).
+it on tiles that split K at most :attr:`~mosaicquant.kernels.tile_table.TileTable.parallel_rows_max_split` ways
+(gate/up; on q/k/v, split 4, it was 1.17-1.25x slower than ``"parallel"``).
 
 ``gated=True`` (both parallel modes; a stacked ``[gate | up]`` layer): gate tile ``q`` and up tile
 ``q + I / BN`` share one counter; the last of their contributors sums each tile's partials in slot
@@ -55,8 +55,8 @@ order, rounds both to BF16 and writes ``bf16(silu(g)) · u`` at ``[M, I]``
 followed by the SiLU·mul kernel, one kernel fewer in the decode step.
 
 ``"auto"`` picks tail, or parallel where :func:`mosaicquant.kernels._tiles.parallel_residual`
-says so (measured faster there, ``benchmarks/NOTES.md`` v14): inline measured slower than
-tail at every M (v1), because the per-step residual dot doubles the operand conversion work,
+says so (measured faster there): inline measured slower than
+tail at every M, because the per-step residual dot doubles the operand conversion work,
 which dominates at small M too. Split-K (small M) splits the dense steps and, in tail mode,
 deals the blocks of a row round-robin over the splits.
 
@@ -112,6 +112,7 @@ from mosaicquant.kernels._tl import (
     wait_for_inputs,
 )
 from mosaicquant.kernels.gemv import gemv_reason, residual_dp4a, residual_dp4a_begin
+from mosaicquant.kernels.tile_table import table_for
 from mosaicquant.kernels.norm_fold import NormFold, fold_launch_args, fold_norm, fold_pdl, fold_reason
 from mosaicquant.kernels.w4a4_gemm import X16_MAX_K, check_gemm_args, gated_shape_reason, int_matmul, silu_mul_halves
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
@@ -476,7 +477,7 @@ def zipper_gemm_triton(
             on ``[BM, BKP]`` activation tiles, or ``"dp4a"``, the blocks' 32-bit words on CUDA-core
             ``dp4a`` (:func:`mosaicquant.kernels.gemv.residual_dp4a`; calls the decode GEMV takes:
             at most 8 tokens, ``K`` a multiple of 8); ``"auto"``: ``"dp4a"`` where it can run, up to
-            :data:`mosaicquant.kernels._tiles.DP4A_WALK_MAX_M` tokens (measured faster there, v13).
+            :data:`mosaicquant.kernels._tiles.DP4A_WALK_MAX_M` tokens (measured faster there).
         gated: the layer is stacked ``[gate | up]`` (``N = 2I``): write ``bf16(silu(gate)) · up``,
             ``[M, I]`` BF16, from the fix-up of each pair of tiles (the same bits as the GEMM then
             :func:`mosaicquant.kernels.decoder.silu_mul`); the parallel modes only, where
@@ -523,8 +524,9 @@ def zipper_gemm_triton(
     rkp = cfg.block_kp  # the tail walk's step through a block: a power of two dividing its packed columns
     while (bk_res // 2) % rkp:
         rkp //= 2
-    if mode == "auto" and parallel_residual(m, cfg, residual.num_blocks / max(1, residual.grid[0])):
-        fuse = parallel_mode(cfg)
+    if mode == "auto" and parallel_residual(m, cfg, residual.num_blocks / max(1, residual.grid[0]),
+                                            device=a_packed.device):
+        fuse = parallel_mode(cfg, device=a_packed.device)
     if gated:
         reason = gated_reason(m, n, cfg, residual.block_shape, fuse, out_fp32)
         if reason is not None:
@@ -564,7 +566,7 @@ def zipper_gemm_triton(
             BN_RES=bn_res, BKP_RES=bk_res // 2, RKP=rkp, BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp,
             SPLIT_K=cfg.split_k, USE_ASM=not triton_interpreting(), PDL=gemm_pdl(a_packed.device, m, pdl),
             PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0, X16=bool(x16) and k < X16_MAX_K, ROWS=rows,
-            GATED=bool(gated), WALK_STAGES=walk_stages(m),
+            GATED=bool(gated), WALK_STAGES=walk_stages(m, device=a_packed.device),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
         )
         return out
@@ -583,9 +585,10 @@ def zipper_gemm_triton(
         USE_ASM=not triton_interpreting(), PDL=pdl_c, LATE_SIGNAL=late_signal,
         PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
         X16=bool(x16) and cfg.use_dot and k < X16_MAX_K, DP4A_TOKENS=dp4a_tokens,
-        WALK_STAGES=walk_stages(m) if fuse == "tail" and not dp4a_tokens else None,
-        WALK_PRELOAD=fuse == "tail" and not dp4a_tokens and 0 < m <= _tiles.WALK_PRELOAD_MAX_M,
-        WALK_SCALES_AHEAD=settings.current().walk_scales_ahead and fuse == "tail" and not dp4a_tokens and walk_stages(m) is None,
+        WALK_STAGES=walk_stages(m, device=a_packed.device) if fuse == "tail" and not dp4a_tokens else None,
+        WALK_PRELOAD=fuse == "tail" and not dp4a_tokens and 0 < m <= table_for(a_packed.device).walk_preload_max_m,
+        WALK_SCALES_AHEAD=(settings.current().walk_scales_ahead and fuse == "tail" and not dp4a_tokens
+                           and walk_stages(m, device=a_packed.device) is None),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl), **fold_consts,
     )
     return out

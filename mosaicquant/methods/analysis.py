@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mosaicquant.methods.calibration import _capture_layer0_inputs, _run_layer, collect_stats, decoder_layers
+from mosaicquant.methods.calibration import _capture_layer_inputs, _run_layer, _with_kwargs, collect_stats, decoder_layers
 from mosaicquant.methods.gptq import gptq_quantize
 from mosaicquant.methods.qlinear import quantize_weight
 from mosaicquant.methods.residual import (
@@ -199,14 +199,15 @@ def distortion_analysis(
     """
     all_layers = decoder_layers(model)
     device = next(model.parameters()).device
-    calib_in = _capture_layer0_inputs(model, calib_tokens, batch_size, device)
-    held_in = _capture_layer0_inputs(model, heldout_tokens, batch_size, device)
+    calib_in, calib_kw = _capture_layer_inputs(model, calib_tokens, batch_size, device)
+    held_in, held_kw = _capture_layer_inputs(model, heldout_tokens, batch_size, device)
     per_layer = []
     marginals: dict[str, dict[str, dict]] = {}
     wanted = set(layers)
     for index, layer in enumerate(all_layers):
         if index > max(wanted):
             break
+        calib_in, held_in = _with_kwargs(calib_in, calib_kw[index]), _with_kwargs(held_in, held_kw[index])
         if index in wanted:
             st_c = collect_stats(layer, calib_in)
             st_h = collect_stats(layer, held_in)

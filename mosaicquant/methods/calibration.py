@@ -79,17 +79,29 @@ class _Stop(Exception):
     pass
 
 
-def _capture_layer0_inputs(model: nn.Module, tokens: torch.Tensor, batch_size: int, device):
+def _capture_layer_inputs(model: nn.Module, tokens: torch.Tensor, batch_size: int, device):
+    """Layer 0's hidden states and every layer's keyword arguments, per batch.
+
+    The keyword arguments are captured layer by layer because they can differ between layers
+    (Gemma 3's sliding-window layers get their own mask and rotary table); the pass stops
+    before the last layer runs.
+    """
     layers = decoder_layers(model)
-    captured: list[tuple[torch.Tensor, dict]] = []
+    hidden0: list[torch.Tensor] = []
+    kwargs_of: list[list[dict]] = [[] for _ in layers]
 
-    def hook(module, args, kwargs):
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
-        captured.append((hidden.detach(), kw))
-        raise _Stop
+    def hook(module, args, kwargs, _index):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        kw = {k: v for k, v in kwargs.items()
+              if k not in ("hidden_states", "past_key_values", "past_key_value", "use_cache")}
+        if _index == 0:
+            hidden0.append(hidden.detach())
+        kwargs_of[_index].append(kw)
+        if _index == len(layers) - 1:
+            raise _Stop
 
-    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    handles = [layer.register_forward_pre_hook(lambda m, a, k, _i=i: hook(m, a, k, _i), with_kwargs=True)
+               for i, layer in enumerate(layers)]
     starts = range(0, tokens.shape[0], batch_size)
     try:
         for start in progress.bar(starts, desc="calibration inputs", unit="batch"):
@@ -99,8 +111,14 @@ def _capture_layer0_inputs(model: nn.Module, tokens: torch.Tensor, batch_size: i
             except _Stop:
                 pass
     finally:
-        handle.remove()
-    return captured
+        for handle in handles:
+            handle.remove()
+    return [(h, kw) for h, kw in zip(hidden0, kwargs_of[0], strict=True)], kwargs_of
+
+
+def _with_kwargs(inputs, kwargs: list[dict]) -> list[tuple[torch.Tensor, dict]]:
+    """``inputs``' hidden states paired with one layer's captured keyword arguments."""
+    return [(hidden, kw) for (hidden, _), kw in zip(inputs, kwargs, strict=True)]
 
 
 def _run_layer(layer: nn.Module, inputs) -> list[tuple[torch.Tensor, dict]]:
@@ -177,8 +195,9 @@ def calibrate_layerwise(
         raise ValueError(f"propagate={propagate!r} is not allowed: choose 'quantized' or 'float'")
     layers = decoder_layers(model)
     device = next(model.parameters()).device
-    inputs = _capture_layer0_inputs(model, tokens, batch_size, device)
+    inputs, kwargs_of = _capture_layer_inputs(model, tokens, batch_size, device)
     for index, layer in enumerate(progress.bar(layers, desc="calibrate + quantize", unit="layer")):
+        inputs = _with_kwargs(inputs, kwargs_of[index])
         stats = collect_stats(layer, inputs, keep_hessian=keep_hessian)
         float_out = None if propagate == "quantized" else _run_layer(layer, inputs)
         quantize_layer(index, layer, stats)

@@ -59,6 +59,7 @@ __all__ = [
     "enable_kv_quant",
     "disable_kv_quant",
     "kv_quant_spec_of",
+    "register_attention",
     "quantize_qkv",
     "fake_quantize_ste",
 ]
@@ -206,8 +207,9 @@ def _eager_attention(module, query, key, value, attention_mask, scaling=None, dr
 _REGISTERED = False
 
 
-def _register() -> None:
-    """Register the wrappers and their mask builders once (idempotent)."""
+def register_attention() -> None:
+    """Register the wrappers and their mask builders with transformers once (idempotent); a model reloaded with
+    its attention implementation set to one of :data:`KV_ATTENTION_NAMES` needs them before it runs."""
     global _REGISTERED
     if _REGISTERED:
         return
@@ -282,7 +284,7 @@ def enable_kv_quant(model: nn.Module, spec: KVQuantSpec) -> dict:
             )
         if spec.rotate_qk and not is_hadamard_size(head_dim):
             raise UserInputError(f"rotate_qk: head dimension {head_dim} of '{name}' has no Hadamard matrix")
-    _register()
+    register_attention()
     wrapper = KV_ATTENTION_NAMES[base_name]
     if model.config._attn_implementation != wrapper:
         model.set_attn_implementation(wrapper)

@@ -57,10 +57,10 @@ from mosaicquant.methods.qlinear import (
 )
 from mosaicquant.methods.quant import quantize
 from mosaicquant.methods.residual import POW2_MAX_SHIFT, distortion_recovered, select_residual
-from mosaicquant.methods.rotation import rotate_model
+from mosaicquant.methods.rotation import TRANSFORM_SUPPORTS, online_transforms, rotate_model
 from mosaicquant.methods.smoothing import collect_input_absmax, smooth_model, smoothing_input_names
 from mosaicquant.methods.speed_form import check_w4a4
-from mosaicquant.registry import register_method
+from mosaicquant.registry import Supports, register_method
 
 __all__ = ["MosaicQuantConfig", "mosaicquant", "apply_transform", "quantize_linear_mosaic", "residual_base_scale"]
 
@@ -101,10 +101,10 @@ class MosaicQuantConfig(Config):
             the block's dense step (``residual_walk="merged"`` in :mod:`mosaicquant.kernels.w4a4_gemm`): measured on
             the H200 (Llama-3-8B linears, GEMM alone, 10 % blocks) the residual's cost over the dense GEMM went
             from +6 to +27 % to 0 to +19 % at 2048 tokens and from +2 to +17 % to -2 to +10 % at 8192; Llama-3-8B
-            prefill 1.28x -> 1.32x BF16 end to end (``benchmarks/results/merged_walk_v36``, ``llama3_8b_v36``).
+            prefill 1.28x -> 1.32x BF16 end to end (``benchmarks/results/merged_walk_gemm``, ``llama3_8b_shapes_rshift``).
             The price: a coarser step for rows that would take ``j = 4`` (on SmolLM2-135M, the protocol above,
             perplexity 24.67 at 4 and 24.92 at 3, distortion recovered 16.1 % and 15.9 %;
-            ``benchmarks/results/smollm2_rshift_v36``), and the int8 copies resident beside the format
+            ``benchmarks/results/smollm2_rshift``), and the int8 copies resident beside the format
             (Llama-3-8B's linears 0.276x -> 0.326x of BF16); decode is unchanged.
         calib_batch: calibration sequences per forward pass.
         kvbits: KV-cache bits, 2..8, or 16 (default: float cache, no Q/K rotation).
@@ -269,8 +269,13 @@ def _speed_form(model, config: MosaicQuantConfig, ctx):
                "rscale_max_shift": config.rscale_max_shift}
 
 
+def _supports(config: MosaicQuantConfig) -> Supports:
+    """The transforms' architectures; with ``transform="none"`` any causal LM (only linears are replaced)."""
+    return Supports() if config.transform == "none" else TRANSFORM_SUPPORTS
+
+
 @register_method("mosaicquant", config=MosaicQuantConfig, description=MosaicQuantConfig.description,
-                 speed_form=_speed_form)
+                 speed_form=_speed_form, supports=_supports)
 def mosaicquant(model, config: MosaicQuantConfig, ctx):
     """Quantize ``model`` in place with MosaicQuant; fills ``ctx.info``."""
     t0 = time.perf_counter()
@@ -300,6 +305,7 @@ def mosaicquant(model, config: MosaicQuantConfig, ctx):
         exec_path="simulated (fake-quant of the packed W4 + residual format)" if config.wbits == 4
         else "simulated (fake-quant activations, float weights)",
         transform=transform_info,
+        online_transforms=online_transforms(model),
         memory_bytes=memory,
         residual_overhead=(residual_bytes / base_bytes) if base_bytes else 0.0,
         weight_bytes_vs_bf16=(memory["total_quantized_linears"] / memory["linear_bf16_equivalent"])

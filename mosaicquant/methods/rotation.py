@@ -1,7 +1,8 @@
 """QuaRot-style rotation of a decoder-only transformer (function-preserving in float).
 
-Supported: ``LlamaForCausalLM`` (e.g. SmolLM2, Llama-3), ``Qwen2ForCausalLM`` (q/k/v
-biases) and ``Qwen3ForCausalLM`` (per-head QK-norm) of transformers 5.x. Layers are found by
+Supported: the families of :data:`mosaicquant.architectures.ARCHITECTURES` (Llama, Qwen2/3,
+Mistral, Phi-3 with its fused projections split, Gemma 3 with ``1 + w`` norms and norms on the
+block outputs, after which the residual rotation runs online). Layers are found by
 module type and fully qualified name (``model.layers.{i}.self_attn.q_proj`` ...); anything
 else raises :class:`~mosaicquant.errors.UserInputError` naming the class or part.
 
@@ -36,11 +37,12 @@ The transforms are computed in float64 and the weights cast back to their dtype.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from mosaicquant.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES, Architecture, architecture_of
 from mosaicquant.errors import UserInputError, unknown_name
 from mosaicquant.methods.hadamard import (
     OnlineHadamard,
@@ -49,23 +51,31 @@ from mosaicquant.methods.hadamard import (
     is_hadamard_size,
     random_signs,
 )
+from mosaicquant.registry import Supports
 
 __all__ = [
     "ROTATIONS",
     "SUPPORTED_ARCHITECTURES",
+    "TRANSFORM_SUPPORTS",
     "DecoderLayerParts",
     "ModelParts",
+    "FusedProjection",
+    "DenseRotation",
     "model_parts",
+    "split_fused_projections",
     "attach_input_transform",
+    "attach_output_transform",
     "untie_embeddings",
     "fuse_layer_norms",
     "random_orthogonal",
     "residual_rotation",
     "rotate_model",
+    "online_transforms",
 ]
 
 ROTATIONS = ("hadamard", "orthogonal")
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+#: what a method whose transforms go through :func:`model_parts` can run (its registry entry's ``supports``)
+TRANSFORM_SUPPORTS = Supports(architectures=SUPPORTED_ARCHITECTURES)
 
 # Rows (or columns) transformed at a time: bounds the float64 working copy of large
 # matrices such as a 150k-token embedding.
@@ -78,7 +88,8 @@ _CHUNK = 4096
 
 
 @dataclass(frozen=True)
-class _Architecture:
+class _Classes:
+    entry: Architecture
     causal_lm: type
     decoder_layer: type
     attention: type
@@ -86,36 +97,94 @@ class _Architecture:
     rms_norm: type
 
 
-def _architectures() -> dict[str, _Architecture]:
+def _classes() -> dict[str, _Classes]:
     # Imported here: transformers' model modules are slow to import and only needed when a
     # model is actually transformed.
-    from transformers.models.llama import modeling_llama as llama
-    from transformers.models.qwen2 import modeling_qwen2 as qwen2
-    from transformers.models.qwen3 import modeling_qwen3 as qwen3
+    import importlib
 
-    return {
-        "LlamaForCausalLM": _Architecture(
-            llama.LlamaForCausalLM,
-            llama.LlamaDecoderLayer,
-            llama.LlamaAttention,
-            llama.LlamaMLP,
-            llama.LlamaRMSNorm,
-        ),
-        "Qwen2ForCausalLM": _Architecture(
-            qwen2.Qwen2ForCausalLM,
-            qwen2.Qwen2DecoderLayer,
-            qwen2.Qwen2Attention,
-            qwen2.Qwen2MLP,
-            qwen2.Qwen2RMSNorm,
-        ),
-        "Qwen3ForCausalLM": _Architecture(
-            qwen3.Qwen3ForCausalLM,
-            qwen3.Qwen3DecoderLayer,
-            qwen3.Qwen3Attention,
-            qwen3.Qwen3MLP,
-            qwen3.Qwen3RMSNorm,
-        ),
-    }
+    out = {}
+    for name, entry in ARCHITECTURES.items():
+        mod = importlib.import_module(f"transformers.models.{entry.module}.modeling_{entry.module}")
+        p = entry.prefix
+        out[name] = _Classes(entry, getattr(mod, name), getattr(mod, f"{p}DecoderLayer"),
+                             getattr(mod, f"{p}Attention"), getattr(mod, f"{p}MLP"), getattr(mod, f"{p}RMSNorm"))
+    return out
+
+
+class FusedProjection(nn.Module):
+    """Stands in for a fused projection (Phi-3's ``qkv_proj``, ``gate_up_proj``) split into linears.
+
+    ``forward(x)`` concatenates the outputs of the parent's linears ``names`` (looked up on the
+    parent at call time, so a quantized or kernel replacement of a member is what runs), which
+    is what the fused linear computed. The members are the parent's own submodules; this
+    module holds none, so each weight is stored once.
+    """
+
+    def __init__(self, parent: nn.Module, names: tuple[str, ...]):
+        super().__init__()
+        object.__setattr__(self, "_parent", parent)  # not a submodule: no cycle in the module tree
+        self.names = tuple(names)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([getattr(self._parent, n)(x) for n in self.names], dim=-1)
+
+    def extra_repr(self) -> str:
+        return ", ".join(self.names)
+
+
+def _split_linear(parent: nn.Module, attr: str, names: tuple[str, ...], sizes: tuple[int, ...]) -> bool:
+    fused = getattr(parent, attr)
+    if isinstance(fused, FusedProjection):
+        return False
+    if not isinstance(fused, nn.Linear) or sum(sizes) != fused.out_features:
+        raise UserInputError(f"'{attr}' is {type(fused).__name__} with {getattr(fused, 'out_features', '?')} "
+                             f"outputs, expected an nn.Linear of {sum(sizes)} = {' + '.join(map(str, sizes))}")
+    start = 0
+    for name, size in zip(names, sizes):
+        part = nn.Linear(fused.in_features, size, bias=fused.bias is not None,
+                         device=fused.weight.device, dtype=fused.weight.dtype)
+        with torch.no_grad():
+            part.weight.copy_(fused.weight[start:start + size])
+            if fused.bias is not None:
+                part.bias.copy_(fused.bias[start:start + size])
+        part.weight.requires_grad_(fused.weight.requires_grad)
+        parent.add_module(name, part)
+        start += size
+    setattr(parent, attr, FusedProjection(parent, names))
+    return True
+
+
+def split_fused_projections(model: nn.Module) -> list[str]:
+    """Split fused projections into separate linears, in place; the function is unchanged.
+
+    Phi-3's ``self_attn.qkv_proj`` becomes ``self_attn.q_proj``/``k_proj``/``v_proj`` and
+    ``mlp.gate_up_proj`` becomes ``mlp.gate_proj``/``up_proj`` (rows split in the order the
+    model's forward slices them); the fused attribute becomes a :class:`FusedProjection` that
+    concatenates them. Families without fused projections are left alone. Calling it again is a
+    no-op.
+
+    Returns:
+        Names of the fused projections split by this call.
+
+    Raises:
+        UserInputError: unsupported model class, or a fused projection of unexpected shape.
+    """
+    entry = architecture_of(model)
+    split = []
+    for index, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if entry.fused_qkv:
+            hd = int(attn.head_dim)
+            q = model.config.num_attention_heads * hd
+            kv = model.config.num_key_value_heads * hd
+            if _split_linear(attn, entry.fused_qkv, ("q_proj", "k_proj", "v_proj"), (q, kv, kv)):
+                split.append(f"model.layers.{index}.self_attn.{entry.fused_qkv}")
+        if entry.fused_gate_up:
+            n = getattr(mlp, entry.fused_gate_up)
+            half = (n.out_features // 2) if isinstance(n, nn.Linear) else 0
+            if _split_linear(mlp, entry.fused_gate_up, ("gate_proj", "up_proj"), (half, half)):
+                split.append(f"model.layers.{index}.mlp.{entry.fused_gate_up}")
+    return split
 
 
 @dataclass(frozen=True)
@@ -125,9 +194,13 @@ class DecoderLayerParts:
     Attributes:
         index: layer index.
         prefix: name of the layer module, e.g. ``"model.layers.3"``.
-        input_norm, post_attention_norm: the two RMSNorms.
+        input_norm: the norm the attention reads; post_attention_norm: the norm the MLP reads
+            (Gemma 3's ``pre_feedforward_layernorm``).
         q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj: the linears.
         num_heads, num_kv_heads, head_dim: attention geometry.
+        attn_output_norm, mlp_output_norm: norms on the attention / MLP output before the
+            residual add (Gemma 3), else ``None``.
+        suffixes: part name to module name inside the layer.
     """
 
     index: int
@@ -144,6 +217,9 @@ class DecoderLayerParts:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    attn_output_norm: nn.Module | None = None
+    mlp_output_norm: nn.Module | None = None
+    suffixes: dict = field(default_factory=lambda: dict(DecoderLayerParts.SUFFIXES))
 
     SUFFIXES = {
         "input_norm": "input_layernorm",
@@ -163,9 +239,14 @@ class DecoderLayerParts:
         Raises:
             UserInputError: unknown part.
         """
-        if part not in self.SUFFIXES:
-            raise unknown_name("layer part", part, self.SUFFIXES)
-        return f"{self.prefix}.{self.SUFFIXES[part]}"
+        if part not in self.suffixes:
+            raise unknown_name("layer part", part, self.suffixes)
+        return f"{self.prefix}.{self.suffixes[part]}"
+
+    @property
+    def output_norms(self) -> tuple[nn.Module, ...]:
+        """The norms on the block outputs (empty unless the family has them)."""
+        return tuple(n for n in (self.attn_output_norm, self.mlp_output_norm) if n is not None)
 
 
 @dataclass(frozen=True)
@@ -174,6 +255,7 @@ class ModelParts:
 
     Attributes:
         architecture: model class name (one of :data:`SUPPORTED_ARCHITECTURES`).
+        entry: its row of :data:`mosaicquant.architectures.ARCHITECTURES`.
         embed_tokens: ``model.embed_tokens``.
         layers: one :class:`DecoderLayerParts` per decoder layer.
         final_norm: ``model.norm``.
@@ -188,6 +270,16 @@ class ModelParts:
     lm_head: nn.Linear
     hidden_size: int
     intermediate_size: int
+    entry: Architecture
+
+    def gain(self, norm: nn.Module) -> torch.Tensor:
+        """The float64 per-channel factor ``norm`` multiplies by (Gemma: ``1 + weight``)."""
+        return norm.weight.detach().to(torch.float64) + self.entry.norm_offset
+
+    def set_gain(self, norm: nn.Module, gain: torch.Tensor) -> None:
+        """Make ``norm`` multiply by ``gain`` (in place, cast to the weight's dtype)."""
+        w = norm.weight
+        w.data.copy_((gain.to(w.device, torch.float64) - self.entry.norm_offset).to(w.dtype))
 
 
 def _expect(module: object, kind: type | tuple[type, ...], name: str, architecture: str) -> None:
@@ -203,8 +295,11 @@ def _expect(module: object, kind: type | tuple[type, ...], name: str, architectu
 def model_parts(model: nn.Module) -> ModelParts:
     """Find the embeddings, norms, linears and head geometry of a supported model.
 
+    Fused projections (Phi-3) are split first (:func:`split_fused_projections`), so every
+    family presents separate q/k/v and gate/up linears.
+
     Args:
-        model: a ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM``.
+        model: a causal LM of a class in :data:`mosaicquant.architectures.ARCHITECTURES`.
 
     Returns:
         :class:`ModelParts`.
@@ -214,18 +309,18 @@ def model_parts(model: nn.Module) -> ModelParts:
             or a part of unexpected type (message names the part), e.g. an already
             quantized linear.
     """
-    architectures = _architectures()
-    arch_name = next((n for n, a in architectures.items() if isinstance(model, a.causal_lm)), None)
-    if arch_name is None:
-        raise UserInputError(
-            f"Unsupported model class {type(model).__name__} for equivalence transforms; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    arch = architectures[arch_name]
+    entry = architecture_of(model)
+    arch = _classes()[entry.class_name]
+    arch_name = entry.class_name
+    _expect(model, arch.causal_lm, "(model)", arch_name)
+    split_fused_projections(model)
     decoder = model.model
     _expect(decoder.embed_tokens, nn.Embedding, "model.embed_tokens", arch_name)
     _expect(decoder.norm, arch.rms_norm, "model.norm", arch_name)
     _expect(model.lm_head, nn.Linear, "lm_head", arch_name)
+    suffixes = dict(DecoderLayerParts.SUFFIXES, post_attention_norm=entry.mlp_norm)
+    if entry.output_norms:
+        suffixes |= dict(zip(("attn_output_norm", "mlp_output_norm"), entry.output_norms, strict=True))
     layers = []
     for index, layer in enumerate(decoder.layers):
         prefix = f"model.layers.{index}"
@@ -233,20 +328,10 @@ def model_parts(model: nn.Module) -> ModelParts:
         attn, mlp = layer.self_attn, layer.mlp
         _expect(attn, arch.attention, f"{prefix}.self_attn", arch_name)
         _expect(mlp, arch.mlp, f"{prefix}.mlp", arch_name)
-        modules = {
-            "input_norm": layer.input_layernorm,
-            "q_proj": attn.q_proj,
-            "k_proj": attn.k_proj,
-            "v_proj": attn.v_proj,
-            "o_proj": attn.o_proj,
-            "post_attention_norm": layer.post_attention_layernorm,
-            "gate_proj": mlp.gate_proj,
-            "up_proj": mlp.up_proj,
-            "down_proj": mlp.down_proj,
-        }
+        modules = {part: layer.get_submodule(suffix) for part, suffix in suffixes.items()}
         for part, module in modules.items():
             kind = arch.rms_norm if part.endswith("norm") else nn.Linear
-            _expect(module, kind, f"{prefix}.{DecoderLayerParts.SUFFIXES[part]}", arch_name)
+            _expect(module, kind, f"{prefix}.{suffixes[part]}", arch_name)
         head_dim = int(attn.head_dim)
         num_heads = attn.q_proj.out_features // head_dim
         num_kv_heads = attn.v_proj.out_features // head_dim
@@ -269,6 +354,7 @@ def model_parts(model: nn.Module) -> ModelParts:
                 num_heads=num_heads,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
+                suffixes=suffixes,
             )
         )
     if not layers:
@@ -281,6 +367,7 @@ def model_parts(model: nn.Module) -> ModelParts:
         lm_head=model.lm_head,
         hidden_size=decoder.embed_tokens.embedding_dim,
         intermediate_size=layers[0].down_proj.in_features,
+        entry=entry,
     )
 
 
@@ -291,6 +378,15 @@ def model_parts(model: nn.Module) -> ModelParts:
 
 def _apply_input_transform(module: nn.Module, args: tuple) -> tuple:
     return (module.input_transform(args[0]),) + tuple(args[1:])
+
+
+def _set_transform(module: nn.Module, transform: nn.Module, side: str) -> None:
+    if not isinstance(transform, nn.Module):
+        raise ValueError(f"attach_{side}_transform takes an nn.Module transform, got {type(transform).__name__}")
+    current = getattr(module, f"{side}_transform", None)
+    if current is not None:
+        raise ValueError(f"this module already has an {side} transform ({current!r}); transforms are attached once")
+    setattr(module, f"{side}_transform", transform)
 
 
 def attach_input_transform(linear: nn.Linear, transform: nn.Module) -> None:
@@ -312,17 +408,47 @@ def attach_input_transform(linear: nn.Linear, transform: nn.Module) -> None:
     """
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"attach_input_transform takes an nn.Linear, got {type(linear).__name__}")
-    if not isinstance(transform, nn.Module):
-        raise ValueError(
-            f"attach_input_transform takes an nn.Module transform, got {type(transform).__name__}"
-        )
-    if getattr(linear, "input_transform", None) is not None:
-        raise ValueError(
-            f"this linear already has an input transform ({linear.input_transform!r}); "
-            "transforms are attached once"
-        )
-    linear.input_transform = transform
+    _set_transform(linear, transform, "input")
     linear.register_forward_pre_hook(_apply_input_transform)
+
+
+def _apply_output_transform(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    return module.output_transform(output)
+
+
+def attach_output_transform(module: nn.Module, transform: nn.Module) -> None:
+    """Make ``transform`` run on the output of ``module`` (an online transform, e.g. a norm's).
+
+    Sets ``module.output_transform = transform`` (a registered submodule) and registers a
+    forward hook applying it; the hook reads the attribute at call time, so replacing
+    ``module.output_transform`` replaces the transform.
+
+    Raises:
+        ValueError: ``transform`` not an ``nn.Module``, or ``module`` already has one.
+    """
+    _set_transform(module, transform, "output")
+    module.register_forward_hook(_apply_output_transform)
+
+
+class DenseRotation(nn.Module):
+    """``x ↦ x @ R`` for a dense ``[n, n]`` matrix (the buffer ``matrix``, kept in float64).
+
+    Computed in float32 for half-precision inputs, in the input's dtype otherwise, and cast
+    back to the input's dtype.
+    """
+
+    def __init__(self, matrix: torch.Tensor):
+        super().__init__()
+        if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
+            raise ValueError(f"DenseRotation takes a square matrix, got shape {tuple(matrix.shape)}")
+        self.register_buffer("matrix", matrix.detach().to(torch.float64).clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        return (x.to(dtype) @ self.matrix.to(dtype)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"size={self.matrix.shape[0]}"
 
 
 # --------------------------------------------------------------------------------------
@@ -359,20 +485,23 @@ def untie_embeddings(model: nn.Module) -> bool:
     return tied
 
 
-def _fold_into_linear(norm: nn.Module, linears: list[nn.Linear]) -> None:
-    g = norm.weight.detach().to(torch.float64)
+def _fold_into_linear(parts: ModelParts, norm: nn.Module, linears: list[nn.Linear]) -> None:
+    g = parts.gain(norm)
     for linear in linears:
         w = linear.weight
         w.data.copy_((w.detach().to(torch.float64) * g.to(w.device)[None, :]).to(w.dtype))
-    norm.weight.data.fill_(1.0)
+    parts.set_gain(norm, torch.ones_like(g))
 
 
 def fuse_layer_norms(model: nn.Module) -> list[str]:
-    """Fold every RMSNorm weight into the linears reading its output and set it to 1.
+    """Fold every input norm's factor into the linears reading its output and set it to 1.
 
-    ``input_layernorm → q/k/v_proj``, ``post_attention_layernorm → gate/up_proj``,
-    ``model.norm → lm_head``. Tied embeddings are untied first (the final norm belongs in
-    ``lm_head`` only). The model computes the same function afterwards.
+    ``input_layernorm → q/k/v_proj``, the MLP's norm (``post_attention_layernorm``; Gemma 3's
+    ``pre_feedforward_layernorm``) ``→ gate/up_proj``, ``model.norm → lm_head``. Gemma's norms
+    multiply by ``1 + weight``: that factor is folded and the weight set to 0. Norms on block
+    outputs (Gemma 3's ``post_attention_layernorm`` / ``post_feedforward_layernorm``) feed the
+    residual add, not a linear, and keep their weights. Tied embeddings are untied first (the
+    final norm belongs in ``lm_head`` only). The model computes the same function afterwards.
 
     Args:
         model: a supported model.
@@ -388,10 +517,10 @@ def fuse_layer_norms(model: nn.Module) -> list[str]:
     fused = []
     with torch.no_grad():
         for layer in parts.layers:
-            _fold_into_linear(layer.input_norm, [layer.q_proj, layer.k_proj, layer.v_proj])
-            _fold_into_linear(layer.post_attention_norm, [layer.gate_proj, layer.up_proj])
+            _fold_into_linear(parts, layer.input_norm, [layer.q_proj, layer.k_proj, layer.v_proj])
+            _fold_into_linear(parts, layer.post_attention_norm, [layer.gate_proj, layer.up_proj])
             fused += [layer.name("input_norm"), layer.name("post_attention_norm")]
-        _fold_into_linear(parts.final_norm, [parts.lm_head])
+        _fold_into_linear(parts, parts.final_norm, [parts.lm_head])
         fused.append("model.norm")
     return fused
 
@@ -558,6 +687,15 @@ def rotate_model(
         _check_size(linear.in_features, f"input size of {name}", arch)
         if getattr(linear, "input_transform", None) is not None:
             raise UserInputError(f"{arch}: '{name}' already has an input transform")
+    output_targets = [
+        (layer.name(part), getattr(layer, part))
+        for layer in parts.layers
+        for part in ("attn_output_norm", "mlp_output_norm")
+        if getattr(layer, part) is not None
+    ]
+    for name, norm in output_targets:
+        if getattr(norm, "output_transform", None) is not None:
+            raise UserInputError(f"{arch}: '{name}' already has an output transform")
 
     untied = untie_embeddings(model)
     fused = fuse_layer_norms(model)
@@ -574,7 +712,9 @@ def rotate_model(
                 layer.up_proj,
             ):
                 _right_(reader.weight.data, right_q)
-            for writer in (layer.o_proj, layer.down_proj):
+            # a block with an output norm writes the residual through that norm: the writers
+            # stay in the model's basis and the rotation runs online on the norm's output
+            for writer in () if layer.output_norms else (layer.o_proj, layer.down_proj):
                 _left_(writer.weight.data, right_q)
                 if writer.bias is not None:
                     _right_(writer.bias.data, right_q)
@@ -594,6 +734,14 @@ def rotate_model(
                 "factor": _factor(linear.in_features),
                 "kind": "hadamard",
             }
+        online_outputs: dict[str, dict] = {}
+        for name, norm in output_targets:
+            if rotation == "hadamard":
+                transform = OnlineHadamard(d, signs=random_signs(d, seed))
+            else:
+                transform = DenseRotation(random_orthogonal(d, seed))
+            attach_output_transform(norm, transform.to(norm.weight.device))
+            online_outputs[name] = {"size": d, "kind": f"residual_{rotation}"}
     return {
         "architecture": arch,
         "rotation": rotation,
@@ -615,4 +763,27 @@ def rotate_model(
             ],
         },
         "online": online,
+        "online_outputs": online_outputs,
     }
+
+
+def online_transforms(model: nn.Module) -> list[dict]:
+    """Every online transform installed on ``model``, read from the model itself.
+
+    Returns:
+        One ``{"module", "side", "transform", "size"}`` per module with an ``input_transform``
+        (``side="input"``, e.g. the Hadamard on down_proj's input) or an ``output_transform``
+        (``side="output"``, e.g. the residual rotation after a Gemma 3 output norm), in module
+        order.
+    """
+    found = []
+    for name, module in model.named_modules():
+        for side in ("input", "output"):
+            transform = getattr(module, f"{side}_transform", None)
+            if isinstance(transform, nn.Module):
+                size = getattr(transform, "size", None)
+                if size is None and isinstance(getattr(transform, "matrix", None), torch.Tensor):
+                    size = int(transform.matrix.shape[0])
+                found.append({"module": name, "side": side, "transform": type(transform).__name__,
+                              "size": size})
+    return found

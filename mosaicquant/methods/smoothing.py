@@ -283,8 +283,7 @@ def smooth_model(
                     _scale_rows_(layer.up_proj, s)
                 else:
                     norm = getattr(layer, source)
-                    g = norm.weight
-                    g.data.copy_((g.detach().to(torch.float64) / s.to(g.device)).to(g.dtype))
+                    parts.set_gain(norm, parts.gain(norm) / s.to(norm.weight.device))
             for linear in linears:
                 _scale_columns_(linear, s)
             groups.append(

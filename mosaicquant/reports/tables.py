@@ -441,6 +441,7 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
             directory more often than not; no file is written), or an output cannot be written (naming it).
     """
     from mosaicquant.reports.bits import equal_bits_section
+    from mosaicquant.reports.noise import noise_section
     from mosaicquant.reports.plots import draw_figures
 
     results_dir = Path(results_dir)
@@ -467,6 +468,7 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
         parts.append("A cell whose method and suite do not depend on the seed (e.g. fp16 or RTN by perplexity) runs "
                      "once, at the sweep's first seed: its row says `seed-independent` and has no spread over seeds.\n")
     parts.append(render_markdown(paper))
+    parts.extend(noise_section(records))
     parts.extend(_speed_sections(records, notes))
     if notes.texts:  # one list for the report: GitHub shows Markdown footnotes at its end anyway
         parts.append("## Execution paths\n")

@@ -8,8 +8,11 @@ import pytest
 from mosaicquant.baselines.rtn import RTNConfig
 from mosaicquant.config import Config, check_range, parse_kv_pairs
 from mosaicquant.errors import UserInputError
-from mosaicquant.harness.spec import load_run_spec, parse_plugin_list, parse_plugin_spec
-from mosaicquant.registry import Registry, get_method, get_suite
+from mosaicquant.harness.models import model_architecture
+from mosaicquant.harness.runner import check_supported
+from mosaicquant.harness.spec import RunSpec, load_run_spec, parse_plugin_list, parse_plugin_spec
+from mosaicquant.methods.rotation import SUPPORTED_ARCHITECTURES
+from mosaicquant.registry import Registry, Supports, get_method, get_suite
 
 
 def test_config_roundtrip_json_yaml():
@@ -290,3 +293,56 @@ def test_repeated_seeds_and_suites_made_equal_by_max_chunks_are_merged():
 def test_max_chunks_is_checked_without_a_suite_that_uses_it(chunks):
     with pytest.raises(UserInputError, match=rf"max_chunks={chunks} is out of range: allowed integers >= 1"):
         load_run_spec(None, {"model": "m", "methods": "fp16", "suites": "memory", "max_chunks": chunks})
+
+
+def test_supports_names_the_refused_value_and_the_allowed_set():
+    only = Supports(devices=("cuda",), dtypes=("bfloat16",), architectures=("LlamaForCausalLM",))
+    assert only.refusal("cuda:1", "bfloat16", "LlamaForCausalLM") is None
+    assert only.refusal("cuda", "bfloat16", None) is None  # a class not known before loading is checked later
+    with pytest.raises(UserInputError, match=r"method 'demo': device 'cpu' is not supported: allowed 'cuda'"):
+        only.check("demo", "cpu", "bfloat16", "LlamaForCausalLM")
+    with pytest.raises(UserInputError, match=r"dtype 'float16' is not supported: allowed 'bfloat16'"):
+        only.check("demo", "cuda", "float16", "LlamaForCausalLM")
+    with pytest.raises(UserInputError, match=r"architecture 'GPT2LMHeadModel' is not supported: allowed "
+                                             r"'LlamaForCausalLM'"):
+        only.check("demo", "cuda", "bfloat16", "GPT2LMHeadModel")
+    with pytest.raises(ValueError, match=r"'tpu' is not allowed: choose from \('cpu', 'cuda'\)"):
+        Supports(devices=("tpu",))
+    with pytest.raises(ValueError, match=r"Supports.architectures=\(\)"):
+        Supports(architectures=())
+
+
+def test_registry_keeps_a_methods_supports_and_refuses_a_bad_one():
+    reg = Registry("method", "mosaicquant.test-nothing")
+
+    @dataclass(frozen=True)
+    class DemoConfig(Config):
+        x: int = 1
+
+    cuda = Supports(devices=("cuda",))
+    assert reg.register("plain", lambda m, c, ctx: m, DemoConfig).supports_for() == Supports()
+    assert reg.register("gpu", lambda m, c, ctx: m, DemoConfig, supports=cuda).supports_for() is cuda
+    by_option = reg.register("by-option", lambda m, c, ctx: m, DemoConfig,
+                             supports=lambda config: cuda if config.x > 1 else Supports())
+    assert by_option.supports_for(DemoConfig(x=2)) is cuda and by_option.supports_for() == Supports()
+    with pytest.raises(TypeError, match="'bad': supports must be a Supports or fn"):
+        reg.register("bad", lambda m, c, ctx: m, DemoConfig, supports=("cuda",))
+
+
+def test_transform_methods_take_the_transforms_class_table():
+    for name in ("quarot", "spinquant", "smoothquant", "mosaicquant"):
+        assert get_method(name).supports_for().architectures == SUPPORTED_ARCHITECTURES, name
+    none = parse_plugin_spec("mosaicquant:transform=none", "method")
+    assert none.entry.supports_for(none.config).architectures is None
+    assert get_method("rtn").supports_for().architectures is None
+
+
+def test_a_run_is_refused_for_an_architecture_its_method_cannot_transform():
+    spec = RunSpec(model="llama-3-8b-shapes", methods=parse_plugin_list("rtn,quarot", "method"),
+                   suites=parse_plugin_list("memory", "suite"))
+    assert model_architecture(spec.model) == "LlamaForCausalLM"
+    check_supported(spec, model_architecture(spec.model))
+    check_supported(spec, None)
+    with pytest.raises(UserInputError, match=r"method 'quarot': model architecture 'GPT2LMHeadModel' is not "
+                                             r"supported: allowed 'LlamaForCausalLM', 'Qwen2ForCausalLM'"):
+        check_supported(spec, "GPT2LMHeadModel")

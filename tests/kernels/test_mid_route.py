@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from mosaicquant.kernels import _tiles
 from mosaicquant.kernels._tiles import swapped_mid_config
 from mosaicquant.kernels.quant_linear import QuantLinear
 from mosaicquant.methods.format import PackedW4
@@ -37,11 +36,11 @@ def test_mid_tiles_follow_the_rule():
     assert swapped_mid_config(300, 256, 2048, CPU, residual=True) is None  # 6 tiles on 4 SMs
 
 
-def test_mid_route_can_be_switched_off(monkeypatch):
-    monkeypatch.setattr(_tiles, "SWAP_MID_WIDE_MIN_M", 0)  # the narrow tier then: 15 tiles of 64 rows
+def test_mid_route_can_be_switched_off(monkeypatch, tile_table):
+    tile_table(swap_mid_wide_min_m=0)  # the narrow tier then: 15 tiles of 64 rows
     assert swapped_mid_config(300, 160, 2048, CPU, residual=False) is None
-    monkeypatch.setattr(_tiles, "SWAP_MID_MIN_M", 0)
-    monkeypatch.setattr(_tiles, "SWAP_MID_RESIDUAL_MIN_M", 0)
+    tile_table(swap_mid_min_m=0)
+    tile_table(swap_mid_residual_min_m=0)
     assert swapped_mid_config(100, 128, 2048, CPU, residual=False) is None
     assert swapped_mid_config(100, 128, 2048, CPU, residual=True) is None
 

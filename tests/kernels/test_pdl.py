@@ -71,7 +71,7 @@ def test_gemms_signal_their_successor_only_inside_the_chain(monkeypatch):
     with settings.use(pdl=True, pdl_chain="on"):
         assert gemm_pdl(cuda, 4, True) == 2 and gemm_pdl(cuda, 4, False) == 0
         assert gemm_pdl(cuda, PDL_CHAIN_MAX_M + 1, True) == 1  # waits, but lets nothing start early
-    with settings.use(pdl=True, pdl_chain="off"):  # v6: back-to-back GEMMs do not overlap
+    with settings.use(pdl=True, pdl_chain="off"):  # back-to-back GEMMs do not overlap
         assert gemm_pdl(cuda, 4, True) == 1
 
 

@@ -4,7 +4,6 @@ import torch
 from mosaicquant import settings
 from mosaicquant.errors import UserInputError
 from mosaicquant.kernels import QuantLinear, resolve_kernel
-from mosaicquant.kernels import _tiles
 from mosaicquant.kernels._tiles import GEMV_ROUTE_MAX_M
 from mosaicquant.methods.format import PackedW4
 from mosaicquant.methods.quant import fake_quantize, quantize
@@ -132,22 +131,21 @@ def test_kernel_preference_from_settings(monkeypatch):
 
 
 @needs_triton()
-def test_dense_gate_up_layer_writes_silu_mul_where_the_constant_allows(monkeypatch):
+def test_dense_gate_up_layer_writes_silu_mul_where_the_constant_allows(monkeypatch, tile_table):
     # a layer without residual blocks: its dense GEMM's fix-up writes SiLU·mul at 2 to
     # _tiles.DENSE_GATED_MAX_M tokens (single tokens run the GEMV), on the packed kernel even where a
     # plain call of 16 takes the swapped GEMM
-    from mosaicquant.kernels import _tiles
     from mosaicquant.kernels.act_quant import quantize_activations_reference
     from mosaicquant.kernels.decoder import silu_mul, silu_mul_reference
 
     layer = QuantLinear(_packed(256, 512, seed=9, residual=False), kernel="triton").to(DEVICE)
-    monkeypatch.setattr(_tiles, "DENSE_GATED_MAX_M", 0)
+    tile_table(dense_gated_max_m=0)
     assert not any(layer.writes_gated(m) for m in (1, 4, 8, 15))
-    monkeypatch.setattr(_tiles, "DENSE_GATED_MAX_M", 16)
+    tile_table(dense_gated_max_m=16)
     assert [m for m in (1, 2, 4, 8, 15, 16, 24) if layer.writes_gated(m)] == [2, 4, 8, 15, 16]
-    monkeypatch.setattr(_tiles, "WIDE_K_DECODE_MIN_M", 0)  # a plain call of 16 tokens: the swapped GEMM
+    tile_table(wide_k_decode_min_m=0)  # a plain call of 16 tokens: the swapped GEMM
     assert layer.uses_swapped(16, "triton") and layer.writes_gated(16)
-    monkeypatch.setattr(_tiles, "DENSE_GATED_MAX_M", 8)
+    tile_table(dense_gated_max_m=8)
     assert [m for m in (2, 8, 9, 15) if layer.writes_gated(m)] == [2, 8]
     a, s = quantize_activations_reference(torch.randn(5, 512, generator=torch.Generator().manual_seed(2)))
     got = layer.forward_quantized(a.to(DEVICE), s.to(DEVICE), "triton", gated=True)

@@ -74,9 +74,8 @@ def test_row_order_is_checked():
 
 
 @needs_triton()
-def test_quant_linear_runs_its_prefill_tiles_in_row_order(monkeypatch):
+def test_quant_linear_runs_its_prefill_tiles_in_row_order(monkeypatch, tile_table):
     import mosaicquant.kernels.quant_linear as ql
-    from mosaicquant.kernels import _tiles
     from mosaicquant.kernels.quant_linear import QuantLinear
 
     from ._helpers import pow2_layers
@@ -92,7 +91,7 @@ def test_quant_linear_runs_its_prefill_tiles_in_row_order(monkeypatch):
     a8, s8 = quantize_activations_triton(random_activations(200, 384, gen).to(DEVICE), layout="split8")
     outs = {}
     for on in (True, False):
-        monkeypatch.setattr(_tiles, "SWAP_ROW_ORDER", on)
+        tile_table(swap_row_order=on)
         seen.clear()
         outs[on] = layer.forward_split8(a8, s8)
         assert (seen[0] is not None) == on

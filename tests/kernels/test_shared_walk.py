@@ -155,9 +155,9 @@ def test_shift_unpack_ptx_gives_each_nibble_times_two_to_the_four_minus_j(hi):
 ])
 @pytest.mark.parametrize("walk", [None, "shared", "int8"])
 @pytest.mark.parametrize("one_launch", [True, False])  # the whole tiles in the split ones' launch or before it
-def test_last_wave_split_over_k_matches_the_unsplit_launch(m, n, k, opts, rem, walk, one_launch, monkeypatch):
+def test_last_wave_split_over_k_matches_the_unsplit_launch(m, n, k, opts, rem, walk, one_launch, monkeypatch, tile_table):
     monkeypatch.setattr(_tiles, "_sm_count", lambda device: 4)  # the same waves on the GPU as on the interpreter
-    monkeypatch.setattr(_tiles, "SWAP_REM_ONE_LAUNCH", one_launch)
+    tile_table(swap_rem_one_launch=one_launch)
 
     if walk is None:
         (a8, s8, qweight, w_scale, _, bias), ref = swapped_dense_case(m, n, k, seed=m + k)

@@ -3,7 +3,7 @@
 The interpreter that runs the kernel tests on a CPU has no shared-memory limit, so a kernel can pass
 every CPU test and still not launch on the GPU: the fused Hadamard quantizer asked 256 KiB of shared
 memory for Qwen3-14B's and Qwen3-32B's down_proj inputs (17408, 25600) until it folded a Sylvester
-level into registers (``benchmarks/NOTES.md`` v32). Here every online-Hadamard size of the SPEC's
+level into registers. Here every online-Hadamard size of the SPEC's
 model shapes, at every split a token may take, is compiled for ``GPUTarget("cuda", 90, 32)`` through
 a stand-in driver (``tests/kernels/_offline.py``), in a subprocess (the driver stays replaced
 there), and its shared memory is checked against the SM's limit.

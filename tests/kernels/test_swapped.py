@@ -186,7 +186,7 @@ def test_swapped_gemm_split_k_deals_out_the_residual_units():
 
 
 @needs_triton()
-def test_quant_linear_decode_route_runs_dense_layers_swapped_at_17_to_32_tokens(monkeypatch):
+def test_quant_linear_decode_route_runs_dense_layers_swapped_at_17_to_32_tokens(monkeypatch, tile_table):
     gen = torch.Generator().manual_seed(6)
     n, k = 130, 640
     qt = quantize(torch.randn(n, k, generator=gen), 4, scale_dtype=torch.float16)
@@ -197,7 +197,7 @@ def test_quant_linear_decode_route_runs_dense_layers_swapped_at_17_to_32_tokens(
     # 16 tokens stay on the packed kernel (its wide K steps, _tiles.WIDE_K_DECODE_MIN_M)
     assert [m for m in (8, 15, 16, 17, 24, 32, 33, 511, 512) if dense.uses_swapped(m, "triton")] == [17, 24, 32, 512]
     assert [m for m in (16, 32, 512) if with_res.uses_swapped(m, "triton")] == [512]  # residual: decode stays packed
-    monkeypatch.setattr(_tiles, "WIDE_K_DECODE_MIN_M", 0)
+    tile_table(wide_k_decode_min_m=0)
     assert dense.uses_swapped(16, "triton")
     monkeypatch.undo()
     off = QuantLinear(PackedW4.from_quantized(qt), kernel="triton", swap_decode=None)
@@ -212,7 +212,7 @@ def test_quant_linear_decode_route_runs_dense_layers_swapped_at_17_to_32_tokens(
 
 
 def test_quant_linear_decode_route_leaves_residual_layers_on_the_packed_kernels():
-    # the swapped GEMM with kept blocks in its tail measured slower at 16-32 tokens on every walk (v17, v36, v41)
+    # the swapped GEMM with kept blocks in its tail measured slower at 16-32 tokens on every walk
     gen = torch.Generator().manual_seed(7)
     n, k = 130, 640
     qt = quantize(torch.randn(n, k, generator=gen), 4, scale_dtype=torch.float16)
@@ -224,7 +224,7 @@ def test_quant_linear_decode_route_leaves_residual_layers_on_the_packed_kernels(
 
 
 def test_prefill_route_needs_enough_output_tiles_to_fill_the_gpu():
-    # 128 x 128 output tiles per SM: 0.7 for a dense layer, 1.2 with residual blocks (v10 measurements)
+    # 128 x 128 output tiles per SM: 0.7 for a dense layer, 1.2 with residual blocks (measured)
     sms = _sm_count(torch.device("cpu"))
     assert swapped_prefill(4096, 128, torch.device("cpu"), residual=False)
     assert not swapped_prefill(_tiles.SWAP_MIN_M - 1, 10**6, torch.device("cpu"), residual=False)  # below SWAP_MIN_M

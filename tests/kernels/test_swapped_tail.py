@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from mosaicquant.errors import UserInputError
-from mosaicquant.kernels import _tiles
 from mosaicquant.kernels._tiles import swapped_tail
 from mosaicquant.kernels.act_quant import quantize_activations_reference, quantize_activations_triton
 from mosaicquant.kernels.quant_linear import QuantLinear
@@ -25,6 +24,8 @@ from ._helpers import (
     random_residual,
     swapped_dense_case,
 )
+
+CPU = torch.device("cpu")
 
 gemm_mod = importlib.import_module("mosaicquant.kernels.w4a4_gemm")  # the package exports a function of that name
 
@@ -50,18 +51,18 @@ def spy(monkeypatch):
 
 
 def test_tail_rule_rounds_the_remainder_up_to_a_power_of_two():
-    assert [swapped_tail(m, 128) for m in (100, 128, 129, 144, 160, 176, 192, 193, 288, 544, 800, 1056, 2080)] == \
+    assert [swapped_tail(m, 128, device=CPU) for m in (100, 128, 129, 144, 160, 176, 192, 193, 288, 544, 800, 1056, 2080)] == \
         [None, None, 16, 16, 32, 64, 64, None, 32, 32, None, None, None]  # 800 on: full tiles pad less than 1/8
-    assert [swapped_tail(m, 64) for m in (70, 96, 97, 160, 288, 320)] == [16, 32, None, 32, None, None]
-    assert swapped_tail(40, 32) == 16 and swapped_tail(50, 32) is None  # a tail must be below the tile
-    assert swapped_tail(20, 16) is None
+    assert [swapped_tail(m, 64, device=CPU) for m in (70, 96, 97, 160, 288, 320)] == [16, 32, None, 32, None, None]
+    assert swapped_tail(40, 32, device=CPU) == 16 and swapped_tail(50, 32, device=CPU) is None  # a tail must be below the tile
+    assert swapped_tail(20, 16, device=CPU) is None
 
 
-def test_tail_rule_can_be_switched_off_or_unbounded(monkeypatch):
-    monkeypatch.setattr(_tiles, "SWAP_TAIL_MIN_PADDING", 0)
-    assert swapped_tail(2080, 128) == 32
-    monkeypatch.setattr(_tiles, "SWAP_TAIL_MAX_FRACTION", 0)
-    assert swapped_tail(160, 128) is None
+def test_tail_rule_can_be_switched_off_or_unbounded(monkeypatch, tile_table):
+    tile_table(swap_tail_min_padding=0)
+    assert swapped_tail(2080, 128, device=CPU) == 32
+    tile_table(swap_tail_max_fraction=0)
+    assert swapped_tail(160, 128, device=CPU) is None
 
 
 @needs_triton()

@@ -165,7 +165,7 @@ def test_sixteen_q_unpacking_gives_the_plain_unpacking_result_exactly(config):
     assert_close_bf16(x16, w4a4_gemm_reference(*[t.cpu() for t in ops[:4]], k, ops[4].cpu(), out_fp32=True), "x16")
 
 
-def test_wide_dense_layers_take_unsplit_wide_tiles_at_decode_sizes(monkeypatch):
+def test_wide_dense_layers_take_unsplit_wide_tiles_at_decode_sizes(monkeypatch, tile_table):
     from mosaicquant.kernels import _tiles
 
     monkeypatch.setattr(_tiles, "_sm_count", lambda device: 132)
@@ -177,16 +177,16 @@ def test_wide_dense_layers_take_unsplit_wide_tiles_at_decode_sizes(monkeypatch):
     assert (zip_wide.block_n, zip_wide.block_kp) == (128, 128)
     assert pick_config(4, 28672, 2048, cuda, residual_block=(64, 128)).block_n == 64  # rows nest in the blocks
     assert pick_config(32, 28672, 2048, cuda).block_kp == 64  # dense: none above 16 tokens (DENSE_WIDE_MAX_M)
-    monkeypatch.setattr(_tiles, "DENSE_WIDE_MAX_M", 32)
+    tile_table(dense_wide_max_m=32)
     assert pick_config(32, 28672, 2048, cuda).block_kp == 128
     # ZipperEngine's layers keep them up to 32 tokens, on 32-row tiles (WIDE_DECODE_MAX_M)
     zip32 = pick_config(32, 28672, 2048, cuda, residual_block=(128, 128))
     assert (zip32.block_m, zip32.block_n, zip32.block_kp, zip32.split_k, zip32.num_warps) == (32, 128, 128, 1, 8)
-    monkeypatch.setattr(_tiles, "WIDE_DECODE_MAX_M", 16)
+    tile_table(wide_decode_max_m=16)
     assert pick_config(32, 28672, 2048, cuda, residual_block=(128, 128)).block_n == 64
 
 
-def test_decode_tile_depths_are_read_when_tiles_are_picked(monkeypatch):
+def test_decode_tile_depths_are_read_when_tiles_are_picked(monkeypatch, tile_table):
     # WIDE_DECODE_STAGES / WIDE_DECODE_BLOCK_KP / DECODE_STAGES: benchmarks/kernels/decode_depth.py varies them per call
     from mosaicquant.kernels import _tiles
 
@@ -194,9 +194,9 @@ def test_decode_tile_depths_are_read_when_tiles_are_picked(monkeypatch):
     cuda = torch.device("cuda")
     wide, narrow = pick_config(4, 28672, 2048, cuda), pick_config(4, 4096, 2048, cuda)
     assert (wide.num_stages, wide.block_kp, narrow.num_stages) == (3, 128, 4)  # the defaults
-    monkeypatch.setattr(_tiles, "WIDE_DECODE_STAGES", 5)
-    monkeypatch.setattr(_tiles, "WIDE_DECODE_BLOCK_KP", 256)
-    monkeypatch.setattr(_tiles, "DECODE_STAGES", 6)
+    tile_table(wide_decode_stages=5)
+    tile_table(wide_decode_block_kp=256)
+    tile_table(decode_stages=6)
     wide, narrow = pick_config(4, 28672, 2048, cuda), pick_config(4, 4096, 2048, cuda)
     assert (wide.block_n, wide.num_stages, wide.block_kp) == (128, 5, 256)
     assert (narrow.block_n, narrow.num_stages) == (64, 6)
@@ -205,7 +205,7 @@ def test_decode_tile_depths_are_read_when_tiles_are_picked(monkeypatch):
     assert (zip_wide.num_stages, zip_wide.block_kp) == (5, 256)
 
 
-def test_wide_dense_layers_keep_wide_tiles_up_to_the_dense_bound(monkeypatch):
+def test_wide_dense_layers_keep_wide_tiles_up_to_the_dense_bound(monkeypatch, tile_table):
     # DENSE_WIDE_MAX_M: dense wide layers' calls of 17 tokens and more take the wide tiles (32-row tiles) up to it,
     # and QuantLinear then keeps them on the packed kernel instead of the swapped GEMM's decode tiles
     from mosaicquant.kernels import _tiles
@@ -215,10 +215,10 @@ def test_wide_dense_layers_keep_wide_tiles_up_to_the_dense_bound(monkeypatch):
 
     monkeypatch.setattr(_tiles, "_sm_count", lambda device: 132)
     cuda = torch.device("cuda")
-    monkeypatch.setattr(_tiles, "DENSE_WIDE_MAX_M", 16)
+    tile_table(dense_wide_max_m=16)
     assert [_tiles.wide_decode(m, 28672, cuda, False) for m in (16, 17, 32)] == [True, False, False]
     assert pick_config(24, 28672, 2048, cuda).block_n == 64
-    monkeypatch.setattr(_tiles, "DENSE_WIDE_MAX_M", 32)
+    tile_table(dense_wide_max_m=32)
     assert [_tiles.wide_decode(m, 28672, cuda, False) for m in (16, 17, 32, 33)] == [True, True, True, False]
     assert not _tiles.wide_decode(24, 4096, cuda, False)  # o_proj: not wide
     # Qwen3-8B's gate/up: wide at 16 tokens, but too few 128-channel tiles a SM for the dense bound above 16
@@ -228,9 +228,9 @@ def test_wide_dense_layers_keep_wide_tiles_up_to_the_dense_bound(monkeypatch):
     widths = (34816, 51200)
     assert [_tiles.wide_decode(m, n, cuda, False) for m in (16, 17) for n in widths] == [True, True, False, False]
     assert _tiles.wide_decode(17, 34816, cuda, True)  # (not ZipperEngine's layers)
-    monkeypatch.setattr(_tiles, "DENSE_WIDE_MAX_TILES_PER_SM", 3.1)
+    tile_table(dense_wide_max_tiles_per_sm=3.1)
     assert _tiles.wide_decode(17, 51200, cuda, False)
-    monkeypatch.setattr(_tiles, "DENSE_WIDE_MIN_TILES_PER_SM", 1.4)
+    tile_table(dense_wide_min_tiles_per_sm=1.4)
     assert _tiles.wide_decode(17, 24576, cuda, False)
     assert not _tiles.wide_decode(24, 28672, torch.device("cpu"), False)  # the interpreter's tiles
     wide = pick_config(24, 28672, 2048, cuda)
@@ -243,7 +243,7 @@ def test_wide_dense_layers_keep_wide_tiles_up_to_the_dense_bound(monkeypatch):
         assert [layer.swap_route(m) for m in (17, 32)] == routes, on
 
 
-def test_dense_64_channel_layers_take_wide_k_steps_at_16_tokens(monkeypatch):
+def test_dense_64_channel_layers_take_wide_k_steps_at_16_tokens(monkeypatch, tile_table):
     # as many K steps a program as the 64-byte tiles, four times the bytes a step (WIDE_K_DECODE_MIN_M)
     from mosaicquant.kernels import _tiles
 
@@ -260,13 +260,13 @@ def test_dense_64_channel_layers_take_wide_k_steps_at_16_tokens(monkeypatch):
         zipper = pick_config(m, 4096, 7168, cuda, residual_block=(128, 128))
         assert (zipper.block_kp, zipper.split_k) == (kp_step, 8), (m, zipper)
     assert pick_config(8, 6144, 2048, cuda, residual_block=(128, 128)).block_kp == 64  # q/k/v: split 4
-    monkeypatch.setattr(_tiles, "WIDE_K_DECODE_MIN_M", 8)
+    tile_table(wide_k_decode_min_m=8)
     assert pick_config(8, 4096, 7168, cuda).block_kp == 256
-    monkeypatch.setattr(_tiles, "WIDE_K_DECODE_MIN_M", 0)
+    tile_table(wide_k_decode_min_m=0)
     assert pick_config(16, 4096, 7168, cuda).block_kp == 64
 
 
-def test_decode_split_k_keeps_enough_k_steps_a_program(monkeypatch):
+def test_decode_split_k_keeps_enough_k_steps_a_program(monkeypatch, tile_table):
     # from 17 tokens split-K stops before a program would keep fewer than DECODE_SPLIT_MIN_STEPS_17 (packed
     # kernel, 17-64 tokens) or SWAP_DECODE_SPLIT_MIN_STEPS (swapped GEMM's decode tiles) K steps
     from mosaicquant.kernels import _tiles
@@ -280,8 +280,8 @@ def test_decode_split_k_keeps_enough_k_steps_a_program(monkeypatch):
     assert [pick_config(m, *layers["o"], cuda, res).split_k for m in (16, 17, 32, 64)] == [8, 4, 4, 4]
     assert [pick_config(32, *layers[x], cuda, res).split_k for x in ("qkv", "down")] == [4, 8]
     assert [_tiles.swapped_decode_config(32, *layers[x], cuda)["split_k"] for x in ("qkv", "o", "down")] == [2, 2, 4]
-    monkeypatch.setattr(_tiles, "DECODE_SPLIT_MIN_STEPS_17", 4)
-    monkeypatch.setattr(_tiles, "SWAP_DECODE_SPLIT_MIN_STEPS", 2)
+    tile_table(decode_split_min_steps_17=4)
+    tile_table(swap_decode_split_min_steps=2)
     assert pick_config(32, *layers["o"], cuda, res).split_k == 8
     assert [_tiles.swapped_decode_config(32, *layers[x], cuda)["split_k"] for x in ("qkv", "o", "down")] == [4, 8, 8]
 

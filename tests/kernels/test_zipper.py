@@ -5,6 +5,7 @@ from mosaicquant import settings
 from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._tiles import TileConfig, fit_to_blocks
 from mosaicquant.kernels.act_quant import quantize_activations_reference
+from mosaicquant.kernels.tile_table import TileTable
 from mosaicquant.kernels.residual_gemm import residual_add_reference, residual_add_triton
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_reference
 from mosaicquant.kernels.zipper import residual_block_map, zipper_gemm, zipper_gemm_reference, zipper_gemm_triton
@@ -19,6 +20,8 @@ from ._helpers import (
     random_layer,
     random_residual,
 )
+
+CPU = torch.device("cpu")
 
 SPLIT = TileConfig(block_m=16, block_n=32, block_kp=32, split_k=2, num_stages=2)
 # K steps wider than a residual block column: the tail walk steps through each block on its own
@@ -322,25 +325,25 @@ def test_parallel_mode_refuses_more_tokens_than_one_tile():
 def test_auto_mode_runs_the_parallel_residual_where_measured_faster():
     from mosaicquant.kernels._tiles import parallel_residual
 
-    assert parallel_residual(4, TileConfig(block_m=16, block_n=64, block_kp=64, split_k=4))  # q/k/v
-    assert parallel_residual(16, TileConfig(block_m=16, block_n=128, block_kp=128, split_k=1))  # gate/up
-    assert not parallel_residual(2, TileConfig(block_m=16, block_n=128, block_kp=128, split_k=1))
-    assert not parallel_residual(8, TileConfig(block_m=16, block_n=64, block_kp=64, split_k=8))  # o, down
-    assert not parallel_residual(32, TileConfig(block_m=32, block_n=64, block_kp=64, split_k=2))
+    assert parallel_residual(4, TileConfig(block_m=16, block_n=64, block_kp=64, split_k=4), device=CPU)  # q/k/v
+    assert parallel_residual(16, TileConfig(block_m=16, block_n=128, block_kp=128, split_k=1), device=CPU)  # gate/up
+    assert not parallel_residual(2, TileConfig(block_m=16, block_n=128, block_kp=128, split_k=1), device=CPU)
+    assert not parallel_residual(8, TileConfig(block_m=16, block_n=64, block_kp=64, split_k=8), device=CPU)  # o, down
+    assert not parallel_residual(32, TileConfig(block_m=32, block_n=64, block_kp=64, split_k=2), device=CPU)
     o_split4 = TileConfig(block_m=16, block_n=64, block_kp=64, split_k=4)
-    assert parallel_residual(8, o_split4, 3.2)  # o_proj at 10 %: ~3 kept blocks per block row
-    assert not parallel_residual(8, o_split4, 11.2)  # down_proj: ~11 partials a tile to sum
+    assert parallel_residual(8, o_split4, 3.2, device=CPU)  # o_proj at 10 %: ~3 kept blocks per block row
+    assert not parallel_residual(8, o_split4, 11.2, device=CPU)  # down_proj: ~11 partials a tile to sum
 
 
-def test_auto_mode_takes_the_parallel_mode_the_constant_names(monkeypatch):
+def test_auto_mode_takes_the_parallel_mode_the_constant_names(monkeypatch, tile_table):
     from mosaicquant.kernels import _tiles
 
     wide = TileConfig(block_m=16, block_n=128, block_kp=128, split_k=1)  # gate/up
     split4 = TileConfig(block_m=16, block_n=64, block_kp=64, split_k=4)  # q/k/v
-    monkeypatch.setattr(_tiles, "PARALLEL_ROWS_MAX_SPLIT", 1)
-    assert (_tiles.parallel_mode(wide), _tiles.parallel_mode(split4)) == ("parallel_rows", "parallel")
-    monkeypatch.setattr(_tiles, "PARALLEL_ROWS_MAX_SPLIT", 0)
-    assert _tiles.parallel_mode(wide) == "parallel"
+    tile_table(parallel_rows_max_split=1)
+    assert (_tiles.parallel_mode(wide, device=CPU), _tiles.parallel_mode(split4, device=CPU)) == ("parallel_rows", "parallel")
+    tile_table(parallel_rows_max_split=0)
+    assert _tiles.parallel_mode(wide, device=CPU) == "parallel"
 
 
 def test_tail_mode_keeps_k_steps_wider_than_a_block():
@@ -366,12 +369,12 @@ def test_dp4a_residual_walk_refuses_what_it_cannot_take():
 
 @needs_triton()
 @pytest.mark.parametrize("mode,m", [("tail", 8), ("tail", 24), ("parallel_rows", 8)])
-def test_walk_pipelining_depth_writes_the_same_bits(monkeypatch, mode, m):
+def test_walk_pipelining_depth_writes_the_same_bits(monkeypatch, mode, m, tile_table):
     # WALK_STAGES only changes how the kept blocks' loads are buffered, never a result; heavy rows
     # (several blocks each) so the walk loops more than once per program
     from mosaicquant.kernels import _tiles
 
-    assert _tiles.walk_stages(_tiles.WALK_STAGES_MIN_M - 1) is None
+    assert _tiles.walk_stages(TileTable().walk_stages_min_m - 1, device=CPU) is None
     n, k, block = 256, 1024, (128, 128)
     a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, 0.5, seed=43)
     assert torch.diff(residual.row_ptr.long()).max() >= 3
@@ -380,10 +383,10 @@ def test_walk_pipelining_depth_writes_the_same_bits(monkeypatch, mode, m):
     config = (TileConfig(block_m=16, block_n=128, block_kp=128, num_warps=8, num_stages=3) if mode == "parallel_rows"
               else TileConfig(block_m=16 if m <= 16 else 32, block_n=64, block_kp=128, split_k=2, num_stages=3))
     ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
-    monkeypatch.setattr(_tiles, "WALK_STAGES_MIN_M", 1)
+    tile_table(walk_stages_min_m=1)
     outs = {}
     for stages in (0, 5):
-        monkeypatch.setattr(_tiles, "WALK_STAGES", stages)
+        tile_table(walk_stages=stages)
         outs[stages] = zipper_gemm_triton(*args, mode=mode, config=config, residual_walk="dot")
         assert_close_bf16(outs[stages], ref, f"zipper {mode}, WALK_STAGES={stages}")
     assert torch.equal(outs[0], outs[5]), f"{(outs[0] != outs[5]).sum()} of {outs[0].numel()} differ"
@@ -391,10 +394,9 @@ def test_walk_pipelining_depth_writes_the_same_bits(monkeypatch, mode, m):
 
 @needs_triton()
 @pytest.mark.parametrize("m,split", [(8, 2), (24, 3)])
-def test_walk_preload_writes_the_same_bits(monkeypatch, m, split):
+def test_walk_preload_writes_the_same_bits(monkeypatch, m, split, tile_table):
     # WALK_PRELOAD_MAX_M loads each program's first kept block before the dense loop; rows with none, one or several
     # blocks, a ragged K (the last block column ends early) and more splits than some rows have blocks
-    from mosaicquant.kernels import _tiles
 
     n, k, block = 384, 1000, (128, 128)
     a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, 0.3, seed=47)
@@ -406,7 +408,7 @@ def test_walk_preload_writes_the_same_bits(monkeypatch, m, split):
     ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
     outs = {}
     for preload in (False, True):
-        monkeypatch.setattr(_tiles, "WALK_PRELOAD_MAX_M", m if preload else 0)
+        tile_table(walk_preload_max_m=m if preload else 0)
         outs[preload] = zipper_gemm_triton(*args, mode="tail", config=config, residual_walk="dot")
         assert_close_bf16(outs[preload], ref, f"zipper tail, preload={preload}")
     assert torch.equal(outs[False], outs[True]), f"{(outs[False] != outs[True]).sum()} differ"
@@ -430,10 +432,9 @@ def _spy_kernel_constant(monkeypatch, name):
 @needs_triton()
 @pytest.mark.parametrize("m,split,preload,k,fraction", [(8, 2, True, 1000, 0.3), (8, 2, True, 2000, 0.6),
                                                         (13, 3, False, 2000, 0.6)])
-def test_walk_scales_ahead_writes_the_same_bits(monkeypatch, m, split, preload, k, fraction):
+def test_walk_scales_ahead_writes_the_same_bits(monkeypatch, m, split, preload, k, fraction, tile_table):
     # walk_scales_ahead (KernelSettings) loads each kept block's row scales a block ahead: programs that walk no block (a row with fewer
     # blocks than splits) or several, with and without the first block preloaded (the walk then starts a block on)
-    from mosaicquant.kernels import _tiles
 
     n, block = 384, (128, 128)
     a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, fraction, seed=53)
@@ -446,7 +447,7 @@ def test_walk_scales_ahead_writes_the_same_bits(monkeypatch, m, split, preload, 
             bias.to(DEVICE))
     config = TileConfig(block_m=16, block_n=64, block_kp=128, split_k=split, num_stages=3)
     ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
-    monkeypatch.setattr(_tiles, "WALK_PRELOAD_MAX_M", m if preload else 0)
+    tile_table(walk_preload_max_m=m if preload else 0)
     outs = {}
     for ahead in (False, True):
         with settings.use(walk_scales_ahead=ahead):
@@ -459,12 +460,11 @@ def test_walk_scales_ahead_writes_the_same_bits(monkeypatch, m, split, preload, 
 def test_walk_scales_ahead_applies_below_the_staged_walks(monkeypatch):
     # the switch reaches tensor-core tail walks of fewer than WALK_STAGES_MIN_M tokens only (from there the walk's
     # deeper pipeline copies the scales ahead itself), never the dp4a walk; off by default
-    from mosaicquant.kernels import _tiles
 
     seen = _spy_kernel_constant(monkeypatch, "WALK_SCALES_AHEAD")
     assert settings.current().walk_scales_ahead is False
     n, k, block = 256, 512, (128, 128)
-    cases = [(8, "dot", True), (_tiles.WALK_STAGES_MIN_M - 1, "dot", True), (_tiles.WALK_STAGES_MIN_M, "dot", False),
+    cases = [(8, "dot", True), (TileTable().walk_stages_min_m - 1, "dot", True), (TileTable().walk_stages_min_m, "dot", False),
              (4, "dp4a", False)]
     for switch in (False, True):
         for m, walk, expected in cases:
@@ -476,20 +476,19 @@ def test_walk_scales_ahead_applies_below_the_staged_walks(monkeypatch):
 
 
 @needs_triton()
-def test_walk_preload_applies_up_to_its_token_count(monkeypatch):
+def test_walk_preload_applies_up_to_its_token_count(monkeypatch, tile_table):
     # the default rule: tail-walk calls of at most WALK_PRELOAD_MAX_M tokens preload, larger ones do not, and the
     # dp4a walk (no tensor-core walk to preload) does not; 0 switches it off
-    from mosaicquant.kernels import _tiles
 
     seen = _spy_kernel_constant(monkeypatch, "WALK_PRELOAD")
     n, k, block = 256, 512, (128, 128)
-    assert _tiles.WALK_PRELOAD_MAX_M == 8
+    assert TileTable().walk_preload_max_m == 8
     for m, walk, expected in [(5, "dot", True), (8, "dot", True), (9, "dot", False), (4, "dp4a", False)]:
         a_packed, a_scale, qweight, w_scale, residual, _ = _case(m, n, k, block, 0.3, seed=m)
         zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
                            _dev(residual), mode="tail", residual_walk=walk)
         assert seen[-1] is expected, (m, walk, seen[-1])
-    monkeypatch.setattr(_tiles, "WALK_PRELOAD_MAX_M", 0)
+    tile_table(walk_preload_max_m=0)
     zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE), k,
                        _dev(residual), mode="tail", residual_walk="dot")
     assert seen[-1] is False

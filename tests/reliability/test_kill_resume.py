@@ -24,9 +24,11 @@ def _summary(out, report_dir):
     return (report_dir / "summary.csv").read_text()
 
 
-# one seed of the kill point per signal (a child process costs seconds on a loaded CI machine); the seed
-# picks how many records to wait for and a delay after, so the kill lands in a load, a quantization or a suite
-@pytest.mark.parametrize("sig, seed", [(signal.SIGKILL, 1), (signal.SIGINT, 3)])
+# two seeds of the kill point per signal (a child process costs seconds on a loaded CI machine); the seed
+# picks how many records to wait for and a delay after, so the kill lands in a load, a quantization or a suite:
+# seeds 1 and 3 after 1 record, 5 after 4, 7 after 2
+@pytest.mark.parametrize("sig, seed", [(signal.SIGKILL, 1), (signal.SIGINT, 3), (signal.SIGKILL, 5),
+                                       (signal.SIGINT, 7)])
 def test_killed_sweep_resumes_to_the_uninterrupted_result(tmp_path, tiny_llama_dir, tiny_corpus, reference_sweep,
                                                           rel, capsys, sig, seed):
     ref_out, ref_records = reference_sweep

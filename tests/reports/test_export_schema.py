@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import mosaicquant
+from mosaicquant.harness import data
 from mosaicquant.harness.cli import main
 from mosaicquant.harness.results import command_line, load_records
 from mosaicquant.reports.schema import SCHEMA_PATH, record_schema, validate_dir, validate_record
@@ -37,6 +38,8 @@ def tiny_run(tmp_path_factory, tiny_llama_dir):
 
 
 def test_records_of_a_real_run_validate_against_the_schema(tiny_run):
+    from tests.conftest import TINY_TEXT
+
     records = load_records(tiny_run)
     assert len(records) == 12
     assert validate_dir(tiny_run) == {}
@@ -45,6 +48,13 @@ def test_records_of_a_real_run_validate_against_the_schema(tiny_run):
         assert rec["command"] == command_line()  # this process's own command line (pytest's here)
         assert "cpu_model" in rec["env"] and rec["model"]["dtype"] == "float32"
         assert rec["test_corpus"] == ("tiny-text-export" if rec["suite"]["name"] == "accuracy" else None)
+        summary = rec["corpus_summary"]
+        if rec["test_corpus"] is None and rec["calibration"] is None:
+            assert summary is None  # the cell read no text
+            continue
+        assert summary["corpus"] == "tiny-text-export" and summary["split_rule"] == data.EVERY_FIFTH_RULE
+        assert summary["test"]["sha256"] == data.documents_sha256(TINY_TEXT[len(TINY_TEXT) // 2:])
+        assert summary["train"]["documents"] == len(TINY_TEXT[: len(TINY_TEXT) // 2 + 6])
 
 
 def test_the_committed_quick_start_set_validates():

@@ -11,7 +11,7 @@ is recorded as unavailable with the reason, never timed on a stand-in. The recor
       the last position only, as a server computes them), captured in a CUDA graph and
       replayed, median of ``replays`` passes. Eager launches (``cuda_graphs=false``) put the
       host's Python launch overhead into the number: on the Triton paths it varied 15k–28k
-      tok/s for one cell between runs while BF16 stayed within 1% (benchmarks/NOTES.md).
+      tok/s for one cell between runs while BF16 stayed within 1%.
     * ``decode_tok_s/b{B}`` for each batch ``B``: one decode step with a static KV cache
       holding ``context`` tokens, captured in a CUDA graph and replayed (launch overhead
       excluded, as in CUDA-graph serving); tokens/s = ``B`` / median step time.
@@ -229,7 +229,19 @@ def measure_prefill(model, batch: int, length: int, device, replays: int = 11, g
         else:
             model(input_ids=ids, use_cache=False, logits_to_keep=1)
 
-    return time_calls([call], min_us=0.0, replays=replays, graphs=graphs)
+    return _checked(time_calls([call], min_us=0.0, replays=replays, graphs=graphs), decoder)
+
+
+def _checked(timing, decoder: FusedDecoder | None):
+    """``timing``, once the fused decoder's kernels are known to have read no position or length out of range
+    (:meth:`~mosaicquant.harness.runtime.FusedDecoder.check_ranges`: after the timing synchronised).
+
+    Raises:
+        UserInputError: a fault the kernels recorded; the cell fails rather than report a time of clamped steps.
+    """
+    if decoder is not None:
+        decoder.check_ranges()
+    return timing
 
 
 def _static_cache(model, batch: int, max_len: int, device, dtype):
@@ -294,8 +306,8 @@ def measure_decode(model, batch: int, context: int, device, replays: int = 11, g
     """Median µs of one decode step at ``batch`` with ``context`` cached tokens (static KV cache)."""
     step = fused_decode_step(decoder, batch, context) if decoder is not None else decode_step(model, batch, context,
                                                                                                device)
-    return time_calls([step], min_us=50_000.0, replays=replays, graphs=graphs, telemetry=telemetry,
-                      telemetry_s=telemetry_s)
+    return _checked(time_calls([step], min_us=50_000.0, replays=replays, graphs=graphs, telemetry=telemetry,
+                               telemetry_s=telemetry_s), decoder)
 
 
 def measure_linear_group(model, group: str, m: int, device, rotate_mb: int = 180, replays: int = 11,
