@@ -57,8 +57,8 @@ from mosaicquant.harness.spec import PluginSpec, RunSpec, check_model_fit
 from mosaicquant.harness.speedforms import speed_form
 
 __all__ = [
-    "Cell", "CellOutcome", "GroupTask", "SweepResult", "SweepState", "plan_cells", "seed_independent", "plan_groups", "validate_run",
-    "run_group", "is_finished", "failure_record", "check_finished_settings", "settings_differences",
+    "Cell", "CellOutcome", "GroupTask", "SweepResult", "SweepState", "plan_cells", "seed_independent", "plan_groups",
+    "validate_run", "run_group", "is_finished", "failure_record", "check_finished_settings", "settings_differences",
 ]
 
 

@@ -39,7 +39,8 @@ from mosaicquant.config import Config, check_range, exact_number_text, parse_kv_
 from mosaicquant.errors import UserInputError
 from mosaicquant.registry import Entry, METHODS, SUITES, get_method, get_suite
 
-__all__ = ["PRESETS", "PluginSpec", "RunSpec", "parse_plugin_spec", "parse_plugin_list", "load_run_spec", "check_model_fit"]
+__all__ = ["PRESETS", "PluginSpec", "RunSpec", "parse_plugin_spec", "parse_plugin_list", "load_run_spec",
+           "check_model_fit"]
 
 
 @dataclass(frozen=True)
