@@ -1,4 +1,4 @@
-"""Progress bars with an ETA for the long loops: calibration batches, layers quantized, perplexity chunks.
+"""Progress bars with an ETA for the long loops: calibration batches, layers quantized, perplexity batches.
 
 The bars are tqdm's, written to stderr only (never to a record or stdout). Which runs show them
 is one of :data:`PROGRESS_MODES`: ``"auto"`` (the default: shown when stderr is a terminal, so

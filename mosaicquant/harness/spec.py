@@ -222,8 +222,8 @@ _MAX_SEED = 2**31 - 1
 
 #: named starting points of a run: each fills the run-spec keys it names; a spec file's keys and the
 #: command line's options override them. ``quick``: a real, small comparison on the built-in SmolLM2-135M
-#: (4 perplexity chunks of 256 tokens, 4 calibration sequences of 256 tokens) that finishes in about a minute
-#: or two on a 2-core CPU; its numbers are a smoke check of the methods' ordering, not paper numbers.
+#: (4 perplexity chunks of 256 tokens, 4 calibration sequences of 256 tokens); its numbers are a smoke check
+#: of the methods' ordering, not paper numbers.
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": {
         "model": "smollm2-135m",
