@@ -172,6 +172,9 @@ class Entry:
     #: what the method can run (methods only): a :class:`Supports`, or ``fn(config) -> Supports`` where
     #: the method's options change it
     supports: Supports | Callable[[Config], Supports] = Supports()
+    #: whether the result depends on the run's seed (calibration draw, rotations, random choices, timing
+    #: repeats); a cell whose method and suite are both unseeded runs once per sweep, whatever the seeds
+    seeded: bool = True
 
     def supports_for(self, config: Config | None = None) -> Supports:
         """What the method can run with ``config`` (default: its default config)."""
@@ -195,7 +198,8 @@ class Registry:
 
     def register(self, name: str, fn: Callable[..., Any], config: type[Config], description: str = "",
                  speed_form: Callable[..., Any] | None = None, data_free: bool = False,
-                 supports: Supports | Callable[[Config], Supports] | None = None) -> Entry:
+                 supports: Supports | Callable[[Config], Supports] | None = None,
+                 seeded: bool = True) -> Entry:
         """Add ``name``; a second registration of the same name is an error."""
         if not name or name != name.strip() or ":" in name or "," in name:
             raise ValueError(f"{self.kind} name {name!r} must be non-empty and contain no ':' or ','")
@@ -216,7 +220,7 @@ class Registry:
         doc = description or (fn.__doc__ or "").strip().splitlines()[0:1]
         entry = Entry(name, fn, config, self.kind, self._loading_source,
                       doc if isinstance(doc, str) else (doc[0] if doc else ""), speed_form, data_free,
-                      supports if supports is not None else Supports())
+                      supports if supports is not None else Supports(), seeded)
         self._entries[name] = entry
         return entry
 
@@ -290,7 +294,7 @@ def _decorator(registry: Registry, name: str, config: type[Config], description:
 
 def register_method(name: str, *, config: type[Config], description: str = "",
                     speed_form: Callable[..., Any] | None = None, data_free: bool = False,
-                    supports: Supports | Callable[[Config], Supports] | None = None):
+                    supports: Supports | Callable[[Config], Supports] | None = None, seeded: bool = True):
     """Decorator: register ``fn(model, config, ctx) -> model`` as method ``name``.
 
     Args:
@@ -302,14 +306,22 @@ def register_method(name: str, *, config: type[Config], description: str = "",
         data_free: the method needs no calibration data; on a random-weight model it runs as it is.
         supports: the devices, dtypes and architectures it can run (default: any of each), or
             ``fn(config) -> Supports`` where its options change them.
+        seeded: its result depends on the seed (calibration draw, rotations, random choices); ``False``
+            (fp16, RTN) lets a sweep over several seeds run its cells once (see ``seeded`` of a suite).
     """
     return _decorator(METHODS, name, config, description, speed_form=speed_form, data_free=data_free,
-                      supports=supports)
+                      supports=supports, seeded=seeded)
 
 
-def register_suite(name: str, *, config: type[Config], description: str = ""):
-    """Decorator: register ``fn(model, config, ctx) -> metrics`` as suite ``name``."""
-    return _decorator(SUITES, name, config, description)
+def register_suite(name: str, *, config: type[Config], description: str = "", seeded: bool = True):
+    """Decorator: register ``fn(model, config, ctx) -> metrics`` as suite ``name``.
+
+    Args:
+        seeded: its result depends on the seed (few-shot draws, held-out calibration, timing repeats);
+            ``False`` (perplexity on the fixed test split, counted memory): a cell of it and of an unseeded
+            method runs once per sweep, at the sweep's first seed.
+    """
+    return _decorator(SUITES, name, config, description, seeded=seeded)
 
 
 def register_backend(name: str, *, config: type[Config], description: str = ""):

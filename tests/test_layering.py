@@ -2,7 +2,7 @@
 
 Layers, lowest first (a module may import its own layer and the ones below):
 
-0. core: ``errors``, ``config``, ``registry``, ``settings``, ``_threads``, ``architectures``;
+0. core: ``errors``, ``config``, ``registry``, ``settings``, ``progress``, ``_threads``, ``architectures``;
 1. ``methods/``;  2. ``kernels/``;  3. ``baselines/``;  4. ``harness/``;  5. ``reports/``;
 6. the user's surface: ``harness/cli.py`` (or ``cli.py``), ``__main__`` and the package's own
    ``__init__`` (its Python API, e.g. ``load_results``, reaches into reports lazily).
@@ -24,7 +24,7 @@ import pytest
 PACKAGE = "mosaicquant"
 ROOT = Path(__file__).resolve().parents[1]
 
-CORE_MODULES = {"errors", "config", "registry", "settings", "_threads", "architectures"}
+CORE_MODULES = {"errors", "config", "registry", "settings", "progress", "_threads", "architectures"}
 LAYER_NAMES = ("core", "methods", "kernels", "baselines", "harness", "reports", "cli")
 CLI_MODULES = {PACKAGE, f"{PACKAGE}.cli", f"{PACKAGE}.harness.cli", f"{PACKAGE}.__main__"}
 

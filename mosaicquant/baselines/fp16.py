@@ -15,7 +15,7 @@ class FP16Config(Config):
     description = "unquantized reference (the model's own float weights and activations)"
 
 
-@register_method("fp16", config=FP16Config, description=FP16Config.description)
+@register_method("fp16", config=FP16Config, description=FP16Config.description, seeded=False)
 def fp16(model, config: FP16Config, ctx):
     """Return the model unchanged."""
     ctx.info.update(wbits=16, abits=16, kv_bits=16, exec_path="float (as loaded)")

@@ -58,7 +58,8 @@ def _speed_form(model, config: RTNConfig, ctx):
     return dense_w4(model, act, config.wbits, config.w_group_size), {}
 
 
-@register_method("rtn", config=RTNConfig, description=RTNConfig.description, speed_form=_speed_form)
+@register_method("rtn", config=RTNConfig, description=RTNConfig.description, speed_form=_speed_form,
+                 seeded=False)
 def rtn(model, config: RTNConfig, ctx):
     """Quantize every linear but the output head by round-to-nearest."""
     act = ActQuantSpec(bits=config.abits, symmetric=config.a_symmetric, clip_ratio=config.a_clip)

@@ -97,7 +97,8 @@ def _check_device(recipe: str, version: str, device: torch.device, dtype: torch.
         )
 
 
-@register_method("torchao", config=TorchAOConfig, description=TorchAOConfig.description, data_free=True)
+@register_method("torchao", config=TorchAOConfig, description=TorchAOConfig.description, data_free=True,
+                 seeded=False)
 def torchao(model, config: TorchAOConfig, ctx):
     """Quantize every linear but the output head with torchao's ``quantize_``.
 

@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--backend", help="what runs the cells: torch (default, in this process) or a registered backend "
                                      "name[:key=value...], e.g. tensorrt-llm (see 'mosaicquant ls backends'; "
                                      "'backend:' in the run spec)")
+    r.add_argument("--quick", action="store_true",
+                   help="preset: a real, small comparison (smollm2-135m; fp16, rtn, quarot, mosaicquant; "
+                        "perplexity on 4 chunks of 256 tokens; 4 x 256 calibration tokens; out results/quick; "
+                        "--report); options given beside it override it")
+    r.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                   help="progress bars with an ETA on stderr (calibration, layers, perplexity batches): auto "
+                        "(default: when stderr is a terminal), on or off; never written into records")
     r.add_argument("--report", action="store_true", help="render the report when the sweep ends")
     r.add_argument("--executor", default="local",
                    help="where cells run: local (default, this process) or dask (Dask distributed workers)")
@@ -106,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args) -> int:
+    from mosaicquant import progress
     from mosaicquant.harness.backends import parse_backend_spec
     from mosaicquant.harness.executors import ExecutorSettings, make_executor
     from mosaicquant.harness.runner import validate_run
@@ -116,15 +124,16 @@ def _cmd_run(args) -> int:
                                 gpus_per_cell=args.gpus_per_cell, scheduler=args.scheduler)
     overrides = {k: getattr(args, k) for k in ("model", "methods", "suites", "seeds", "corpus", "calib_samples",
                                                 "calib_seqlen", "max_chunks", "out", "device", "dtype", "backend")}
-    spec = load_run_spec(args.spec, overrides)
+    spec = load_run_spec(args.spec, overrides, preset="quick" if args.quick else None)
     if parse_backend_spec(spec.backend) is None:  # a backend validates the sweep itself
         make_executor(executor, spec)
         validate_run(spec)
-    result = run_sweep(spec, executor=executor, backend=spec.backend)
+    with progress.use(args.progress):
+        result = run_sweep(spec, executor=executor, backend=spec.backend)
     unavailable = f", {len(result.unavailable)} not available here" if result.unavailable else ""
     print(f"[mosaicquant] done: {len(result.written)} written, {len(result.skipped)} already finished, "
           f"{len(result.failed)} failed{unavailable}; records in {spec.out}")
-    if args.report:
+    if args.report or args.quick:
         from mosaicquant.reports.tables import write_tables
 
         path = write_tables(spec.out)

@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from mosaicquant import progress
 from mosaicquant.errors import MosaicQuantError, UserInputError
 
 __all__ = ["NonFiniteLogitsError", "evaluate_perplexity"]
@@ -111,7 +112,7 @@ def evaluate_perplexity(
     total_nll = 0.0
     try:
         with torch.inference_mode():
-            for first in range(0, n_chunks, batch_size):
+            for first in progress.bar(range(0, n_chunks, batch_size), desc="perplexity", unit="batch"):
                 batch = chunks[first: first + batch_size].to(target_device)
                 logits = _logits_of(model(input_ids=batch, use_cache=False))
                 if logits.dim() != 3 or logits.shape[:2] != batch.shape:

@@ -57,8 +57,8 @@ from mosaicquant.harness.spec import PluginSpec, RunSpec, check_model_fit
 from mosaicquant.harness.speedforms import speed_form
 
 __all__ = [
-    "Cell", "CellOutcome", "GroupTask", "SweepResult", "SweepState", "plan_cells", "plan_groups", "validate_run",
-    "run_group", "is_finished", "failure_record", "check_finished_settings", "settings_differences",
+    "Cell", "CellOutcome", "GroupTask", "SweepResult", "SweepState", "plan_cells", "seed_independent", "plan_groups",
+    "validate_run", "run_group", "is_finished", "failure_record", "check_finished_settings", "settings_differences",
 ]
 
 
@@ -115,14 +115,22 @@ class GroupTask:
         return self.method.label
 
 
+def seed_independent(method: PluginSpec, suite: PluginSpec) -> bool:
+    """Whether a cell's result does not depend on its seed: neither its method nor its suite is
+    registered ``seeded`` (fp16 or RTN measured by perplexity or memory)."""
+    return not method.entry.seeded and not suite.entry.seeded
+
+
 def plan_cells(spec: RunSpec) -> list[Cell]:
     """All cells of the sweep, in method-major order (a local model's records are keyed by its
-    content fingerprint, see :func:`mosaicquant.harness.models.model_key`)."""
+    content fingerprint, see :func:`mosaicquant.harness.models.model_key`). A seed-independent
+    cell (:func:`seed_independent`) is planned once, at the sweep's first seed."""
     model = models_mod.model_key(spec.model)
     name = models_mod.resolve_model(spec.model).name
     return [
         Cell(m, s, seed, record_path(spec.out, model, m.label, s.label, seed, name=name))
         for m in spec.methods for seed in spec.seeds for s in spec.suites
+        if seed == spec.seeds[0] or not seed_independent(m, s)
     ]
 
 
@@ -418,6 +426,7 @@ def _record_head(spec: RunSpec, model_meta: dict[str, Any], cell: Cell, env: dic
         "method": {"name": method.name, "label": method.label, "config": method.config.to_dict()},
         "suite": {"name": cell.suite.name, "label": cell.suite.label, "config": cell.suite.config.to_dict()},
         "seed": cell.seed,
+        "seed_independent": seed_independent(method, cell.suite),
         "corpus": spec.corpus,
         "calibration": None,
         "test_corpus": None,
@@ -427,6 +436,7 @@ def _record_head(spec: RunSpec, model_meta: dict[str, Any], cell: Cell, env: dic
         "git": git,
         "date": now_iso(),
         "command": command_line(),
+        "preset": spec.preset,
     }
 
 

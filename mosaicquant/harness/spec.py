@@ -39,7 +39,8 @@ from mosaicquant.config import Config, check_range, exact_number_text, parse_kv_
 from mosaicquant.errors import UserInputError
 from mosaicquant.registry import Entry, METHODS, SUITES, get_method, get_suite
 
-__all__ = ["PluginSpec", "RunSpec", "parse_plugin_spec", "parse_plugin_list", "load_run_spec", "check_model_fit"]
+__all__ = ["PRESETS", "PluginSpec", "RunSpec", "parse_plugin_spec", "parse_plugin_list", "load_run_spec",
+           "check_model_fit"]
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,8 @@ class RunSpec:
     dtype: str = "float32"
     #: what runs the cells: None (the in-process default) or a backend spec ``name[:key=value...]``
     backend: str | None = None
+    #: the preset the run started from (a key of :data:`PRESETS`), or None
+    preset: str | None = None
 
     def validate(self) -> None:
         check_range("calib_samples", self.calib_samples, 1, None, integer=True)
@@ -197,6 +200,7 @@ class RunSpec:
             "out": self.out,
             "device": self.device,
             "dtype": self.dtype,
+            "preset": self.preset,
         }
 
 
@@ -215,6 +219,22 @@ _STR_KEYS = {
     "backend": "'torch' or a registered backend name[:key=value...] (see 'mosaicquant ls backends')",
 }
 _MAX_SEED = 2**31 - 1
+
+#: named starting points of a run: each fills the run-spec keys it names; a spec file's keys and the
+#: command line's options override them. ``quick``: a real, small comparison on the built-in SmolLM2-135M
+#: (4 perplexity chunks of 256 tokens, 4 calibration sequences of 256 tokens); its numbers are a smoke check
+#: of the methods' ordering, not paper numbers.
+PRESETS: dict[str, dict[str, Any]] = {
+    "quick": {
+        "model": "smollm2-135m",
+        "methods": "fp16,rtn,quarot,mosaicquant",
+        "suites": "accuracy:seqlen=256",
+        "max_chunks": 4,
+        "calib_samples": 4,
+        "calib_seqlen": 256,
+        "out": "results/quick",
+    },
+}
 
 
 def _yaml_error_line(exc: yaml.YAMLError) -> str:
@@ -280,8 +300,9 @@ def _parse_seeds(value: Any) -> list[int]:
     return seeds
 
 
-def load_run_spec(path: str | None, overrides: dict[str, Any]) -> RunSpec:
-    """Merge a YAML run spec (optional) with command-line overrides (``None`` = not given).
+def load_run_spec(path: str | None, overrides: dict[str, Any], preset: str | None = None) -> RunSpec:
+    """Merge a preset (optional), a YAML run spec (optional) and command-line overrides (``None`` = not
+    given), each overriding the one before.
 
     ``max_chunks`` given at the top level is passed to every suite that has that option (the
     ``accuracy`` suite); suites that become equal by it are merged. Every key is type-checked:
@@ -292,7 +313,9 @@ def load_run_spec(path: str | None, overrides: dict[str, Any]) -> RunSpec:
         UserInputError: unreadable file or invalid YAML (one line), unknown keys, missing
             model/methods/suites, no seeds, a value of the wrong type or out of range.
     """
-    data: dict[str, Any] = {}
+    if preset is not None and preset not in PRESETS:
+        raise UserInputError(f"preset={preset!r} is not allowed: choose one of {', '.join(map(repr, PRESETS))}")
+    data: dict[str, Any] = dict(PRESETS[preset]) if preset is not None else {}
     if path:
         try:
             data = yaml.safe_load(Path(path).read_bytes().decode("utf-8")) or {}
@@ -309,6 +332,8 @@ def load_run_spec(path: str | None, overrides: dict[str, Any]) -> RunSpec:
         unknown = sorted(set(data) - _RUN_KEYS, key=str)
         if unknown:
             raise UserInputError(f"run spec {path!r} has unknown keys {unknown}: allowed {sorted(_RUN_KEYS)}")
+        if preset is not None:
+            data = {**PRESETS[preset], **data}
     for key, value in overrides.items():
         if value is not None:
             data[key] = value
@@ -343,6 +368,7 @@ def load_run_spec(path: str | None, overrides: dict[str, Any]) -> RunSpec:
         device=given.get("device", "cpu"),
         dtype=given.get("dtype", "float32"),
         backend=given.get("backend"),
+        preset=preset,
     )
     spec.validate()
     return spec

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mosaicquant import progress
 from mosaicquant.methods.gptq import accumulate_hessian, gptq_quantize
 from mosaicquant.methods.qlinear import ActQuantSpec, fake_quant_linear_from, set_module
 
@@ -101,8 +102,9 @@ def _capture_layer_inputs(model: nn.Module, tokens: torch.Tensor, batch_size: in
 
     handles = [layer.register_forward_pre_hook(lambda m, a, k, _i=i: hook(m, a, k, _i), with_kwargs=True)
                for i, layer in enumerate(layers)]
+    starts = range(0, tokens.shape[0], batch_size)
     try:
-        for start in range(0, tokens.shape[0], batch_size):
+        for start in progress.bar(starts, desc="calibration inputs", unit="batch"):
             batch = tokens[start:start + batch_size].to(device)
             try:
                 model(input_ids=batch, use_cache=False)
@@ -194,7 +196,7 @@ def calibrate_layerwise(
     layers = decoder_layers(model)
     device = next(model.parameters()).device
     inputs, kwargs_of = _capture_layer_inputs(model, tokens, batch_size, device)
-    for index, layer in enumerate(layers):
+    for index, layer in enumerate(progress.bar(layers, desc="calibrate + quantize", unit="layer")):
         inputs = _with_kwargs(inputs, kwargs_of[index])
         stats = collect_stats(layer, inputs, keep_hessian=keep_hessian)
         float_out = None if propagate == "quantized" else _run_layer(layer, inputs)

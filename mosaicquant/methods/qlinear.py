@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mosaicquant import progress
 from mosaicquant.methods.format import PackedW4
 from mosaicquant.methods.quant import check_bits, fake_quantize, quantize, quantize_with_clip_search
 
@@ -160,7 +161,7 @@ def replace_linears(
             raise ValueError(f"not quantizable linears of this model: {missing}")
         chosen = {n: chosen[n] for n in names}
     replaced = list(chosen)
-    for name in replaced:
+    for name in progress.bar(replaced, desc="quantize", unit="linear"):
         set_module(model, name, make(name, chosen.pop(name)))
     return replaced
 

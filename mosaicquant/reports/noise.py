@@ -172,6 +172,8 @@ class SeedSpread:
         values: the metric per ``ok`` seed, in seed order.
         seeds: those seeds.
         corpus_summary: the corpus summary one of the records carries (``None`` in older records).
+        seed_independent: the method's one record is seed-independent (it ran once, at the sweep's first
+            seed); ``values`` repeat its value at every seed that the group's other methods ran.
     """
 
     model: str
@@ -181,6 +183,7 @@ class SeedSpread:
     values: tuple[float, ...]
     seeds: tuple[int, ...]
     corpus_summary: dict[str, Any] | None = None
+    seed_independent: bool = False
 
     @property
     def n(self) -> int:
@@ -210,10 +213,12 @@ def seed_spreads(records: list[dict[str, Any]], suite: str = SUITE, metric: str 
 
     Returns:
         One :class:`SeedSpread` per group that has the metric, in the order first seen; a record
-        without a ``test_corpus`` is grouped under its run's ``corpus``.
+        without a ``test_corpus`` is grouped under its run's ``corpus``. A method whose records are
+        all seed-independent stands at every seed its (model, corpus, suite) group ran.
     """
     groups: dict[tuple[str, str, str, str], dict[int, float]] = {}
     summaries: dict[tuple[str, str, str, str], dict[str, Any] | None] = {}
+    seeded_keys: set[tuple[str, str, str, str]] = set()
     for rec in records:
         if rec.get("status") != "ok" or rec["suite"]["name"] != suite:
             continue
@@ -223,10 +228,22 @@ def seed_spreads(records: list[dict[str, Any]], suite: str = SUITE, metric: str 
         corpus = rec.get("test_corpus") or rec.get("corpus") or "not recorded"
         key = (rec["model"]["name"], corpus, rec["suite"]["label"], rec["method"]["label"])
         groups.setdefault(key, {})[int(rec.get("seed") or 0)] = float(m["value"])
+        if not rec.get("seed_independent"):
+            seeded_keys.add(key)
         if summaries.get(key) is None:
             summaries[key] = rec.get("corpus_summary")
-    return [SeedSpread(*key, values=tuple(by_seed[s] for s in sorted(by_seed)), seeds=tuple(sorted(by_seed)),
-                       corpus_summary=summaries.get(key)) for key, by_seed in groups.items()]
+    seeds_of: dict[tuple[str, str, str], set[int]] = {}
+    for key in seeded_keys:
+        seeds_of.setdefault(key[:3], set()).update(groups[key])
+    spreads = []
+    for key, by_seed in groups.items():
+        once = key not in seeded_keys and len(by_seed) == 1
+        if once:
+            by_seed = dict.fromkeys(seeds_of.get(key[:3], set()) | set(by_seed), next(iter(by_seed.values())))
+        spreads.append(SeedSpread(*key, values=tuple(by_seed[s] for s in sorted(by_seed)),
+                                  seeds=tuple(sorted(by_seed)), corpus_summary=summaries.get(key),
+                                  seed_independent=once))
+    return spreads
 
 
 def within_noise(a: SeedSpread, b: SeedSpread) -> WelchResult | None:
@@ -270,7 +287,8 @@ def noise_table(spreads: list[SeedSpread]) -> pd.DataFrame:
             untested = [o.method for o in spreads if o is not s and within_noise(s, o) is None]
             if untested:
                 close += f"; not tested against {', '.join(untested)}"
-        rows.append({"method": s.method, "seeds": str(s.n), "ppl mean ± sd ↓": _spread_text(s),
+        seeds = f"{s.n} (seed-independent: one run)" if s.seed_independent else str(s.n)
+        rows.append({"method": s.method, "seeds": seeds, "ppl mean ± sd ↓": _spread_text(s),
                      "min – max": f"{format_number(min(s.values))} – {format_number(max(s.values))}" if s.finite else "",
                      "within noise of": close})
     return pd.DataFrame(rows)

@@ -161,6 +161,10 @@ def protocol_section(records: list[dict[str, Any]]) -> list[str]:
     if not records:
         return []
     lines = ["## Protocol\n"]
+    presets = sorted({r["preset"] for r in records if r.get("preset")})
+    if presets:
+        lines.append(f"- **Preset**: {', '.join(presets)} (a small smoke comparison: few chunks, short sequences, "
+                     "little calibration; its numbers are not comparable with full-protocol runs)")
     # a text suite's record without its corpus is "not recorded"; a speed suite reads no text at all
     text = [r for r in records if r.get("status") == "ok" and (_test_corpus(r) or r["suite"]["name"] in TEXT_SUITES)]
     ppl = [r for r in text if r["suite"]["name"] == "accuracy"]

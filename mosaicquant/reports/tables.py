@@ -243,7 +243,8 @@ def paper_table(records: list[dict[str, Any]],
         key = _row_key(rec)
         info = rec.get("method_info") or {}
         row = rows.setdefault(key, {"W": None, "A": None, "KV": None, "path": None, "speed_path": None,
-                                    "metrics": {}, "quantize": {}, "seeds": set(), "fail": [], "dtypes": set()})
+                                    "metrics": {}, "quantize": {}, "seeds": set(), "fail": [], "dtypes": set(),
+                                    "once": set(), "seeded": set()})
         for col, name in (("W", "wbits"), ("A", "abits"), ("KV", "kv_bits"), ("path", "exec_path"),
                           ("speed_path", "exec_path_speed")):
             if row[col] is None and info.get(name) is not None:
@@ -256,6 +257,7 @@ def paper_table(records: list[dict[str, Any]],
             row["fail"].append(f"{rec['suite']['label']} {record_note(rec)}"[:200])
             continue
         row["seeds"].add(rec.get("seed"))
+        row["once" if rec.get("seed_independent") else "seeded"].add(rec["suite"]["label"])
         suite = rec["suite"]["name"]
         for name, m in (rec.get("metrics") or {}).items():
             if _shown(suite, name):
@@ -285,6 +287,10 @@ def paper_table(records: list[dict[str, Any]],
         if method.split(":")[0].split("@")[0] == FP16_LABEL and "float32" in row["dtypes"]:
             notes.insert(0, "unquantized reference ran in float32 (the run's dtype), not in BF16/FP16")
         shown["seeds"] = str(len(row["seeds"])) if row["seeds"] else "0"
+        if row["once"] and not row["seeded"]:
+            shown["seeds"] += " (seed-independent)"
+        elif row["once"]:
+            notes.append(f"seed-independent, run once: {', '.join(sorted(row['once']))}")
         shown["notes"] = "; ".join(notes)
         out.append(shown)
     df = pd.DataFrame(out).fillna("")
@@ -465,6 +471,9 @@ def write_tables(results_dir: str | Path, out_path: str | Path | None = None) ->
     parts.append("## Summary\n")
     parts.append(f"Each value is the mean over seeds ± its spread (the larger of the recorded spread and the standard "
                  f"deviation across seeds; no ± where neither exists). {UP_DOWN_LEGEND}\n")
+    if any(r.get("seed_independent") for r in records):
+        parts.append("A cell whose method and suite do not depend on the seed (e.g. fp16 or RTN by perplexity) runs "
+                     "once, at the sweep's first seed: its row says `seed-independent` and has no spread over seeds.\n")
     parts.append(render_markdown(paper))
     parts.extend(noise_section(records))
     parts.extend(_speed_sections(records, notes))

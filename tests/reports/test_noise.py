@@ -161,3 +161,21 @@ def test_report_has_one_seeds_table_per_corpus(tmp_path, write_cell):
 def test_report_without_repeated_seeds_has_no_seeds_section(tmp_path, write_cell):
     write_cell(tmp_path, "m", "quarot", "accuracy", {"ppl": (25.0, False)}, seed=0)
     assert "## Seeds" not in write_tables(tmp_path).read_text()
+
+
+def test_a_seed_independent_method_stands_at_every_seed_of_its_group(tmp_path, write_cell):
+    values = PPL["enwiki-sample"]["quarot"]
+    for seed, value in enumerate(values):
+        write_cell(tmp_path, "m", "quarot", "accuracy:max_chunks=2", {"ppl": (value, False)}, seed=seed,
+                   fields={"test_corpus": "enwiki-sample", "seed_independent": False})
+    write_cell(tmp_path, "m", "fp16", "accuracy:max_chunks=2", {"ppl": (13.9, False)}, seed=0,
+               fields={"test_corpus": "enwiki-sample", "seed_independent": True})
+    spreads = {s.method: s for s in noise.seed_spreads(load_records(tmp_path))}
+    fp16 = spreads["fp16"]
+    assert fp16.seed_independent and not spreads["quarot"].seed_independent
+    assert fp16.seeds == (0, 1, 2) and fp16.values == (13.9, 13.9, 13.9)
+    p = noise.within_noise(fp16, spreads["quarot"]).p
+    assert p == pytest.approx(noise.welch_test([13.9] * 3, values).p)
+    table = noise.noise_table(list(spreads.values())).set_index("method")
+    assert table.loc["fp16", "seeds"] == "3 (seed-independent: one run)"
+    assert table.loc["fp16", "within noise of"] == ("none" if p < noise.NOISE_ALPHA else f"quarot (p={p:.2f})")

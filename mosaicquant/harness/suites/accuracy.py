@@ -38,7 +38,7 @@ class AccuracyConfig(Config):
         check_range("batch_size", self.batch_size, 1, None, integer=True)
 
 
-@register_suite("accuracy", config=AccuracyConfig, description=AccuracyConfig.description)
+@register_suite("accuracy", config=AccuracyConfig, description=AccuracyConfig.description, seeded=False)
 def accuracy(model, config: AccuracyConfig, ctx):
     """Perplexity of ``model`` on the corpus's test split."""
     out = evaluate_perplexity(model, ctx.test_tokens(), seqlen=config.seqlen, max_chunks=config.max_chunks,

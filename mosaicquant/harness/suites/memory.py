@@ -45,7 +45,7 @@ class MemoryConfig(Config):
         check_range("seqlen", self.seqlen, 1, None, integer=True)
 
 
-@register_suite("memory", config=MemoryConfig, description=MemoryConfig.description)
+@register_suite("memory", config=MemoryConfig, description=MemoryConfig.description, seeded=False)
 def memory(model, config: MemoryConfig, ctx):
     """Weight memory of the quantized linears, and peak memory of a forward pass on a GPU."""
     mem = weight_memory(model)
