@@ -55,6 +55,7 @@ from mosaicquant.harness.results import (
 )
 from mosaicquant.harness.spec import PluginSpec, RunSpec, check_model_fit
 from mosaicquant.harness.speedforms import speed_form
+from mosaicquant.registry import Supports
 
 __all__ = [
     "Cell", "CellOutcome", "GroupTask", "SweepResult", "SweepState", "plan_cells", "seed_independent", "plan_groups",
@@ -68,6 +69,7 @@ class Cell:
     suite: PluginSpec
     seed: int
     path: Path
+    seed_independent: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,7 @@ class GroupTask:
         cells: the pending cells of this method spec and seed, in plan order.
         method_fn: ``fn(model, config, QuantContext) -> model``.
         suite_fns: one ``fn(model, config, SuiteContext) -> metrics`` per cell.
+        supports: what the method can run (:class:`mosaicquant.registry.Supports`), checked on the loaded model.
         device_map: ``None`` (the float model is copied onto ``spec.device``) or ``"auto"``
             (the model is loaded spread over every GPU the process sees, see
             :func:`mosaicquant.harness.models.load_model`).
@@ -100,6 +103,7 @@ class GroupTask:
     cells: tuple[Cell, ...]
     method_fn: Callable
     suite_fns: tuple[Callable, ...]
+    supports: Supports | None = None
     device_map: str | None = None
 
     @property
@@ -128,7 +132,7 @@ def plan_cells(spec: RunSpec) -> list[Cell]:
     model = models_mod.model_key(spec.model)
     name = models_mod.resolve_model(spec.model).name
     return [
-        Cell(m, s, seed, record_path(spec.out, model, m.label, s.label, seed, name=name))
+        Cell(m, s, seed, record_path(spec.out, model, m.label, s.label, seed, name=name), seed_independent(m, s))
         for m in spec.methods for seed in spec.seeds for s in spec.suites
         if seed == spec.seeds[0] or not seed_independent(m, s)
     ]
@@ -150,7 +154,8 @@ def plan_groups(spec: RunSpec, pending: list[Cell], device_map: str | None = Non
         groups.setdefault((cell.method.label, cell.seed), []).append(cell)
     return [
         GroupTask(spec=spec, cells=tuple(cells), method_fn=cells[0].method.entry.fn,
-                  suite_fns=tuple(cell.suite.entry.fn for cell in cells), device_map=device_map)
+                  suite_fns=tuple(cell.suite.entry.fn for cell in cells),
+                  supports=cells[0].method.entry.supports_for(cells[0].method.config), device_map=device_map)
         for cells in groups.values()
     ]
 
@@ -426,7 +431,7 @@ def _record_head(spec: RunSpec, model_meta: dict[str, Any], cell: Cell, env: dic
         "method": {"name": method.name, "label": method.label, "config": method.config.to_dict()},
         "suite": {"name": cell.suite.name, "label": cell.suite.label, "config": cell.suite.config.to_dict()},
         "seed": cell.seed,
-        "seed_independent": seed_independent(method, cell.suite),
+        "seed_independent": cell.seed_independent,
         "corpus": spec.corpus,
         "calibration": None,
         "test_corpus": None,
@@ -505,7 +510,8 @@ def run_group(task: GroupTask, state: SweepState, log: Callable[[str], None] = p
     cached = None
     try:
         model = state.model_for_group(device, task.device_map)
-        method.entry.supports_for(method.config).check(method.name, spec.device, spec.dtype, type(model).__name__)
+        if task.supports is not None:
+            task.supports.check(method.name, spec.device, spec.dtype, type(model).__name__)
         cached = cache.load(model, device) if cache is not None else None
         if cached is not None:
             model = cached.model

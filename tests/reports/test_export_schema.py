@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 QUICK_START = ROOT / "benchmarks" / "results" / "smollm2_main"  # the README's quick start, committed
 ACC, SPEED = "smollm2-135m", "llama-3-8b-shapes"
 
+MOSAIC = "mosaicquant:block=16:base=rtn"  # the seeded method of the run
+
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, tiny_llama_dir):
@@ -41,7 +43,8 @@ def test_records_of_a_real_run_validate_against_the_schema(tiny_run):
     from tests.conftest import TINY_TEXT
 
     records = load_records(tiny_run)
-    assert len(records) == 12
+    # fp16 and RTN are seed-independent: one record a suite; MosaicQuant one a suite and seed
+    assert len(records) == 8
     assert validate_dir(tiny_run) == {}
     # what the protocol block reads is in every record the runner writes
     for rec in records:
@@ -105,11 +108,11 @@ def test_jsonschema_agrees_where_it_is_installed(tiny_run):
 
 def test_load_results_is_one_row_per_cell_with_flat_metrics(tiny_run):
     df = mosaicquant.load_results(tiny_run)
-    assert len(df) == 6 and set(df["n_seeds"]) == {2}
-    row = df[(df["method"] == "rtn") & (df["suite_name"] == "accuracy")].iloc[0]
+    assert len(df) == 6 and dict(zip(df["method"], df["n_seeds"])) == {"fp16": 1, "rtn": 1, MOSAIC: 2}
+    row = df[(df["method"] == MOSAIC) & (df["suite_name"] == "accuracy")].iloc[0]
     ppl = [r["metrics"]["ppl"]["value"] for r in load_records(tiny_run)
-           if r["method"]["label"] == "rtn" and r["suite"]["name"] == "accuracy"]
-    assert row["ppl"] == pytest.approx(sum(ppl) / 2) and row["seeds"] == "0,1"
+           if r["method"]["label"] == MOSAIC and r["suite"]["name"] == "accuracy"]
+    assert len(ppl) == 2 and row["ppl"] == pytest.approx(sum(ppl) / 2) and row["seeds"] == "0,1"
     assert row["status"] == "ok" and row["wbits"] == 4 and row["dtype"] == "float32" and row["device"] == "CPU"
     assert row["quantize_s"] >= 0
     memory = df[(df["method"] == "fp16") & (df["suite_name"] == "memory")].iloc[0]
@@ -150,15 +153,15 @@ def test_export_writes_an_mlflow_file_store(tmp_path, tiny_run, capsys):
     assert "experiment_id: \"1\"" in experiments[0].read_text()
     runs = _read_store(store)
     assert len(runs) == 6, sorted(runs)
-    rec = next(r for r in load_records(tiny_run) if r["method"]["label"] == "rtn" and r["suite"]["name"] == "accuracy")
+    rec = next(r for r in load_records(tiny_run) if r["method"]["label"] == MOSAIC and r["suite"]["name"] == "accuracy")
     model, acc_label = rec["model"]["name"], rec["suite"]["label"]
-    meta, params, metrics, tags = runs[f"{model} | rtn | {acc_label}"]
+    meta, params, metrics, tags = runs[f"{model} | {MOSAIC} | {acc_label}"]
     assert meta["status"] == "3" and meta["experiment_id"] == '"1"' and meta["run_id"] == meta["run_uuid"]
-    assert params["method"] == "rtn" and params["suite.seqlen"] == "32" and params["dtype"] == "float32"
+    assert params["method"] == MOSAIC and params["suite.seqlen"] == "32" and params["dtype"] == "float32"
     assert params["seeds"] == "0,1" and params["device"] == "CPU"
     stamp, value, step = metrics["ppl"].split()
     df = mosaicquant.load_results(tiny_run).set_index(["method", "suite"])
-    assert float(value) == pytest.approx(df.loc[("rtn", acc_label), "ppl"]) and step == "0"
+    assert float(value) == pytest.approx(df.loc[(MOSAIC, acc_label), "ppl"]) and step == "0"
     assert int(stamp) > 1_600_000_000_000 and tags["mosaicquant.status"] == "ok"
     mem = runs[f"{model} | rtn | memory"][2]
     assert "total_quantized_linears" in mem
