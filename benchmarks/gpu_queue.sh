@@ -2,7 +2,6 @@
 # The GPU queue, one step per call: bash benchmarks/gpu_queue.sh STEP [OUT]
 #   tests   - every kernel test compiled on the GPU
 #   kernels - the ZipperEngine table at the Llama-3-8B linears, M = 1 ... 8192, against BF16 in one run
-#   forms   - the untimed kernel forms (4-bit attention forms, tail-walk scales ahead)
 #   nan     - the NaN-propagating quantizers and range-checked decode kernels against their old forms
 #   suite   - the throughput suite on the Llama-3-8B shapes, every method with a speed form (torchao rows
 #             need its wheel carried in .whl/; without it they are recorded as unavailable)
@@ -19,11 +18,6 @@ case $step in
   kernels)
     python3 benchmarks/kernels/zipper.py --models llama3-8b --layers qkv,o,gate_up,down \
       --ms 1,4,16,64,128,256,512,2048,8192 --budgets 0,10 --out "$out/zipper" 2>&1 | tee "$out/zipper.log" | tail -60 ;;
-  forms)
-    python3 benchmarks/kernels/attention_kv4.py --context 511,512 --chunks "" --block-ns "" \
-      --forms joined,zdot,pw_once --rounds 3 --out "$out/attn" 2>&1 | tee "$out/attn.log" | tail -25
-    python3 benchmarks/kernels/decode_depth.py --ms 5,8,12,16 --variants base,sahead --rounds 3 --out "$out/depth" 2>&1 \
-      | tee "$out/depth.log" | tail -25 ;;
   nan)
     python3 benchmarks/kernels/nan_guard.py 2>&1 | tee "$out/nan_guard.log" | tail -40 ;;
   suite)
@@ -31,5 +25,5 @@ case $step in
       --methods fp16,rtn,quarot,spinquant,resq,atom,mosaicquant,mosaicquant:budget=0,torchao:recipe=int8_dyn,torchao:recipe=int4_wo \
       --suites throughput \
       --device cuda --dtype bfloat16 --report --out "$out/suite" 2>&1 | tee "$out/suite.log" | tail -60 ;;
-  *) echo "unknown step $step (tests, kernels, forms, nan, suite)"; exit 2 ;;
+  *) echo "unknown step $step (tests, kernels, nan, suite)"; exit 2 ;;
 esac

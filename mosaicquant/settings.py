@@ -2,8 +2,8 @@
 
 :class:`KernelSettings` holds every choice of the kernels that is not fixed by the operands'
 shapes and device: which backend runs (Triton or the PyTorch reference), programmatic dependent
-launch (PDL) and how far its chain reaches, the L2 prefetch cap, and the kernel forms that are
-candidates still being timed (off by default). The launchers read the settings in force when
+launch (PDL) and how far its chain reaches, the L2 prefetch cap, and entries that replace the
+device's tuned tile table. The launchers read the settings in force when
 they are called; :func:`use` puts settings in force for a block of code (and only for it, in the
 current thread or task), :func:`current` returns them.
 
@@ -33,15 +33,13 @@ from collections.abc import Iterator
 from mosaicquant.config import Config, check_choice, check_range
 from mosaicquant.errors import UserInputError
 
-__all__ = ["KERNEL_PREFERENCES", "PDL_CHAINS", "KV4_MINMAX_FORMS", "KernelSettings", "current", "use", "use_tiles"]
+__all__ = ["KERNEL_PREFERENCES", "PDL_CHAINS", "KernelSettings", "current", "use", "use_tiles"]
 
 #: backends a kernel call may prefer: ``auto`` (Triton where it can run, else the reference), ``triton``, ``torch``
 KERNEL_PREFERENCES = ("auto", "triton", "torch")
 #: how far programmatic dependent launch reaches in the decode step (``mosaicquant.kernels._common.chain_mode``)
 PDL_CHAINS = ("off", "on")
 _TILE_NAME = re.compile(r"[a-z][a-z0-9_]*")
-#: the 4-bit KV-cache quantizer's forms of its row extremes (``mosaicquant.kernels.decoder``)
-KV4_MINMAX_FORMS = ("four", "pairs", "joined")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,15 +55,6 @@ class KernelSettings(Config):
             or ``"off"`` (only the activation kernels let the GEMM after them start early).
         prefetch_mib: a cap (MiB) on what every PDL GEMM launch prefetches into L2, in place of
             each launcher's default; ``None``: the launchers' defaults; ``0``: no prefetch.
-        walk_scales_ahead: ZipperEngine's tail walk loads each kept block's row scales a block
-            ahead (a candidate, off).
-        attn_kv4_zdot: the 4-bit-cache attention sums its zero-point term by a dot (a candidate, off).
-        attn_kv4_pw_once: the 4-bit-cache attention converts the rounded ``p·s`` to the dots'
-            dtype once a step (a candidate, off).
-        attn_kv4_minmax: the 4-bit cache quantizer's row extremes, one of
-            :data:`KV4_MINMAX_FORMS`; ``None``: ``"pairs"`` compiled, and ``"four"`` (the same
-            bits) on Triton's interpreter, which runs a reduction with its own combine function
-            element by element in Python. A form named here runs as named everywhere.
         tiles: entries ``name=value`` that replace those of the device's tile table
             (:class:`mosaicquant.kernels.tile_table.TileTable`, e.g. ``dense_gated_max_m=0``); a
             mapping is taken too. Empty: the device's row as tuned. Names are checked against the
@@ -75,16 +64,12 @@ class KernelSettings(Config):
         UserInputError: a value outside its allowed set, naming the value and the set.
     """
 
-    description = "kernel backend, programmatic dependent launch, L2 prefetch and candidate kernel forms"
+    description = "kernel backend, programmatic dependent launch, L2 prefetch and tile-table entries"
 
     kernel: str = "auto"
     pdl: bool = True
     pdl_chain: str = "on"
     prefetch_mib: float | None = None
-    walk_scales_ahead: bool = False
-    attn_kv4_zdot: bool = False
-    attn_kv4_pw_once: bool = False
-    attn_kv4_minmax: str | None = None
     tiles: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -101,8 +86,6 @@ class KernelSettings(Config):
         self.set_canonical("pdl_chain", chain)
         if self.prefetch_mib is not None:
             check_range("prefetch_mib", self.prefetch_mib, 0, None)
-        if self.attn_kv4_minmax is not None:
-            check_choice("attn_kv4_minmax", self.attn_kv4_minmax, KV4_MINMAX_FORMS)
         entries = {}
         for item in self.tiles:
             name, sep, value = item.partition("=")

@@ -13,7 +13,7 @@ def test_defaults_are_the_kernels_defaults():
     s = settings.current()
     assert s == settings.KernelSettings()
     assert (s.kernel, s.pdl, s.pdl_chain, s.prefetch_mib) == ("auto", True, "on", None)
-    assert not (s.walk_scales_ahead or s.attn_kv4_zdot or s.attn_kv4_pw_once) and s.attn_kv4_minmax is None
+    assert s.tiles == ()
 
 
 def test_use_nests_and_restores_even_on_an_exception():
@@ -40,8 +40,8 @@ def test_a_block_does_not_reach_another_thread():
 
 def test_text_values_are_coerced_and_canonical():
     s = settings.KernelSettings.from_dict({"kernel": " Torch ", "pdl": "off", "pdl_chain": "OFF",
-                                           "prefetch_mib": "16", "attn_kv4_minmax": "joined"})
-    assert (s.kernel, s.pdl, s.pdl_chain, s.prefetch_mib, s.attn_kv4_minmax) == ("torch", False, "off", 16.0, "joined")
+                                           "prefetch_mib": "16", "tiles": ["Zip_Block_N=64"]})
+    assert (s.kernel, s.pdl, s.pdl_chain, s.prefetch_mib, s.tiles) == ("torch", False, "off", 16.0, ("zip_block_n=64",))
     assert settings.KernelSettings.from_json(s.to_json()) == s
 
 
@@ -49,7 +49,7 @@ def test_text_values_are_coerced_and_canonical():
     ({"kernel": "cuda"}, "kernel='cuda' is not allowed: choose one of 'auto', 'triton', 'torch'"),
     ({"pdl_chain": "early"}, "pdl_chain='early' is not allowed: choose one of 'off', 'on'"),
     ({"prefetch_mib": float("nan")}, "prefetch_mib=nan is out of range"),
-    ({"walk_scales_ahead": "sometimes"}, "walk_scales_ahead='sometimes' is not a boolean"),
+    ({"pdl": "sometimes"}, "pdl='sometimes' is not a boolean"),
     ({"pdl_mode": "on"}, "KernelSettings has no option 'pdl_mode'"),
 ])
 def test_bad_values_name_the_value_and_the_allowed_ones(changes, message):
@@ -65,9 +65,9 @@ def test_bad_values_name_the_value_and_the_allowed_ones(changes, message):
 def test_speed_suites_pass_their_options_as_settings(config_type):
     config = config_type.from_dict({"pdl": "false", "pdl_chain": "Off", "prefetch_mib": "8"})
     assert config.pdl_chain == "off" and config.overrides() == {"pdl": False, "pdl_chain": "off", "prefetch_mib": 8.0}
-    with settings.use(walk_scales_ahead=True):
+    with settings.use(kernel="torch"):
         chosen = kernel_settings(config)
-    assert (chosen.pdl, chosen.pdl_chain, chosen.prefetch_mib, chosen.walk_scales_ahead) == (False, "off", 8.0, True)
+    assert (chosen.pdl, chosen.pdl_chain, chosen.prefetch_mib, chosen.kernel) == (False, "off", 8.0, "torch")
     assert config_type().overrides() == {}  # the defaults change no suite label
     with pytest.raises(UserInputError, match="pdl_chain='sideways' is not allowed"):
         config_type(pdl_chain="sideways")

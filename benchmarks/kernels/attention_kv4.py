@@ -10,16 +10,15 @@ sequence (a list: each context is its own set of rows), for each batch: ``decode
 each at its default cut (``decoder.attention_splits``; over the 4-bit cache from ~132 sequence × KV-head pairs one
 chunk a head) and at explicit chunks (``--chunks``; more programs, then the combining kernel), the 4-bit loop at
 ``--block-ns`` keys a step, and the kernel's forms (``--forms``, :data:`FORMS`: the new key and value added from
-registers rather than read back by the loop, the quantizer's row extremes in four reductions or one of two kinds,
-the 4-bit loop's zero-point term summed by a dot; each form puts its kernel settings,
-:class:`mosaicquant.settings.KernelSettings`, in force for its calls). Every call's caches are one of several copies rotated through more than L2
+registers rather than read back by the loop, the 4-bit loop's step; each form puts its tile-table entries in force
+for its calls). Every call's caches are one of several copies rotated through more than L2
 (a layer's cache is read once a decode step, after other layers' weights have passed through L2). Each variant's
 output is checked against the default cut's (and that one against ``decode_rope_attention_reference`` at the
 smallest batch) first; CUDA graphs, medians of ``--rounds`` interleaved rounds; µs a call, the cache bytes it reads
 (keys, values, and the 4-bit cache's scales and zero points), and their rate.
 
     PYTHONPATH=. python3 benchmarks/kernels/attention_kv4.py [--batches 4,16,32] [--context 512[,575]] [--chunks 128,256]
-        [--block-ns 64] [--forms v42,joined] [--rounds 3] [--out DIR]
+        [--block-ns 64] [--forms registers] [--rounds 3] [--out DIR]
 """
 
 from __future__ import annotations
@@ -52,24 +51,14 @@ RTOL, ATOL = 2.0**-6, 4e-3
 # reference's (tests/kernels/test_decoder.py checks the kernel's own cache for that reason); a wrong kernel is off
 # nearly everywhere
 REF_OFF_MAX = 0.01
-# The kernel's forms (KernelSettings fields, lower case, and the decoder's tuned constants, upper case, for a
-# variant's calls; the default form is the defaults'). "v42": the new key and value added to the softmax from
-# registers after the loop, the quantizer's four reductions a row; "four", "pairs", "joined": the quantizer's row
-# extremes (attn_kv4_minmax) with the new token read back; "zdot" and "zdot_64": the 4-bit loop's zero-point term
-# summed by a dot (attn_kv4_zdot), at the default step or at 64 keys a step; "joined_zdot" both untimed forms
-# together; "pw_once": p·s converted to the dots' dtype once a step (attn_kv4_pw_once; with "zdot" the compiler
-# already converts once: the same SASS). The 16-bit cache has only the first switch.
+# The kernel's forms (tile-table entries for a variant's calls; the default form is the device's row).
+# "registers": the new key and value added to the softmax from registers after the loop rather than read back by it;
+# "step64": the 4-bit loop at 64 keys a step. The 16-bit cache has only the first.
 FORMS = {
-    "v42": {"attn_new_cached": False, "attn_kv4_minmax": "four"},
-    "four": {"attn_kv4_minmax": "four"},
-    "pairs": {"attn_kv4_minmax": "pairs"},
-    "joined": {"attn_kv4_minmax": "joined"},
-    "zdot": {"attn_kv4_zdot": True},
-    "zdot_64": {"attn_kv4_zdot": True, "attn_kv4_block_n": 64},
-    "joined_zdot": {"attn_kv4_minmax": "joined", "attn_kv4_zdot": True},
-    "pw_once": {"attn_kv4_pw_once": True},
+    "registers": {"attn_new_cached": False},
+    "step64": {"attn_kv4_block_n": 64},
 }
-FORMS_16 = ("v42",)
+FORMS_16 = ("registers",)
 
 #: the tile table's entries (the forms' other keys are kernel settings)
 TILE_ENTRIES = {f.name for f in dataclasses.fields(TileTable)}

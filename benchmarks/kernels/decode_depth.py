@@ -4,8 +4,7 @@ BF16 cuBLAS streams gate/up's weights at ~4.1 TB/s at 4 tokens (nvjet tiles 128 
 of weights in flight a CTA), the 4-bit packed kernel at ~3.2 TB/s (the wide tiles: 16 KB a step, 3 stages). This
 script times ``QuantLinear`` (BF16 in, BF16 out, activation quantizer included) on each Llama-3-8B linear, dense and
 with 10 % random 128 x 128 kept blocks (ZipperEngine), at decode sizes, for variants of the module constants that set
-those tiles (the tile table's ``wide_decode_stages``, ``wide_decode_block_kp``, ``decode_stages``), and the tail walk's row
-scales loaded a kept block ahead (``sahead``: the kernel setting ``walk_scales_ahead``). The variants change where
+those tiles (the tile table's ``wide_decode_stages``, ``wide_decode_block_kp``, ``decode_stages``). The variants change where
 the bytes wait, not the arithmetic: each variant's output must equal the default's bit for bit, and the default's
 must match the PyTorch reference. Weights are rotated through more than L2; medians of interleaved rounds.
 
@@ -38,7 +37,7 @@ from mosaicquant.kernels.zipper import zipper_gemm_reference  # noqa: E402
 from mosaicquant.methods.format import PackedW4  # noqa: E402
 
 BUDGET = 0.10
-# label -> the tile-table entries and the kernel settings it sets (the others keep their defaults)
+# label -> the tile-table entries it sets (the others keep their defaults)
 VARIANTS = {
     "base": {},
     "ws4": {"tiles": {"wide_decode_stages": 4}},
@@ -47,8 +46,6 @@ VARIANTS = {
     "wkp256s4": {"tiles": {"wide_decode_block_kp": 256, "wide_decode_stages": 4}},
     "ds3": {"tiles": {"decode_stages": 3}},
     "ds6": {"tiles": {"decode_stages": 6}},
-    # the tail walk's row scales loaded a kept block ahead below walk_stages_min_m tokens (the same bits)
-    "sahead": {"walk_scales_ahead": True},
 }
 
 

@@ -13,7 +13,7 @@ online Hadamard + quantizer, or in a kernel of its own), ``transformers`` (eager
 
 Variants (``--variant LABEL:VAR=VALUE[,VAR=VALUE]``, repeatable): kernel settings the kernels
 read at launch (fields of :class:`mosaicquant.settings.KernelSettings`, e.g. ``pdl_chain``,
-``prefetch_mib``, ``attn_kv4_minmax=joined``) or tuned constants named by module
+``prefetch_mib``, ``pdl=false``) or tuned constants named by module
 (``mosaicquant.kernels._tiles.DENSE_PREFETCH_MIB=16``), each
 timed on the same model right after the others (``--rounds`` times, interleaved); the row's
 runtime reads ``fused[LABEL]``. With programmatic dependent launch a kernel's programs may start

@@ -36,7 +36,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from mosaicquant.harness.timing import time_calls  # noqa: E402
-from mosaicquant.kernels import _token_split, act_quant, decoder, hadamard_quant, mixed_gemm, norm_fold  # noqa: E402
+from mosaicquant.kernels import _token_split, act_quant, decoder, hadamard_quant, mixed_gemm  # noqa: E402
 from mosaicquant.methods.hadamard import OnlineHadamard, random_signs  # noqa: E402
 
 TOKENS = (1, 16, 256, 4096)
@@ -104,11 +104,10 @@ def old_modules() -> dict:
     """The old copies: ``act_quant``, ``hadamard_quant``, ``decoder`` (its norm + quantizer and its 4-bit cache's
     quantizer, no range checks) and ``mixed_gemm``."""
     ts = _old_copy(_token_split)
-    nf = _old_copy(norm_fold)
     return dict(
         act_quant=_old_copy(act_quant, token_scale=ts.token_scale),
         hadamard_quant=_old_copy(hadamard_quant, token_scale=ts.token_scale),
-        decoder=_old_copy(decoder, norm_quant_row=nf.norm_quant_row),
+        decoder=_old_copy(decoder),
         mixed_gemm=_old_copy(mixed_gemm),
     )
 

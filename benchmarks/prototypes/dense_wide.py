@@ -1,4 +1,4 @@
-"""Kept: re-times the dense wide tiles' bounds, _tiles.DENSE_WIDE_*.
+"""Kept: re-times the dense wide tiles' bounds, the tile table's dense_wide_* entries.
 
 Dense W4A4 wide layers' 17-32-token calls: the packed kernel's wide tiles against the swapped GEMM's decode tiles.
 

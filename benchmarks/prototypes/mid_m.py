@@ -145,16 +145,16 @@ VALIDATE_MS = (40, 48, 64, 80, 96, 112, 128, 160, 192, 256, 320, 384, 512, 768, 
 BEFORE = dict(swap_min_m=128, swap_mid=False)
 
 
-def validate(name: str, n: int, k: int, ms, device, gen, rounds: int = 2, before: str = "v27") -> list[dict]:
+def validate(name: str, n: int, k: int, ms, device, gen, rounds: int = 2, before: str = "nomid") -> list[dict]:
     """``QuantLinear`` as routed now (``ql_*``) and with the routes before (``ql_*_off``), interleaved ``rounds``
-    times, with BF16, dense and with the residual. ``before``: ``"v27"`` (:data:`BEFORE`: no mid route, prefill
+    times, with BF16, dense and with the residual. ``before``: ``"nomid"`` (:data:`BEFORE`: no mid route, prefill
     tiles from 128 tokens), ``"nowide"`` (the mid route without its dense wide tier, the tile table's ``swap_mid_wide_min_m`` = 0) or
     ``"notail"`` (every token tile full size, ``QuantLinear(swap_tail=False)``)."""
     rows = []
     layers = layer_copies(n, k, device, gen)
     w_bf16 = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
               for _ in range(max(2, math.ceil(ROTATE_BYTES / (2 * n * k))))]
-    off_kw = {"v27": BEFORE, "nowide": {}, "notail": {"swap_tail": False}}[before]
+    off_kw = {"nomid": BEFORE, "nowide": {}, "notail": {"swap_tail": False}}[before]
     qls = {"ql_dense": [QuantLinear(d).to(device) for d, _, _ in layers],
            "ql_dense_off": [QuantLinear(d, **off_kw).to(device) for d, _, _ in layers],
            "ql_pow2": [QuantLinear(r).to(device) for _, r, _ in layers],
@@ -227,8 +227,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", default=",".join(LAYERS))
     parser.add_argument("--validate", action="store_true",
                         help="QuantLinear as routed against the routes before the mid tiles (default M: VALIDATE_MS)")
-    parser.add_argument("--before", choices=("v27", "nowide", "notail"), default="v27",
-                        help="--validate's other routes: v27's, the mid route without its dense wide tier, or "
+    parser.add_argument("--before", choices=("nomid", "nowide", "notail"), default="nomid",
+                        help="--validate's other routes: no mid route, the mid route without its dense wide tier, or "
                              "without the narrower last token tile")
     parser.add_argument("--dry", action="store_true", help="CPU (TRITON_INTERPRET=1): one tiny layer, checks only")
     args = parser.parse_args(argv)

@@ -15,12 +15,12 @@ instructions between the kernel's longest backward branch and its target, one st
 issues it, with its CTA barriers (``BAR``), shared-memory loads and stores (``LDS``/``LDSM``, ``STS``), global
 loads it waits for (``LDG``; the pipelined copies are ``LDGSTS``), spill reloads (``LDL``) and tensor-core products
 (``HMMA``). ``--set NAME=VALUE`` (repeatable) puts a kernel setting in force first (a lower-case
-``KernelSettings`` field: ``attn_kv4_zdot=true``, ``attn_kv4_minmax=joined``; an entry of the tile table:
-``attn_kv4_block_n=64``), or sets a tuned ``decoder`` constant (upper case: ``ATTN_BLOCK_N=32``; the text for a
+``KernelSettings`` field: ``pdl=false``; an entry of the tile table: ``attn_kv4_block_n=64``,
+``attn_new_cached=false``), or sets a tuned ``decoder`` constant (upper case: ``ATTN_BLOCK_N=32``; the text for a
 constant that is a string, else a number of its type).
 Leaves the process's Triton driver replaced: run it on its own.
 
-    python3 benchmarks/prototypes/offline_attention.py [--set attn_kv4_zdot=true --set attn_kv4_minmax=joined]
+    python3 benchmarks/prototypes/offline_attention.py [--set attn_kv4_block_n=64 --set attn_new_cached=false]
 """
 
 from __future__ import annotations

@@ -89,15 +89,6 @@ SILU_IN_GATE_UP = True
 # 3,377 / 4,410 without, 2,765 / 3,008 / 3,303 / 4,345 with; BF16 4,853 / 5,111 / 5,206 / 5,659 and 4,847 /
 # 4,971 / 5,124 / 5,592.
 FUSED_ROPE_ATTENTION = True
-# Decode calls of up to this many tokens run the RMSNorm after o_proj and after down_proj (with the next GEMM's
-# quantizer) in that GEMM's last programs (mosaicquant.kernels.norm_fold) where the GEMM can
-# (QuantLinear.folds_norm; BF16 models, the next GEMM's quantizer fused into the norm); 0: never, the norm runs
-# as a kernel of its own. Off: measured slower (Llama-3-8B shapes, CUDA-graph step, 3 interleaved rounds,
-# us at batch 4 / 8, off -> folded up to 8 tokens): RTN 2,225 / 2,514 -> 2,537 / 2,712, QuaRot (16-bit KV)
-# 2,406 / 2,633 -> 2,653 / 2,853, MosaicQuant 2,774 / 2,983 -> 3,031 / 3,233. The folded o_proj GEMM's
-# increment was 12.0 us against 5.4 for the GEMM and 3.1 for the norm kernel: the row after the last tile
-# costs more than the launch boundary it removes.
-NORM_FOLD_MAX_M = 0
 # Prefill attention of grouped-query models: torch's SDPA reads each KV head for its group of query heads
 # (enable_gqa) instead of the keys and values copied once per query head (repeat_interleave: two copy kernels a
 # layer, 23-24 µs each on Qwen3-14B shapes at 2048 tokens, 21-22 on Llama-3-8B; the attention kernel's own time
@@ -550,64 +541,19 @@ class FusedDecoder:
         projections (RoPE and the KV cache included)."""
         residual = x.clone()
         h = None
-        folded = None  # the next q/k/v GEMM's quantized input, from the norm run by down_proj's GEMM
         for i, lay in enumerate(self.layers):
-            if folded is not None:
-                qkv = self._gemm_after(*folded, lay.qkv_quant)
-            else:  # the first layer's norm reads the embeddings (no residual sum yet)
-                qkv = self._norm_then(x if h is None else h, lay.input_norm, None if h is None else residual,
-                                      lay.qkv, lay.qkv_quant)
+            # the first layer's norm reads the embeddings (no residual sum yet)
+            qkv = self._norm_then(x if h is None else h, lay.input_norm, None if h is None else residual,
+                                  lay.qkv, lay.qkv_quant)
             a = attend_qkv(qkv, i, lay)
             gated = self._gate_up_writes_silu(lay, x.shape[0])
-            post = self._fold(lay.o_proj, a, lay.post_norm, residual, lay.gate_up_quant, gated)
-            if post is not None:
-                gate_up = self._gemm_after(*post, lay.gate_up_quant, gated)
-            else:
-                gate_up = self._norm_then(lay.o_proj(a), lay.post_norm, residual, lay.gate_up, lay.gate_up_quant,
-                                          gated)
-            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            folded = None
+            gate_up = self._norm_then(lay.o_proj(a), lay.post_norm, residual, lay.gate_up, lay.gate_up_quant, gated)
             if gated:
-                if nxt is not None:
-                    folded = self._fold(lay.down_proj, gate_up, nxt.input_norm, residual, nxt.qkv_quant, False)
-                h = lay.down_proj(gate_up) if folded is None else None
+                h = lay.down_proj(gate_up)
             else:
                 down_quant, down_transform = self._down_gated(lay, x.shape[0])
-                if nxt is not None and down_quant is not None:  # SiLU·mul inside down_proj's quantizer
-                    folded = self._fold(lay.down_proj, gate_up, nxt.input_norm, residual, nxt.qkv_quant, False,
-                                        silu=True)
-                h = None if folded is not None else self._silu_down(gate_up, lay.down_proj, down_quant,
-                                                                    down_transform)
+                h = self._silu_down(gate_up, lay.down_proj, down_quant, down_transform)
         return h, residual
-
-    def _fold(self, module: nn.Module, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor, next_quant,
-              next_gated: bool, silu: bool = False):
-        """``module(x)`` with the RMSNorm after it (``residual += y``, the norm, ``next_quant``'s quantizer) run by
-        the GEMM's last programs (:data:`NORM_FOLD_MAX_M`); ``(q, scale, layout)`` for the next GEMM, or ``None``
-        where the call cannot fold (the caller then runs the module and the norm as kernels of their own).
-        ``silu``: ``x`` is ``[gate | up]`` and ``module``'s quantizer takes SiLU·mul (:meth:`_silu_down`)."""
-        from mosaicquant.kernels.convert import KernelLinear
-        from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason
-        from mosaicquant.kernels.norm_fold import norm_fold
-        from mosaicquant.kernels.quant_linear import QuantLinear
-
-        m = x.shape[0]
-        if not 1 <= m <= NORM_FOLD_MAX_M or next_quant is None or self.dtype != torch.bfloat16:
-            return None
-        quant = getattr(module, "quant", None)
-        if type(module) is not KernelLinear or _hooked(module) or not isinstance(quant, QuantLinear):
-            return None
-        if self._fusable(quant, x.device) is None or not quant.folds_norm(m):
-            return None
-        transform = module.input_transform
-        if transform is not None and not (module.fuse_transform and fused_hadamard_reason(transform, x.dtype) is None):
-            return None
-        layout = "split8" if not next_gated and next_quant.uses_swapped(m, "triton") else "packed"
-        x2 = x.reshape(m, quant.in_features * (2 if silu else 1)).contiguous()
-        a, scale = _quantize_input(x2, quant, transform, "packed", silu)
-        fold = norm_fold(norm.weight, norm.variance_epsilon, residual, next_quant.act_clip_ratio, layout)
-        quant.forward_quantized(a, scale, "triton", fold=fold)
-        return fold.q, fold.scale, layout
 
     def _gemm_after(self, q: torch.Tensor, scale: torch.Tensor, layout: str, quant,
                     gated: bool = False) -> torch.Tensor:

@@ -47,7 +47,6 @@ import triton
 import triton.language as tl
 
 from mosaicquant.errors import UserInputError
-from mosaicquant import settings
 from mosaicquant.kernels._common import (
     check_same_device,
     check_tensor,
@@ -62,7 +61,6 @@ from mosaicquant.kernels._tl import (
     chain_start,
     max_nan,
     maximum_nan,
-    min_nan,
     minimum_nan,
     quant_div,
     rnd,
@@ -75,15 +73,14 @@ from mosaicquant.kernels._tl import round_to_bf16 as _round_to_bf16
 from mosaicquant.kernels.act_quant import (
     LAYOUTS,
     quantize_activations_reference,
+    quantize_store,
     split8_from_int,
     split8_width,
 )
-from mosaicquant.kernels.norm_fold import add_residual, norm_quant_row
 from mosaicquant.kernels.tile_table import table_for
 from mosaicquant.methods.format import unpack_int4
 from mosaicquant.methods.hadamard import apply_hadamard
 from mosaicquant.methods.quant import _apply, _params
-from mosaicquant.settings import KV4_MINMAX_FORMS
 
 __all__ = [
     "rmsnorm",
@@ -144,12 +141,6 @@ ATTN_KV4_WARPS = 4
 # 1 or 3 stages were slower.
 ATTN_KV4_ASM = True
 ATTN_KV4_STAGES = 2
-# Candidates, off until timed (KernelSettings.attn_kv4_zdot, attn_kv4_pw_once): the 4-bit loop's zero-point term
-# summed by a dot (_attend_chunk_kv4's ZDOT: its zero points then load with the step's other tiles, ahead, as the
-# software pipeline takes only loads that feed a dot, and the default loop loses the term's cross-warp sum); the
-# rounded p·s converted to the dots' dtype once for the step's value dots (and the zero points' dot) rather than once a
-# dot (PW_ONCE: offline, sm_90, QuaRot's kernel at batch 32, 11 CTA barriers a step against 13, at 210 registers
-# against 208; with ZDOT the compiler already converts once, the same SASS either way).
 # decode_rope_attention's new token: the program whose chunk holds it writes its key and value into the cache and,
 # after a CTA barrier, its loop reads them back as one more cached key (TileTable.attn_new_cached), rather than adding them to
 # the online softmax from registers after the loop. Over a 4-bit cache the new key's and value's quantizer reduces
@@ -159,14 +150,12 @@ ATTN_KV4_STAGES = 2
 # 22.51), 16-bit cache 8.84 / 15.81 / 23.76 -> 8.56 / 15.03 / 23.19. Where the new key starts a loop step of its
 # own (position a multiple of the step: 64 keys at 16 bits, 128 at 4 bits) that step costs one more iteration:
 # at context 512 the 16-bit cache took 7.93 / 14.88 / 21.90 -> 8.06 / 15.23 / 22.67, the 4-bit one still gained.
-# KernelSettings.attn_kv4_minmax names the quantizer's row extremes (all exact, the same bits): "four" reductions (a min and a max
-# of each half), "pairs" (one tl.reduce over (min, max) pairs with its own combine) or "joined" (one max over the
-# joined (max, -min) pairs: no combine function of its own, 38 CTA barriers before the first product against the
-# pairs' 44 in the offline sm_90 compile, and about half the warp shuffles).
-# By default "pairs" compiled; Triton's interpreter runs a reduction with a combine function of its own element by
-# element in Python (a CPU test's prefill cache writes: ~7 s against ~2 s with numpy's reductions), so there the
-# default takes the four reductions, the same bits; a form the settings name runs as named. "joined" runs as numpy's
-# max on the interpreter.
+# The new key's and value's quantizer takes each row's extremes as one max over the joined (max, -min) pairs of the
+# halves (exact, the same bits as four reductions or a (min, max) pair reduction with its own combine function; 38 CTA
+# barriers before the first product against the pairs' 44 in the offline sm_90 compile, and on the interpreter numpy's
+# max). Measured against the pairs' reduction (benchmarks/kernels/attention_kv4.py, H100, Llama-3-8B attention, 4-bit
+# cache, context 511 / 512, batch 4 / 16 / 32): 1 to 3 % faster at every point
+# (benchmarks/results/zipper_h100_llama3/attn.log).
 # The 4-bit cache's kernels compiled without fused multiply-adds (the grid's range as methods.quant rounds it); with
 # them the step was the same within 0.3 %, and the GPU's scales differed from the reference's in the last bit.
 KV4_NO_FP_FUSION = True
@@ -185,6 +174,34 @@ def _bits(dtype: torch.dtype) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- RMSNorm
+
+
+@triton.jit
+def add_residual(x, r_ptrs, mask, DT: tl.constexpr, BITS: tl.constexpr):
+    """``x + residual`` rounded to ``DT`` (as the eager add rounds it), stored back as the new residual."""
+    x = rnd(x + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32), DT, BITS)
+    tl.store(r_ptrs, x.to(DT), mask=mask)
+    return x
+
+
+@triton.jit
+def norm_quant_row(X, R, W, Q, S, n, kp, eps, clip_ratio, HB: tl.constexpr, HAS_RES: tl.constexpr,
+                   DT: tl.constexpr, BITS: tl.constexpr, SPLIT8: tl.constexpr):
+    """One row: ``r += x`` (with ``HAS_RES``), RMSNorm, then the activation quantizer (scale to ``S``, ints to ``Q``)."""
+    pairs = tl.arange(0, HB)
+    k = pairs[:, None] * 2 + tl.arange(0, 2)[None, :]
+    mask = k < n
+    x = tl.load(X + k, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x = add_residual(x, R + k, mask, DT, BITS)
+    var = tl.sum(tl.sum(x * x, axis=1), axis=0) / n
+    y = rnd(x * (1.0 / tl.sqrt(var + eps)), DT, BITS)
+    w = tl.load(W + k, mask=mask, other=0.0).to(tl.float32)
+    z = rnd(w * y, DT, BITS)  # the normalized row exactly as rmsnorm() stores it
+    # then act_quant's quantizer on it (same operations, same integers)
+    scale = sym_scale(max_nan(max_nan(tl.abs(z), 1), 0), clip_ratio, 7.0)
+    tl.store(S, scale)
+    quantize_store(z, scale, Q, pairs, kp, SPLIT8)
 
 
 @triton.jit
@@ -331,13 +348,7 @@ def _hadamard_halves(x1, x2, D: tl.constexpr, DT: tl.constexpr, BITS: tl.constex
 
 
 @triton.jit
-def _min_max(lo_a, hi_a, lo_b, hi_b):
-    """Combine of a ``(min, max)`` pair reduction (NaN-propagating)."""
-    return minimum_nan(lo_a, lo_b), maximum_nan(hi_a, hi_b)
-
-
-@triton.jit
-def _kv4_quantize(x1, x2, clip, SYM: tl.constexpr, MINMAX: tl.constexpr = 1):
+def _kv4_quantize(x1, x2, clip, SYM: tl.constexpr):
     """One 4-bit group per row of ``[x1 | x2]`` (halves ``[R, D/2]``, fp32): :func:`kv4_quantize_reference`'s
     operations (``methods.quant``'s grid: IEEE divisions, ties to even). Returns the packed bytes ``[R, D/2]``
     (channel ``j`` in the low nibble of byte ``j``, channel ``j + D/2`` in its high nibble), the scales and
@@ -346,10 +357,7 @@ def _kv4_quantize(x1, x2, clip, SYM: tl.constexpr, MINMAX: tl.constexpr = 1):
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     if SYM:
-        if MINMAX > 0:
-            amax = max_nan(maximum_nan(tl.abs(x1), tl.abs(x2)), 1)
-        else:
-            amax = maximum_nan(max_nan(tl.abs(x1), 1), max_nan(tl.abs(x2), 1))
+        amax = max_nan(maximum_nan(tl.abs(x1), tl.abs(x2)), 1)
         scale = sym_scale(amax, clip, 7.0)
         zero = scale * 0.0 + 8.0
         # clamping to [-9, 9] first keeps the magic-number rounding exact and clamp(round(v), -8, 7) unchanged
@@ -358,14 +366,9 @@ def _kv4_quantize(x1, x2, clip, SYM: tl.constexpr, MINMAX: tl.constexpr = 1):
         u2 = tl.minimum(tl.maximum(round_half_even(tl.minimum(tl.maximum(
             quant_div(x2, scale[:, None]), -9.0), 9.0)), -8.0), 7.0) + 8.0
     else:
-        if MINMAX == 2:  # one max over the joined (max, -min) pairs of the halves' element-wise extremes (exact)
-            hi, neg_lo = tl.split(max_nan(tl.join(maximum_nan(x1, x2), -minimum_nan(x1, x2)), 1))
-            lo = -neg_lo
-        elif MINMAX == 1:  # one reduction of (min, max) pairs with its own combine function (exact)
-            lo, hi = tl.reduce((minimum_nan(x1, x2), maximum_nan(x1, x2)), 1, _min_max)
-        else:  # four reductions, one a half and extreme
-            lo = minimum_nan(min_nan(x1, 1), min_nan(x2, 1))
-            hi = maximum_nan(max_nan(x1, 1), max_nan(x2, 1))
+        # one max over the joined (max, -min) pairs of the halves' element-wise extremes (exact)
+        hi, neg_lo = tl.split(max_nan(tl.join(maximum_nan(x1, x2), -minimum_nan(x1, x2)), 1))
+        lo = -neg_lo
         lo = minimum_nan(lo, 0.0) * clip
         hi = maximum_nan(hi, 0.0) * clip
         scale = asym_scale(lo, hi, 15.0)
@@ -388,10 +391,10 @@ def _kv4_unpack(packed, scale, zero):
 
 
 @triton.jit
-def _kv4_store(x1, x2, CP, SP, ZP, at, sat, mask, clip, SYM: tl.constexpr, MINMAX: tl.constexpr = 1):
+def _kv4_store(x1, x2, CP, SP, ZP, at, sat, mask, clip, SYM: tl.constexpr):
     """Quantize rows ``[x1 | x2]`` (:func:`_kv4_quantize`) and store them at ``CP + at`` (``[R, D/2]`` offsets),
     their scales and zeros at ``SP + sat``, ``ZP + sat`` (``[R, 1]``); returns their fp32 dequantized halves."""
-    packed, scale, zero = _kv4_quantize(x1, x2, clip, SYM, MINMAX)
+    packed, scale, zero = _kv4_quantize(x1, x2, clip, SYM)
     tl.store(CP + at, packed, mask=mask)
     tl.store(SP + sat, scale[:, None], mask=mask)
     tl.store(ZP + sat, zero[:, None], mask=mask)
@@ -405,7 +408,7 @@ def _rope_kv_kernel(QKV, POS, COS, SIN, QN, KN, QOUT, KC, VC, KS, KZ, VS, VZ, KD
                     HQ: tl.constexpr, HKV: tl.constexpr, HQP: tl.constexpr, HKVP: tl.constexpr,
                     D: tl.constexpr, QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr,
                     ROT: tl.constexpr, KV4: tl.constexpr, SYM: tl.constexpr, DEQ: tl.constexpr,
-                    CHAIN: tl.constexpr, KV4_MINMAX: tl.constexpr = 1):
+                    CHAIN: tl.constexpr):
     chain_start(CHAIN)
     t = tl.program_id(0).to(tl.int64)
     b = t // tokens_per_seq
@@ -432,8 +435,8 @@ def _rope_kv_kernel(QKV, POS, COS, SIN, QN, KN, QOUT, KC, VC, KS, KZ, VS, VZ, KD
     if KV4:
         at = b * stride_cb + hk * stride_ch + pos * stride_cl + d[None, :]
         sat = b * stride_sb + hk * stride_sh + pos
-        kd1, kd2 = _kv4_store(k1, k2, KC, KS, KZ, at, sat, mk, clip, SYM, KV4_MINMAX)
-        vd1, vd2 = _kv4_store(v1.to(tl.float32), v2.to(tl.float32), VC, VS, VZ, at, sat, mk, clip, SYM, KV4_MINMAX)
+        kd1, kd2 = _kv4_store(k1, k2, KC, KS, KZ, at, sat, mk, clip, SYM)
+        vd1, vd2 = _kv4_store(v1.to(tl.float32), v2.to(tl.float32), VC, VS, VZ, at, sat, mk, clip, SYM)
         if DEQ:  # the dequantized keys and values in DT, as methods.kvcache's simulation rounds them
             deq = b * stride_db + hk * stride_dh + pos * stride_dl + d[None, :]
             tl.store(KD + deq, rnd(kd1, DT, BITS).to(DT), mask=mk)
@@ -729,22 +732,11 @@ def _kv_args(kv: KVFormat | None, scales: KVScales | None, fallback: torch.Tenso
                 **({"enable_fp_fusion": False} if quantized and KV4_NO_FP_FUSION else {}))
 
 
-def _kv4_minmax() -> int:
-    """The 4-bit quantizer's form of its row extremes as the kernels' ``MINMAX`` constant: 0 four reductions,
-    1 the pairs' reduction, 2 the joined max (the settings' ``attn_kv4_minmax``; by default the pairs compiled and
-    the four reductions on the interpreter)."""
-    named = settings.current().attn_kv4_minmax
-    if named is None:
-        return 0 if triton_interpreting() else 1
-    return KV4_MINMAX_FORMS.index(named)
-
-
 def _kv4_loop_args(dtype: torch.dtype, packed: bool, device: torch.device) -> dict:
     """The 4-bit loop's variant flags (:attr:`~mosaicquant.kernels.tile_table.TileTable.attn_kv4_biased` and the rest); the byte-permute conversion only
     compiled (the interpreter runs no inline PTX) and for BF16; the stages only over a 4-bit cache."""
     stages = {} if ATTN_KV4_STAGES is None or not packed else {"num_stages": int(ATTN_KV4_STAGES)}
-    chosen = settings.current()
-    return dict(KV4_BIASED=bool(table_for(device).attn_kv4_biased), KV4_ZDOT=chosen.attn_kv4_zdot, KV4_PW_ONCE=chosen.attn_kv4_pw_once,
+    return dict(KV4_BIASED=bool(table_for(device).attn_kv4_biased),
                 KV4_ASM=bool(ATTN_KV4_ASM) and dtype == torch.bfloat16 and not triton_interpreting(), **stages)
 
 
@@ -824,7 +816,7 @@ def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
             stride_dl=kd.stride(2) if dequant is not None else 0,
             HQ=heads, HKV=kv_heads, HQP=triton.next_power_of_2(heads), HKVP=triton.next_power_of_2(kv_heads), D=d,
             QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype), DEQ=dequant is not None,
-            CHAIN=chain, KV4_MINMAX=_kv4_minmax(), num_warps=4, **_kv_args(kv, scales, cos), **chain_launch(chain))
+            CHAIN=chain, num_warps=4, **_kv_args(kv, scales, cos), **chain_launch(chain))
     return out
 
 
@@ -896,7 +888,7 @@ def _kv4_nibbles(packed, DT: tl.constexpr, BIASED: tl.constexpr, USE_ASM: tl.con
 def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, stride_cl, scale_log2,
                       GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
                       BITS: tl.constexpr, DOT_F32: tl.constexpr, BIASED: tl.constexpr = False,
-                      USE_ASM: tl.constexpr = False, ZDOT: tl.constexpr = False, PW_ONCE: tl.constexpr = False):
+                      USE_ASM: tl.constexpr = False):
     """:func:`_attend_chunk` over a 4-bit cache (:func:`_kv4_quantize`'s bytes; scales and zeros at ``sbase``
     along the cache): the integers go into the dots as they are, each key's scale and zero apply to its
     scores, ``s·(q·u - z·Σq)``, and each value's to the probabilities, ``Σ_n (p·s)_n (u_n - z_n)`` with
@@ -906,12 +898,6 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
     ``128 + z`` (exact values, and each product with a 16-bit query or probability exact in fp32; the sums
     round at 128 + u's scale, well inside the output's 16-bit tolerance).
 
-    ``ZDOT``: the zero points' term ``Σ_n (p·s)_n z_n`` summed by the tensor cores, a dot with the zero points as
-    16 equal columns accumulated across the loop and taken off the value sums after it (their products are exact
-    in fp32 as the summed ones are); the value dots accumulate into the rescaled sums.
-
-    ``PW_ONCE``: ``p·s`` converted to the dots' dtype once a step for all its dots (the same values: the
-    conversion of a value already rounded to ``DT`` is exact), not once a dot.
     """
     HALF: tl.constexpr = D // 2
     dh = tl.arange(0, HALF)
@@ -930,7 +916,6 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
     l_sum = tl.zeros([GP], tl.float32)
     acc1 = tl.zeros([GP, HALF], tl.float32)
     acc2 = tl.zeros([GP, HALF], tl.float32)
-    zacc = tl.zeros([GP, 16], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < end
@@ -952,23 +937,10 @@ def _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, end, s
         alpha = tl.exp2(m - m_new)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         pw = rnd(p * vs[None, :], DT, BITS)
-        if PW_ONCE:  # each dot's .to(KD) below is then the identity
-            pd = pw.to(KD)
-        else:
-            pd = pw
-        if ZDOT:
-            zacc = tl.dot(pd.to(KD), tl.broadcast_to(vz[:, None], (BLOCK_N, 16)).to(KD), zacc * alpha[:, None])
-            acc1 = tl.dot(pd.to(KD), v_lo, acc1 * alpha[:, None])
-            acc2 = tl.dot(pd.to(KD), v_hi, acc2 * alpha[:, None])
-        else:
-            corr = tl.sum(pw * vz[None, :], axis=1)[:, None]
-            acc1 = acc1 * alpha[:, None] + (tl.dot(pd.to(KD), v_lo) - corr)
-            acc2 = acc2 * alpha[:, None] + (tl.dot(pd.to(KD), v_hi) - corr)
+        corr = tl.sum(pw * vz[None, :], axis=1)[:, None]
+        acc1 = acc1 * alpha[:, None] + (tl.dot(pw.to(KD), v_lo) - corr)
+        acc2 = acc2 * alpha[:, None] + (tl.dot(pw.to(KD), v_hi) - corr)
         m = m_new
-    if ZDOT:  # its 16 columns are equal
-        z = tl.max(zacc, axis=1)[:, None]
-        acc1 -= z
-        acc2 -= z
     return m, l_sum, acc1, acc2
 
 
@@ -1052,9 +1024,7 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
                       QK_NORM: tl.constexpr, DT: tl.constexpr, BITS: tl.constexpr, DOT_F32: tl.constexpr,
                       DIRECT: tl.constexpr, ROT: tl.constexpr, KV4: tl.constexpr, SYM: tl.constexpr,
                       CHAIN: tl.constexpr, KV4_BIASED: tl.constexpr = False,
-                      KV4_ASM: tl.constexpr = False, NEW_CACHED: tl.constexpr = False,
-                      KV4_MINMAX: tl.constexpr = 1, KV4_ZDOT: tl.constexpr = False,
-                      KV4_PW_ONCE: tl.constexpr = False):
+                      KV4_ASM: tl.constexpr = False, NEW_CACHED: tl.constexpr = False):
     # _attn_split_kernel's programs (a KV head of a sequence, a chunk of its cache), doing rope_kv's
     # work for their head too: the G queries and the new key rotated from the qkv row; the program
     # whose chunk holds the position writes the new key and value into the cache, and its loop reads
@@ -1100,14 +1070,14 @@ def _rope_attn_kernel(QKV, POS, COS, SIN, QN, KN, KC, VC, PM, PL, PACC, OUT, KS,
             at = base + pos * stride_cl + dh
             sat = sbase + pos + tl.zeros([1, 1], tl.int64)
             mine = tl.zeros([1, 1], tl.int32) == 0
-            kd1, kd2 = _kv4_store(k1, k2, KC, KS, KZ, at, sat, mine, clip, SYM, KV4_MINMAX)
+            kd1, kd2 = _kv4_store(k1, k2, KC, KS, KZ, at, sat, mine, clip, SYM)
             vd1, vd2 = _kv4_store(tl.load(v_row + dh).to(tl.float32), tl.load(v_row + HALF + dh).to(tl.float32), VC,
-                                  VS, VZ, at, sat, mine, clip, SYM, KV4_MINMAX)
+                                  VS, VZ, at, sat, mine, clip, SYM)
         if NEW_CACHED:  # the loop reads the new key and value back from the cache, after the CTA's barrier
             tl.debug_barrier()
         m, l_sum, acc1, acc2 = _attend_chunk_kv4(q1, q2, KC, VC, KS, KZ, VS, VZ, base, sbase, start, loop_end,
                                                  stride_cl, scale_log2, GP, D, BLOCK_N, DT, BITS, DOT_F32,
-                                                 KV4_BIASED, KV4_ASM, KV4_ZDOT, KV4_PW_ONCE)
+                                                 KV4_BIASED, KV4_ASM)
         if owner and not NEW_CACHED:  # the new key and value, dequantized in registers: one more softmax step
             s_new = (tl.sum(q1.to(tl.float32) * kd1, axis=1) + tl.sum(q2.to(tl.float32) * kd2, axis=1)) * scale_log2
             m_new = tl.maximum(m, s_new)
@@ -1361,7 +1331,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
         stride_cl=k_cache.stride(2), stride_ob=out.stride(0), HKV=kv_heads, NSPLIT=p.nsplit, G=p.g, GP=p.gp, D=d,
         BLOCK_N=block_n, QK_NORM=q_norm is not None, DT=_tl_dtype(qkv.dtype), BITS=_bits(qkv.dtype),
         DOT_F32=triton_interpreting(),
-        DIRECT=direct, CHAIN=chain, NEW_CACHED=bool(tiles.attn_new_cached), KV4_MINMAX=_kv4_minmax(),
+        DIRECT=direct, CHAIN=chain, NEW_CACHED=bool(tiles.attn_new_cached),
         **_kv4_loop_args(qkv.dtype, packed, qkv.device),
         num_warps=ATTN_KV4_WARPS if packed else 4, **_kv_args(kv, scales, cos), **chain_launch(chain))
     if direct:
@@ -1431,7 +1401,7 @@ def _rmsnorm_quant_kernel(X, R, W, Q, SCALE, n, kp, eps, clip_ratio, stride_x, s
     chain_start(CHAIN)  # the GEMM reading our output may start its prologue (it waits before reading)
     row = tl.program_id(0).to(tl.int64)
     norm_quant_row(X + row * stride_x, R + row * stride_r, W, Q + row * stride_q, SCALE + row, n, kp, eps, clip_ratio,
-                   HB, HAS_RES, DT, BITS, SPLIT8, False)
+                   HB, HAS_RES, DT, BITS, SPLIT8)
 
 
 def rmsnorm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,

@@ -51,7 +51,6 @@ from mosaicquant.kernels._tiles import (
 )
 from mosaicquant.kernels.act_quant import quantize_activations, quantize_activations_triton
 from mosaicquant.kernels.gemv import GEMV_MAX_M, gemv_reason, gemv_triton
-from mosaicquant.kernels.norm_fold import NormFold
 from mosaicquant.kernels.tile_table import table_for
 from mosaicquant.kernels.residual_gemm import residual_add
 from mosaicquant.kernels.w4a4_gemm import (
@@ -72,7 +71,6 @@ from mosaicquant.kernels.zipper import (
     gated_reason,
     residual_block_map,
     zipper_gemm,
-    zipper_gemm_triton,
 )
 from mosaicquant.methods.format import PackedW4, ResidualBlocks, residual_shifts
 
@@ -320,14 +318,6 @@ class QuantLinear(nn.Module):
         call = self._parallel_call(m)
         return call is not None and gated_reason(m, self.out_features, call[1], self.block_shape, call[0]) is None
 
-    def folds_norm(self, m: int) -> bool:
-        """Whether a Triton call of ``m`` packed tokens can run the RMSNorm after it in its last programs
-        (``forward_quantized(..., fold=...)``; :mod:`mosaicquant.kernels.norm_fold`): the dense GEMM or
-        ZipperEngine's inline / tail kernel (not the GEMV, the swapped GEMM or the parallel modes)."""
-        if m < 1 or self.uses_gemv(m) or self.swap_route(m) is not None:
-            return False
-        return self.block_shape is None or (self.fused and self._parallel_call(m) is None)
-
     def uses_swapped(self, m: int, backend: str) -> bool:
         """Whether a call of ``m`` tokens on ``backend`` runs the operand-swapped GEMM (prefill, mid or decode tiles)."""
         return backend == "triton" and self.swap_route(m) is not None
@@ -399,28 +389,17 @@ class QuantLinear(nn.Module):
                                         residual=self.residual, **tiles, **walk)
 
     def forward_quantized(self, a_packed: torch.Tensor, a_scale: torch.Tensor, backend: str,
-                          gated: bool = False, fold: NormFold | None = None) -> torch.Tensor:
+                          gated: bool = False) -> torch.Tensor:
         """The GEMM part on already quantized activations: ``[M, ceil(K/2)]`` packed + ``[M]`` scales → ``[M, N]`` BF16.
 
         For callers that quantize the activations themselves (e.g. fused with an online
         Hadamard, :mod:`mosaicquant.kernels.hadamard_quant`); ``backend`` is ``"triton"`` or
         ``"torch"`` (:func:`mosaicquant.kernels.resolve_kernel`). ``gated``: this layer is stacked
         ``[gate | up]``; return ``bf16(silu(gate)) · up``, ``[M, N / 2]``, written by the GEMM where
-        :meth:`writes_gated` says so (else :class:`UserInputError`). ``fold``: the RMSNorm after this
-        layer, run by the GEMM's last programs where :meth:`folds_norm` says so (else
-        :class:`UserInputError`); its results land in the fold's buffers.
+        :meth:`writes_gated` says so (else :class:`UserInputError`).
         """
         k = self.in_features
         residual = self.residual
-        if fold is not None:
-            m = a_packed.shape[0]
-            if backend != "triton" or gated or not self.folds_norm(m):
-                raise UserInputError(f"this layer's call of {m} tokens on {backend!r} cannot run the norm after it "
-                                     f"(see folds_norm)")
-            if residual is None:
-                return w4a4_gemm_triton(a_packed, a_scale, self.qweight, self.w_scale, k, self.bias, fold=fold)
-            return zipper_gemm_triton(a_packed, a_scale, self.qweight, self.w_scale, k, residual, self.bias,
-                                      block_map=self.res_block_map, mode=self.mode, fold=fold)
         if gated:  # the Triton launchers name what they cannot take
             if residual is None:
                 return w4a4_gemm(a_packed, a_scale, self.qweight, self.w_scale, k, self.bias, kernel=backend,

@@ -96,7 +96,6 @@ from mosaicquant.kernels._tl import (
 from mosaicquant.kernels.act_quant import SPLIT_BLOCK, split8_width
 from mosaicquant.kernels.decoder import silu_mul_reference
 from mosaicquant.kernels.tile_table import table_for
-from mosaicquant.kernels.norm_fold import NormFold, fold_launch_args, fold_norm, fold_pdl, fold_reason
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 from mosaicquant.methods.format import residual_shifts as residual_shifts_of
 
@@ -136,12 +135,10 @@ JOINED_DOT = True
 def _w4a4_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, KP, stride_am, stride_wn, stride_om, PF_ROW_BYTES,
-    done_ptr, fr_ptr, fw_ptr, fq_ptr, fs_ptr, f_eps, f_clip, stride_fr, stride_fq, f_total,
     HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     X16: tl.constexpr = False, GATED: tl.constexpr = False,
-    FOLD: tl.constexpr = 0, FHB: tl.constexpr = 64, FSPLIT8: tl.constexpr = False, LATE_SIGNAL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -164,15 +161,10 @@ def _w4a4_gemm_kernel(
                             (q + HALF) * SPLIT_K, SPLIT_K, y, bias_ptr, offs_m, q * BN + tl.arange(0, BN), M,
                             N // 2, stride_om, HAS_BIAS=HAS_BIAS)
     else:
-        wrote = store_output(
+        store_output(
             out_ptr, part_ptr, lock_ptr, pid, pid_k, y, bias_ptr, offs_m, offs_n, M, N, stride_om,
             HAS_BIAS=HAS_BIAS, SPLIT_K=SPLIT_K, OUT_FP32=OUT_FP32,
         )
-        if LATE_SIGNAL:  # the kernel after us may launch now (norm_fold.fold_pdl)
-            tl.extra.cuda.gdc_launch_dependents()
-        if FOLD > 0:  # the norm after this GEMM, by its last programs (mosaicquant.kernels.norm_fold)
-            fold_norm(wrote, out_ptr, stride_om, M, N, f_total, done_ptr, fr_ptr, stride_fr, fw_ptr, fq_ptr, stride_fq,
-                      fs_ptr, f_eps, f_clip, FOLD, FHB, tl.bfloat16, True, FSPLIT8)
 
 
 @triton.jit
@@ -696,7 +688,6 @@ def w4a4_gemm_triton(
     prefetch_mib: float | None = None,
     x16: bool = True,
     gated: bool = False,
-    fold: NormFold | None = None,
 ) -> torch.Tensor:
     """Launch the dense W4A4 Triton GEMM.
 
@@ -728,16 +719,13 @@ def w4a4_gemm_triton(
             ``[M, I]`` BF16, from the counted fix-up of each gate tile and its up tile (the same
             bits as the GEMM followed by :func:`mosaicquant.kernels.decoder.silu_mul`), where
             :func:`gated_shape_reason` finds nothing against it.
-        fold: the RMSNorm and quantizer after this GEMM, run by its last programs on its output
-            (:mod:`mosaicquant.kernels.norm_fold`; the results land in ``fold.q``, ``fold.scale``,
-            ``fold.residual``).
 
     Returns:
         ``[M, N]`` BF16 (or fp32) output; ``[M, N / 2]`` gated.
 
     Raises:
-        UserInputError: bad operands (see :func:`check_gemm_args`), device, a gated call the
-            tiles cannot take, or a fold it cannot run (:func:`mosaicquant.kernels.norm_fold.fold_reason`).
+        UserInputError: bad operands (see :func:`check_gemm_args`), device, or a gated call the
+            tiles cannot take.
     """
     m, n, kp = check_gemm_args(a_packed, a_scale, qweight, w_scale, bias, k)
     check_triton_device(a_packed.device)
@@ -756,28 +744,21 @@ def w4a4_gemm_triton(
         part = torch.empty(tiles * split * cfg.block_m * cfg.block_n, dtype=torch.float32, device=out.device)
     else:
         part = torch.empty(split, m, n, dtype=torch.float32, device=out.device) if split > 1 else out
-    if fold is not None:
-        reason = fold_reason(fold, m, n, out_fp32, gated, out.device)
-        if reason is not None:
-            raise UserInputError(f"fold cannot run with this call: {reason}")
-    fold_args, fold_consts = fold_launch_args(fold, m, tiles, out)
     w_scale = w_scale.reshape(-1)
     if pdl is None and not pdl_default(m, n, kp):
         pdl = False
     pdl = use_pdl(a_packed.device, pdl)
     pf_row = prefetch_row_bytes(n, kp, split, prefetch_mib, DENSE_PREFETCH_MIB)
-    pdl_c, late_signal = fold_pdl(fold, gemm_pdl(a_packed.device, m, pdl))
     _w4a4_gemm_kernel[(tiles, split)](
         a_packed.view(torch.int8), a_scale, qweight.view(torch.int8), w_scale,
         bias if bias is not None else a_scale, out, part, lock_buffer(out.device),
-        m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), pf_row, *fold_args,
+        m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), pf_row,
         HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0,
         BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot,
-        USE_ASM=not triton_interpreting(), PDL=pdl_c, LATE_SIGNAL=late_signal,
+        USE_ASM=not triton_interpreting(), PDL=gemm_pdl(a_packed.device, m, pdl),
         PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
         X16=bool(x16) and cfg.use_dot and k < X16_MAX_K, GATED=bool(gated),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
-        **fold_consts,
     )
     return out
 

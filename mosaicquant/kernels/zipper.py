@@ -73,7 +73,6 @@ import triton
 import triton.language as tl
 
 from mosaicquant.errors import UserInputError
-from mosaicquant import settings
 from mosaicquant.kernels._common import (
     check_tensor,
     check_triton_device,
@@ -113,7 +112,6 @@ from mosaicquant.kernels._tl import (
 )
 from mosaicquant.kernels.gemv import gemv_reason, residual_dp4a, residual_dp4a_begin
 from mosaicquant.kernels.tile_table import table_for
-from mosaicquant.kernels.norm_fold import NormFold, fold_launch_args, fold_norm, fold_pdl, fold_reason
 from mosaicquant.kernels.w4a4_gemm import X16_MAX_K, check_gemm_args, gated_shape_reason, int_matmul, silu_mul_halves
 from mosaicquant.methods.format import ResidualBlocks, unpack_int4
 
@@ -136,14 +134,12 @@ def _zipper_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     block_map_ptr, row_ptr_ptr, coords_ptr, res_val_ptr, res_scale_ptr, a_words_ptr, res_words_ptr,
     M, N, KP, stride_am, stride_wn, stride_om, PF_ROW_BYTES, n_block_cols,
-    done_ptr, fr_ptr, fw_ptr, fq_ptr, fs_ptr, f_eps, f_clip, stride_fr, stride_fq, f_total,
     HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, EVEN_K: tl.constexpr, MODE: tl.constexpr,
     BN_RES: tl.constexpr, BKP_RES: tl.constexpr, RKP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     X16: tl.constexpr = False, DP4A_TOKENS: tl.constexpr = 0,
-    FOLD: tl.constexpr = 0, FHB: tl.constexpr = 64, FSPLIT8: tl.constexpr = False, LATE_SIGNAL: tl.constexpr = False,
-    WALK_STAGES: tl.constexpr = None, WALK_PRELOAD: tl.constexpr = False, WALK_SCALES_AHEAD: tl.constexpr = False,
+    WALK_STAGES: tl.constexpr = None, WALK_PRELOAD: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -238,18 +234,8 @@ def _zipper_kernel(
             r_acc = mac_int4(tl.zeros([BM, BN], dtype=tl.int32), a0, r0, USE_DOT, USE_ASM, X16)
             y += r_acc.to(tl.float32) * s0[None, :]
             p_begin += SPLIT_K
-        if WALK_SCALES_AHEAD:  # the first walked block's row scales (an absent block: never used)
-            s_next = tl.load(res_scale_ptr + p_begin * BN_RES + res_rows, mask=(res_rows >= 0) & (p_begin < last),
-                             other=0.0)
         for p in tl.range(p_begin, last, SPLIT_K, num_stages=WALK_STAGES):
             block_col = tl.load(coords_ptr + 2 * p + 1)
-            if WALK_SCALES_AHEAD:
-                # this block's row scales were loaded a step before; the next block's load now, consumed a step
-                # later (the pipeliner stages only loads that feed a dot, so these would wait within the step)
-                r_scale = s_next.to(tl.float32)
-                p_next = p + SPLIT_K
-                s_next = tl.load(res_scale_ptr + p_next * BN_RES + res_rows, mask=(res_rows >= 0) & (p_next < last),
-                                 other=0.0)
             r_acc = tl.zeros([BM, BN], dtype=tl.int32)
             for chunk in tl.static_range(0, BKP_RES, RKP):
                 kp = block_col * BKP_RES + chunk + tl.arange(0, RKP)
@@ -257,23 +243,17 @@ def _zipper_kernel(
                 r = tl.load(res_val_ptr + p * (BN_RES * BKP_RES) + res_rows[None, :] * BKP_RES
                             + (chunk + tl.arange(0, RKP))[:, None])
                 r_acc = mac_int4(r_acc, a, r, USE_DOT, USE_ASM, X16)
-            if not WALK_SCALES_AHEAD:
-                r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows).to(tl.float32)
+            r_scale = tl.load(res_scale_ptr + p * BN_RES + res_rows).to(tl.float32)
             y += r_acc.to(tl.float32) * r_scale[None, :]
 
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     y = y * a_scale[:, None]
     if X16:  # every product was 256x: exact power-of-two rescale (the same rounding as without)
         y = y * 0.00390625
-    wrote = store_output(
+    store_output(
         out_ptr, part_ptr, lock_ptr, pid, pid_k, y, bias_ptr, offs_m, offs_n, M, N, stride_om,
         HAS_BIAS=HAS_BIAS, SPLIT_K=SPLIT_K, OUT_FP32=OUT_FP32,
     )
-    if LATE_SIGNAL:  # the kernel after us may launch now (norm_fold.fold_pdl)
-        tl.extra.cuda.gdc_launch_dependents()
-    if FOLD > 0:  # the norm after this GEMM, by its last programs (mosaicquant.kernels.norm_fold)
-        fold_norm(wrote, out_ptr, stride_om, M, N, f_total, done_ptr, fr_ptr, stride_fr, fw_ptr, fq_ptr, stride_fq,
-                  fs_ptr, f_eps, f_clip, FOLD, FHB, tl.bfloat16, True, FSPLIT8)
 
 
 @triton.jit
@@ -452,7 +432,6 @@ def zipper_gemm_triton(
     x16: bool = True,
     residual_walk: str = "auto",
     gated: bool = False,
-    fold: NormFold | None = None,
 ) -> torch.Tensor:
     """Launch the fused dense + residual Triton GEMM.
 
@@ -482,15 +461,13 @@ def zipper_gemm_triton(
             ``[M, I]`` BF16, from the fix-up of each pair of tiles (the same bits as the GEMM then
             :func:`mosaicquant.kernels.decoder.silu_mul`); the parallel modes only, where
             :func:`gated_reason` finds nothing against it.
-        fold: the RMSNorm and quantizer after this GEMM, run by its last programs on its output
-            (:mod:`mosaicquant.kernels.norm_fold`); the inline and tail modes only.
 
     Returns:
         ``[M, N]`` BF16 (or fp32).
 
     Raises:
         UserInputError: bad operands, a residual of another shape, a block shape the kernel
-            cannot tile, an unknown mode, or a fold this call cannot run.
+            cannot tile, or an unknown mode.
     """
     m, n, kp = check_gemm_args(a_packed, a_scale, qweight, w_scale, bias, k)
     check_residual(residual, n, k, a_packed.device)
@@ -539,11 +516,6 @@ def zipper_gemm_triton(
         pdl = False
     pdl = use_pdl(a_packed.device, pdl)
     pf_row = prefetch_row_bytes(n, kp, split, prefetch_mib, _tiles.ZIPPER_PREFETCH_MIB)
-    if fold is not None:
-        reason = "the parallel modes have no fold" if fuse in ("parallel", "parallel_rows") else \
-            fold_reason(fold, m, n, out_fp32, gated, out.device)
-        if reason is not None:
-            raise UserInputError(f"fold cannot run with this call: {reason}")
     if fuse in ("parallel", "parallel_rows"):
         if m > cfg.block_m or not cfg.use_dot:
             raise UserInputError(f"mode={fuse!r} runs one tensor-core tile of {cfg.block_m} tokens; this call has "
@@ -570,26 +542,22 @@ def zipper_gemm_triton(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
         )
         return out
-    fold_args, fold_consts = fold_launch_args(fold, m, tiles, out)
-    pdl_c, late_signal = fold_pdl(fold, gemm_pdl(a_packed.device, m, pdl))
     _zipper_kernel[(tiles, split)](
         a_packed.view(torch.int8), a_scale, qweight.view(torch.int8), w_scale.reshape(-1),
         bias if bias is not None else a_scale, out, part, lock_buffer(out.device),
         block_map if block_map is not None else residual.row_ptr, residual.row_ptr, residual.coords,
         residual.values.view(torch.int8), residual.scales,
         *((a_packed.view(torch.int32), residual.values.view(torch.int32)) if dp4a_tokens else (a_scale, a_scale)),
-        m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), pf_row, residual.grid[1], *fold_args,
+        m, n, kp, a_packed.stride(0), qweight.stride(0), out.stride(0), pf_row, residual.grid[1],
         HAS_BIAS=bias is not None, OUT_FP32=out_fp32, EVEN_K=kp % cfg.block_kp == 0, MODE=_MODE_ID[fuse],
         BN_RES=bn_res, BKP_RES=bk_res // 2, RKP=rkp,
         BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, SPLIT_K=split, GROUP_M=cfg.group_m, USE_DOT=cfg.use_dot,
-        USE_ASM=not triton_interpreting(), PDL=pdl_c, LATE_SIGNAL=late_signal,
+        USE_ASM=not triton_interpreting(), PDL=gemm_pdl(a_packed.device, m, pdl),
         PREFETCH=pdl and m <= PREFETCH_MAX_M and pf_row > 0,
         X16=bool(x16) and cfg.use_dot and k < X16_MAX_K, DP4A_TOKENS=dp4a_tokens,
         WALK_STAGES=walk_stages(m, device=a_packed.device) if fuse == "tail" and not dp4a_tokens else None,
         WALK_PRELOAD=fuse == "tail" and not dp4a_tokens and 0 < m <= table_for(a_packed.device).walk_preload_max_m,
-        WALK_SCALES_AHEAD=(settings.current().walk_scales_ahead and fuse == "tail" and not dp4a_tokens
-                           and walk_stages(m, device=a_packed.device) is None),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl), **fold_consts,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out
 

@@ -201,9 +201,9 @@ def test_gate_up_gemm_writes_silu_mul_at_decode_sizes(tiny, monkeypatch, method,
     gated_calls = []
     plain_forward = QuantLinear.forward_quantized
 
-    def counting(self, a, s, backend, gated=False, fold=None):
+    def counting(self, a, s, backend, gated=False):
         gated_calls.append(gated)
-        return plain_forward(self, a, s, backend, gated, fold)
+        return plain_forward(self, a, s, backend, gated)
 
     monkeypatch.setattr(QuantLinear, "forward_quantized", counting)
     prompt = torch.randint(0, 256, (4, 9), device=DEVICE)
@@ -226,50 +226,6 @@ def test_gate_up_gemm_writes_silu_mul_at_decode_sizes(tiny, monkeypatch, method,
         assert torch.equal(outs[True], outs[False])
     else:  # the interpreter truncates the plain GEMM's BF16 output; the gated fix-up rounds to nearest
         assert _sqnr_db(outs[True], outs[False]) >= QUANT_SQNR_DB
-
-
-@pytest.mark.parametrize("method,options", [("rtn", {}), ("quarot", {"kvbits": 16}),
-                                            ("mosaicquant", {"budget": 0.25, "block": "16x64"})])
-def test_norms_after_o_and_down_run_in_their_gemms_last_programs(tiny, monkeypatch, method, options, tile_table):
-    # at decode sizes (runtime.NORM_FOLD_MAX_M) o_proj's and down_proj's GEMMs run the norm after them
-    # (mosaicquant.kernels.norm_fold): the same logits as the norm kernel, which then does not run
-    from mosaicquant.kernels import decoder, norm_fold
-
-    if method == "mosaicquant":  # the tiny layers' o and down would run the parallel modes, which do not fold
-        tile_table(parallel_max_m=0)
-    model = _model(TINY.name)
-    ctx = QuantContext(calibration=lambda: None, seed=0, device=DEVICE)
-    speed_form(method, model, get_method(method).config(**options), ctx)
-    executable(model, ctx.info)
-    dec = FusedDecoder(model)
-    prompt = torch.randint(0, 256, (4, 9), device=DEVICE)
-    step = torch.randint(0, 256, (4, 1), device=DEVICE)
-    pos = torch.full((4,), 9, device=DEVICE)
-    folds, norms = [], []
-    plain_fold, plain_norm = norm_fold.norm_fold, decoder.rmsnorm_quant
-    monkeypatch.setattr(norm_fold, "norm_fold", lambda *a, **k: folds.append(1) or plain_fold(*a, **k))
-    monkeypatch.setattr(decoder, "rmsnorm_quant", lambda *a, **k: norms.append(1) or plain_norm(*a, **k))
-    # the prompt's 36 tokens are past the fold's calls: one prefill serves both settings
-    assert prompt.numel() > 8
-    monkeypatch.setattr(runtime, "NORM_FOLD_MAX_M", 8)
-    prefilled = dec.new_cache(4, 16)
-    dec.prefill(prompt, prefilled)
-    outs = {}
-    for most in (8, 0):
-        monkeypatch.setattr(runtime, "NORM_FOLD_MAX_M", most)
-        cache = copy.deepcopy(prefilled)
-        folds.clear()
-        norms.clear()
-        outs[most] = dec.decode(step, pos, cache)
-        layers = len(dec.layers)
-        # o_proj's fold in every layer, down_proj's in all but the last (the final norm has no quantizer) where
-        # SiLU·mul is not a kernel of its own between them (MosaicQuant's here)
-        want = layers + (layers - 1 if method != "mosaicquant" else 0) if most else 0
-        assert (len(folds), len(norms)) == (want, 2 * layers - want), (folds, norms)
-    if DEVICE.type == "cuda":  # the GEMM's warps may sum the squares in another order than the norm kernel's
-        assert _sqnr_db(outs[8], outs[0]) >= 40
-    else:  # the interpreter's last program runs the norm kernel's operations in its order: the same bits
-        assert torch.equal(outs[8], outs[0])
 
 
 @pytest.mark.parametrize("method", ["fp16", "quarot"])

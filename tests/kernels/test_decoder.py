@@ -5,9 +5,7 @@ import math
 import pytest
 import torch
 
-from mosaicquant import settings
 from mosaicquant.errors import UserInputError
-from mosaicquant.kernels import decoder
 from mosaicquant.kernels.decoder import (
     KVFormat,
     KVScales,
@@ -28,7 +26,6 @@ from mosaicquant.kernels.decoder import (
     silu_mul_reference,
 )
 from mosaicquant.kernels.tile_table import TileTable
-from mosaicquant.settings import KV4_MINMAX_FORMS
 from tests.kernels._helpers import DEVICE, needs_triton
 
 pytestmark = needs_triton()
@@ -300,27 +297,6 @@ def test_kv4_quantizer_is_the_methods_fake_quantizer(symmetric, clip):
     assert scale[0, 0] == 1 and (zero == 8).all() == symmetric
 
 
-@pytest.mark.parametrize("form", ["pairs", "joined"])
-@pytest.mark.parametrize("symmetric", [False, True])
-def test_rope_kv_one_minmax_reduction_on_the_interpreter(form, symmetric):
-    # the quantizer's one-reduction forms, which the GPU runs, on the interpreter too (the pairs' form takes the
-    # four reductions there by default, the same bits): the same cache as the reference's
-    with settings.use(attn_kv4_minmax=form):
-        assert decoder._kv4_minmax() == KV4_MINMAX_FORMS.index(form) > 0
-        test_rope_kv_writes_the_4bit_cache(4, 2, 32, False, symmetric, False)
-
-
-@pytest.mark.parametrize("interpreting", [True, False])
-def test_kv4_minmax_forms_by_default_named_and_a_bad_name(interpreting, monkeypatch):
-    monkeypatch.setattr(decoder, "triton_interpreting", lambda: interpreting)
-    assert decoder._kv4_minmax() == (0 if interpreting else 1)  # the four reductions only on the interpreter
-    for form, want in (("four", 0), ("pairs", 1), ("joined", 2)):
-        with settings.use(attn_kv4_minmax=form):
-            assert decoder._kv4_minmax() == want, form
-    with pytest.raises(UserInputError, match="attn_kv4_minmax='both' is not allowed: choose one of 'four', 'pairs'"):
-        settings.KernelSettings(attn_kv4_minmax="both")
-
-
 @pytest.mark.parametrize("heads,kv_heads,d,qk_norm", [(8, 2, 64, False), (6, 2, 32, True)])
 @pytest.mark.parametrize("symmetric,rotate", [(False, True), (True, False)])
 def test_rope_kv_writes_the_4bit_cache(heads, kv_heads, d, qk_norm, symmetric, rotate):
@@ -385,35 +361,13 @@ def test_4bit_attention_loop_variants(biased, block_n, chunk, monkeypatch, tile_
     _check_4bit_attention(8, 2, 64, False, True, chunk)
 
 
-@pytest.mark.parametrize("block_n", [128, 64])
-@pytest.mark.parametrize("chunk", [None, 128])
-def test_4bit_attention_zero_points_by_dot(block_n, chunk, monkeypatch, tile_table):
-    # the zero points' term summed by a dot across the loop and taken off the value sums after it
-    tile_table(attn_kv4_block_n=block_n)
-    with settings.use(attn_kv4_zdot=True):
-        assert decoder._kv4_loop_args(BF16, True, torch.device("cpu"))["KV4_ZDOT"] is True
-        _check_4bit_attention(8, 2, 64, False, True, chunk)
-        if block_n == 128 and chunk is None:
-            _check_4bit_attention(4, 4, 64, True, False, None, torch.float16)
-    assert decoder._kv4_loop_args(BF16, True, torch.device("cpu"))["KV4_ZDOT"] is False  # off again after the block
-
-
-@pytest.mark.parametrize("zdot", [False, True])
-def test_4bit_attention_probabilities_converted_once(zdot):
-    # p·s converted to the dots' dtype once a step for all of its dots: the same attention
-    with settings.use(attn_kv4_pw_once=True, attn_kv4_zdot=zdot):
-        assert decoder._kv4_loop_args(BF16, True, torch.device("cpu"))["KV4_PW_ONCE"] is True
-        _check_4bit_attention(8, 2, 64, False, True, 128 if zdot else None)
-
-
-@pytest.mark.parametrize("new_cached,minmax", [(False, "four"), (False, "pairs"), (True, "four"), (True, "joined")])
+@pytest.mark.parametrize("new_cached", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,symmetric", [(8, 2, False), (4, 4, True)])
-def test_4bit_attention_prologue_forms(new_cached, minmax, heads, kv_heads, symmetric, monkeypatch, tile_table):
-    # the new key and value from registers or read back by the loop, the quantizer's four reductions or one
-    # (pairs or joined): the same attention, and the same cache (_check_4bit_attention checks both)
+def test_4bit_attention_prologue_forms(new_cached, heads, kv_heads, symmetric, monkeypatch, tile_table):
+    # the new key and value from registers or read back by the loop: the same attention, and the same cache
+    # (_check_4bit_attention checks both)
     tile_table(attn_new_cached=new_cached)
-    with settings.use(attn_kv4_minmax=minmax):  # a named form runs as named on the interpreter too
-        _check_4bit_attention(heads, kv_heads, 64, symmetric, True, None)
+    _check_4bit_attention(heads, kv_heads, 64, symmetric, True, None)
 
 
 @pytest.mark.parametrize("rotate", [True, False])

@@ -30,7 +30,6 @@ from mosaicquant.kernels.mixed_gemm import (
     mixed_gemm_triton,
     mixed_weights,
 )
-from mosaicquant.kernels.norm_fold import norm_fold
 from mosaicquant.kernels.quant_linear import QuantLinear
 from mosaicquant.kernels.w4a4_gemm import w4a4_gemm_swapped_triton, w4a4_gemm_triton
 from mosaicquant.methods.hadamard import OnlineHadamard
@@ -188,9 +187,6 @@ CASES = {
                                                    kernel="triton"),
                                    r"weight (must be contiguous|must have unit stride)"),
     "odd gate/up width": (lambda: silu_mul(_act(3, K + 1), kernel="triton"), r"gate_up has an odd width 129"),
-    "fold residual strided": (lambda: norm_fold(torch.ones(K, dtype=BF16, device=DEVICE), 1e-6,
-                                                _act(3, 2 * K)[:, ::2], 1.0),
-                              r"residual must have unit stride"),
     "kv of another type": (lambda: _rope_kv(kv="4bit"), r"kv must be a KVFormat, got str"),
     "scales for a 16-bit cache": (lambda: _rope_kv(kv=KVFormat(16), scales=KVScales.empty(B, KV_HEADS, SLOTS, DEVICE)),
                                   r"scales are given for a 16-bit cache"),

@@ -88,7 +88,6 @@ def test_chain_mode_is_nothing_without_pdl(monkeypatch):
     ("pdl", "maybe", "pdl='maybe' is not a boolean"),
     ("prefetch_mib", "-1", "prefetch_mib=-1.0 is out of range: allowed numbers >= 0"),
     ("prefetch_mib", "lots", "prefetch_mib='lots' is not a number"),
-    ("attn_kv4_minmax", "both", "attn_kv4_minmax='both' is not allowed: choose one of 'four', 'pairs', 'joined'"),
 ])
 def test_bad_settings_are_refused_with_the_allowed_values(field, value, message):
     with pytest.raises(UserInputError, match=re.escape(message)):

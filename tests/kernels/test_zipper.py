@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from mosaicquant import settings
 from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._tiles import TileConfig, fit_to_blocks
 from mosaicquant.kernels.act_quant import quantize_activations_reference
@@ -432,9 +431,9 @@ def _spy_kernel_constant(monkeypatch, name):
 @needs_triton()
 @pytest.mark.parametrize("m,split,preload,k,fraction", [(8, 2, True, 1000, 0.3), (8, 2, True, 2000, 0.6),
                                                         (13, 3, False, 2000, 0.6)])
-def test_walk_scales_ahead_writes_the_same_bits(monkeypatch, m, split, preload, k, fraction, tile_table):
-    # walk_scales_ahead (KernelSettings) loads each kept block's row scales a block ahead: programs that walk no block (a row with fewer
-    # blocks than splits) or several, with and without the first block preloaded (the walk then starts a block on)
+def test_tail_walk_programs_that_walk_no_block_or_several(monkeypatch, m, split, preload, k, fraction, tile_table):
+    # the split tail walk: programs that walk no block (a row with fewer blocks than splits) or several, with and
+    # without the first block preloaded (the walk then starts a block on)
 
     n, block = 384, (128, 128)
     a_packed, a_scale, qweight, w_scale, residual, bias = _case(m, n, k, block, fraction, seed=53)
@@ -448,31 +447,8 @@ def test_walk_scales_ahead_writes_the_same_bits(monkeypatch, m, split, preload, 
     config = TileConfig(block_m=16, block_n=64, block_kp=128, split_k=split, num_stages=3)
     ref = zipper_gemm_reference(a_packed, a_scale, qweight, w_scale, k, residual, bias, out_fp32=True)
     tile_table(walk_preload_max_m=m if preload else 0)
-    outs = {}
-    for ahead in (False, True):
-        with settings.use(walk_scales_ahead=ahead):
-            outs[ahead] = zipper_gemm_triton(*args, mode="tail", config=config, residual_walk="dot")
-        assert_close_bf16(outs[ahead], ref, f"zipper tail, scales ahead={ahead}")
-    assert torch.equal(outs[False], outs[True]), f"{(outs[False] != outs[True]).sum()} differ"
-
-
-@needs_triton()
-def test_walk_scales_ahead_applies_below_the_staged_walks(monkeypatch):
-    # the switch reaches tensor-core tail walks of fewer than WALK_STAGES_MIN_M tokens only (from there the walk's
-    # deeper pipeline copies the scales ahead itself), never the dp4a walk; off by default
-
-    seen = _spy_kernel_constant(monkeypatch, "WALK_SCALES_AHEAD")
-    assert settings.current().walk_scales_ahead is False
-    n, k, block = 256, 512, (128, 128)
-    cases = [(8, "dot", True), (TileTable().walk_stages_min_m - 1, "dot", True), (TileTable().walk_stages_min_m, "dot", False),
-             (4, "dp4a", False)]
-    for switch in (False, True):
-        for m, walk, expected in cases:
-            a_packed, a_scale, qweight, w_scale, residual, _ = _case(m, n, k, block, 0.3, seed=m)
-            with settings.use(walk_scales_ahead=switch):
-                zipper_gemm_triton(a_packed.to(DEVICE), a_scale.to(DEVICE), qweight.to(DEVICE), w_scale.to(DEVICE),
-                                   k, _dev(residual), mode="tail", residual_walk=walk)
-            assert seen[-1] is (expected and switch), (switch, m, walk, seen[-1])
+    out = zipper_gemm_triton(*args, mode="tail", config=config, residual_walk="dot")
+    assert_close_bf16(out, ref, "zipper tail")
 
 
 @needs_triton()
