@@ -13,8 +13,7 @@ online Hadamard + quantizer, or in a kernel of its own), ``transformers`` (eager
 
 Variants (``--variant LABEL:VAR=VALUE[,VAR=VALUE]``, repeatable): kernel settings the kernels
 read at launch (fields of :class:`mosaicquant.settings.KernelSettings`, e.g. ``pdl_chain``,
-``prefetch_mib``, ``pdl=false``) or tuned constants named by module
-(``mosaicquant.kernels._tiles.DENSE_PREFETCH_MIB=16``), each
+``prefetch_mib``, ``pdl=false``) or entries of the tile table (``silu_in_gate_up=false``), each
 timed on the same model right after the others (``--rounds`` times, interleaved); the row's
 runtime reads ``fused[LABEL]``. With programmatic dependent launch a kernel's programs may start
 before its predecessor ends and wait, so the profiler's per-kernel times then include waiting:
@@ -207,53 +206,36 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return label.strip(), env
 
 
-def set_constant(module, attr: str, text: str) -> None:
-    """``module.attr`` set from ``text``: the text itself for a constant that is a string, else a number of the
-    constant's type (a constant that is None takes an int where the number is whole)."""
-    cur = getattr(module, attr)
-    if isinstance(cur, str):  # a named form (decoder.ATTN_KV4_MINMAX)
-        setattr(module, attr, text)
-        return
-    try:
-        val = float(text)
-    except ValueError:
-        raise SystemExit(f"{attr} takes a number, got {text!r}") from None
-    setattr(module, attr, (int(val) if val.is_integer() else val) if cur is None else type(cur)(val))
-
-
 class _Env:
-    """Kernel settings (``KernelSettings`` fields) in force, and ``mosaicquant.<module>.<NAME>`` constants (numbers cast
-    to the constant's type, the text itself for a constant that is a string) set, for a ``with`` block; restored
-    after.
+    """Kernel settings (``KernelSettings`` fields) and tile-table entries (``TileTable`` fields) in force for a
+    ``with`` block; the ones before come back after.
 
     Raises:
-        UserInputError: a setting the settings refuse (naming it and the allowed values).
+        SystemExit: a name that is neither, with the allowed names.
+        UserInputError: a value the settings refuse (naming it and the allowed values).
     """
 
     def __init__(self, env: dict[str, str]):
-        self.env, self.saved_attrs = env, {}
-        self.chosen = settings.use(**{k: v for k, v in env.items() if not k.startswith("mosaicquant.")})
+        import dataclasses
 
-    @staticmethod
-    def _target(name: str):
-        import importlib
+        from mosaicquant.kernels.tile_table import TileTable
 
-        module, _, attr = name.rpartition(".")
-        return importlib.import_module(module), attr
+        fields = {f.name for f in dataclasses.fields(settings.KernelSettings)}
+        entries = {f.name for f in dataclasses.fields(TileTable)}
+        unknown = sorted(set(env) - fields - entries)
+        if unknown:
+            raise SystemExit(f"--variant: unknown {unknown}; allowed: kernel settings {sorted(fields)} "
+                             f"and tile-table entries {sorted(entries)}")
+        self.chosen = settings.use(**{k: v for k, v in env.items() if k in fields})
+        self.tiles = settings.use_tiles(**{k: v for k, v in env.items() if k in entries and k not in fields})
 
     def __enter__(self):
-        for k, v in self.env.items():
-            if k.startswith("mosaicquant."):
-                mod, attr = self._target(k)
-                self.saved_attrs[k] = getattr(mod, attr)
-                set_constant(mod, attr, v)
         self.chosen.__enter__()
+        self.tiles.__enter__()
 
     def __exit__(self, *exc):
+        self.tiles.__exit__(*exc)
         self.chosen.__exit__(*exc)
-        for k, v in self.saved_attrs.items():
-            mod, attr = self._target(k)
-            setattr(mod, attr, v)
 
 
 def main() -> None:

@@ -43,7 +43,6 @@ from triton.runtime.driver import driver
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / part) for part in ("kernels", "prototypes")]
 
-from decode_profile import set_constant  # noqa: E402
 from offline_regs import _CompileOnlyDriver, compile_only  # noqa: E402
 
 from mosaicquant import settings  # noqa: E402
@@ -74,9 +73,23 @@ def loop_counts(sass: str) -> tuple[int, collections.Counter]:
     return len(body), ops
 
 
+def set_constant(module, attr: str, text: str) -> None:
+    """``module.attr`` set from ``text`` for this compile only: the text for a string constant, else a number of the
+    constant's type (a constant that is None takes an int where the number is whole)."""
+    cur = getattr(module, attr)
+    if isinstance(cur, str):
+        setattr(module, attr, text)
+        return
+    try:
+        val = float(text)
+    except ValueError:
+        raise SystemExit(f"{attr} takes a number, got {text!r}") from None
+    setattr(module, attr, (int(val) if val.is_integer() else val) if cur is None else type(cur)(val))
+
+
 def _set(dec, item: str, chosen: dict) -> None:
     """``NAME=VALUE``: a kernel setting into ``chosen`` (lower case), else set on ``dec``
-    (:func:`decode_profile.set_constant`'s typing)."""
+    (:func:`set_constant`'s typing)."""
     name, eq, text = item.partition("=")
     if eq and name in TILE_ENTRIES:
         chosen.setdefault("tiles", {})[name] = text

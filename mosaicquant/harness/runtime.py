@@ -67,7 +67,8 @@ FUSED_DESCRIPTION = ("fused decoder (Triton add+RMSNorm, fused with the 4-bit ac
                      "GEMM each; 16-bit KV unless noted)")
 TRANSFORMERS_DESCRIPTION = "transformers eager decoder (static KV cache, 16-bit unless the method quantizes it)"
 
-# Calls of this many tokens (first, last) run SiLU·mul inside down_proj's fused online Hadamard + quantizer
+# The decoder's routes are entries of the device's tile table (mosaicquant.kernels.tile_table), measured as follows.
+# silu_in_hadamard_min_m / _max_m: calls of this many tokens (first, last) run SiLU·mul inside down_proj's fused online Hadamard + quantizer
 # (methods with that Hadamard: QuaRot, SpinQuant, MosaicQuant) instead of in a kernel of its own, where the
 # FusedDecoder leaves it to this rule (silu_in_hadamard=None). Measured (Llama-3-8B shapes, context 512,
 # CUDA-graph step, µs, its own kernel / inside / its own kernel again): at batch 24 QuaRot 3,618 / 3,548 / 3,619
@@ -76,26 +77,22 @@ TRANSFORMERS_DESCRIPTION = "transformers eager decoder (static KV cache, 16-bit 
 # 3-6 % slower (the gated Hadamard kernel runs longer, and gate/up's GEMM writes SiLU·mul itself up to 16
 # tokens). Prefill (2048 tokens, the throughput suite, rule from 17 tokens up): QuaRot 58.1k against 57.7k tok/s,
 # MosaicQuant 49.7k against 49.6k, within the runs' spread: left out of the rule.
-SILU_IN_HADAMARD_M = (17, 32)
-# SiLU·mul written by gate/up's own GEMM where it can (ZipperEngine's parallel modes and the dense W4A4 GEMM at
+# silu_in_gate_up: SiLU·mul written by gate/up's own GEMM where it can (ZipperEngine's parallel modes and the dense W4A4 GEMM at
 # decode sizes, BF16 models, down_proj's quantizer not taking it: QuantLinear.writes_gated) instead of a kernel
 # of its own.
 # Measured (Llama-3-8B shapes, MosaicQuant's CUDA-graph step at batch 4 / 8 / 16, µs): 3,109 / 3,244 /
 # 3,546 with the kernel, 2,979 / 3,164 / 3,478 without it.
-SILU_IN_GATE_UP = True
-# A decode step's RoPE + KV write inside the attention's kernel (decoder.decode_rope_attention: two kernels, the
+# fused_rope_attention: a decode step's RoPE + KV write inside the attention's kernel (decoder.decode_rope_attention: two kernels, the
 # chunks and their combine, instead of three) for layers whose KV cache is not simulated at lower precision.
 # Measured (Llama-3-8B shapes, CUDA-graph step at batch 4 / 8 / 16 / 32, µs): MosaicQuant 2,865 / 3,070 /
 # 3,377 / 4,410 without, 2,765 / 3,008 / 3,303 / 4,345 with; BF16 4,853 / 5,111 / 5,206 / 5,659 and 4,847 /
 # 4,971 / 5,124 / 5,592.
-FUSED_ROPE_ATTENTION = True
-# Prefill attention of grouped-query models: torch's SDPA reads each KV head for its group of query heads
+# prefill_sdpa_gqa: prefill attention of grouped-query models: torch's SDPA reads each KV head for its group of query heads
 # (enable_gqa) instead of the keys and values copied once per query head (repeat_interleave: two copy kernels a
 # layer, 23-24 µs each on Qwen3-14B shapes at 2048 tokens, 21-22 on Llama-3-8B; the attention kernel's own time
 # unchanged). Measured (2048-token prefill, CUDA graph, µs, copies -> enable_gqa): Qwen3-14B shapes BF16
 # 92,861 -> 91,171, QuaRot 87,112 -> 85,398, MosaicQuant 92,809 -> 90,484; Llama-3-8B shapes 49,363 -> 48,515,
 # 35,236 -> 34,134, 38,836 -> 37,707 (benchmarks/kernels/decode_profile.py --prefill 2048, 2 rounds).
-PREFILL_SDPA_GQA = True
 
 _STANDARD_ATTENTION = (None, "sdpa", "eager", "flash_attention_2", "flash_attention_3")
 _KV_SPEC_ATTR = "kv_quant_spec"  # mosaicquant.methods.kvcache's per-attention-module spec
@@ -383,7 +380,7 @@ class FusedDecoder:
             of the fused online Hadamard's where ``silu_in_hadamard``).
         silu_in_hadamard: where ``down_proj`` has an online Hadamard the fused kernel runs, compute
             SiLU·mul inside it too instead of in a kernel of its own: ``True`` on every call, ``False``
-            never, ``None`` on calls of :data:`SILU_IN_HADAMARD_M` tokens.
+            never, ``None`` on calls of the tile table's ``silu_in_hadamard_min_m`` to ``_max_m`` tokens.
 
     Raises:
         UserInputError: the model cannot run here (:func:`fused_reason`).
@@ -588,23 +585,30 @@ class FusedDecoder:
 
         return attend_qkv
 
+    def _table(self):
+        """The tile table of this decoder's device, with the kernel settings' entries in force."""
+        from mosaicquant.kernels.tile_table import table_for
+
+        return table_for(self.device)
+
     def _down_gated(self, lay: _Layer, m: int) -> tuple[object, object]:
         """``(quant, transform)`` of ``down_proj`` taking SiLU·mul inside its quantizer on a call of ``m`` tokens
         (:meth:`_gated_input`), else ``(None, None)``: with an online Hadamard only where ``silu_in_hadamard`` says
-        so, or for ``None`` where ``m`` lies in :data:`SILU_IN_HADAMARD_M`."""
+        so, or for ``None`` where ``m`` lies in the tile table's ``silu_in_hadamard_min_m`` to ``_max_m``."""
         if lay.down_transform is None:
             return lay.down_quant, None
         inside = self.silu_in_hadamard
         if inside is None:
-            inside = SILU_IN_HADAMARD_M[0] <= m <= SILU_IN_HADAMARD_M[1]
+            table = self._table()
+            inside = table.silu_in_hadamard_min_m <= m <= table.silu_in_hadamard_max_m
         return (lay.down_quant, lay.down_transform) if inside else (None, None)
 
     def _gate_up_writes_silu(self, lay: _Layer, m: int) -> bool:
-        """Whether gate/up's GEMM writes SiLU·mul itself for ``m`` tokens (:data:`SILU_IN_GATE_UP`)."""
+        """Whether gate/up's GEMM writes SiLU·mul itself for ``m`` tokens (the tile table's ``silu_in_gate_up``)."""
         from mosaicquant.kernels.quant_linear import QuantLinear
 
         quant = lay.gate_up_quant
-        return (SILU_IN_GATE_UP and self._down_gated(lay, m)[0] is None and self.dtype == torch.bfloat16
+        return (self._table().silu_in_gate_up and self._down_gated(lay, m)[0] is None and self.dtype == torch.bfloat16
                 and isinstance(quant, QuantLinear) and quant.writes_gated(m))
 
     def _silu_down(self, gate_up: torch.Tensor, down: nn.Module, quant, transform=None) -> torch.Tensor:
@@ -673,7 +677,7 @@ class FusedDecoder:
         def attend(q, kc, vc, scale):
             qh = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
             kh, vh = kc[:, :, :s], vc[:, :, :s]
-            if group > 1 and PREFILL_SDPA_GQA:
+            if group > 1 and self._table().prefill_sdpa_gqa:
                 o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
                 return o.transpose(1, 2).reshape(b * s, self.heads * self.head_dim)
             if group > 1:
@@ -723,7 +727,7 @@ class FusedDecoder:
 
         def attend_qkv(qkv: torch.Tensor, i: int, lay: _Layer) -> torch.Tensor:
             fmt = lay.kv_format
-            if lay.kv_spec is not None or (fmt is None and not FUSED_ROPE_ATTENTION):
+            if lay.kv_spec is not None or (fmt is None and not self._table().fused_rope_attention):
                 return unfused(qkv, i, lay)
             # a 4-bit cache is read by this kernel only
             return decode_rope_attention(qkv, positions, cache.cos, cache.sin, cache.keys[i], cache.values[i],

@@ -59,6 +59,13 @@ class TileTable:
         attn_kv4_biased: the 4-bit-cache attention keeps its zero points as a bias.
         attn_kv4_block_n: keys a step of the 4-bit-cache attention.
         merged_walk: QuantLinear runs the merged residual walk where the blocks' shifts allow.
+        silu_in_hadamard_min_m, silu_in_hadamard_max_m: the fused decoder's calls of this many tokens run
+            SiLU·mul inside down_proj's fused online Hadamard + quantizer (``mosaicquant.harness.runtime``).
+        silu_in_gate_up: the fused decoder lets gate/up's GEMM write SiLU·mul where it can.
+        fused_rope_attention: the fused decoder runs a decode step's RoPE and KV write inside the attention's
+            kernel for layers whose KV cache is not simulated.
+        prefill_sdpa_gqa: the fused decoder's prefill attention of grouped-query models reads each KV head for
+            its group of query heads (SDPA's ``enable_gqa``) rather than copies of the keys and values.
     """
 
     dense_gated_max_m: int = 16
@@ -89,6 +96,11 @@ class TileTable:
     attn_kv4_biased: bool = True
     attn_kv4_block_n: int = 128
     merged_walk: bool = True
+    silu_in_hadamard_min_m: int = 17
+    silu_in_hadamard_max_m: int = 32
+    silu_in_gate_up: bool = True
+    fused_rope_attention: bool = True
+    prefill_sdpa_gqa: bool = True
 
 
 #: the rows: a device name or compute capability (``"sm_90"``) -> its table; ``"default"`` for the rest

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from mosaicquant.errors import UserInputError
-from mosaicquant.harness import runtime, shapes
+from mosaicquant.harness import shapes
 from mosaicquant.harness.context import QuantContext
 from mosaicquant.harness.runtime import FusedDecoder, fused_reason, kv_cache_bytes_per_token, resolve_runtime
 from mosaicquant.harness.speedforms import executable, speed_form
 from mosaicquant.harness.suites import speed
+from mosaicquant.kernels.tile_table import table_for
 from mosaicquant.registry import get_method
 
 TINY = shapes.ShapeModel("tiny-llama-shapes", "llama", 64, 128, 2, 4, 2, 16, 256, False)
@@ -71,8 +72,8 @@ def _eager_reference(model, prompt, steps):
 @pytest.mark.parametrize("name", [TINY.name, TINY_QWEN.name])
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
 @pytest.mark.parametrize("sdpa_gqa", [False, True])
-def test_fused_decoder_matches_the_eager_decoder(tiny, name, kernel, sdpa_gqa, monkeypatch):
-    monkeypatch.setattr(runtime, "PREFILL_SDPA_GQA", sdpa_gqa)  # both prefill attentions of grouped heads
+def test_fused_decoder_matches_the_eager_decoder(tiny, name, kernel, sdpa_gqa, monkeypatch, tile_table):
+    tile_table(prefill_sdpa_gqa=sdpa_gqa)  # both prefill attentions of grouped heads
     model = _model(name)
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 256, (3, 11), generator=g).to(DEVICE)
@@ -142,7 +143,7 @@ def test_quantized_models_run_their_kernel_layers_in_the_fused_decoder(tiny, met
 
 
 def test_silu_mul_goes_inside_down_projs_hadamard_by_the_calls_tokens(tiny, monkeypatch, tile_table):
-    # runtime.SILU_IN_HADAMARD_M: calls of that many tokens run SiLU·mul inside down_proj's fused online Hadamard +
+    # the tile table's silu_in_hadamard_min_m / _max_m: calls of that many tokens run SiLU·mul inside down_proj's fused online Hadamard +
     # quantizer (no SiLU·mul kernel), others in its own kernel; the same integers either way
     from mosaicquant.kernels import decoder
 
@@ -152,7 +153,8 @@ def test_silu_mul_goes_inside_down_projs_hadamard_by_the_calls_tokens(tiny, monk
     executable(model, ctx.info)
     dec = FusedDecoder(model)
     lay = dec.layers[0]
-    lo, hi = runtime.SILU_IN_HADAMARD_M
+    table = table_for(DEVICE)
+    lo, hi = table.silu_in_hadamard_min_m, table.silu_in_hadamard_max_m
     assert lay.down_transform is not None
     for m in (lo - 1, hi + 1):
         assert dec._down_gated(lay, m) == (None, None), m
@@ -172,7 +174,7 @@ def test_silu_mul_goes_inside_down_projs_hadamard_by_the_calls_tokens(tiny, monk
     prompt = torch.randint(0, 256, (2, 4), device=DEVICE)  # 8 tokens a call
     outs = {}
     for inside in (True, False):
-        monkeypatch.setattr(runtime, "SILU_IN_HADAMARD_M", (8, 8) if inside else (lo, hi))
+        tile_table(silu_in_hadamard_min_m=8 if inside else lo, silu_in_hadamard_max_m=8 if inside else hi)
         kernel_calls.clear()
         outs[inside] = dec.prefill(prompt)
         assert len(kernel_calls) == (0 if inside else len(dec.layers)), kernel_calls
@@ -182,7 +184,7 @@ def test_silu_mul_goes_inside_down_projs_hadamard_by_the_calls_tokens(tiny, monk
 @pytest.mark.parametrize("method", ["mosaicquant", "quarot"])
 def test_gate_up_gemm_writes_silu_mul_at_decode_sizes(tiny, monkeypatch, method, tile_table):
     # MosaicQuant's gate/up runs ZipperEngine's parallel mode at 4-16 tokens, QuaRot's the dense GEMM
-    # (_tiles.DENSE_GATED_MAX_M): its fix-up writes SiLU·mul of the two halves, and no SiLU·mul kernel runs
+    # (the tile table's dense_gated_max_m): its fix-up writes SiLU·mul of the two halves, and no SiLU·mul kernel runs
     from mosaicquant.kernels.quant_linear import QuantLinear
 
     tile_table(dense_gated_max_m=16)
@@ -216,7 +218,7 @@ def test_gate_up_gemm_writes_silu_mul_at_decode_sizes(tiny, monkeypatch, method,
     dec.prefill(prompt, prefilled)
     outs = {}
     for on in (True, False):
-        monkeypatch.setattr(runtime, "SILU_IN_GATE_UP", on)
+        tile_table(silu_in_gate_up=on)
         cache = copy.deepcopy(prefilled)
         gated_calls.clear()
         outs[on] = dec.decode(step, pos, cache)
@@ -229,7 +231,7 @@ def test_gate_up_gemm_writes_silu_mul_at_decode_sizes(tiny, monkeypatch, method,
 
 
 @pytest.mark.parametrize("method", ["fp16", "quarot"])
-def test_decode_runs_rope_and_attention_in_one_kernel(tiny, monkeypatch, method):
+def test_decode_runs_rope_and_attention_in_one_kernel(tiny, monkeypatch, method, tile_table):
     # decoder.decode_rope_attention in place of rope_kv + decode_attention: the same logits and cache (to
     # attention's bf16 accuracy)
     from mosaicquant.kernels import decoder
@@ -251,7 +253,7 @@ def test_decode_runs_rope_and_attention_in_one_kernel(tiny, monkeypatch, method)
     pos = torch.tensor([9, 9, 9], device=DEVICE)
     outs, caches = {}, {}
     for fused in (True, False):
-        monkeypatch.setattr(runtime, "FUSED_ROPE_ATTENTION", fused)
+        tile_table(fused_rope_attention=fused)
         cache = dec.new_cache(3, 16)
         dec.prefill(prompt, cache)
         calls.clear()

@@ -133,7 +133,7 @@ def test_kernel_preference_from_settings(monkeypatch):
 @needs_triton()
 def test_dense_gate_up_layer_writes_silu_mul_where_the_constant_allows(monkeypatch, tile_table):
     # a layer without residual blocks: its dense GEMM's fix-up writes SiLU·mul at 2 to
-    # _tiles.DENSE_GATED_MAX_M tokens (single tokens run the GEMV), on the packed kernel even where a
+    # the tile table's dense_gated_max_m tokens (single tokens run the GEMV), on the packed kernel even where a
     # plain call of 16 takes the swapped GEMM
     from mosaicquant.kernels.act_quant import quantize_activations_reference
     from mosaicquant.kernels.decoder import silu_mul, silu_mul_reference
