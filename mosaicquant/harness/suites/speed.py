@@ -56,8 +56,8 @@ import torch
 from mosaicquant import settings
 from mosaicquant.config import Config, check_range
 from mosaicquant.errors import Unavailable, UserInputError
-from mosaicquant.harness.floor import decode_bytes, floor_fraction, measure_ceilings, module_bytes, prefill_flops, \
-    quantized_linears
+from mosaicquant.harness.floor import byte_floor_us, decode_bytes, floor_fraction, measure_ceilings, module_bytes, \
+    prefill_flops, quantized_linears
 from mosaicquant.harness.results import Metric
 from mosaicquant.harness.runtime import RUNTIMES, FusedDecoder, resolve_runtime
 from mosaicquant.harness.speedforms import executable
@@ -397,7 +397,7 @@ def _throughput(model, config: ThroughputConfig, ctx):
         nbytes = decode_bytes(model, b, config.context, decoder)
         metrics[f"decode_bytes/b{b}"] = Metric(float(nbytes), higher_is_better=False, unit="B")
         metrics[f"decode_floor_frac/b{b}"] = Metric(
-            floor_fraction(nbytes / (ceilings.copy_gb_s * 1e9) * 1e6, t.median_us), higher_is_better=True,
+            floor_fraction(byte_floor_us(nbytes, ceilings.copy_gb_s), t.median_us), higher_is_better=True,
             unit="of floor")
         w = t.window
         if w is not None:
