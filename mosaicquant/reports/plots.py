@@ -344,6 +344,8 @@ def plot_decode_throughput(cells: list[Cell], out_dir: str | Path) -> list[Figur
         if not with_floor and not without_floor:  # no finite positive tok/s to draw
             continue
         ax.set_xscale("log", base=2)
+        batches = sorted({b for c in rows for b in decode_points(c)})
+        ax.set_xticks(batches, [str(b) for b in batches])  # batch sizes as numbers, not powers of two
         ax.set_yscale("log")
         ax.set_xlabel("decode batch size (sequences)")
         ax.set_ylabel(f"decode tokens/s on {model}, higher is better", fontsize=8)

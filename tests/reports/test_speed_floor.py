@@ -6,7 +6,7 @@ import pytest
 from mosaicquant.harness.results import load_records
 from mosaicquant.reports.cells import aggregate_cells
 from mosaicquant.reports.plots import _new_figure, draw_decode_throughput, plot_decode_throughput
-from mosaicquant.reports.speed import suite_groups, throughput_table
+from mosaicquant.reports.speed import decode_floor_tok_s, decode_points, floor_points, suite_groups, throughput_table
 from mosaicquant.reports.tables import write_tables
 
 SPEED = "llama-3-8b-shapes"
@@ -114,3 +114,17 @@ def test_without_floor_data_the_decode_figure_has_no_floor_line(tmp_path, write_
     assert all("floor" not in t.get_text() for t in ax.legend().get_texts())
     caption = plot_decode_throughput(aggregate_cells_of(out), out)[0].caption
     assert "dashed" not in caption and "No byte floor recorded for: fp16, rtn." in caption
+
+
+def test_the_drawn_floor_agrees_with_the_fraction_the_suite_recorded():
+    # an H100 run's records: the figure's floor, from bytes and the copy bandwidth, is the table's fraction
+    from pathlib import Path
+
+    out = Path(__file__).resolve().parents[2] / "benchmarks/results/llama3_8b_shapes_layout_ab/new"
+    cells = [c for c in aggregate_cells_of(out) if c.suite_name == "throughput"]
+    assert sorted(c.method for c in cells) == ["fp16", "mosaicquant", "quarot"]
+    for cell in cells:
+        floor, measured, fraction = decode_floor_tok_s(cell), decode_points(cell), floor_points(cell)
+        assert sorted(floor) == sorted(fraction) == [4, 8, 16, 32], cell.method
+        for b in floor:
+            assert measured[b].value / floor[b] == pytest.approx(fraction[b].value, rel=1e-9), (cell.method, b)
