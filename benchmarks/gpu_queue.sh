@@ -22,7 +22,7 @@ case $step in
     python3 benchmarks/kernels/nan_guard.py 2>&1 | tee "$out/nan_guard.log" | tail -40 ;;
   suite)
     python3 -m mosaicquant run --model llama-3-8b-shapes \
-      --methods fp16,rtn,quarot,spinquant,resq,atom,mosaicquant,mosaicquant:budget=0,torchao:recipe=int8_dyn,torchao:recipe=int4_wo \
+      --methods fp16,rtn,quarot,spinquant,resq,atom,mosaicquant,mosaicquant:budget=0,torchao:recipe=int8_dyn,torchao:recipe=int4_wo,torchao:recipe=int8_dyn:compile=true,torchao:recipe=int4_wo:compile=true \
       --suites throughput \
       --device cuda --dtype bfloat16 --report --out "$out/suite" 2>&1 | tee "$out/suite.log" | tail -60 ;;
   *) echo "unknown step $step (tests, kernels, nan, suite)"; exit 2 ;;

@@ -20,6 +20,14 @@ Choices:
   ``mslk`` package. That kernel exists on CUDA for bfloat16 only: on any other device or dtype
   the method raises :class:`NotAvailableError` before quantizing anything, so the runner records
   the cell as unavailable with that reason (never a stand-in).
+- ``compile=true``: the form torchao documents as its fast one, ``quantize_`` then ``torch.compile``
+  with ``mode="max-autotune"``. The speed suites compile each quantized linear (inductor fuses the
+  activation quantizer, the int8 product and the rescale) before timing, and record the form as
+  ``compiled``, the mode, and the first call's seconds per measured shape (which compiles it)
+  apart from the timings (:func:`mosaicquant.harness.speedforms.compile_linears`). The mode run is
+  ``max-autotune-no-cudagraphs``: the same kernels, tuned the same way, without inductor's own CUDA
+  graphs, because the suites capture each whole step in one graph themselves. Perplexity is the
+  same function, so the accuracy suite runs it uncompiled.
 - ``set_inductor_config=False``: torchao's default changes global ``torch._inductor`` settings;
   the harness changes no global state.
 - Every ``nn.Linear`` but the output head is quantized (by module type; the head is the module
@@ -31,7 +39,8 @@ Install: ``pip install 'mosaicquant[torchao]'`` (torchao 0.17/0.18 are built aga
 their pure-Python paths, which is all ``int8_dyn`` needs on a CPU, also run with torch 2.13).
 
 Example:
-    ``mosaicquant run --model smollm2-135m --methods fp16,torchao:recipe=int8_dyn --suites accuracy``
+    ``mosaicquant run --model smollm2-135m --methods fp16,torchao:recipe=int8_dyn --suites accuracy``;
+    ``--methods fp16,torchao:recipe=int8_dyn,torchao:recipe=int8_dyn:compile=true --suites throughput``
 """
 
 from __future__ import annotations
@@ -46,10 +55,12 @@ from mosaicquant.errors import NotAvailableError, import_optional
 from mosaicquant.methods.qlinear import output_head_name
 from mosaicquant.registry import register_method
 
-__all__ = ["TorchAOConfig", "INSTALL_HINT", "import_torchao", "recipe_config", "torchao"]
+__all__ = ["TorchAOConfig", "INSTALL_HINT", "COMPILE_MODE", "import_torchao", "recipe_config", "torchao"]
 
 INSTALL_HINT = "pip install 'mosaicquant[torchao]' (torchao>=0.17,<0.19)"
 
+#: torchao's documented ``mode="max-autotune"`` less inductor's CUDA graphs (the speed suites capture the step)
+COMPILE_MODE = "max-autotune-no-cudagraphs"
 _RECIPE_BITS = {"int8_dyn": (8, 8), "int4_wo": (4, 16)}
 _EXEC_PATH = {
     "int8_dyn": "torchao int8 GEMM (Int8Tensor: int_scaled_matmul -> torch._int_mm)",
@@ -64,11 +75,14 @@ class TorchAOConfig(Config):
     Attributes:
         recipe: ``int8_dyn`` (int8 dynamic activations, int8 weights) or ``int4_wo`` (int4
             weight-only, groups of 128, CUDA bfloat16).
+        compile: the speed suites time the quantized linears through ``torch.compile``
+            (:data:`COMPILE_MODE`), the form torchao documents for speed; false times them eager.
     """
 
     description = "torchao quantize_ recipes: int8 dynamic-activation W8A8, int4 weight-only (group 128)"
 
     recipe: Literal["int8_dyn", "int4_wo"] = "int8_dyn"
+    compile: bool = False
 
 
 def import_torchao():
@@ -123,6 +137,8 @@ def torchao(model, config: TorchAOConfig, ctx):
         torchao_config=type(ao_config).__name__, torchao_config_repr=repr(ao_config), output_head=head,
         quantized_linears=converted, exec_path=_EXEC_PATH[config.recipe],
     )
+    if config.compile:
+        ctx.info["torch_compile"] = COMPILE_MODE
     return model
 
 

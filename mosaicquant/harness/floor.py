@@ -13,12 +13,13 @@ physics, 0.5 is half as fast as the bytes allow).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
 
 __all__ = ["Ceilings", "measure_ceilings", "module_bytes", "tensor_bytes", "decode_bytes", "prefill_flops", "quantized_linears",
-           "floor_fraction"]
+           "floor_fraction", "byte_floor_us"]
 
 #: bytes copied per bandwidth sample (well past any L2 cache)
 COPY_BYTES = 1 << 30
@@ -187,6 +188,17 @@ def _linear_weights(module: torch.nn.Module) -> int:
     if hasattr(module, "in_features") and hasattr(module, "out_features"):
         return int(module.in_features) * int(module.out_features)
     return sum(_linear_weights(child) for child in module.children())
+
+
+def byte_floor_us(nbytes: float, copy_gb_s: float) -> float:
+    """µs to read ``nbytes`` at the card's copy bandwidth ``copy_gb_s`` (GB/s): a decode step's byte floor.
+
+    Raises:
+        ValueError: a bandwidth that is not a positive finite number.
+    """
+    if not (math.isfinite(copy_gb_s) and copy_gb_s > 0):
+        raise ValueError(f"copy bandwidth must be a positive finite GB/s, got {copy_gb_s}")
+    return nbytes / (copy_gb_s * 1e9) * 1e6
 
 
 def floor_fraction(floor_us: float, measured_us: float) -> float:

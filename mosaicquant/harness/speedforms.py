@@ -27,7 +27,9 @@ Two things live here.
    runs it as a 4-bit cache where its kernels can, and the records say ``kv_bits``.
    Methods registered with no speed form raise
    :class:`~mosaicquant.errors.Unavailable`. Methods registered ``data_free=True`` (they need no
-   data at all: ``torchao``) run as they are and execute on their own kernels.
+   data at all: ``torchao``) run as they are and execute on their own kernels; one whose info
+   names a ``torch_compile`` mode (``torchao:compile=true``) runs each quantized linear through
+   ``torch.compile`` (:func:`compile_linears`).
 """
 
 from __future__ import annotations
@@ -45,9 +47,12 @@ from mosaicquant.methods.kvcache import enable_kv_quant
 from mosaicquant.methods.qlinear import FakeQuantLinear
 from mosaicquant.registry import METHODS, get_method
 
-__all__ = ["executable", "speed_form", "FLOAT_PATH"]
+__all__ = ["executable", "speed_form", "compile_linears", "FLOAT_PATH", "RECOMPILE_LIMIT"]
 
 FLOAT_PATH = "torch BF16 (cuBLAS)"
+#: compiled specializations a linear's forward may hold: each (input shape, weight shape) the suites
+#: run is one (``dynamic=False``); past it a call fails instead of running eager unnoticed
+RECOMPILE_LIMIT = 256
 # token counts at which the execution path looks for QuantLinear's mid route (33 tokens to the prefill tiles)
 MID_PROBE_M = (33, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2047)
 
@@ -80,8 +85,15 @@ def executable(model: nn.Module, info: dict) -> str:
     if not simulated and not _has_kernel_layers(model):
         # a float model, or a method whose layers are executable as they are (e.g. torchao's)
         path = info.get("exec_path") if info.get("wbits", 16) < 16 and info.get("exec_path") else FLOAT_PATH
+        form = "bf16" if path == FLOAT_PATH else "native"
+        mode = info.get("torch_compile")
+        if mode and path != FLOAT_PATH:
+            compiled = compile_linears(model, mode)
+            path += f"; torch.compile(mode={mode!r}, dynamic=False) of each of {compiled} quantized linears"
+            form = "compiled"
+            info.setdefault("speed", {})["compile_mode"] = mode
         info["exec_path_speed"] = path
-        info.setdefault("speed", {})["form"] = "bf16" if path == FLOAT_PATH else "native"
+        info.setdefault("speed", {})["form"] = form
         return path
     if simulated:
         report = kernelize(model)
@@ -170,6 +182,34 @@ def executable(model: nn.Module, info: dict) -> str:
     info["exec_path_speed"] = path
     info.setdefault("speed", {})["form"] = "kernels"
     return path
+
+
+def compile_linears(model: nn.Module, mode: str) -> int:
+    """Run every linear whose weight is a tensor subclass (a library's packed weights, e.g. torchao's)
+    through ``torch.compile(mode=mode, dynamic=False)``, in place; returns how many.
+
+    The compile happens at each new input shape's first call (the speed suites make that call
+    before timing and record its seconds). A linear whose calls exceed :data:`RECOMPILE_LIMIT`
+    specializations raises rather than falling back to eager.
+
+    Raises:
+        Unavailable: the model has no such linear (nothing to compile).
+    """
+    import torch._dynamo
+
+    targets = [m for m in model.modules() if isinstance(m, nn.Linear) and type(m.weight.data) is not torch.Tensor]
+    if not targets:
+        raise Unavailable("torch.compile form: the model has no linear with a library's packed weights to compile")
+    for module in [m for m in targets if not getattr(m, "_compiled_forward", False)]:  # once per linear
+        compiled = torch.compile(module.forward, mode=mode, dynamic=False)
+
+        def forward(*args, compiled=compiled, **kwargs):
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+                return compiled(*args, **kwargs)
+
+        module.forward = forward
+        module._compiled_forward = True
+    return len(targets)
 
 
 def _kv_spec(config, model: nn.Module):

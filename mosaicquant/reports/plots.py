@@ -7,6 +7,12 @@
   ``ppl`` on the accuracy model and ``ok`` decode throughput on the speed model. The
   speed-up is the geometric mean, over the batch sizes both it and fp16 measured, of
   ``decode_tok_s/b{B}`` / fp16's. Axis labels name both models.
+- :func:`plot_decode_throughput`: decode tokens/s against batch size, one solid line per method
+  (``throughput`` records: ``decode_tok_s/b{B}``, spreads as error bars), and beside it, dashed in
+  the method's colour, the tokens/s of its byte floor: ``B`` over the time its recorded step bytes
+  (``decode_bytes/b{B}``) take at the copy bandwidth measured in the same run
+  (``method_info.speed.ceilings``). A method whose record holds no floor (a record written before
+  the floor was, or without ceilings) has no dashed line, and the caption names it.
 - :func:`plot_speedup_vs_m`: linear-layer speed-up vs fp16 against M (tokens), one panel
   per layer, one line per method (``latency`` records: ``linear_us/{layer}/m{M}``).
 - :func:`plot_accuracy`: perplexity per method (with its spread as an error bar), beside the
@@ -43,12 +49,15 @@ from matplotlib.figure import Figure as MplFigure
 
 from mosaicquant.harness.results import _slug  # figure names read like record names
 from mosaicquant.reports.cells import FP16_LABEL, Cell, MetricSummary, aggregate_cells
-from mosaicquant.reports.speed import decode_points, fp16_cell, linear_points, same_runtime, speedup, suite_groups
+from mosaicquant.reports.speed import decode_floor_tok_s, decode_points, fp16_cell, linear_points, runtime_of, \
+    same_runtime, speedup, suite_groups
 
 __all__ = [
     "Figure",
     "draw_figures",
     "plot_pareto",
+    "plot_decode_throughput",
+    "draw_decode_throughput",
     "plot_speedup_vs_m",
     "plot_memory",
     "plot_accuracy",
@@ -275,6 +284,83 @@ def plot_pareto(cells: list[Cell], out_dir: str | Path) -> tuple[list[Figure], l
                 caption += f" Not drawn: {', '.join(left_out)}."
             figures.append(Figure(path, caption))
     return figures, notes
+
+
+#: line style of a method's byte floor in the decode-throughput figure (its measured line is solid)
+FLOOR_STYLE = "--"
+
+
+def draw_decode_throughput(ax, rows: list[Cell]) -> tuple[list[str], list[str]]:
+    """Draw each cell's decode tok/s against batch on ``ax`` (solid, error bars from the spreads) and,
+    dashed in the same colour with ``gid`` ``floor:<method>``, its byte floor where recorded.
+
+    Only finite positive values are drawn (the axis is logarithmic).
+
+    Returns:
+        The methods drawn with a floor line, and those drawn without one.
+    """
+    # a record that does not say its runtime is no different one (as in the tables)
+    runtimes = {runtime_of(c) for c in rows} - {None}
+    with_floor, without_floor = [], []
+    for cell in rows:
+        pts = {b: v for b, v in decode_points(cell).items() if math.isfinite(v.value) and v.value > 0}
+        if not pts:
+            continue
+        label = cell.method + (f" ({runtime_of(cell)})" if len(runtimes) > 1 and runtime_of(cell) else "")
+        errs = [v.spread if v.spread is not None and math.isfinite(v.spread) else 0.0 for v in pts.values()]
+        drawn = ax.errorbar(list(pts), [v.value for v in pts.values()], yerr=errs if any(errs) else None,
+                            marker="o", ms=3, capsize=2, lw=1.2, label=label,
+                            color="black" if cell.method == FP16_LABEL else None)
+        floor = decode_floor_tok_s(cell)
+        if floor:
+            ax.plot(list(floor), list(floor.values()), FLOOR_STYLE, lw=1, color=drawn.lines[0].get_color(),
+                    gid=f"floor:{cell.method}")
+            with_floor.append(cell.method)
+        else:
+            without_floor.append(cell.method)
+    if with_floor:  # one legend entry for every dashed line: they share a meaning, not a method
+        ax.plot([], [], FLOOR_STYLE, lw=1, color="grey", label="byte floor (dashed, the method's colour)")
+    return with_floor, without_floor
+
+
+def plot_decode_throughput(cells: list[Cell], out_dir: str | Path) -> list[Figure]:
+    """Per throughput group: decode tok/s against batch, one line per method, its byte floor dashed beside it.
+
+    Tokens/s need no fp16 row, so the figure is drawn for every group with decode numbers. The
+    floor line of a method (:func:`mosaicquant.reports.speed.decode_floor_tok_s`) is an upper bound
+    on its tokens/s: the gap between the two lines is what the step loses to anything but its bytes.
+    Where the methods ran on different decoder runtimes, each label names its runtime.
+    """
+    out_dir = Path(out_dir)
+    figures = []
+    names = _model_names(cells)
+    for (model, suite), group in suite_groups(cells, "throughput").items():
+        rows = [c for c in group if decode_points(c)]
+        if not rows:
+            continue
+        fig, axes = _new_figure(1, 1, (6.4, 4.6))
+        ax = axes[0][0]
+        with_floor, without_floor = draw_decode_throughput(ax, rows)
+        if not with_floor and not without_floor:  # no finite positive tok/s to draw
+            continue
+        ax.set_xscale("log", base=2)
+        batches = sorted({b for c in rows for b in decode_points(c)})
+        ax.set_xticks(batches, [str(b) for b in batches])  # batch sizes as numbers, not powers of two
+        ax.set_yscale("log")
+        ax.set_xlabel("decode batch size (sequences)")
+        ax.set_ylabel(f"decode tokens/s on {model}, higher is better", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+        path = _save(fig, out_dir / f"decode_throughput__{_name(names, model, suite, 'throughput')}.png")
+        caption = f"Decode tokens/s against batch size on {model} ({suite})"
+        if with_floor:
+            caption += ("; dashed: each method's byte floor, the tokens/s if its step's bytes streamed at the copy "
+                        "bandwidth measured in the same run")
+        caption += "."
+        if without_floor:
+            caption += f" No byte floor recorded for: {', '.join(without_floor)}."
+        figures.append(Figure(path, caption))
+    return figures
 
 
 def plot_speedup_vs_m(cells: list[Cell], out_dir: str | Path) -> tuple[list[Figure], list[str]]:
@@ -530,6 +616,7 @@ def draw_figures(records: list[dict[str, Any]], out_dir: str | Path) -> tuple[li
     out_dir = Path(out_dir)
     cells = list(aggregate_cells(records).values())
     figures, notes = plot_pareto(cells, out_dir)
+    figures += plot_decode_throughput(cells, out_dir)
     latency_figures, latency_notes = plot_speedup_vs_m(cells, out_dir)
     figures += latency_figures
     notes += latency_notes

@@ -32,6 +32,7 @@ from typing import Iterable
 import pandas as pd
 
 from mosaicquant.harness.backends import backend_label
+from mosaicquant.harness.floor import byte_floor_us
 from mosaicquant.reports.cells import FP16_LABEL, Cell, MetricSummary, format_number, natural_key
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "speedup",
     "throughput_table",
     "floor_points",
+    "decode_floor_tok_s",
     "form_of",
     "ceilings_of",
     "ceilings_text",
@@ -59,6 +61,7 @@ __all__ = [
 
 DECODE_RE = re.compile(r"^decode_tok_s/b(\d+)$")
 FLOOR_RE = re.compile(r"^decode_floor_frac/b(\d+)$")
+BYTES_RE = re.compile(r"^decode_bytes/b(\d+)$")
 PREFILL_FLOOR = "prefill_floor_frac"
 ENERGY_RE = re.compile(r"^decode_energy_j_per_tok/b(\d+)$")
 POWER_RE = re.compile(r"^decode_power_w/b(\d+)$")
@@ -96,6 +99,20 @@ def floor_points(cell: Cell) -> dict[int, MetricSummary]:
     """``{batch: fraction of the decode byte floor}``, sorted by batch (empty for records without floors)."""
     found = {int(m.group(1)): v for name, v in cell.metrics.items() if (m := FLOOR_RE.match(name))}
     return dict(sorted(found.items()))
+
+
+def decode_floor_tok_s(cell: Cell) -> dict[int, float]:
+    """``{batch: tok/s at the decode byte floor}``: ``B`` over the time the step's recorded bytes
+    (``decode_bytes/b{B}``) take at the copy bandwidth the run measured (``method_info.speed.ceilings``).
+
+    Empty where either is not recorded (records of CPU runs, or written before the floor was).
+    """
+    copy = (ceilings_of(cell) or {}).get("copy_gb_s")
+    if not isinstance(copy, (int, float)) or not (math.isfinite(copy) and copy > 0):
+        return {}
+    found = {int(m.group(1)): v.value for name, v in cell.metrics.items() if (m := BYTES_RE.match(name))}
+    return {b: b / (byte_floor_us(n, copy) * 1e-6) for b, n in sorted(found.items())
+            if math.isfinite(n) and n > 0}
 
 
 def form_of(cell: Cell) -> str | None:

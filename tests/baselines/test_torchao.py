@@ -8,10 +8,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mosaicquant.baselines.torchao import TorchAOConfig, torchao
+from mosaicquant.baselines.torchao import COMPILE_MODE, TorchAOConfig, torchao
 from mosaicquant.errors import NotAvailableError
 from mosaicquant.errors import UserInputError
 from mosaicquant.harness.context import QuantContext
+from mosaicquant.harness.spec import parse_plugin_spec
+from mosaicquant.harness.speedforms import executable
+from mosaicquant.harness.suites.speed import first_call_s, measure_decode, measure_prefill
 
 ao_quant = pytest.importorskip("torchao.quantization", reason="torchao is not installed: pip install "
                                "'mosaicquant[torchao]'")
@@ -98,8 +101,62 @@ def test_bad_recipe_and_missing_package():
         TorchAOConfig.from_dict({"recipe": "int4"})
 
 
-def test_missing_torchao_says_what_to_install(monkeypatch):
+@pytest.mark.parametrize("compile_form", [False, True])
+def test_missing_torchao_says_what_to_install(monkeypatch, compile_form):
     for name in [n for n in sys.modules if n == "torchao" or n.startswith("torchao.")]:
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(NotAvailableError, match=r"pip install 'mosaicquant\[torchao\]'"):
-        torchao(_tiny(), TorchAOConfig(), _ctx())
+        torchao(_tiny(), TorchAOConfig(compile=compile_form), _ctx())
+
+
+def test_compile_option_parses_from_a_spec_and_refuses_other_values():
+    spec = parse_plugin_spec("torchao:recipe=int8_dyn:compile=true", "method")
+    assert spec.config == TorchAOConfig(recipe="int8_dyn", compile=True)
+    with pytest.raises(UserInputError, match="compile"):
+        TorchAOConfig.from_dict({"compile": "maybe"})
+
+
+def test_compiled_form_reaches_the_speed_record_and_computes_the_same():
+    model = _tiny()
+    test = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(5))
+    ctx = _ctx()
+    torchao(model, TorchAOConfig(recipe="int8_dyn", compile=True), ctx)
+    assert ctx.info["torch_compile"] == COMPILE_MODE
+    with torch.no_grad():
+        eager = model(test).logits
+    # the plumbing is the mode's: a CPU compile at max-autotune takes minutes, the default one seconds
+    info = {**ctx.info, "torch_compile": "default"}
+    path = executable(model, info)
+    assert info["speed"]["form"] == "compiled" and info["speed"]["compile_mode"] == "default"
+    assert path == info["exec_path_speed"] and "torch.compile(mode='default', dynamic=False) of each of 14" in path
+    forward = model.model.layers[0].mlp.down_proj.forward
+    assert executable(model, info) == path and model.model.layers[0].mlp.down_proj.forward is forward  # once
+    compile_s = {}
+    with torch.no_grad():
+        first_call_s(lambda: model(test), compile_s, "test")
+        compiled = model(test).logits
+        # the suites' measurements make that first call before timing (here on the CPU's wall clock)
+        measure_prefill(model, 1, 9, torch.device("cpu"), replays=3, graphs=False, compile_s=compile_s)
+        measure_decode(model, 2, 5, torch.device("cpu"), replays=3, graphs=False, compile_s=compile_s)
+    assert sorted(compile_s) == ["decode_b2", "prefill", "test"] and all(s > 0 for s in compile_s.values()), compile_s
+    rel = ((compiled - eager).norm() / eager.norm()).item()
+    assert rel < INT8_LSB_TOL, f"compiled logits {rel:.2e} from eager (relative)"
+    # no compiled form: nothing is recorded
+    first_call_s(lambda: pytest.fail("an eager form makes no first call"), None, "prefill")
+
+
+def test_eager_torchao_is_the_native_form():
+    model = _tiny()
+    ctx = _ctx()
+    torchao(model, TorchAOConfig(recipe="int8_dyn"), ctx)
+    assert "torch_compile" not in ctx.info
+    executable(model, ctx.info)
+    assert ctx.info["speed"]["form"] == "native" and "torch.compile" not in ctx.info["exec_path_speed"]
+
+
+def test_compiling_a_model_without_packed_linears_says_so():
+    from mosaicquant.errors import Unavailable
+    from mosaicquant.harness.speedforms import compile_linears
+
+    with pytest.raises(Unavailable, match="no linear with a library's packed weights to compile"):
+        compile_linears(_tiny(), COMPILE_MODE)

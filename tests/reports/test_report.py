@@ -61,7 +61,7 @@ def test_every_figure_kind_drawn_and_embedded(tmp_path, write_cell, speed_metric
     report = write_tables(out).read_text()
     pngs = _pngs(out)
     assert pngs == sorted([f"pareto__{ACC}__{SPEED}.png", f"speedup_vs_m__{SPEED}.png", f"memory__{ACC}.png",
-                           f"accuracy__{ACC}.png", "budget_sweep.png"]), pngs
+                           f"accuracy__{ACC}.png", "budget_sweep.png", f"decode_throughput__{SPEED}.png"]), pngs
     for name in pngs:
         _assert_png(out / name)
         # each figure also as vector files for a paper, linked from the report
@@ -85,18 +85,19 @@ def test_figures_only_when_their_data_exists(tmp_path, write_cell, speed_metrics
     assert _pngs(out) == [f"accuracy__{ACC}.png"] and list(_embedded(report)) == [f"accuracy__{ACC}.png"]
     (out / f"accuracy__{ACC}.png").unlink()
 
-    # speed without an fp16 row: no speed-up, so no Pareto figure, and the report says why
+    # speed without an fp16 row: no speed-up, so no Pareto figure, and the report says why; tokens/s
+    # need no fp16 row, so their figure is drawn
     for label in ("rtn", "mosaicquant"):
         write_cell(out, SPEED, label, "throughput", throughput(DECODE[label]))
     report = write_tables(out).read_text()
-    assert _pngs(out) == [f"accuracy__{ACC}.png"]
+    assert _pngs(out) == [f"accuracy__{ACC}.png", f"decode_throughput__{SPEED}.png"]
     assert f"No `fp16` throughput row for {SPEED}" in report
     assert f"No `fp16` row for {SPEED} in this directory" in report
     assert "×)" not in report
 
     write_cell(out, SPEED, "fp16", "throughput", throughput(DECODE["fp16"]))
     report = write_tables(out).read_text()
-    assert _pngs(out) == [f"accuracy__{ACC}.png", f"pareto__{ACC}__{SPEED}.png"]
+    assert _pngs(out) == [f"accuracy__{ACC}.png", f"decode_throughput__{SPEED}.png", f"pareto__{ACC}__{SPEED}.png"]
     _assert_png(out / f"pareto__{ACC}__{SPEED}.png")
     assert f"pareto__{ACC}__{SPEED}.png" in _embedded(report)
     assert "No `fp16`" not in report
@@ -386,14 +387,16 @@ def test_a_nan_fp16_speed_gives_no_speedup_and_no_crash(tmp_path, write_cell, sp
     assert f"pareto__{ACC}__{SPEED}.png" in _embedded(report) and f"speedup_vs_m__{SPEED}.png" in _embedded(report)
     _assert_png(out / f"pareto__{ACC}__{SPEED}.png")
 
-    # no batch with a number on both sides: no speed-up at all, so no Pareto figure (and no crash)
+    # no batch with a number on both sides: no speed-up at all, so no Pareto figure (and no crash); the
+    # tokens/s figure draws the one finite rate
     only = tmp_path / "only"
     write_cell(only, ACC, "fp16", "accuracy", {"ppl": (13.9, False)})
     write_cell(only, ACC, "rtn", "accuracy", {"ppl": (900.0, False)})
     write_cell(only, SPEED, "fp16", "throughput", throughput({4: nan}))
     write_cell(only, SPEED, "rtn", "throughput", throughput({4: 1000.0}))
     report = write_tables(only).read_text()
-    assert _pngs(only) == [f"accuracy__{ACC}.png"] and "nan×" not in report.lower()
+    assert _pngs(only) == [f"accuracy__{ACC}.png", f"decode_throughput__{SPEED}.png"]
+    assert "nan×" not in report.lower()
 
 
 def test_two_configurations_of_a_suite_are_never_averaged(tmp_path, write_cell):

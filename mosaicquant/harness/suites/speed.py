@@ -28,6 +28,10 @@ is recorded as unavailable with the reason, never timed on a stand-in. The recor
       ``decode_bytes/b{B}``, the bytes a decode step must read (weights as stored, output head,
       KV cache), ``decode_floor_frac/b{B}`` = (bytes / copy bandwidth) / step time, and
       ``prefill_floor_frac`` = (matrix flops / tensor-core rate) / prefill time.
+    * a ``compiled`` form (``method_info.speed.form``, e.g. ``torchao:compile=true``): each timed
+      call is made once before timing, which compiles it for its shapes; those seconds are
+      recorded per measurement in ``method_info.speed.compile_s`` (``prefill``, ``decode_b{B}``),
+      never in the timings.
 
 ``latency``
     * ``linear_us/{group}/m{M}``: one linear group of a decoder layer (``qkv_proj`` = q, k and
@@ -49,6 +53,7 @@ does not depend on them).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -56,8 +61,8 @@ import torch
 from mosaicquant import settings
 from mosaicquant.config import Config, check_range
 from mosaicquant.errors import Unavailable, UserInputError
-from mosaicquant.harness.floor import decode_bytes, floor_fraction, measure_ceilings, module_bytes, prefill_flops, \
-    quantized_linears
+from mosaicquant.harness.floor import byte_floor_us, decode_bytes, floor_fraction, measure_ceilings, module_bytes, \
+    prefill_flops, quantized_linears
 from mosaicquant.harness.results import Metric
 from mosaicquant.harness.runtime import RUNTIMES, FusedDecoder, resolve_runtime
 from mosaicquant.harness.speedforms import executable
@@ -66,7 +71,7 @@ from mosaicquant.harness.timing import time_calls
 from mosaicquant.registry import register_suite
 
 __all__ = ["ThroughputConfig", "LatencyConfig", "throughput", "latency", "LINEAR_GROUPS", "measure_prefill",
-           "decode_step", "fused_decode_step", "measure_decode", "measure_linear_group", "SPEED_SUITES"]
+           "decode_step", "fused_decode_step", "measure_decode", "first_call_s", "measure_linear_group", "SPEED_SUITES"]
 
 SPEED_SUITES = ("throughput", "latency")
 
@@ -214,12 +219,26 @@ def _dtype(model) -> torch.dtype:
     return emb.weight.dtype
 
 
+def first_call_s(call, compile_s: dict | None, key: str) -> None:
+    """Where ``compile_s`` is a dict (a compiled form), make ``call`` once and store its wall seconds
+    under ``key``: the compile of its shapes, kept out of the timings that follow."""
+    if compile_s is None:
+        return
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    call()
+    sync()
+    compile_s[key] = time.perf_counter() - start
+
+
 def measure_prefill(model, batch: int, length: int, device, replays: int = 11, graphs: bool = True,
-                    decoder: FusedDecoder | None = None):
+                    decoder: FusedDecoder | None = None, compile_s: dict | None = None):
     """Median µs of a prefill of ``batch × length`` random tokens (last-position logits only).
 
     ``graphs``: replay one captured CUDA graph of the forward (else eager launches).
     ``decoder``: run on this :class:`~mosaicquant.harness.runtime.FusedDecoder` (else transformers' code).
+    ``compile_s``: a compiled form's first-call seconds go there (:func:`first_call_s`, key ``prefill``).
     """
     ids = torch.randint(0, _vocab(model), (batch, length), device=device)
 
@@ -229,6 +248,7 @@ def measure_prefill(model, batch: int, length: int, device, replays: int = 11, g
         else:
             model(input_ids=ids, use_cache=False, logits_to_keep=1)
 
+    first_call_s(call, compile_s, "prefill")
     return _checked(time_calls([call], min_us=0.0, replays=replays, graphs=graphs), decoder)
 
 
@@ -302,10 +322,15 @@ def decode_step(model, batch: int, context: int, device):
 
 
 def measure_decode(model, batch: int, context: int, device, replays: int = 11, graphs: bool = True,
-                   telemetry: Telemetry | None = None, telemetry_s: float = 2.0, decoder: FusedDecoder | None = None):
-    """Median µs of one decode step at ``batch`` with ``context`` cached tokens (static KV cache)."""
+                   telemetry: Telemetry | None = None, telemetry_s: float = 2.0, decoder: FusedDecoder | None = None,
+                   compile_s: dict | None = None):
+    """Median µs of one decode step at ``batch`` with ``context`` cached tokens (static KV cache).
+
+    ``compile_s``: a compiled form's first-call seconds of the step go there (key ``decode_b{batch}``).
+    """
     step = fused_decode_step(decoder, batch, context) if decoder is not None else decode_step(model, batch, context,
                                                                                                device)
+    first_call_s(step, compile_s, f"decode_b{batch}")
     return _checked(time_calls([step], min_us=50_000.0, replays=replays, graphs=graphs, telemetry=telemetry,
                                telemetry_s=telemetry_s), decoder)
 
@@ -365,6 +390,12 @@ def _prepare(model, ctx, suite: str, graphs: bool = True, runtime: str | None = 
     return FusedDecoder(model) if name == "fused" else None
 
 
+def _compile_seconds(ctx) -> dict | None:
+    """The dict a compiled form's first-call seconds go into (``method_info.speed.compile_s``), else None."""
+    speed = ctx.method_info.setdefault("speed", {})
+    return speed.setdefault("compile_s", {}) if speed.get("form") == "compiled" else None
+
+
 @register_suite("throughput", config=ThroughputConfig, description=ThroughputConfig.description)
 def throughput(model, config: ThroughputConfig, ctx):
     """Prefill and decode tokens/s of the executable model on the GPU."""
@@ -378,8 +409,9 @@ def _throughput(model, config: ThroughputConfig, ctx):
     metrics: dict[str, Metric] = {}
     ceilings = measure_ceilings(device)
     ctx.method_info["speed"]["ceilings"] = ceilings.as_dict()
+    compile_s = _compile_seconds(ctx)
     t = measure_prefill(model, config.prefill_batch, config.prefill_len, device, config.replays, config.cuda_graphs,
-                        decoder)
+                        decoder, compile_s)
     metrics["prefill_tok_s"] = _tok_s(config.prefill_batch * config.prefill_len, t)
     int8 = quantized_linears(model) and ceilings.int8_tflop_s is not None
     rate = ceilings.int8_tflop_s if int8 else ceilings.bf16_tflop_s
@@ -392,12 +424,12 @@ def _throughput(model, config: ThroughputConfig, ctx):
         ctx.method_info.setdefault("speed", {})["telemetry"] = f"none: {telemetry.reason}"
     for b in config.batches:
         t = measure_decode(model, b, config.context, device, config.replays, config.cuda_graphs, telemetry,
-                           config.energy_s, decoder)
+                           config.energy_s, decoder, compile_s)
         metrics[f"decode_tok_s/b{b}"] = _tok_s(b, t)
         nbytes = decode_bytes(model, b, config.context, decoder)
         metrics[f"decode_bytes/b{b}"] = Metric(float(nbytes), higher_is_better=False, unit="B")
         metrics[f"decode_floor_frac/b{b}"] = Metric(
-            floor_fraction(nbytes / (ceilings.copy_gb_s * 1e9) * 1e6, t.median_us), higher_is_better=True,
+            floor_fraction(byte_floor_us(nbytes, ceilings.copy_gb_s), t.median_us), higher_is_better=True,
             unit="of floor")
         w = t.window
         if w is not None:
@@ -429,11 +461,12 @@ def _latency(model, config: LatencyConfig, ctx):
             metrics[f"linear_us/{group}/m{m}"] = Metric(t.median_us, higher_is_better=False, unit="us",
                                                         spread=t.spread_us)
     if config.steps:
-        t = measure_prefill(model, 1, config.prefill_len, device, config.replays, decoder=decoder)
+        compile_s = _compile_seconds(ctx)
+        t = measure_prefill(model, 1, config.prefill_len, device, config.replays, decoder=decoder, compile_s=compile_s)
         metrics["step_ms/prefill"] = Metric(t.median_us / 1e3, higher_is_better=False, unit="ms",
                                             spread=t.spread_us / 1e3)
         for b in config.batches:
-            t = measure_decode(model, b, config.context, device, config.replays, decoder=decoder)
+            t = measure_decode(model, b, config.context, device, config.replays, decoder=decoder, compile_s=compile_s)
             metrics[f"step_ms/decode_b{b}"] = Metric(t.median_us / 1e3, higher_is_better=False, unit="ms",
                                                      spread=t.spread_us / 1e3)
     return metrics
