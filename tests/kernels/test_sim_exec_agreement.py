@@ -4,8 +4,10 @@ Each kernel layer is run on the very input its simulated layer saw (recorded by 
 error (an online Hadamard left out, a clip ratio or scale not carried over) shows in the layer where
 it is, not smeared through the model. Through a whole model the two paths drift apart by design:
 the kernels write BF16 outputs, the fp32 simulation does not round, and a one-ulp difference before
-a 4-bit quantizer can move an integer by a whole step (1/7 of the token's range). The drift is all
-of that rounding: the simulation with BF16-rounded outputs gives the kernel model's logits.
+a 4-bit quantizer can move an integer by a whole step (1/7 of the token's range). On these models the
+drift is all of that rounding: the simulation with BF16-rounded outputs gives the kernel model's logits.
+(On two layers of SmolLM2 the torch path's exact integer dot, against the simulation's fp32 sums, also
+flips a few integers: docs/kernels.md has the numbers.)
 """
 
 import copy
