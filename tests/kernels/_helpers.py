@@ -160,3 +160,27 @@ def swapped_dense_case(m: int, n: int, k: int, seed: int):
     ref = w4a4_gemm_reference(packed, scale, qweight, w_scale, k, bias, out_fp32=True)
     a8, s8 = quantize_activations_triton(x.to(DEVICE), layout="split8")
     return (a8, s8, qweight.to(DEVICE), w_scale.to(DEVICE), k, bias.to(DEVICE)), ref
+
+
+def tiny_quantized_llama(method: str, intermediate_size: int = 128, **options):
+    """A random 2-layer Llama (hidden 64, 4 q / 2 kv heads, vocab 97) quantized by ``method`` on random tokens.
+
+    Returns:
+        ``(simulated model, float copy taken before quantization)``, both fp32 on the CPU.
+    """
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mosaicquant.harness.context import QuantContext
+    from mosaicquant.registry import get_method
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    float_model = copy.deepcopy(model)
+    calib = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(0))
+    ctx = QuantContext(calibration=lambda: calib, seed=0, device=torch.device("cpu"), log=lambda s: None)
+    spec = get_method(method)
+    return spec.fn(model, spec.config(**options), ctx), float_model

@@ -11,7 +11,7 @@ from mosaicquant.kernels.convert import FusedProjections, KernelLinear, Projecti
 from mosaicquant.methods.mosaicquant import MosaicQuantConfig, mosaicquant
 from mosaicquant.methods.qlinear import FakeQuantLinear
 
-from ._helpers import DEVICE, assert_close_bf16, needs_triton
+from ._helpers import DEVICE, assert_close_bf16, needs_triton, tiny_quantized_llama
 
 # The torch path dequantizes and multiplies like the simulated layer: logits agree to float
 # rounding (measured ~1e-7), relative to the logit range.
@@ -167,29 +167,13 @@ def test_stacked_packed_layers_dequantize_to_the_stacked_weights():
         PackedW4.concat_outputs([odd, parts[2]])
 
 
-def _tiny_baseline(method: str, **options):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from mosaicquant.registry import get_method
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg).eval()
-    float_model = copy.deepcopy(model)
-    calib = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(0))
-    ctx = QuantContext(calibration=lambda: calib, seed=0, device=torch.device("cpu"), log=lambda s: None)
-    spec = get_method(method)
-    return spec.fn(model, spec.config(**options), ctx), float_model
-
-
 @pytest.mark.parametrize("kernel", ["torch", pytest.param("triton", marks=needs_triton())])
 @pytest.mark.parametrize("method,options", [("atom", {"n_outliers": 16, "group_size": 32, "kvbits": 16}),
                                             ("resq", {"kvbits": 16})])
 def test_atom_and_resq_run_on_the_mixed_kernels(kernel, method, options):
     from mosaicquant.kernels.mixed_gemm import MixedQuantLinear
 
-    sim, float_model = _tiny_baseline(method, **options)
+    sim, float_model = tiny_quantized_llama(method, **options)
     fast = copy.deepcopy(sim)
     report = kernelize(fast, kernel=kernel)
     assert not report.skipped and len(report.mixed) == len(report.converted) == 14
