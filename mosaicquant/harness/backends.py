@@ -29,9 +29,11 @@ from mosaicquant.errors import UserInputError, unknown_name
 from mosaicquant.harness import data as data_mod
 from mosaicquant.harness import models as models_mod
 from mosaicquant.harness.results import (
-    SCHEMA, Metric, ensure_writable_dir, environment, git_info, now_iso, record_path, write_record,
+    Metric, ensure_writable_dir, environment, git_info, record_path, write_record,
 )
-from mosaicquant.harness.runner import Cell, CellOutcome, SweepResult, _error_dict, is_finished
+from mosaicquant.harness.runner import (
+    Cell, CellOutcome, SweepResult, _error_dict, _record_head, is_finished, seed_independent,
+)
 from mosaicquant.harness.spec import RunSpec
 from mosaicquant.registry import BACKENDS, Entry
 
@@ -138,6 +140,7 @@ def run_backend_cells(spec: RunSpec, cells: list[Cell], backend: Entry, backend_
         status ``"unavailable"``.
     """
     source = models_mod.resolve_model(spec.model)
+    model_meta = {"name": source.name, "source": source.description, "caveat": source.caveat}
     env, git = environment(), git_info()
     outcomes = []
     for cell in cells:
@@ -156,24 +159,15 @@ def run_backend_cells(spec: RunSpec, cells: list[Cell], backend: Entry, backend_
             error = _error_dict(exc)
         else:
             error = None if outcome.status == "ok" else {"type": outcome.status, "message": outcome.reason}
+        # the in-process record's head (seed_independent, preset, command, ...), with the backend's method label
         record = {
-            "schema": SCHEMA,
-            "model": {"spec": spec.model, "name": source.name, "source": source.description,
-                      "caveat": source.caveat, "dtype": spec.dtype,
-                      "fingerprint": models_mod.model_fingerprint(spec.model)},
+            **_record_head(spec, model_meta, cell, env, git),
             "method": {"name": cell.method.name, "label": backend_label(cell.method.label, backend.name),
                        "spec_label": cell.method.label, "backend": backend.name,
                        "config": cell.method.config.to_dict()},
-            "suite": {"name": cell.suite.name, "label": cell.suite.label, "config": cell.suite.config.to_dict()},
-            "seed": cell.seed,
-            "corpus": spec.corpus,
-            "calibration": None,
             "method_info": dict(outcome.method_info),
             "backend": {"name": backend.name, "config": backend_config.to_dict(), "reason": outcome.reason,
                         "commands": list(outcome.commands), **outcome.details},
-            "env": env,
-            "git": git,
-            "date": now_iso(),
             "status": outcome.status,
             "stage": None if outcome.status == "ok" else "backend",
             "metrics": {k: v.to_dict() for k, v in outcome.metrics.items()},
@@ -237,8 +231,11 @@ def run_backend_sweep(spec: RunSpec, backend: tuple[Entry, Config], log: Callabl
     for method in spec.methods:
         for seed in spec.seeds:
             for suite in spec.suites:
+                once = seed_independent(method, suite)
+                if once and seed != spec.seeds[0]:
+                    continue  # as in-process: a seed-independent cell runs at the first seed only
                 path = backend_record_path(spec.out, model, method.label, suite.label, seed, entry.name)
-                cell = Cell(method, suite, seed, path)
+                cell = Cell(method, suite, seed, path, once)
                 if is_finished(path):
                     result.skipped.append(path)
                 else:

@@ -51,9 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "name[:key=value...], e.g. tensorrt-llm (see 'mosaicquant ls backends'; "
                                      "'backend:' in the run spec)")
     r.add_argument("--quick", action="store_true",
-                   help="preset: a real, small comparison (smollm2-135m; fp16, rtn, quarot, mosaicquant; "
-                        "perplexity on 4 chunks of 256 tokens; 4 x 256 calibration tokens; out results/quick; "
-                        "--report); options given beside it override it")
+                   help="preset: a real, small comparison (smollm2-135m; fp16, rtn and quarot without the weight "
+                        "clipping search, mosaicquant; perplexity on 4 chunks of 128 tokens; 4 x 128 calibration "
+                        "tokens; out results/quick; --report); options given beside it override it")
     r.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="progress bars with an ETA on stderr (calibration, layers, perplexity batches): auto "
                         "(default: when stderr is a terminal), on or off; never written into records")

@@ -35,7 +35,7 @@ def test_quick_preset_fills_the_small_comparison():
     assert (spec.calib_samples, spec.calib_seqlen, spec.out) == (quick["calib_samples"], quick["calib_seqlen"],
                                                                 quick["out"])
     (suite,) = spec.suites
-    assert (suite.name, suite.config.seqlen, suite.config.max_chunks) == ("accuracy", 256, quick["max_chunks"])
+    assert (suite.name, suite.config.seqlen, suite.config.max_chunks) == ("accuracy", 128, quick["max_chunks"])
     assert spec.to_dict()["preset"] == "quick"
 
 
@@ -44,7 +44,7 @@ def test_options_beside_quick_override_the_preset():
                              "--calib-samples", "2", "--out", "elsewhere"])
     spec = load_run_spec(None, over, preset="quick")
     assert [m.label for m in spec.methods] == ["fp16", "rtn:wbits=8:abits=8"]
-    assert spec.suites[0].config.max_chunks == 2 and spec.suites[0].config.seqlen == 256
+    assert spec.suites[0].config.max_chunks == 2 and spec.suites[0].config.seqlen == 128
     assert (spec.calib_samples, spec.calib_seqlen, spec.out) == (2, PRESETS["quick"]["calib_seqlen"], "elsewhere")
 
 

@@ -279,3 +279,22 @@ def test_available_path_runs_the_commands_and_parses_the_report(tmp_path, tiny_l
     assert ["trtllm-bench", *argv[1]] == shlex.split(rec["backend"]["commands"][2])
     assert rec["method_info"]["recipe"] == "int8_sq" and rec["backend"]["export"]["calib_samples"] == 2
     assert rec["method"]["label"] == f"{label}@tensorrt-llm"
+
+
+def test_backend_records_carry_the_in_process_record_head(tmp_path, tiny_llama_dir, tiny_corpus, speed_suite):
+    trt.check_availability.cache_clear()
+    common = ["run", "--model", tiny_llama_dir, "--corpus", tiny_corpus, "--seeds", "0,1",
+              "--calib-samples", "4", "--calib-seqlen", "32"]
+    assert main([*common, "--methods", "fp16", "--suites", "accuracy:seqlen=32", "--out", str(tmp_path / "local")]) == 0
+    (local,) = load_records(tmp_path / "local")
+    # the speed suite is seeded, accuracy is not: fp16 / accuracy is seed-independent, fp16 / throughput is not
+    assert main([*common, "--methods", "fp16", "--suites", f"accuracy:seqlen=32,{speed_suite}",
+                 "--out", str(tmp_path / "res"), "--backend", "tensorrt-llm"]) == 0
+    recs = load_records(tmp_path / "res")
+    cells = sorted((r["suite"]["name"], r["seed"], r["seed_independent"]) for r in recs)
+    assert cells == [("accuracy", 0, True), ("throughput", 0, False), ("throughput", 1, False)]
+    expected = set(local) - {"quantized_cache"}  # a backend cell loads no model, so it has no quantized-model cache
+    for rec in recs:
+        assert expected - set(rec) == set(), f"{rec['suite']['name']}: missing {sorted(expected - set(rec))}"
+        assert rec["preset"] is None and rec["command"] == local["command"]  # both ran under this test process
+    assert main(["export", str(tmp_path / "res"), "--check-schema"]) == 0
