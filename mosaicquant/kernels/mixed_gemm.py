@@ -1034,7 +1034,7 @@ class MixedQuantLinear(nn.Module):
     """A mixed-precision (Atom / ResQ) linear on the kernels.
 
     ``forward``: the online input transform (if any, e.g. ResQ's
-    :class:`~mosaicquant.baselines.resq.BasisTransform` or an ``OnlineHadamard``), then
+    :class:`~mosaicquant.methods.basis.BasisTransform` or an ``OnlineHadamard``), then
     the activation quantizer (channels gathered through ``perm``, checked once, here), then :func:`mixed_gemm`;
     the kernel's BF16 output is returned in the input's dtype (as ``KernelLinear`` does).
 
