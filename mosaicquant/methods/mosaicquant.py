@@ -60,7 +60,7 @@ from mosaicquant.methods.calibration import calibrate_layerwise
 from mosaicquant.methods.format import PackedW4, ResidualBlocks, block_shape_text, parse_block_shape
 from mosaicquant.methods.gptq import gptq_quantize
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant
-from mosaicquant.methods.mixed import MixedActQuant
+from mosaicquant.methods.mixed import MixedActQuant, MultiPassActQuant
 from mosaicquant.methods.qlinear import (
     ActQuantSpec, FakeQuantLinear, input_transform_of, quantize_weight, replace_linears, set_module, weight_memory,
 )
@@ -93,6 +93,10 @@ class MosaicQuantConfig(Config):
             per-token grid, as ResQ), or cut it into consecutive subspaces of ``pca_group`` principal
             directions (descending variance), each rotated on its own and quantized with its own
             per-token 4-bit scale (one more 16-bit scale per token and group).
+        high_passes: with ``transform="pca"``, the 4-bit passes of the high-variance subspace's
+            activations, 1 (default) or 2: the second quantizes the first's error on its own per-token
+            grid and multiplies the same weight columns (:class:`~mosaicquant.methods.mixed.MultiPassActQuant`),
+            every operand 4-bit; counted as ``4 · high_passes`` bits per element of that subspace.
         high_fraction: with ``transform="pca"``, the share of each input's dimensions (the
             highest-variance principal subspace) quantized with its own per-token 4-bit scale, [0, 1).
         online_o: with rotation, also rotate the o_proj input online.
@@ -138,6 +142,7 @@ class MosaicQuantConfig(Config):
     transform: str = "rotation"
     high_fraction: float = 0.125
     pca_group: int | None = None
+    high_passes: int = 1
     online_o: bool = True
     alpha: float = 0.85
     base: str = "gptq"
@@ -165,6 +170,7 @@ class MosaicQuantConfig(Config):
         check_choice("score", self.score, SCORES)
         check_choice("transform", self.transform, TRANSFORMS)
         check_range("high_fraction", self.high_fraction, 0.0, 0.99)
+        check_range("high_passes", self.high_passes, 1, 2, integer=True)
         if self.pca_group is not None:
             check_range("pca_group", self.pca_group, 1, None, integer=True)
         check_choice("base", self.base, ("gptq", "rtn"))
@@ -270,7 +276,8 @@ def pca_input_transform(linear, hessian: torch.Tensor, config: MosaicQuantConfig
     act = config.act_spec()
     if n_high:
         low = dataclasses.replace(act, group_size=config.pca_group)
-        act = MixedActQuant(torch.arange(k - n_high, k), torch.arange(k - n_high), k, high=act, low=low)
+        high = act if config.high_passes == 1 else MultiPassActQuant(act, config.high_passes)
+        act = MixedActQuant(torch.arange(k - n_high, k), torch.arange(k - n_high), k, high=high, low=low)
     return h_rot, act.to(linear.weight.device) if n_high else act
 
 

@@ -11,11 +11,13 @@ from mosaicquant.errors import Unavailable, UserInputError
 from mosaicquant.methods.basis import BasisTransform, resq_basis
 from mosaicquant.methods.bits import model_bits
 from mosaicquant.methods.hadamard import OnlineHadamard
-from mosaicquant.methods.mixed import MixedActQuant
+from mosaicquant.methods.mixed import MixedActQuant, MultiPassActQuant
+from mosaicquant.methods.qlinear import ActQuantSpec
 from mosaicquant.methods.mosaicquant import MosaicQuantConfig, _speed_form, mosaicquant, pca_input_transform
 
 FLOAT_FN_RTOL = 1e-4  # float32 basis change of a float32 layer
 MODEL_PPL_RATIO_MAX = 1.5  # quantized vs float next-token loss ratio (exp) on the tiny model
+TWO_PASS_ERR_MAX = 0.02  # a second 4-bit pass: about 15x finer step, error power down ~200x
 
 
 def test_pca_input_transform_keeps_the_float_function_and_splits_the_grid():
@@ -99,3 +101,18 @@ def test_pca_group_gives_the_low_subspace_grouped_scales():
     assert act.low.group_size == 14 and act.high.group_size is None
     values, scales = act.effective_bits(64)
     assert values == 4.0 and scales == pytest.approx(16 * (1 + 4) / 64)  # the high grid and 4 low groups per token
+
+
+def test_two_passes_cut_the_high_subspace_error_and_count_eight_bits():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 16, generator=g) * 3
+    spec = ActQuantSpec(bits=4, symmetric=True, clip_ratio=1.0)
+    one, two = spec(x), MultiPassActQuant(spec, 2)(x)
+    assert (two - x).pow(2).mean() < TWO_PASS_ERR_MAX * (one - x).pow(2).mean()
+    assert MultiPassActQuant(spec, 2).effective_bits(16) == (8.0, 2 * 16 / 16)
+    lin = nn.Linear(64, 8, bias=False)
+    cfg = MosaicQuantConfig(transform="pca", high_passes=2)
+    _, act = pca_input_transform(lin, torch.eye(64), cfg, basis=resq_basis(torch.eye(64), 8, seed=0))
+    assert act.effective_bits(64)[0] == pytest.approx(4 + 4 * 8 / 64)
+    with pytest.raises(UserInputError, match="high_passes"):
+        MosaicQuantConfig(high_passes=3)
