@@ -116,3 +116,9 @@ def test_two_passes_cut_the_high_subspace_error_and_count_eight_bits():
     assert act.effective_bits(64)[0] == pytest.approx(4 + 4 * 8 / 64)
     with pytest.raises(UserInputError, match="high_passes"):
         MosaicQuantConfig(high_passes=3)
+
+
+def test_pca_down_gives_down_proj_its_own_basis(tiny_llama_model, tiny_lm_tokens):
+    mosaicquant(tiny_llama_model, MosaicQuantConfig(transform="pca", budget=0, pca_down=True), tiny_lm_tokens[2])
+    down = tiny_llama_model.model.layers[0].mlp.down_proj
+    assert isinstance(down.input_transform, BasisTransform) and isinstance(down.act, MixedActQuant)
