@@ -122,3 +122,19 @@ def test_pca_down_gives_down_proj_its_own_basis(tiny_llama_model, tiny_lm_tokens
     mosaicquant(tiny_llama_model, MosaicQuantConfig(transform="pca", budget=0, pca_down=True), tiny_lm_tokens[2])
     down = tiny_llama_model.model.layers[0].mlp.down_proj
     assert isinstance(down.input_transform, BasisTransform) and isinstance(down.act, MixedActQuant)
+
+
+def test_two_pass_layers_have_no_kernel_path(tiny_llama_model, tiny_lm_tokens):
+    from mosaicquant.kernels.mixed_gemm import mixed_from_fake
+
+    mosaicquant(tiny_llama_model, MosaicQuantConfig(transform="pca", budget=0, high_passes=2), tiny_lm_tokens[2])
+    reason = mixed_from_fake(tiny_llama_model.model.layers[0].self_attn.q_proj)
+    assert isinstance(reason, str) and "multi-pass" in reason
+
+
+def test_pca_layers_with_a_residual_have_no_mixed_kernel_path(tiny_llama_model, tiny_lm_tokens):
+    from mosaicquant.kernels.mixed_gemm import mixed_from_fake
+
+    mosaicquant(tiny_llama_model, MosaicQuantConfig(transform="pca", budget=0.5, block="16"), tiny_lm_tokens[2])
+    reason = mixed_from_fake(tiny_llama_model.model.layers[0].mlp.up_proj)
+    assert isinstance(reason, str) and "residual" in reason
