@@ -97,9 +97,6 @@ class MosaicQuantConfig(Config):
             activations, 1 (default) or 2: the second quantizes the first's error on its own per-token
             grid and multiplies the same weight columns (:class:`~mosaicquant.methods.mixed.MultiPassActQuant`),
             every operand 4-bit; counted as ``4 · high_passes`` bits per element of that subspace.
-        pca_down: with ``transform="pca"``, give down_proj a PCA basis of its own too (default ``False``:
-            down_proj behind an online Hadamard, as ResQ). Its basis cannot be folded into a neighbouring
-            layer (the SwiGLU product comes before it), so it costs an online ``K × K`` product per token.
         high_fraction: with ``transform="pca"``, the share of each input's dimensions (the
             highest-variance principal subspace) quantized with its own per-token 4-bit scale, [0, 1).
         online_o: with rotation, also rotate the o_proj input online.
@@ -146,7 +143,6 @@ class MosaicQuantConfig(Config):
     high_fraction: float = 0.125
     pca_group: int | None = None
     high_passes: int = 1
-    pca_down: bool = False
     online_o: bool = True
     alpha: float = 0.85
     base: str = "gptq"
@@ -388,13 +384,8 @@ def mosaicquant(model, config: MosaicQuantConfig, ctx):
                                low_group=config.pca_group)
             for name in group:
                 out[name] = pca_input_transform(layer.get_submodule(name), stats[name].hessian, config, basis=basis)
-        for h_index, name in enumerate(hadamard):
-            basis = None
-            if config.pca_down:
-                hessian = stats[name].hessian
-                basis = resq_basis(hessian, config.n_high(hessian.shape[0]), low_group=config.pca_group,
-                                   seed=ctx.seed * 100003 + index * 16 + 2 * (len(groups) + h_index))
-            out[name] = pca_input_transform(layer.get_submodule(name), stats[name].hessian, config, basis=basis)
+        for name in hadamard:
+            out[name] = pca_input_transform(layer.get_submodule(name), stats[name].hessian, config, basis=None)
         return out
 
     def quantize_layer(index, layer, stats):

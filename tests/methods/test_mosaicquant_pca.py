@@ -118,11 +118,6 @@ def test_two_passes_cut_the_high_subspace_error_and_count_eight_bits():
         MosaicQuantConfig(high_passes=3)
 
 
-def test_pca_down_gives_down_proj_its_own_basis(tiny_llama_model, tiny_lm_tokens):
-    mosaicquant(tiny_llama_model, MosaicQuantConfig(transform="pca", budget=0, pca_down=True), tiny_lm_tokens[2])
-    down = tiny_llama_model.model.layers[0].mlp.down_proj
-    assert isinstance(down.input_transform, BasisTransform) and isinstance(down.act, MixedActQuant)
-
 
 def test_two_pass_layers_have_no_kernel_path(tiny_llama_model, tiny_lm_tokens):
     from mosaicquant.kernels.mixed_gemm import mixed_from_fake
