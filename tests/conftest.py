@@ -85,3 +85,35 @@ def tile_table():
 
     yield put
     stack.close()
+
+
+@pytest.fixture
+def tiny_llama_model():
+    """A fresh randomly initialised 2-layer Llama (vocab 97, hidden 96, 6 q / 2 kv heads), in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture
+def lm_loss():
+    """``fn(model, tokens) -> float``: the mean next-token loss of ``tokens`` under ``model``."""
+    def loss(model, tokens) -> float:
+        with torch.no_grad():
+            return float(model(input_ids=tokens, labels=tokens).loss)
+    return loss
+
+
+@pytest.fixture
+def tiny_lm_tokens():
+    """``(calibration [4, 48], test [2, 48], quantization context over the calibration)`` for the 97-token
+    vocabulary of :func:`tiny_llama_model`, seed 0, CPU."""
+    from mosaicquant.harness.context import QuantContext
+
+    gen = torch.Generator().manual_seed(7)
+    calib = torch.randint(0, 97, (4, 48), generator=gen)
+    test = torch.randint(0, 97, (2, 48), generator=gen)
+    return calib, test, QuantContext(calibration=lambda: calib, seed=0, device=torch.device("cpu"), log=lambda s: None)

@@ -49,90 +49,18 @@ import torch
 from torch import nn
 
 from mosaicquant.config import Config, check_range
+from mosaicquant.methods.basis import (  # noqa: F401 (BasisTransform, pca_basis: re-exported)
+    HADAMARD_INPUTS, BasisTransform, input_groups, input_rotation, pca_basis, resq_basis,
+)
 from mosaicquant.methods.calibration import calibrate_layerwise
 from mosaicquant.methods.hadamard import OnlineHadamard, apply_hadamard, is_hadamard_size
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant
 from mosaicquant.methods.mixed import MixedActQuant, WeightSegment, gptq_quantize_segments, mixed_weight_memory
 from mosaicquant.methods.qlinear import ActQuantSpec, FakeQuantLinear, input_transform_of, replace_linears, set_module
 from mosaicquant.methods.speed_form import check_w4a4, segmented_rtn_linear
-from mosaicquant.methods.rotation import random_orthogonal
 from mosaicquant.registry import register_method
 
 __all__ = ["BasisTransform", "pca_basis", "resq_basis", "ResQConfig", "resq_quantize_linear", "resq"]
-
-
-class BasisTransform(nn.Module):
-    """Online change of basis ``x ↦ x U`` of a linear's input (``U [K, K]`` orthogonal).
-
-    Args:
-        basis: ``[K, K]`` matrix; stored as a float32 buffer.
-
-    Raises:
-        ValueError: ``basis`` is not square.
-    """
-
-    def __init__(self, basis: torch.Tensor):
-        super().__init__()
-        if basis.dim() != 2 or basis.shape[0] != basis.shape[1]:
-            raise ValueError(f"basis must be a square [K, K] matrix, got shape {tuple(basis.shape)}")
-        self.register_buffer("basis", basis.detach().to(torch.float32).clone())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x.to(torch.float32) @ self.basis).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"size={self.basis.shape[0]}"
-
-
-def pca_basis(hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigen-decomposition of a covariance, eigenvalues in descending order.
-
-    Args:
-        hessian: ``[K, K]`` symmetric positive semi-definite matrix (``mean_t x_t x_tᵀ``).
-
-    Returns:
-        ``(eigenvalues [K], eigenvectors [K, K])`` float64, column ``i`` the ``i``-th
-        principal direction.
-
-    Raises:
-        ValueError: not square or not finite.
-    """
-    if hessian.dim() != 2 or hessian.shape[0] != hessian.shape[1]:
-        raise ValueError(f"hessian must be a square [K, K] matrix, got shape {tuple(hessian.shape)}")
-    h = hessian.detach().to(torch.float64)
-    if not torch.isfinite(h).all():
-        raise ValueError("hessian holds NaN or Inf values")
-    values, vectors = torch.linalg.eigh(0.5 * (h + h.T))
-    return values.flip(0), vectors.flip(1)
-
-
-def resq_basis(hessian: torch.Tensor, n_high: int, seed: int) -> torch.Tensor:
-    """ResQ's basis ``U = [V_l R_l, V_h R_h]`` (low-variance subspace first, high last).
-
-    Args:
-        hessian: ``[K, K]`` input covariance.
-        n_high: dimension ``r`` of the high-variance subspace, ``0 <= r <= K``.
-        seed: seed of the two Haar-random rotations (``seed`` for ``R_l``, ``seed + 1`` for ``R_h``).
-
-    Returns:
-        ``float64 [K, K]`` orthogonal matrix; its last ``r`` columns span the top-``r``
-        principal subspace of ``hessian``.
-
-    Raises:
-        ValueError: as :func:`pca_basis`, or ``n_high`` out of range.
-    """
-    k = hessian.shape[-1]
-    if isinstance(n_high, bool) or not isinstance(n_high, int) or not 0 <= n_high <= k:
-        raise ValueError(f"n_high={n_high!r} is out of range: allowed integers 0..{k}")
-    _, vectors = pca_basis(hessian)
-    high, low = vectors[:, :n_high], vectors[:, n_high:]
-    parts = []
-    if k - n_high:
-        # the rotations are drawn on the CPU (the same basis on every device), then moved
-        parts.append(low @ random_orthogonal(k - n_high, seed).to(low.device))
-    if n_high:
-        parts.append(high @ random_orthogonal(n_high, seed + 1).to(high.device))
-    return torch.cat(parts, dim=1)
 
 
 @dataclass(frozen=True)
@@ -221,16 +149,8 @@ def resq_quantize_linear(
     w = linear.weight.data.to(torch.float64)
     h = hessian.to(device=w.device, dtype=torch.float64)
     low_act = ActQuantSpec(bits=config.abits, symmetric=config.a_symmetric, clip_ratio=config.a_clip)
-    if basis is None:
-        if not is_hadamard_size(k):
-            raise ValueError(f"down_proj input size {k} has no Hadamard matrix for the online transform")
-        transform = OnlineHadamard(k)
-        rot = apply_hadamard(torch.eye(k, dtype=torch.float64, device=w.device))
-        n_high = 0
-    else:
-        transform = BasisTransform(basis)
-        rot = basis.to(device=w.device, dtype=torch.float64)
-        n_high = config.n_high(k)
+    transform, rot = input_rotation(k, basis, w.device)
+    n_high = 0 if basis is None else config.n_high(k)
     w_rot = w @ rot
     h_rot = rot.T @ h @ rot
     segments = [WeightSegment(torch.arange(k - n_high), config.wbits, clip_search=config.w_clip_search)]
@@ -253,26 +173,6 @@ def resq_quantize_linear(
     return layer.to(linear.weight.device)
 
 
-# Linears of a decoder layer that read the same input share one basis (the first one's stats).
-_SHARED_INPUTS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                  ("mlp.gate_proj", "mlp.up_proj"),
-                  ("self_attn.o_proj",),
-                  # Phi-3's fused projections: one linear per shared input
-                  ("self_attn.qkv_proj",), ("mlp.gate_up_proj",))
-_HADAMARD_INPUTS = ("mlp.down_proj",)
-
-
-def _groups_of(stats_names) -> tuple[list[tuple[str, ...]], list[str]]:
-    names = set(stats_names)
-    groups = [g for g in _SHARED_INPUTS if all(n in names for n in g)]
-    covered = {n for g in groups for n in g} | {n for n in _HADAMARD_INPUTS if n in names}
-    missing = sorted(names - covered)
-    if missing:
-        raise ValueError(f"ResQ does not know the input of linears {missing}: supports Llama/Qwen-style "
-                         f"decoder layers ({', '.join(n for g in _SHARED_INPUTS for n in g)}, down_proj)")
-    return groups, [n for n in _HADAMARD_INPUTS if n in names]
-
-
 def _speed_form(model, config: ResQConfig, ctx):
     """ResQ's deployed format on a random-weight model: the bases folded into the weights (a random
     orthogonal basis of random weights is random weights), the last ``n_high(K)`` channels of each
@@ -284,7 +184,7 @@ def _speed_form(model, config: ResQConfig, ctx):
 
     def make(name, linear):
         k = linear.in_features
-        if name.endswith(_HADAMARD_INPUTS):
+        if name.endswith(HADAMARD_INPUTS):
             if not is_hadamard_size(k):
                 raise ValueError(f"down_proj input size {k} has no Hadamard matrix for the online transform")
             linear.weight.data = apply_hadamard(linear.weight.data.to(torch.float32)).to(linear.weight.dtype)
@@ -310,7 +210,7 @@ def resq(model, config: ResQConfig, ctx):
     captured: dict[str, float] = {}
 
     def quantize_layer(index, layer, stats):
-        groups, hadamard = _groups_of(stats)
+        groups, hadamard = input_groups(stats)
         for g_index, group in enumerate(groups):
             hessian = stats[group[0]].hessian
             k = hessian.shape[0]

@@ -1034,7 +1034,7 @@ class MixedQuantLinear(nn.Module):
     """A mixed-precision (Atom / ResQ) linear on the kernels.
 
     ``forward``: the online input transform (if any, e.g. ResQ's
-    :class:`~mosaicquant.baselines.resq.BasisTransform` or an ``OnlineHadamard``), then
+    :class:`~mosaicquant.methods.basis.BasisTransform` or an ``OnlineHadamard``), then
     the activation quantizer (channels gathered through ``perm``, checked once, here), then :func:`mixed_gemm`;
     the kernel's BF16 output is returned in the input's dtype (as ``KernelLinear`` does).
 
@@ -1273,6 +1273,9 @@ def mixed_from_fake(layer: nn.Module, *, kernel: str | None = None) -> MixedQuan
     if isinstance(act, MixedActQuant):
         low, high = act.low, act.high
         low_ch, high_ch = act.low_channels.to(torch.int64).cpu(), act.high_channels.to(torch.int64).cpu()
+        if not (isinstance(low, ActQuantSpec) and isinstance(high, ActQuantSpec)):
+            kinds = f"{type(low).__name__} / {type(high).__name__}"
+            return f"channel quantizers {kinds}: the mixed kernels run one grid per channel (no multi-pass grids)"
     elif isinstance(act, ActQuantSpec):
         low, high = act, ActQuantSpec(bits=8)
         low_ch, high_ch = torch.arange(k), torch.zeros(0, dtype=torch.int64)
@@ -1296,6 +1299,8 @@ def mixed_from_fake(layer: nn.Module, *, kernel: str | None = None) -> MixedQuan
     perm = torch.cat([low_ch, high_ch])
     segments = getattr(layer, "weight_segments", None)
     packed = getattr(layer, "packed", None)
+    if packed is not None and packed.residual is not None and packed.residual.num_blocks:
+        return "a sparse 4-bit residual (MosaicQuant's blocks): the mixed kernels walk no residual"
     if segments is None and packed is not None and packed.residual is None and packed.group_size in (None, k):
         # a dense packed 4-bit weight with one scale per row (e.g. SpinQuant's): its integers as one segment
         scale = packed.scales.to(torch.float32).reshape(n, 1)

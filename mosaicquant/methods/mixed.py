@@ -27,6 +27,7 @@ from mosaicquant.methods.quant import Quantized, check_bits, fake_quantize
 
 __all__ = [
     "MixedActQuant",
+    "MultiPassActQuant",
     "WeightSegment",
     "SegmentedWeight",
     "gptq_quantize_segments",
@@ -163,6 +164,61 @@ class MixedActQuant(nn.Module):
         return (f"in_features={self.in_features}, high={self.n_high} ch @ {self.high.bits} bits, "
                 f"low={self.low_channels.numel()} ch @ {self.low.bits} bits (group {self.low.group_size}, "
                 f"clip {self.low.clip_ratio})")
+
+
+class MultiPassActQuant(nn.Module):
+    """An activation grid applied ``passes`` times, each pass to the error the earlier ones left.
+
+    ``forward(x) = Σ_p deq(Q(r_p))`` with ``r_1 = x`` and ``r_{p+1} = x − Σ_{q≤p} deq(Q(r_q))``: each pass
+    is one more ``spec.bits``-bit operand with its own per-token scales, multiplied by the same weights,
+    so two 4-bit passes give a finer step (about ``2^-(2·bits−1)`` of the range) with every operand
+    still 4-bit.
+
+    Args:
+        spec: the grid of every pass (``group_size`` None: per token).
+        passes: 1..4.
+
+    Raises:
+        ValueError: a grouped or disabled spec, or ``passes`` out of range.
+
+    Example:
+        >>> q = MultiPassActQuant(ActQuantSpec(4), passes=2)  # one pass gives [7.0, 1.0, -2.0]
+        >>> [round(v, 3) for v in q(torch.tensor([[7.0, 1.3, -2.2]]))[0].tolist()]
+        [7.0, 1.3, -2.214]
+    """
+
+    def __init__(self, spec: ActQuantSpec, passes: int):
+        super().__init__()
+        if spec.group_size is not None or not spec.enabled:
+            raise ValueError(f"MultiPassActQuant needs a per-token quantized spec, got {spec!r}")
+        if isinstance(passes, bool) or not isinstance(passes, int) or not 1 <= passes <= 4:
+            raise ValueError(f"passes={passes!r} is out of range: allowed integers 1..4")
+        self.spec = spec
+        self.passes = passes
+        self.group_size = None
+        self.symmetric = spec.symmetric
+
+    @property
+    def bits(self) -> str:
+        """``"bits x passes"``, for reports."""
+        return f"{self.spec.bits}x{self.passes}"
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    def effective_bits(self, k: int) -> tuple[float, float]:
+        """``(values, scales)`` per element: each pass's bits and per-token scales, summed."""
+        from mosaicquant.methods.bits import activation_bits
+
+        values, scales = activation_bits(self.spec, k)
+        return values * self.passes, scales * self.passes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.spec(x)
+        for _ in range(self.passes - 1):
+            out = out + self.spec(x - out)
+        return out
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,13 @@ Pipeline for a causal LM (Llama / Qwen2 / Qwen3 families):
 
 1. **Equivalence transform** (``transform``): ``rotation`` (default; QuaRot-style: norms
    fused, random Hadamard on the residual stream, online Hadamard on the down_proj input
-   and — ``online_o`` — on the o_proj input), ``smoothquant`` (per-channel scales
-   ``max|X|^α / max|W|^(1-α)`` folded into the norms / preceding linears) or ``none``.
+   and — ``online_o`` — on the o_proj input), ``pca`` (per linear input, from the calibration
+   covariance of the inputs the layer sees with the earlier layers quantized: the PCA basis with
+   random rotations inside its top-``high_fraction`` and remaining subspaces, applied online as
+   the linear's input transform — ResQ's basis, :mod:`mosaicquant.methods.basis` — and the
+   high-variance subspace quantized with its own per-token 4-bit scale; down_proj all one grid
+   behind an online Hadamard), ``smoothquant`` (per-channel scales ``max|X|^α / max|W|^(1-α)``
+   folded into the norms / preceding linears) or ``none``.
 2. **Layer-wise calibration** (:mod:`mosaicquant.methods.calibration`): each linear's input
    Hessian ``H = mean_t x̂ x̂ᵀ`` on the transformed inputs; later layers see the
    quantized earlier ones.
@@ -29,8 +34,9 @@ Pipeline for a causal LM (Llama / Qwen2 / Qwen3 families):
    lets the kernels add the residual into the base's integer accumulator. The simulated layer
    multiplies ``Qa(x̂)`` by the packed weight's dequantization — the same integers and scales
    the kernels execute (:mod:`mosaicquant.kernels`).
-7. **Activations**: 4-bit per token, symmetric, clipped at ``a_clip``; one quantization
-   serves the base and the residual.
+7. **Activations**: 4-bit per token, symmetric (or asymmetric, ``a_symmetric``), clipped at
+   ``a_clip``; with ``transform="pca"`` two 4-bit grids per token (the high-variance subspace and
+   the rest). One quantization serves the base and the residual.
 
 The output head stays in 16 bits. The KV cache is not quantized by default (``kv_bits`` 16, the
 method as SPEC §1 defines it: its linear layers); ``kvbits=4`` adds QuaRot's KV recipe
@@ -41,17 +47,20 @@ result records ``kv_bits``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 
 from mosaicquant.config import Config, check_choice, check_range
-from mosaicquant.errors import UserInputError
+from mosaicquant.errors import Unavailable, UserInputError
+from mosaicquant.methods.basis import input_groups, input_rotation, resq_basis
 from mosaicquant.methods.calibration import calibrate_layerwise
 from mosaicquant.methods.format import PackedW4, ResidualBlocks, block_shape_text, parse_block_shape
 from mosaicquant.methods.gptq import gptq_quantize
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant
+from mosaicquant.methods.mixed import MixedActQuant, MultiPassActQuant
 from mosaicquant.methods.qlinear import (
     ActQuantSpec, FakeQuantLinear, input_transform_of, quantize_weight, replace_linears, set_module, weight_memory,
 )
@@ -62,9 +71,11 @@ from mosaicquant.methods.smoothing import collect_input_absmax, smooth_model, sm
 from mosaicquant.methods.speed_form import check_w4a4
 from mosaicquant.registry import Supports, register_method
 
-__all__ = ["MosaicQuantConfig", "mosaicquant", "apply_transform", "quantize_linear_mosaic", "residual_base_scale"]
+__all__ = ["MosaicQuantConfig", "mosaicquant", "apply_transform", "pca_input_transform", "quantize_linear_mosaic",
+           "residual_base_scale"]
 
 SCORES = ("hessian", "delta", "frobenius", "random", "exact-greedy")
+TRANSFORMS = ("rotation", "pca", "smoothquant", "none")
 RESIDUAL_SCALES = ("free", "pow2")
 
 
@@ -77,7 +88,17 @@ class MosaicQuantConfig(Config):
         block: residual block shape, ``"B"`` or ``"BNxBK"`` (rows × columns); kept as ``"B"`` when square,
             so ``16x16`` and ``16`` are one config.
         score: block selection: hessian (default), delta, frobenius, random, exact-greedy.
-        transform: rotation (default), smoothquant or none.
+        transform: rotation (default), pca, smoothquant or none (see the module docstring).
+        pca_group: with ``transform="pca"``, ``None`` (default: the low-variance subspace on one
+            per-token grid, as ResQ), or cut it into consecutive subspaces of ``pca_group`` principal
+            directions (descending variance), each rotated on its own and quantized with its own
+            per-token 4-bit scale (one more 16-bit scale per token and group).
+        high_passes: with ``transform="pca"``, the 4-bit passes of the high-variance subspace's
+            activations, 1 (default) or 2: the second quantizes the first's error on its own per-token
+            grid and multiplies the same weight columns (:class:`~mosaicquant.methods.mixed.MultiPassActQuant`),
+            every operand 4-bit; counted as ``4 · high_passes`` bits per element of that subspace.
+        high_fraction: with ``transform="pca"``, the share of each input's dimensions (the
+            highest-variance principal subspace) quantized with its own per-token 4-bit scale, [0, 1).
         online_o: with rotation, also rotate the o_proj input online.
         alpha: SmoothQuant migration strength.
         base: dense base quantizer, gptq (default) or rtn.
@@ -86,6 +107,8 @@ class MosaicQuantConfig(Config):
         abits: 4, or 16 (W4A16).
         w_group_size: base scale group along K, or None (per output channel).
         a_clip: fraction of each token's activation range kept.
+        a_symmetric: symmetric activation grids (default); ``False`` gives asymmetric per-token grids
+            (one 16-bit scale and zero point per token and grid).
         percdamp: GPTQ damping; act_order: GPTQ column order by decreasing Hessian diagonal.
         residual_damp: damping of the least-squares block fit (hessian score).
         rscale: residual scales, ``pow2`` (default: each kept block row's scale is its base row's
@@ -117,6 +140,9 @@ class MosaicQuantConfig(Config):
     block: str = "128"
     score: str = "hessian"
     transform: str = "rotation"
+    high_fraction: float = 0.125
+    pca_group: int | None = None
+    high_passes: int = 1
     online_o: bool = True
     alpha: float = 0.85
     base: str = "gptq"
@@ -124,6 +150,7 @@ class MosaicQuantConfig(Config):
     abits: int = 4
     w_group_size: int | None = None
     a_clip: float = 0.9
+    a_symmetric: bool = True
     percdamp: float = 0.01
     act_order: bool = True
     residual_damp: float = 0.01
@@ -141,7 +168,11 @@ class MosaicQuantConfig(Config):
         except ValueError as exc:
             raise UserInputError(str(exc)) from None
         check_choice("score", self.score, SCORES)
-        check_choice("transform", self.transform, ("rotation", "smoothquant", "none"))
+        check_choice("transform", self.transform, TRANSFORMS)
+        check_range("high_fraction", self.high_fraction, 0.0, 0.99)
+        check_range("high_passes", self.high_passes, 1, 2, integer=True)
+        if self.pca_group is not None:
+            check_range("pca_group", self.pca_group, 1, None, integer=True)
         check_choice("base", self.base, ("gptq", "rtn"))
         check_choice("rscale", self.rscale, RESIDUAL_SCALES)
         check_range("rscale_max_shift", self.rscale_max_shift, 0, POW2_MAX_SHIFT, integer=True)
@@ -169,6 +200,14 @@ class MosaicQuantConfig(Config):
     def block_shape(self) -> tuple[int, int]:
         return parse_block_shape(self.block)
 
+    def act_spec(self) -> ActQuantSpec:
+        """The per-token activation grid (of each subspace, with ``transform="pca"``)."""
+        return ActQuantSpec(bits=self.abits, symmetric=self.a_symmetric, clip_ratio=self.a_clip)
+
+    def n_high(self, in_features: int) -> int:
+        """Dimensions of an input's high-variance subspace under ``transform="pca"``."""
+        return int(round(in_features * self.high_fraction))
+
     def kv_spec(self) -> KVQuantSpec:
         """The KV-cache spec: Q/K rotation and K/V quantization per head and token when ``kvbits < 16``."""
         return KVQuantSpec(bits=self.kvbits, group_size=None, symmetric=self.kv_symmetric, clip_ratio=self.kv_clip,
@@ -183,8 +222,12 @@ def apply_transform(model, transform: str, calib_tokens: torch.Tensor, *, seed: 
         transform: ``rotation`` (Hadamard residual stream, online Hadamard on the down_proj
             input and, with ``online_o``, on the o_proj input), ``smoothquant`` (scales with
             migration strength ``alpha`` from the calibration tokens' activation maxima,
-            folded into norms and preceding linears) or ``none``.
+            folded into norms and preceding linears), ``pca`` (nothing model-wide: each linear's
+            basis comes from its calibration inputs, :func:`pca_input_transform`) or ``none``.
     """
+    if transform == "pca":
+        return {"transform": "pca", "basis": "per linear input: PCA with random rotations inside the two subspaces",
+                "down_proj": "online Hadamard"}
     if transform == "rotation":
         return rotate_model(model, seed=seed, online_down=True, online_o=online_o)
     if transform == "smoothquant":
@@ -199,14 +242,56 @@ def residual_base_scale(packed: PackedW4, config: MosaicQuantConfig) -> torch.Te
     return packed.scales.reshape(-1).to(torch.float32) if config.rscale == "pow2" else None
 
 
-def quantize_linear_mosaic(linear, hessian: torch.Tensor, config: MosaicQuantConfig, seed: int):
+def pca_input_transform(linear, hessian: torch.Tensor, config: MosaicQuantConfig, *, basis: torch.Tensor | None):
+    """Move one float linear into its input basis for ``transform="pca"``, in place.
+
+    The weight becomes ``W U`` and the linear carries ``x ↦ x U`` as its input transform, so its
+    float function is unchanged; with ``basis=None`` (down_proj) ``U`` is the Hadamard transform.
+
+    Args:
+        linear: the float layer, with no input transform of its own.
+        hessian: ``[K, K]`` input covariance in the original basis.
+        config: :class:`MosaicQuantConfig`.
+        basis: ``U`` from :func:`~mosaicquant.methods.basis.resq_basis` (the last
+            ``config.n_high(K)`` columns the high-variance subspace), or ``None``.
+
+    Returns:
+        ``(hessian in the new basis, activation quantizer)``: a
+        :class:`~mosaicquant.methods.mixed.MixedActQuant` with the last ``n_high`` channels on their
+        own grid, or the plain per-token grid where there is no high subspace.
+
+    Raises:
+        ValueError: the linear already has an input transform, or down_proj's size has no Hadamard matrix.
+    """
+    if input_transform_of(linear) is not None:
+        raise ValueError("transform='pca' applies its own input basis; this linear already has an input transform")
+    k = linear.in_features
+    w = linear.weight.data.to(torch.float64)
+    transform, rot = input_rotation(k, basis, w.device)
+    n_high = 0 if basis is None else config.n_high(k)
+    linear.weight.data = (w @ rot).to(linear.weight.dtype)
+    linear.input_transform = transform.to(linear.weight.device)
+    h = hessian.to(device=w.device, dtype=torch.float64)
+    h_rot = (rot.T @ h @ rot).to(torch.float32)
+    act = config.act_spec()
+    if n_high:
+        low = dataclasses.replace(act, group_size=config.pca_group)
+        high = act if config.high_passes == 1 else MultiPassActQuant(act, config.high_passes)
+        act = MixedActQuant(torch.arange(k - n_high, k), torch.arange(k - n_high), k, high=high, low=low)
+    return h_rot, act.to(linear.weight.device) if n_high else act
+
+
+def quantize_linear_mosaic(linear, hessian: torch.Tensor, config: MosaicQuantConfig, seed: int, *, act=None):
     """Quantize one transformed linear: dense 4-bit base plus selected 4-bit residual blocks.
+
+    Args:
+        act: the activation quantizer (default ``config.act_spec()``).
 
     Returns:
         ``(FakeQuantLinear, stats)`` where ``stats`` holds the fraction of calibration
         output distortion the residual recovers.
     """
-    act = ActQuantSpec(bits=config.abits, symmetric=True, clip_ratio=config.a_clip)
+    act = config.act_spec() if act is None else act
     w_hat = linear.weight.data.to(torch.float32)
     if not torch.isfinite(w_hat).all():
         raise ValueError("weights hold NaN or Inf values")
@@ -241,9 +326,13 @@ def quantize_linear_mosaic(linear, hessian: torch.Tensor, config: MosaicQuantCon
 def _speed_form(model, config: MosaicQuantConfig, ctx):
     """The method's format with round-to-nearest integers and residual blocks chosen by the ``random`` score."""
     check_w4a4("mosaicquant", config.wbits, config.abits)
+    if config.transform == "pca" or not config.a_symmetric:
+        raise Unavailable(f"no fast path: mosaicquant with transform={config.transform!r}, a_symmetric="
+                          f"{config.a_symmetric}; the fused runtime executes one symmetric per-token 4-bit "
+                          "activation grid behind a rotation, SmoothQuant or no transform")
     if config.transform == "rotation":
         rotate_model(model, seed=ctx.seed, online_down=True, online_o=config.online_o)
-    act = ActQuantSpec(bits=config.abits, symmetric=True, clip_ratio=config.a_clip)
+    act = config.act_spec()
     block_shape = config.block_shape
     counter = iter(range(1 << 30))
 
@@ -286,11 +375,26 @@ def mosaicquant(model, config: MosaicQuantConfig, ctx):
     t_transform = time.perf_counter() - t0
     recovered: dict[str, float] = {}
 
+    def pca_layer(index, layer, stats):
+        groups, hadamard = input_groups(stats, method="MosaicQuant transform='pca'")
+        out = {}
+        for g_index, group in enumerate(groups):
+            hessian = stats[group[0]].hessian
+            basis = resq_basis(hessian, config.n_high(hessian.shape[0]), seed=ctx.seed * 100003 + index * 16 + 2 * g_index,
+                               low_group=config.pca_group)
+            for name in group:
+                out[name] = pca_input_transform(layer.get_submodule(name), stats[name].hessian, config, basis=basis)
+        for name in hadamard:
+            out[name] = pca_input_transform(layer.get_submodule(name), stats[name].hessian, config, basis=None)
+        return out
+
     def quantize_layer(index, layer, stats):
         prefix = f"layers.{index}."
+        acts = pca_layer(index, layer, stats) if config.transform == "pca" else {}
         for name, st in stats.items():
             linear = layer.get_submodule(name)
-            new, info = quantize_linear_mosaic(linear, st.hessian, config, ctx.seed * 7919 + index)
+            hessian, act = acts.get(name, (st.hessian, None))
+            new, info = quantize_linear_mosaic(linear, hessian, config, ctx.seed * 7919 + index, act=act)
             set_module(layer, name, new)
             if "recovered" in info:
                 recovered[prefix + name] = round(float(info["recovered"]), 5)

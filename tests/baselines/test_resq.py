@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from mosaicquant.baselines.resq import (
     BasisTransform,
@@ -16,7 +15,6 @@ from mosaicquant.baselines.resq import (
     resq_quantize_linear,
 )
 from mosaicquant.errors import UserInputError
-from mosaicquant.harness.context import QuantContext
 from mosaicquant.methods.hadamard import OnlineHadamard, apply_hadamard
 from mosaicquant.methods.kvcache import kv_quant_spec_of
 from mosaicquant.methods.mixed import MixedActQuant
@@ -122,32 +120,17 @@ def test_resq_down_proj_path_is_all_4bit_hadamard():
         resq_quantize_linear(layer, h.to(torch.float32), ResQConfig(), basis=None)
 
 
-def _tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def _loss(model, tokens) -> float:
-    with torch.no_grad():
-        return float(model(input_ids=tokens, labels=tokens).loss)
-
-
-def test_resq_method_on_tiny_model():
-    model = _tiny_llama()
-    gen = torch.Generator().manual_seed(7)
-    calib = torch.randint(0, 97, (4, 48), generator=gen)
-    test = torch.randint(0, 97, (2, 48), generator=gen)
-    ref = _loss(model, test)
-    ctx = QuantContext(calibration=lambda: calib, seed=0, device=torch.device("cpu"), log=lambda s: None)
+def test_resq_method_on_tiny_model(tiny_llama_model, lm_loss, tiny_lm_tokens):
+    model = tiny_llama_model
+    _, test, ctx = tiny_lm_tokens
+    ref = lm_loss(model, test)
     resq(model, ResQConfig(), ctx)
     assert ctx.info["kv_bits"] == 4 and ctx.info["wbits"] == "4/8"
     assert kv_quant_spec_of(model).symmetric is False and kv_quant_spec_of(model).rotate_qk
     counts = ctx.info["high_precision_channels"]
     assert counts["layers.0.self_attn.q_proj"] == 12 and counts["layers.1.mlp.down_proj"] == 0
     assert 0.125 < ctx.info["variance_in_high_subspace_calib_mean"] <= 1.0
-    got = _loss(model, test)
+    got = lm_loss(model, test)
     assert torch.isfinite(torch.tensor(got))
     assert got < ref + torch.log(torch.tensor(MODEL_PPL_RATIO_MAX)), (ref, got)
 
