@@ -51,6 +51,7 @@ import torch
 
 from mosaicquant.errors import AssetError, UserInputError, unknown_name
 from mosaicquant.harness import assets, shapes
+from mosaicquant.methods.quant import all_finite
 
 __all__ = [
     "BuiltinModel",
@@ -613,7 +614,8 @@ def check_finite_weights(model: torch.nn.Module, what: str, *, shown: int = 3) -
 
     Such a checkpoint (a corrupted file, a failed conversion, an overflowed fine-tune) would
     otherwise fail late and vaguely: NaN perplexity after a full evaluation pass, or a quantizer's
-    error after calibration. One pass over the tensors costs far less than either. Tensors shared
+    error after calibration. One read of each tensor (:func:`~mosaicquant.methods.quant.all_finite`: a
+    sum, no boolean copies) costs far less than either. Tensors shared
     between modules (tied embeddings) are counted once.
 
     Args:
@@ -630,9 +632,9 @@ def check_finite_weights(model: torch.nn.Module, what: str, *, shown: int = 3) -
         if not tensor.is_floating_point() or tensor.device.type == "meta" or id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        finite = torch.isfinite(tensor)
-        if bool(finite.all()):
+        if all_finite(tensor):
             continue
+        finite = torch.isfinite(tensor)
         n_nan = int(torch.isnan(tensor).sum())
         n_inf = int((~finite).sum()) - n_nan
         bad.append(f"{name} ({n_nan:,} NaN, {n_inf:,} Inf of {tensor.numel():,} values)")

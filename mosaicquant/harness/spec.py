@@ -222,13 +222,14 @@ _MAX_SEED = 2**31 - 1
 
 #: named starting points of a run: each fills the run-spec keys it names; a spec file's keys and the
 #: command line's options override them. ``quick``: a real, small comparison on the built-in SmolLM2-135M
-#: (fp16, RTN and QuaRot without the weight clipping search, MosaicQuant; 4 perplexity chunks of 128 tokens,
-#: 4 calibration sequences of 128 tokens); its numbers are a smoke check of the methods' ordering, not
+#: (fp16; RTN and QuaRot-RTN without the weight clipping search; MosaicQuant with an RTN base and the
+#: paper's diagonal Δ-score; 4 perplexity chunks of 128 tokens, 4 calibration sequences of 128 tokens); no
+#: GPTQ pass and no least-squares block fits. Its numbers are a smoke check of the methods' ordering, not
 #: paper numbers.
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": {
         "model": "smollm2-135m",
-        "methods": "fp16,rtn:w_clip_search=false,quarot:w_clip_search=false,mosaicquant",
+        "methods": "fp16,rtn:w_clip_search=false,quarot:w_quant=rtn:w_clip_search=false,mosaicquant:score=delta:base=rtn",
         "suites": "accuracy:seqlen=128",
         "max_chunks": 4,
         "calib_samples": 4,

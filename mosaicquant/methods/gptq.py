@@ -47,6 +47,7 @@ import torch
 
 from mosaicquant.methods.quant import (
     Quantized,
+    all_finite,
     check_bits,
     qrange,
     quantize,
@@ -123,7 +124,7 @@ def accumulate_hessian(
     t = flat.shape[0]
     if t == 0:
         return hessian, n_seen
-    if not torch.isfinite(flat).all():
+    if not all_finite(flat):
         raise ValueError("calibration inputs hold NaN or Inf values")
     total = n_seen + t
     hessian.mul_(n_seen / total)
@@ -260,9 +261,9 @@ def gptq_quantize_with_error(
         raise ValueError(f"clip_ratio={clip_ratio!r} is out of range: allowed (0, 1]")
     w = weight.detach().to(torch.float32).clone()
     h = hessian.detach().to(device=w.device, dtype=torch.float32).clone()
-    if not torch.isfinite(w).all():
+    if not all_finite(w):
         raise ValueError("cannot quantize a weight holding NaN or Inf values")
-    if not torch.isfinite(h).all():
+    if not all_finite(h):
         raise ValueError("the hessian holds NaN or Inf values")
 
     dead = torch.diagonal(h) == 0

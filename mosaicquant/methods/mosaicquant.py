@@ -64,7 +64,7 @@ from mosaicquant.methods.mixed import MixedActQuant, MultiPassActQuant
 from mosaicquant.methods.qlinear import (
     ActQuantSpec, FakeQuantLinear, input_transform_of, quantize_weight, replace_linears, set_module, weight_memory,
 )
-from mosaicquant.methods.quant import quantize
+from mosaicquant.methods.quant import all_finite, quantize
 from mosaicquant.methods.residual import POW2_MAX_SHIFT, distortion_recovered, select_residual
 from mosaicquant.methods.rotation import TRANSFORM_SUPPORTS, online_transforms, rotate_model
 from mosaicquant.methods.smoothing import collect_input_absmax, smooth_model, smoothing_input_names
@@ -293,7 +293,7 @@ def quantize_linear_mosaic(linear, hessian: torch.Tensor, config: MosaicQuantCon
     """
     act = config.act_spec() if act is None else act
     w_hat = linear.weight.data.to(torch.float32)
-    if not torch.isfinite(w_hat).all():
+    if not all_finite(w_hat):
         raise ValueError("weights hold NaN or Inf values")
     if config.wbits == 16:
         layer = FakeQuantLinear(linear.weight.data, linear.bias, act, input_transform_of(linear), None, 16)

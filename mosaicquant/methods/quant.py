@@ -45,6 +45,7 @@ __all__ = [
     "fake_quantize",
     "quantize_with_clip_search",
     "check_bits",
+    "all_finite",
 ]
 
 MIN_BITS = 2
@@ -60,6 +61,26 @@ def check_bits(bits: int, name: str = "bits") -> int:
     if not isinstance(bits, int) or isinstance(bits, bool) or not MIN_BITS <= bits <= MAX_BITS:
         raise ValueError(f"{name}={bits!r} is out of range: allowed integers {MIN_BITS}..{MAX_BITS}")
     return bits
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether no element of ``x`` is NaN or ±Inf: the answer of ``bool(torch.isfinite(x).all())``, in one read.
+
+    A NaN or an infinity makes every sum that holds it non-finite (``inf + -inf`` is NaN), so a finite sum
+    proves every element finite; ``torch.isfinite`` instead builds boolean tensors of ``x``'s size. A sum
+    that is not finite (a bad element, or finite elements whose sum overflows) is settled by the exact
+    test. Half-precision tensors are summed in float32, so that their sums rarely overflow.
+
+    Example:
+        >>> all_finite(torch.tensor([1.0, 3e38, 3e38])), all_finite(torch.tensor([1.0, float("nan")]))
+        (True, False)
+    """
+    if not (x.is_floating_point() or x.is_complex()) or x.numel() == 0:
+        return True
+    if x.element_size() < 2:  # 8-bit floats: neither sums nor isfinite are defined for every such dtype
+        x = x.to(torch.float32)
+    total = x.sum(dtype=torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.sum()
+    return bool(torch.isfinite(total)) or bool(torch.isfinite(x).all())
 
 
 def qrange(bits: int, symmetric: bool) -> tuple[int, int]:
@@ -213,7 +234,7 @@ def quantize(
     if not 0.0 < clip_ratio <= 1.0:
         raise ValueError(f"clip_ratio={clip_ratio!r} is out of range: allowed (0, 1]")
     xf = x.to(torch.float32)
-    if not torch.isfinite(xf).all():
+    if not all_finite(xf):
         raise ValueError("cannot quantize a tensor holding NaN or Inf values")
     xg = _grouped(xf, group_size)
     scale, zero = _params(xg, bits, symmetric, clip_ratio, scale_dtype)
@@ -289,7 +310,7 @@ def quantize_with_clip_search(
     if norm <= 0:
         raise ValueError(f"norm={norm!r} must be > 0")
     xf = x.to(torch.float32)
-    if not torch.isfinite(xf).all():
+    if not all_finite(xf):
         raise ValueError("cannot quantize a tensor holding NaN or Inf values")
     xg = _grouped(xf, group_size)
     ranges = _ranges(xg, symmetric)

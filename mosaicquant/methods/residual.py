@@ -62,7 +62,7 @@ import torch
 
 from mosaicquant.errors import unknown_name
 from mosaicquant.methods.format import POW2_SHIFT_RANGE, parse_block_shape
-from mosaicquant.methods.quant import quantize
+from mosaicquant.methods.quant import all_finite, quantize
 
 __all__ = [
     "SELECTION_METHODS",
@@ -103,14 +103,14 @@ CHANNEL_AXES = ("input", "output")
 def _check_matrix(x: torch.Tensor, name: str) -> None:
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-D [N, K], got shape {tuple(x.shape)}")
-    if not torch.isfinite(x).all():
+    if not all_finite(x):
         raise ValueError(f"{name} holds NaN or Inf values")
 
 
 def _check_hessian(h: torch.Tensor, k: int) -> None:
     if h.dim() != 2 or tuple(h.shape) != (k, k):
         raise ValueError(f"the Hessian must be [K, K] = [{k}, {k}], got shape {tuple(h.shape)}")
-    if not torch.isfinite(h).all():
+    if not all_finite(h):
         raise ValueError("the Hessian holds NaN or Inf values")
 
 

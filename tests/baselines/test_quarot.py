@@ -16,7 +16,7 @@ from mosaicquant.errors import UserInputError
 from mosaicquant.harness.context import QuantContext
 from mosaicquant.methods.hadamard import OnlineHadamard
 from mosaicquant.methods.kvcache import KV_ATTENTION_NAMES, kv_quant_spec_of
-from mosaicquant.methods.qlinear import FakeQuantLinear
+from mosaicquant.methods.qlinear import FakeQuantLinear, quantize_weight
 from mosaicquant.registry import get_method
 
 # float64 models; HF's RMSNorm runs in float32 internally (see tests/methods/test_rotation.py)
@@ -165,6 +165,38 @@ def test_gptq_weights_beat_rtn_weights_after_rotation():
     assert errs[16] < FP64_MODEL_RTOL < errs[3], errs
 
 
+@pytest.mark.parametrize("clip_search", [False, True])
+def test_rtn_weights_skip_gptq_and_round_the_rotated_weights_to_the_4bit_grid(monkeypatch, clip_search):
+    """``w_quant=rtn`` (QuaRot-RTN): no calibration, no GPTQ; each weight is the rotated one on the 4-bit grid."""
+    model = tiny_model("qwen3")
+    rotated = copy.deepcopy(model)
+    quarot(rotated, QuaRotConfig(wbits=16, abits=16, kvbits=16), context(CALIB, seed=3))
+
+    def no_calibration():
+        raise AssertionError("QuaRot-RTN read calibration tokens")
+
+    def no_gptq(*args, **kwargs):
+        raise AssertionError("QuaRot-RTN ran GPTQ")
+
+    monkeypatch.setattr("mosaicquant.baselines.quarot.gptq_quantize_model", no_gptq)
+    ctx = QuantContext(calibration=no_calibration, seed=3, device=torch.device("cpu"), log=lambda _: None)
+    quarot(model, QuaRotConfig(w_quant="rtn", w_clip_search=clip_search, kvbits=16), ctx)
+    assert ctx.info["weight_quantizer"] == "rtn" and ctx.info["quantized_linears"] == 2 * 7
+    for name, linear in model.named_modules():
+        if not isinstance(linear, FakeQuantLinear):
+            continue
+        assert linear.wbits == 4 and linear.packed is not None, name
+        ints = linear.packed.int_weight()
+        assert int(ints.min()) >= -8 and int(ints.max()) <= 7, name
+        grid = ints.to(torch.float64) * linear.packed.scales.to(torch.float64)
+        assert torch.equal(linear.weight, grid), f"{name}: the weight is not its integers times its row scales"
+        float_weight = rotated.get_submodule(name).weight.to(torch.float32)
+        expected = quantize_weight(float_weight, 4, clip_search=clip_search)
+        assert torch.equal(ints, expected.q), f"{name}: not round-to-nearest of the rotated weight"
+    assert isinstance(model.model.layers[0].mlp.down_proj.input_transform, OnlineHadamard)
+    assert not isinstance(model.lm_head, FakeQuantLinear), "the output head stays in 16 bits"
+
+
 @pytest.mark.parametrize("key, value, word", [
     ("wbits", 1, "wbits=1"),
     ("abits", 9, "abits=9"),
@@ -175,6 +207,7 @@ def test_gptq_weights_beat_rtn_weights_after_rotation():
     ("w_group_size", 1, "w_group_size=1"),
     ("kv_group_size", 0, "kv_group_size=0"),
     ("percdamp", -0.1, "percdamp=-0.1"),
+    ("w_quant", "awq", "w_quant='awq'"),
 ])
 def test_config_validation(key, value, word):
     with pytest.raises(UserInputError, match=word):

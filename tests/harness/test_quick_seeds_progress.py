@@ -37,6 +37,12 @@ def test_quick_preset_fills_the_small_comparison():
     (suite,) = spec.suites
     assert (suite.name, suite.config.seqlen, suite.config.max_chunks) == ("accuracy", 128, quick["max_chunks"])
     assert spec.to_dict()["preset"] == "quick"
+    configs = {m.name: m.config for m in spec.methods}
+    assert set(configs) == {"fp16", "rtn", "quarot", "mosaicquant"}
+    # no GPTQ pass and no least-squares block fits: the costs a CPU minute cannot hold
+    assert configs["quarot"].w_quant == "rtn" and not configs["quarot"].w_clip_search
+    assert (configs["mosaicquant"].base, configs["mosaicquant"].score) == ("rtn", "delta")
+    assert not configs["rtn"].w_clip_search
 
 
 def test_options_beside_quick_override_the_preset():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mosaicquant.methods.quant import fake_quantize, qrange, quantize, quantize_with_clip_search
+from mosaicquant.methods.quant import all_finite, fake_quantize, qrange, quantize, quantize_with_clip_search
 
 
 def test_qrange():
@@ -138,3 +138,34 @@ def test_replace_linears_lets_each_original_go_once_replaced():
 
     assert replace_linears(model, make) == ["0", "1", "2"]
     assert all(ref() is None for ref in seen)
+
+
+def x_seed(dtype, bad) -> int:
+    return [torch.float32, torch.float64, torch.float16, torch.bfloat16].index(dtype) * 7 + (0 if bad is None else 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None])
+@pytest.mark.parametrize("shape", [(1,), (13, 67), (3, 5, 7)])
+def test_all_finite_matches_isfinite(dtype, bad, shape):
+    gen = torch.Generator().manual_seed(len(shape) * 97 + x_seed(dtype, bad))
+    x = torch.randn(shape, generator=gen).to(dtype)
+    if bad is not None:
+        x.view(-1)[int(torch.randint(x.numel(), (1,), generator=gen))] = bad
+    assert all_finite(x) == bool(torch.isfinite(x).all()) == (bad is None)
+
+
+def test_all_finite_overflowing_sums_and_opposite_infinities():
+    big = {torch.float32: 3e38, torch.float64: 1.7e308, torch.float16: 60000.0, torch.bfloat16: 3e38}
+    for dtype, value in big.items():
+        x = torch.full((64,), value, dtype=dtype)
+        assert torch.isfinite(x).all() and all_finite(x), f"{dtype}: finite values whose sum overflows"
+        assert all_finite(torch.cat([x, -x])), dtype
+    assert not all_finite(torch.tensor([float("inf"), -float("inf"), 1.0]))
+
+
+def test_all_finite_other_tensors():
+    assert all_finite(torch.empty(0)) and all_finite(torch.arange(5)) and all_finite(torch.ones(3, dtype=torch.bool))
+    assert not all_finite(torch.tensor([1 + 1j, complex(float("nan"), 0)]))
+    if hasattr(torch, "float8_e4m3fn"):
+        assert all_finite(torch.ones(4).to(torch.float8_e4m3fn))
