@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["Ceilings", "measure_ceilings", "module_bytes", "tensor_bytes", "decode_bytes", "prefill_flops", "quantized_linears",
+__all__ = ["Ceilings", "measure_ceilings", "prefill_floor_rate", "module_bytes", "tensor_bytes", "decode_bytes", "prefill_flops", "quantized_linears",
            "floor_fraction", "byte_floor_us"]
 
 #: bytes copied per bandwidth sample (well past any L2 cache)
@@ -87,7 +87,8 @@ def measure_ceilings(device: torch.device, replays: int = 9) -> Ceilings:
         int8 = None
         try:
             ai = torch.randint(-8, 8, (n, n), device=device, dtype=torch.int8)
-            bi = torch.randint(-8, 8, (n, n), device=device, dtype=torch.int8)
+            # the second operand column-major: cuBLASLt's INT8 tensor-core product takes its operands "TN"
+            bi = torch.randint(-8, 8, (n, n), device=device, dtype=torch.int8).t()
             ms = _median_ms(lambda: torch._int_mm(ai, bi), replays)
             int8 = 2 * n**3 / (ms * 1e-3) / 1e12
         except RuntimeError:
@@ -95,6 +96,23 @@ def measure_ceilings(device: torch.device, replays: int = 9) -> Ceilings:
         torch.cuda.empty_cache()
         _measured[key] = Ceilings(copy, bf16, int8, torch.cuda.get_device_name(device))
     return _measured[key]
+
+
+def prefill_floor_rate(ceilings: Ceilings, quantized: bool) -> tuple[float | None, str]:
+    """The tensor-core rate (1e12 op/s) a prefill's floor divides its flops by, and what it is.
+
+    Packed quantized linears run INT8 products; a measured INT8 rate below the BF16 one is not the INT8
+    tensor cores' rate (INT8 has at least BF16's rate on every tensor-core GPU), so that floor is
+    ``None`` and the text says why, rather than a floor slower than the card.
+    """
+    if not quantized:
+        return ceilings.bf16_tflop_s, "BF16 tensor cores"
+    if ceilings.int8_tflop_s is None:
+        return None, "unavailable: the INT8 product (torch._int_mm) did not run on this device"
+    if ceilings.int8_tflop_s < ceilings.bf16_tflop_s:
+        return None, (f"unavailable: the INT8 product measured {ceilings.int8_tflop_s:.0f} TFLOP/s, below BF16's "
+                      f"{ceilings.bf16_tflop_s:.0f}, not the tensor cores' rate")
+    return ceilings.int8_tflop_s, "INT8 tensor cores"
 
 
 def module_bytes(module: torch.nn.Module, seen: set[int] | None = None) -> int:

@@ -5,8 +5,8 @@ import torch
 
 from mosaicquant.harness import shapes
 from mosaicquant.harness.context import QuantContext
-from mosaicquant.harness.floor import decode_bytes, floor_fraction, measure_ceilings, module_bytes, prefill_flops, \
-    quantized_linears
+from mosaicquant.harness.floor import Ceilings, decode_bytes, floor_fraction, measure_ceilings, module_bytes, \
+    prefill_flops, prefill_floor_rate, quantized_linears
 from mosaicquant.registry import get_method
 from mosaicquant.harness.speedforms import executable, speed_form
 from mosaicquant.methods.qlinear import weight_memory
@@ -68,8 +68,22 @@ def test_floor_fraction_and_its_input_checks():
 
 
 @pytest.mark.gpu
+def test_prefill_floor_rate_refuses_an_int8_rate_below_bf16():
+    # a measured INT8 product slower than BF16 is not the tensor cores' rate: no floor rather than one the
+    # W4A4 prefill would beat 10x (an H100 run measured torch._int_mm at 129 TFLOP/s against BF16's 771)
+    slow = Ceilings(2674.0, 771.3, 128.8, "NVIDIA H100 80GB HBM3")
+    assert prefill_floor_rate(slow, quantized=False) == (771.3, "BF16 tensor cores")
+    rate, text = prefill_floor_rate(slow, quantized=True)
+    assert rate is None and "129 TFLOP/s, below BF16's 771" in text
+    assert prefill_floor_rate(Ceilings(2674.0, 771.3, 1450.0, "x"), quantized=True) == (1450.0, "INT8 tensor cores")
+    rate, text = prefill_floor_rate(Ceilings(2674.0, 771.3, None, "x"), quantized=True)
+    assert rate is None and "did not run" in text
+
+
 def test_ceilings_are_measured_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     c = measure_ceilings(torch.device("cuda"))
     assert 100 < c.copy_gb_s < 20_000 and 10 < c.bf16_tflop_s < 5_000
+    if c.int8_tflop_s is not None:  # the INT8 tensor cores have at least BF16's rate
+        assert c.int8_tflop_s >= c.bf16_tflop_s, (c.int8_tflop_s, c.bf16_tflop_s)

@@ -62,7 +62,7 @@ from mosaicquant import settings
 from mosaicquant.config import Config, check_range
 from mosaicquant.errors import Unavailable, UserInputError
 from mosaicquant.harness.floor import byte_floor_us, decode_bytes, floor_fraction, measure_ceilings, module_bytes, \
-    prefill_flops, quantized_linears
+    prefill_flops, prefill_floor_rate, quantized_linears
 from mosaicquant.harness.results import Metric
 from mosaicquant.harness.runtime import RUNTIMES, FusedDecoder, resolve_runtime
 from mosaicquant.harness.speedforms import executable
@@ -413,12 +413,12 @@ def _throughput(model, config: ThroughputConfig, ctx):
     t = measure_prefill(model, config.prefill_batch, config.prefill_len, device, config.replays, config.cuda_graphs,
                         decoder, compile_s)
     metrics["prefill_tok_s"] = _tok_s(config.prefill_batch * config.prefill_len, t)
-    int8 = quantized_linears(model) and ceilings.int8_tflop_s is not None
-    rate = ceilings.int8_tflop_s if int8 else ceilings.bf16_tflop_s
-    ctx.method_info["speed"]["prefill_floor_rate"] = "INT8 tensor cores" if int8 else "BF16 tensor cores"
-    flops = prefill_flops(model, config.prefill_batch, config.prefill_len)
-    metrics["prefill_floor_frac"] = Metric(floor_fraction(flops / (rate * 1e12) * 1e6, t.median_us),
-                                           higher_is_better=True, unit="of floor")
+    rate, rate_text = prefill_floor_rate(ceilings, quantized_linears(model))
+    ctx.method_info["speed"]["prefill_floor_rate"] = rate_text
+    if rate is not None:
+        flops = prefill_flops(model, config.prefill_batch, config.prefill_len)
+        metrics["prefill_floor_frac"] = Metric(floor_fraction(flops / (rate * 1e12) * 1e6, t.median_us),
+                                               higher_is_better=True, unit="of floor")
     telemetry = Telemetry(device)
     if not telemetry.active:
         ctx.method_info.setdefault("speed", {})["telemetry"] = f"none: {telemetry.reason}"
