@@ -7,6 +7,12 @@ graph to last ``min_us``, replays the graph ``replays`` times and returns the me
 per call with its spread. Launch overhead is excluded, as in decoding under CUDA graphs.
 Without a GPU it falls back to wall-clock timing of one pass (only for plumbing tests:
 CPU numbers are never reported as speed).
+
+A capture that fails (a call that synchronises with the host, say) raises
+:class:`CaptureFailed` and leaves the process usable: PyTorch ends a failed capture without
+taking the CUDA generators out of capture mode, after which every random op of the process
+fails ("Offset increment outside graph capture"), so :func:`time_calls` puts a copy of each
+generator's state taken before the capture back in place.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Timing", "time_calls", "half_iqr"]
+__all__ = ["Timing", "CaptureFailed", "time_calls", "half_iqr"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,40 @@ class Timing:
     calls: int = 0
     window: object = None
     window_calls: int = 0
+
+
+class CaptureFailed(RuntimeError):
+    """The timed calls could not be captured in a CUDA graph (the process stays usable)."""
+
+
+def _generators() -> list:
+    return [torch.cuda.default_generators[i] for i in range(torch.cuda.device_count())]
+
+
+def capture_graph(seq: Sequence[Callable[[], object]]):
+    """A CUDA graph of ``seq`` called in order.
+
+    Raises:
+        CaptureFailed: the capture failed; the CUDA generators' states from before it are back in
+            place, so later captures and random ops of the process run.
+    """
+    generators = _generators()
+    saved = [g.clone_state() for g in generators]
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for c in seq:
+                c()
+    except Exception as exc:
+        for generator, state in zip(generators, saved):
+            generator.graphsafe_set_state(state)
+        del graph
+        torch.cuda.synchronize()
+        raise CaptureFailed(
+            f"CUDA graph capture of the timed calls failed ({type(exc).__name__}: {str(exc).strip()[:300]}); "
+            "the step does something a capture does not allow (a host synchronisation, a host-to-device copy); "
+            "time it without graphs (throughput:cuda_graphs=false)") from exc
+    return graph
 
 
 def half_iqr(values: Sequence[float]) -> float:
@@ -91,10 +131,7 @@ def time_calls(calls: Sequence[Callable[[], object]], min_us: float = 400.0, rep
     seq = calls * min(reps, 64)
     graph = None
     if graphs:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for c in seq:
-                c()
+        graph = capture_graph(seq)
         graph.replay()
         torch.cuda.synchronize()
 
