@@ -7,7 +7,8 @@
 #   suite   - the throughput suite on the Llama-3-8B shapes, every method with a speed form under CUDA
 #             graphs, then BF16 and torchao's eager rows without graphs (their steps do not capture)
 #   torchao - torchao's compiled rows (torch.compile max-autotune) without graphs, batches 4 and 32
-#   profile - where MosaicQuant's decode step (batch 4, 32) and prefill go, budget 0 against 10 %, per kernel
+#   profile - where the decode step (batch 4, 32) and the prefill go, per kernel: RTN, MosaicQuant at budget 0
+#             and 10 %, Atom
 # torchao rows need its wheel carried in .whl/ (without it they are recorded as unavailable). Records
 # go under OUT (default ./results/gpu_queue), which a warm machine keeps between calls: a step cut off
 # by the call's limit resumes its finished cells when run again.
@@ -48,7 +49,7 @@ case $step in
       | tee -a "$out/torchao_compiled.log" | tail -20 ;;
   profile)
     python3 benchmarks/kernels/decode_profile.py --out "$out/profile_decode" --model llama-3-8b-shapes \
-      --methods mosaicquant:budget=0,mosaicquant --batches 4,32 --runtimes fused --timeline 2>&1 \
+      --methods rtn,mosaicquant:budget=0,mosaicquant,atom --batches 4,32 --runtimes fused --timeline 2>&1 \
       | tee "$out/profile_decode.log" | tail -60
     python3 benchmarks/kernels/decode_profile.py --out "$out/profile_prefill" --model llama-3-8b-shapes \
       --methods fp16,mosaicquant:budget=0,mosaicquant --runtimes fused --prefill 2048 2>&1 \
