@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from mosaicquant.config import Config, check_range
+from mosaicquant.kernels.convert import SHARED_INPUT_GROUPS
 from mosaicquant.methods.calibration import calibrate_layerwise
 from mosaicquant.methods.kvcache import KVQuantSpec, enable_kv_quant
 from mosaicquant.methods.mixed import (
@@ -151,14 +152,26 @@ def atom_quantize_linear(linear: nn.Linear, hessian: torch.Tensor, config: AtomC
 
 
 def _speed_form(model, config: AtomConfig, ctx):
-    """Atom's format with seeded random salient channels (in place of ``diag(XᵀX)``) and RTN integers."""
+    """Atom's format with seeded random salient channels (in place of ``diag(XᵀX)``) and RTN integers.
+
+    Siblings reading one input (q/k/v, gate/up) share its salient channels, as ``diag(XᵀX)`` of
+    that input gives them in the quantized method: the kernels then run each group as one GEMM."""
     gen = torch.Generator().manual_seed(ctx.seed)
     high = ActQuantSpec(bits=config.outlier_bits, symmetric=True)
     low = ActQuantSpec(bits=config.abits, symmetric=True, group_size=config.group_size, clip_ratio=config.a_clip)
+    drawn: dict[str, torch.Tensor] = {}
+
+    def salience(name, k):
+        parent, _, leaf = name.rpartition(".")
+        group = next((g for g in SHARED_INPUT_GROUPS if leaf in g), (leaf,))
+        key = f"{parent}.{group[0]}"
+        if key not in drawn:
+            drawn[key] = torch.rand(k, generator=gen)
+        return drawn[key]
 
     def make(name, linear):
         k = linear.weight.shape[1]
-        normal, outliers = salient_order(torch.rand(k, generator=gen), min(config.n_outliers, k))
+        normal, outliers = salient_order(salience(name, k), min(config.n_outliers, k))
         columns = [(g, config.wbits, config.w_clip) for g in ragged_groups(normal, config.group_size)]
         if outliers.numel():
             columns.append((outliers, config.outlier_bits, 1.0))

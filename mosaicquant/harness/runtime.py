@@ -245,6 +245,7 @@ class _Stacked:
 
     def __init__(self, parent: nn.Module, names: tuple[str, ...]):
         from mosaicquant.kernels.convert import ProjectionSlice, _run_quant
+        from mosaicquant.kernels.quant_linear import QuantLinear
 
         self.quant = None
         mods = [getattr(parent, n) for n in names]
@@ -256,7 +257,8 @@ class _Stacked:
             self.fn = lambda x: _run_quant(group.quant, x, group.input_transform, group.fuse_transform)
             self.kind = "group"
             # a W4A4 GEMM reading its input as it is: the norm before it can quantize for it
-            self.quant = group.quant if group.input_transform is None else None
+            # (a mixed-precision group quantizes with its own gathered-channel kernel)
+            self.quant = group.quant if group.input_transform is None and isinstance(group.quant, QuantLinear) else None
         elif (all(type(m) is nn.Linear and not _hooked(m) and type(m.weight.data) is torch.Tensor for m in mods)
               and len({m.weight.dtype for m in mods}) == 1):
             # float weights: one stacked tensor; the original linears become views of it (no copy kept).

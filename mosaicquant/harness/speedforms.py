@@ -41,6 +41,7 @@ from mosaicquant.errors import Unavailable
 from mosaicquant.kernels.convert import FusedProjections, kernelize
 from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason
 from mosaicquant.kernels.mixed_gemm import MixedQuantLinear
+from mosaicquant.kernels.quant_linear import QuantLinear
 from mosaicquant.kernels.tile_table import table_for
 from mosaicquant.methods.calibration import decoder_layers
 from mosaicquant.methods.kvcache import enable_kv_quant
@@ -103,11 +104,14 @@ def executable(model: nn.Module, info: dict) -> str:
                               f"or mixed 4/8-bit kernels, e.g. {name}: {reason}")
         info["kernel_layers"] = len(report.converted)
     fused = any(getattr(getattr(m, "quant", None), "block_shape", None) is not None for m in model.modules())
-    w4 = [m for m in model.modules() if hasattr(getattr(m, "quant", None), "weight_nbytes")]
+    w4 = [m for m in model.modules() if isinstance(getattr(m, "quant", None), QuantLinear)]
     mixed = [m for m in model.modules() if isinstance(m, MixedQuantLinear)]
     transformed = [m.input_transform for m in w4 if m.input_transform is not None]
     in_kernel = sum(1 for t in transformed if fused_hadamard_reason(t, torch.bfloat16) is None)
-    groups = sorted({"/".join(m.names) for m in model.modules() if isinstance(m, FusedProjections)})
+    groups = sorted({"/".join(m.names) for m in model.modules()
+                     if isinstance(m, FusedProjections) and isinstance(m.quant, QuantLinear)})
+    mixed_groups = sorted({"/".join(m.names) for m in model.modules()
+                           if isinstance(m, FusedProjections) and isinstance(m.quant, MixedQuantLinear)})
     parts = []
     if w4:
         part = "Triton W4A4: act-quant + " + ("ZipperEngine (dense + fused residual)" if fused else "dense GEMM")
@@ -174,6 +178,8 @@ def executable(model: nn.Module, info: dict) -> str:
         formats = sorted({describe(m.fmt) for m in mixed})
         part = (f"Triton mixed-precision GEMM on {len(mixed)} linears (act-quant with gathered channels; "
                 f"{'; '.join(formats[:3])}{'; ...' if len(formats) > 3 else ''})")
+        if mixed_groups:
+            part += "; one GEMM per " + ", ".join(mixed_groups)
         kinds = sorted({type(m.input_transform).__name__ for m in mixed if m.input_transform is not None})
         if kinds:
             part += "; input transforms in PyTorch (" + ", ".join(kinds) + ")"

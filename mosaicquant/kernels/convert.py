@@ -20,6 +20,8 @@ Two execution changes that keep the layer's function:
   ``gate_proj``/``up_proj``; :data:`SHARED_INPUT_GROUPS`) run as one
   :class:`FusedProjections`: the input is quantized once and one GEMM covers the
   concatenated outputs, which each sibling's :class:`ProjectionSlice` returns as a view.
+  Mixed-precision siblings fuse alike where they share the format, the channel order and the
+  input transform (Atom's salient channels and ResQ's basis belong to the input, not the linear).
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from torch import nn
 
 from mosaicquant.kernels._common import check_input_features, resolve_kernel
 from mosaicquant.kernels.hadamard_quant import fused_hadamard_reason, hadamard_quantize_triton
-from mosaicquant.kernels.mixed_gemm import mixed_from_fake
+from mosaicquant.kernels.mixed_gemm import MixedQuantLinear, MixedWeights, mixed_from_fake
 from mosaicquant.kernels.quant_linear import QuantLinear
 from mosaicquant.methods.format import PackedW4
+from mosaicquant.methods.mixed import MixedActQuant
 from mosaicquant.methods.qlinear import FakeQuantLinear, set_module
 
 __all__ = [
@@ -58,6 +61,8 @@ def _run_quant(quant: QuantLinear, x: torch.Tensor, transform: nn.Module | None,
         UserInputError: ``x`` is not ``[..., in_features]`` (checked before the transform, which would fail on it
             with a less telling error).
     """
+    if isinstance(quant, MixedQuantLinear):  # its own input transform and quantizer
+        return quant(x)
     check_input_features(x, quant.in_features)
     if transform is not None and fuse_transform:
         backend = resolve_kernel(quant.kernel, x.device)
@@ -108,7 +113,8 @@ class FusedProjections(nn.Module):
     for that same input tensor; a member called with another tensor (or twice) recomputes.
 
     Args:
-        quant: the stacked layer (``N = Σ N_i``).
+        quant: the stacked layer (``N = Σ N_i``): a :class:`QuantLinear`, or a :class:`MixedQuantLinear`
+            (which runs its input transform itself: ``input_transform`` is then ``None``).
         names: member names, in stacking order.
         sizes: each member's ``N_i``.
         input_transform: the members' common input transform, if any.
@@ -216,6 +222,52 @@ def _fusable_group(parent: nn.Module, names: tuple[str, ...]) -> tuple[list[Fake
         return None
 
 
+def _same_transform(a: nn.Module | None, b: nn.Module | None) -> bool:
+    """Whether two online input transforms are one function: the same module, or modules of one type whose
+    tensors (a basis, say) and settings are equal."""
+    if a is b:
+        return True
+    if a is None or b is None or type(a) is not type(b):
+        return False
+    sa, sb = a.state_dict(), b.state_dict()
+    return (bool(sa) and sa.keys() == sb.keys() and a.extra_repr() == b.extra_repr()
+            and all(torch.equal(sa[k], sb[k]) for k in sa))
+
+
+def _same_act_quant(a, b) -> bool:
+    """Whether two activation quantizers are the same function (channel split and grids)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, MixedActQuant):
+        return (a.low == b.low and a.high == b.high and torch.equal(a.low_channels.cpu(), b.low_channels.cpu())
+                and torch.equal(a.high_channels.cpu(), b.high_channels.cpu()))
+    return a == b
+
+
+def _fusable_mixed_group(parent: nn.Module, names: tuple[str, ...], kernel: str | None) -> MixedQuantLinear | None:
+    """The members of a mixed-precision sibling group as one stacked :class:`MixedQuantLinear`, or ``None``
+    when a member does not convert or the members differ in format, channel order, input transform or device."""
+    members = [getattr(parent, n, None) for n in names]
+    if not all(isinstance(m, FakeQuantLinear) and kernel_path_reason(m) is not None for m in members):
+        return None
+    first = members[0]
+    if any(not _same_transform(m.input_transform, first.input_transform) or m.weight.device != first.weight.device
+           or not _same_act_quant(m.act, first.act) for m in members):
+        return None
+    parts = [mixed_from_fake(m, kernel=kernel) for m in members]
+    if not all(isinstance(p, MixedQuantLinear) for p in parts):
+        return None
+    head = parts[0]  # its input transform serves the group (the members' are equal)
+    if any(p.fmt != head.fmt or (p.perm is None) != (head.perm is None)
+           or (p.perm is not None and not torch.equal(p.perm, head.perm)) for p in parts):
+        return None
+    weights = MixedWeights(*(torch.cat([getattr(p.weights, f) for p in parts]) for f in MixedWeights._fields))
+    bias = None
+    if any(p.bias is not None for p in parts):
+        bias = torch.cat([p.bias if p.bias is not None else p.w_s_hi.new_zeros(p.out_features) for p in parts])
+    return MixedQuantLinear(head.fmt, weights, head.perm, bias, head.input_transform, kernel=kernel)
+
+
 def kernelize(
     model: nn.Module, *, kernel: str | None = None, fused: bool = True,
     fuse_projections: bool = True, fuse_transform: bool = True,
@@ -238,14 +290,19 @@ def kernelize(
         for pname, parent in list(model.named_modules()):
             for names in SHARED_INPUT_GROUPS:
                 found = _fusable_group(parent, names)
-                if found is None:
+                mixed = None if found is not None else _fusable_mixed_group(parent, names, kernel)
+                if found is None and mixed is None:
                     continue
-                members, packed = found
-                device = members[0].weight.device
-                quant = QuantLinear(packed, act_clip_ratio=members[0].act.clip_ratio, kernel=kernel,
-                                    fused=fused).to(device)
-                group = FusedProjections(quant, list(names), [m.out_features for m in members],
-                                         members[0].input_transform, fuse_transform)
+                sizes = [getattr(parent, n).out_features for n in names]
+                if mixed is not None:
+                    group = FusedProjections(mixed, list(names), sizes)
+                    report.mixed.extend(f"{pname}.{n}" if pname else n for n in names)
+                else:
+                    members, packed = found
+                    device = members[0].weight.device
+                    quant = QuantLinear(packed, act_clip_ratio=members[0].act.clip_ratio, kernel=kernel,
+                                        fused=fused).to(device)
+                    group = FusedProjections(quant, list(names), sizes, members[0].input_transform, fuse_transform)
                 gname = "fused_" + "_".join(n.removesuffix("_proj") for n in names)
                 parent.add_module(gname, group)
                 for i, n in enumerate(names):

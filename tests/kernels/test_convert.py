@@ -176,8 +176,10 @@ def test_atom_and_resq_run_on_the_mixed_kernels(kernel, method, options):
     sim, float_model = tiny_quantized_llama(method, **options)
     fast = copy.deepcopy(sim)
     report = kernelize(fast, kernel=kernel)
-    assert not report.skipped and len(report.mixed) == len(report.converted) == 14
-    assert sum(isinstance(m, MixedQuantLinear) for m in fast.modules()) == 14
+    assert not report.skipped and sorted(report.mixed) == sorted(report.converted) and len(report.mixed) == 14
+    # q/k/v and gate/up read one input with one channel order: one stacked layer each, 4 a decoder layer
+    assert len(report.fused_groups) == 4
+    assert sum(isinstance(m, MixedQuantLinear) for m in fast.modules()) == 8
     assert not any(isinstance(m, FakeQuantLinear) for m in fast.modules())
     ids = torch.randint(0, 97, (2, 19), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
@@ -186,3 +188,32 @@ def test_atom_and_resq_run_on_the_mixed_kernels(kernel, method, options):
         out = fast.to(DEVICE)(input_ids=ids.to(DEVICE)).logits.float().cpu()
     ratio = ((out - ref).norm() / (ref - flt).norm()).item()
     assert ratio < TRITON_FRACTION_OF_QUANT_ERROR, f"kernel-vs-simulated is {ratio:.2f} of the quantization error"
+
+
+@pytest.mark.parametrize("method,options", [("atom", {"n_outliers": 16, "group_size": 32, "kvbits": 16}),
+                                            ("resq", {"kvbits": 16})])
+def test_stacked_mixed_siblings_compute_what_the_separate_layers_do(method, options):
+    sim, _ = tiny_quantized_llama(method, **options)
+    fused, separate = copy.deepcopy(sim), copy.deepcopy(sim)
+    assert len(kernelize(fused, kernel="torch").fused_groups) == 4
+    assert kernelize(separate, kernel="torch", fuse_projections=False).fused_groups == []
+    ids = torch.randint(0, 97, (2, 19), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(input_ids=ids).logits, separate(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_siblings_with_different_activation_grids_stay_separate():
+    import dataclasses
+
+    from mosaicquant.methods.mixed import MixedActQuant
+
+    sim, _ = tiny_quantized_llama("atom", n_outliers=16, group_size=32, kvbits=16)
+    attn = sim.model.layers[0].self_attn
+    act = attn.k_proj.act
+    assert isinstance(act, MixedActQuant) and torch.equal(act.high_channels, attn.q_proj.act.high_channels)
+    attn.k_proj.act = MixedActQuant(act.high_channels, act.low_channels, act.in_features, act.high,
+                                    dataclasses.replace(act.low, clip_ratio=0.8))
+    report = kernelize(sim, kernel="torch")
+    assert not report.skipped
+    assert "model.layers.0.self_attn.fused_q_k_v" not in report.fused_groups
+    assert "model.layers.1.self_attn.fused_q_k_v" in report.fused_groups
