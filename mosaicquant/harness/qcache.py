@@ -14,7 +14,11 @@ key, as they are not part of a record's: remove the folder after changing a meth
 Format: one entry is two files.
 
 - ``<key>.<digest>.safetensors``: every tensor of the quantized model that differs from the float model's
-  tensor at the same place (the rest are taken from the float model on reload). No pickle.
+  tensor at the same place (the rest are taken from the float model on reload). No pickle. A simulated 4-bit
+  linear (:class:`~mosaicquant.methods.qlinear.FakeQuantLinear` with a :class:`~mosaicquant.methods.format.PackedW4`)
+  whose float weight is its packed weight's dequantization bit for bit is stored as the packed weight only (4-bit
+  values two a byte, FP16 scales, residual blocks) and its weight is dequantized again on reload, so an entry is
+  about the size of the 4-bit model (plus the float tensors a method changed, such as rotated embeddings).
 - ``<key>.json``: written last, through a temp file and a rename, so an entry exists only once both are
   whole. It holds the key parts, the tensor file's name, size and SHA-256, the module tree
   (:class:`_Encoder`), the method's ``method_info``, its calibration record, the original quantization time
@@ -57,6 +61,8 @@ from torch import nn
 
 from mosaicquant.harness import assets
 from mosaicquant.harness import models as models_mod
+from mosaicquant.methods.format import PackedW4
+from mosaicquant.methods.qlinear import FakeQuantLinear
 
 __all__ = ["CACHE_FOLDER", "FORMAT", "PROBE_TOKENS", "NotCacheable", "DamagedEntry", "CacheEntry", "QuantCache",
            "key_parts", "cache_key", "probe_digest"]
@@ -64,7 +70,7 @@ __all__ = ["CACHE_FOLDER", "FORMAT", "PROBE_TOKENS", "NotCacheable", "DamagedEnt
 #: the cache's folder inside a results folder
 CACHE_FOLDER = "quantized"
 #: version of the entry layout; part of the key, so a new layout never reads an old entry
-FORMAT = 1
+FORMAT = 2
 #: tokens of the probe whose logits a reloaded model must reproduce bit for bit
 PROBE_TOKENS = 16
 _ALLOWED_PREFIXES = ("mosaicquant.", "torch.", "transformers.")
@@ -147,6 +153,17 @@ def _own_class(obj: Any) -> bool:
     return type(obj).__module__.startswith("mosaicquant.")
 
 
+def _packed_source(m: nn.Module) -> PackedW4 | None:
+    """The packed weight a simulated 4-bit linear's float weight is the exact dequantization of, else ``None``."""
+    if not isinstance(m, FakeQuantLinear) or not isinstance(m.packed, PackedW4):
+        return None
+    weight = m.weight.detach()
+    rebuilt = m.packed.dequantize(weight.dtype)
+    if rebuilt.shape != weight.shape or not torch.equal(rebuilt.to(weight.device), weight):
+        return None
+    return m.packed
+
+
 class _Encoder:
     """Turns a quantized model into a JSON tree plus a dict of tensors, against the float model."""
 
@@ -162,6 +179,8 @@ class _Encoder:
         self._storages: set[int] = set()
         self.changed = False
         self.root_config: Any = None
+        #: id of a simulated 4-bit layer's weight -> the packed weight it is the dequantization of
+        self._dequantized_from: dict[int, PackedW4] = {}
 
     def encode_model(self, model: nn.Module) -> dict[str, Any]:
         self.root_config = getattr(model, "config", None)
@@ -251,7 +270,13 @@ class _Encoder:
                                      "requires_grad": bool(t.requires_grad), "device": t.device.type}
             data = t.detach()
             original = self.float_tensors.get(path)
-            if (original is not None and original.shape == data.shape and original.dtype == data.dtype
+            packed = self._dequantized_from.get(id(t))
+            if packed is not None:
+                # stored as its packed 4-bit form, dequantized again on reload
+                self.changed = True
+                entry["dequantized"] = {"packed": self.value(packed, path, f"{where} (packed)"),
+                                        "dtype": self.value(data.dtype, path, where)}
+            elif (original is not None and original.shape == data.shape and original.dtype == data.dtype
                     and torch.equal(original.detach(), data.cpu())):
                 entry["float"] = path
             else:
@@ -295,6 +320,9 @@ class _Encoder:
         entry: dict[str, Any] = {"kind": "module", "class": _qualname(type(m)), "reuse": reuse, "path": path,
                                  "training": m.training}
         self.objects[index] = entry  # placed before the children, which may point back at it
+        packed = _packed_source(m)
+        if packed is not None:
+            self._dequantized_from[id(m.weight)] = packed
         entry["parameters"] = [[n, None if p is None else self._tensor(p, prefix + n, f"{where}.{n}")]
                                for n, p in m._parameters.items()]
         entry["buffers"] = [[n, None if b is None else self._tensor(b, prefix + n, f"{where}.{n}")]
@@ -402,6 +430,13 @@ class _Decoder:
                     if isinstance(found, nn.Parameter) else found.clone()
             self._handed_out.add(id(found))
             tensor = found
+        elif "dequantized" in entry:
+            packed, dtype = self.value(entry["dequantized"]["packed"]), self.value(entry["dequantized"]["dtype"])
+            if not isinstance(packed, PackedW4) or not isinstance(dtype, torch.dtype):
+                raise DamagedEntry("a dequantized weight that names no packed weight or dtype")
+            data = packed.dequantize(dtype)
+            data = data.to(self.device) if entry["device"] != "cpu" else data.cpu()
+            tensor = nn.Parameter(data, requires_grad=entry["requires_grad"]) if entry["parameter"] else data
         else:
             data = self.tensors[entry["key"]]
             data = data.to(self.device) if entry["device"] != "cpu" else data

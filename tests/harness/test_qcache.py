@@ -54,6 +54,53 @@ def test_reloaded_model_gives_bit_identical_logits(method_spec, tiny_llama_dir, 
     assert not torch.equal(fresh, plain), "the method changed nothing: the round trip proves nothing"
 
 
+#: a cache entry of a 4-bit model is at most this fraction of the float checkpoint: the linears are stored packed
+#: (two 4-bit values a byte, FP16 scales, residual blocks), not as their dequantized float weights
+MAX_ENTRY_FRACTION = 1 / 3
+
+
+@pytest.fixture(scope="module")
+def small_llama_dir(tmp_path_factory):
+    """A random 2-layer Llama whose linears hold most of its weights (hidden 256), as in a real model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("small-llama")
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("method_spec", ["rtn", "quarot:w_quant=rtn", "mosaicquant:score=delta:base=rtn"])
+def test_an_entry_stores_packed_weights_and_reloads_them_bit_identically(method_spec, small_llama_dir, tmp_path):
+    from pathlib import Path
+
+    float_model = _float_model(small_llama_dir)
+    checkpoint = sum(f.stat().st_size for f in Path(small_llama_dir).glob("*.safetensors"))
+    vocab = float_model.config.vocab_size
+    method = parse_plugin_spec(method_spec, "method")
+    calib = _tokens((4, 32), vocab, seed=5)
+    ctx = QuantContext(calibration=lambda: calib, seed=0, device=torch.device("cpu"), log=lambda _: None)
+    quantized = METHODS.get(method.name).fn(copy.deepcopy(float_model), method.config, ctx).eval()
+    parts = {"method": method.name, "config": method.config.to_dict()}
+    qcache.QuantCache(tmp_path, parts, log=lambda _: None).store(quantized, float_model, 1.0, dict(ctx.info), None)
+    entry_bytes = sum(f.stat().st_size for f in (tmp_path / qcache.CACHE_FOLDER).iterdir())
+    assert 0 < entry_bytes < MAX_ENTRY_FRACTION * checkpoint, \
+        f"the entry is {entry_bytes} bytes, {entry_bytes / checkpoint:.3f} of the {checkpoint}-byte float checkpoint"
+    entry = qcache.QuantCache(tmp_path, parts, log=lambda _: None).load(copy.deepcopy(float_model),
+                                                                        torch.device("cpu"))
+    assert entry is not None
+    ids = _tokens((3, 23), vocab, seed=13)
+    with torch.no_grad():
+        fresh, reloaded = quantized(input_ids=ids).logits, entry.model(input_ids=ids).logits
+    assert torch.equal(fresh, reloaded), f"max |diff| = {(fresh - reloaded).abs().max().item():.3g}"
+    for (name, a), (_, b) in zip(quantized.named_modules(), entry.model.named_modules()):
+        if getattr(a, "packed", None) is not None:
+            assert torch.equal(a.weight, b.weight) and torch.equal(a.packed.qweight, b.packed.qweight), name
+
+
 def test_an_unchanged_model_is_not_stored(tiny_llama_dir, tmp_path):
     float_model = _float_model(tiny_llama_dir)
     cache = qcache.QuantCache(tmp_path, {"m": "fp16"}, log=lambda _: None)
