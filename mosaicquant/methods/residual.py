@@ -256,21 +256,27 @@ def quantize_pow2_rows(
     _check_max_shift(max_shift)
     xf = x.to(torch.float64)
     base = torch.broadcast_to(base_rows.to(torch.float64), xf.shape[:-1])
+    live = base > 0
+    # x / (s_w 2^-j) = (x / s_w) 2^j exactly (a power-of-two factor), so one division serves every j;
+    # a dead row's ratio is 0, so its integers are 0 at every j
+    ratio = (xf / torch.where(live, base, 1.0).unsqueeze(-1)).mul_(live.unsqueeze(-1))
+    hessian = None if hessian_blocks is None else hessian_blocks.to(torch.float64)
     best_err = torch.full(base.shape, math.inf, dtype=torch.float64, device=xf.device)
-    best_q = torch.zeros(xf.shape, dtype=torch.int8, device=xf.device)
-    best_s = torch.zeros(base.shape, dtype=torch.float64, device=xf.device)
+    best_j = torch.zeros(base.shape, dtype=torch.float64, device=xf.device)
+    q = torch.empty_like(xf)
+    d = torch.empty_like(xf)
     for j in range(max_shift + 1):
         s = base * 2.0 ** -j
         exact = s.to(RESIDUAL_SCALE_DTYPE).to(torch.float64) == s
-        live = s > 0
-        q = torch.where(live.unsqueeze(-1), torch.round(xf / torch.where(live, s, 1.0).unsqueeze(-1)), 0.0).clamp(-8, 7)
-        d = xf - q * s.unsqueeze(-1)
-        err = (d * d).sum(-1) if hessian_blocks is None else (torch.matmul(d, hessian_blocks.to(torch.float64)) * d).sum(-1)
+        torch.mul(ratio, 2.0 ** j, out=q).round_().clamp_(-8, 7)
+        torch.sub(xf, torch.mul(q, s.unsqueeze(-1), out=d), out=d)
+        err = (d * d).sum(-1) if hessian is None else (torch.matmul(d, hessian) * d).sum(-1)
         take = exact & (err < best_err)
         best_err = torch.where(take, err, best_err)
-        best_q = torch.where(take.unsqueeze(-1), q.to(torch.int8), best_q)
-        best_s = torch.where(take, s, best_s)
-    return best_q, best_s.to(torch.float32)
+        best_j.masked_fill_(take, float(j))
+    shift = torch.exp2(best_j)
+    best_q = torch.mul(ratio, shift.unsqueeze(-1), out=q).round_().clamp_(-8, 7).to(torch.int8)
+    return best_q, (base / shift).to(torch.float32)
 
 
 def dequantize_residual_blocks(
@@ -356,12 +362,21 @@ def delta_scores(residual: torch.Tensor, h_diag: torch.Tensor, block_shape,
         ValueError: shape mismatch, non-finite or negative ``h_diag``, bad block shape.
     """
     _check_matrix(residual, "residual")
-    k = residual.shape[1]
+    _check_h_diag(h_diag, residual.shape[1])
+    q, s = quantize_residual_blocks(residual, block_shape, base_scale=base_scale, max_shift=max_shift)
+    return _delta_scores_of(residual, h_diag, q, s, block_shape)
+
+
+def _check_h_diag(h_diag: torch.Tensor, k: int) -> None:
     if h_diag.dim() != 1 or h_diag.shape[0] != k:
         raise ValueError(f"h_diag must be [K] = [{k}], got shape {tuple(h_diag.shape)}")
     if not torch.isfinite(h_diag).all() or (h_diag < 0).any():
         raise ValueError("h_diag must hold finite values >= 0 (a Hessian diagonal)")
-    q, s = quantize_residual_blocks(residual, block_shape, base_scale=base_scale, max_shift=max_shift)
+
+
+def _delta_scores_of(residual: torch.Tensor, h_diag: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+                     block_shape) -> torch.Tensor:
+    """:func:`delta_scores` of the residual's blocks already quantized to ``(q, s)`` (every block)."""
     r = dequantize_residual_blocks(q, s, residual.shape).to(torch.float64)
     e = residual.to(torch.float64)
     contrib = h_diag.to(torch.float64).unsqueeze(0) * (e * e - (e - r) ** 2)
@@ -738,11 +753,7 @@ def channel_residual(
         raise ValueError(f"axis={axis!r} is not allowed: choose one of {', '.join(CHANNEL_AXES)}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size={group_size!r} must be a positive integer")
-    n, k = residual.shape
-    if h_diag.dim() != 1 or h_diag.shape[0] != k:
-        raise ValueError(f"h_diag must be [K] = [{k}], got shape {tuple(h_diag.shape)}")
-    if not torch.isfinite(h_diag).all() or (h_diag < 0).any():
-        raise ValueError("h_diag must hold finite values >= 0 (a Hessian diagonal)")
+    _check_h_diag(h_diag, residual.shape[1])
     lines = residual.to(torch.float32) if axis == "output" else residual.to(torch.float32).t()
     length = lines.shape[1]
     pad = -(-length // group_size) * group_size - length
@@ -826,8 +837,8 @@ def select_residual(
             if hessian is None:
                 raise ValueError("residual selection 'delta' needs h_diag= or hessian=")
             h_diag = torch.diagonal(hessian)
-        coords = select_top_blocks(delta_scores(residual, h_diag, (bn, bk), base_scale=base_scale,
-                                                max_shift=max_shift), budget)
+        _check_h_diag(h_diag, residual.shape[1])
+        coords = select_top_blocks(_delta_scores_of(residual, h_diag, q_all, s_all, (bn, bk)), budget)
     elif method == "frobenius":
         coords = select_top_blocks(frobenius_scores(residual, (bn, bk)), budget)
     elif method == "random":

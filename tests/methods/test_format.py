@@ -21,6 +21,16 @@ def test_pack_roundtrip(k):
     assert torch.equal(unpack_int4(pack_int4(q), k), q)
 
 
+def test_unpack_reads_every_byte_as_two_signed_nibbles():
+    packed = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    signed = [(v & 0xF) - 16 * (v & 0xF >= 8) for v in range(256)], [(v >> 4) - 16 * (v >> 4 >= 8) for v in range(256)]
+    expected = torch.tensor([x for pair in zip(*signed) for x in pair], dtype=torch.int8).reshape(4, 128)
+    assert torch.equal(unpack_int4(packed, 128), expected)
+    assert torch.equal(unpack_int4(packed, 127), expected[:, :127])
+    assert torch.equal(pack_int4(expected), packed)
+    assert torch.equal(pack_int4(expected.to(torch.int32)), packed) and torch.equal(pack_int4(expected.t().t()), packed)
+
+
 def test_pack_rejects_out_of_range():
     with pytest.raises(ValueError, match=r"\[-8, 7\]"):
         pack_int4(torch.tensor([8], dtype=torch.int8))

@@ -353,6 +353,65 @@ def test_pow2_rows_take_the_base_scale_times_a_power_of_two_of_least_error():
     assert not q3.any() and s3.item() == 0.0
 
 
+def _pow2_rows_per_shift(x, base_rows, hessian_blocks=None, max_shift=POW2_MAX_SHIFT):
+    """The plain form of :func:`quantize_pow2_rows`: divide by each candidate scale and keep the best of each row."""
+    xf = x.to(torch.float64)
+    base = torch.broadcast_to(base_rows.to(torch.float64), xf.shape[:-1])
+    best_err = torch.full(base.shape, math.inf, dtype=torch.float64)
+    best_q = torch.zeros(xf.shape, dtype=torch.int8)
+    best_s = torch.zeros(base.shape, dtype=torch.float64)
+    for j in range(max_shift + 1):
+        s = base * 2.0 ** -j
+        exact = s.to(torch.float16).to(torch.float64) == s
+        live = s > 0
+        q = torch.where(live.unsqueeze(-1), torch.round(xf / torch.where(live, s, 1.0).unsqueeze(-1)), 0.0).clamp(-8, 7)
+        d = xf - q * s.unsqueeze(-1)
+        err = (d * d).sum(-1) if hessian_blocks is None else \
+            (torch.matmul(d, hessian_blocks.to(torch.float64)) * d).sum(-1)
+        take = exact & (err < best_err)
+        best_err = torch.where(take, err, best_err)
+        best_q = torch.where(take.unsqueeze(-1), q.to(torch.int8), best_q)
+        best_s = torch.where(take, s, best_s)
+    return best_q, best_s.to(torch.float32)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("max_shift", [0, 3, POW2_MAX_SHIFT])
+def test_pow2_rows_equal_the_per_shift_search_bit_for_bit(seed, weighted, max_shift):
+    gen = torch.Generator().manual_seed(seed)
+    nbr, nbc, bn, bk = 3, 5, 7, 13  # ragged sizes
+    x = torch.randn(nbr, nbc, bn, bk, generator=gen) * torch.rand(nbr, nbc, bn, 1, generator=gen) ** 3
+    base = (torch.rand(nbr, 1, bn, generator=gen) * 0.3).to(torch.float16).float()
+    base[0, 0, 2] = 0.0  # a dead row
+    base[1, 0, 3] = 2.0 ** -23  # an FP16 subnormal whose smaller shifts FP16 cannot hold
+    x[2, 1, 4] = 0.0  # an all-zero row
+    x[2, 2, 5, ::2] = base[2, 0, 5] * 2.5  # values on rounding boundaries
+    h = None
+    if weighted:
+        a = torch.randn(nbc, bk, 3 * bk, generator=gen)
+        h = (a @ a.transpose(-1, -2) / (3 * bk)).unsqueeze(0)
+    q, s = quantize_pow2_rows(x, base, h, max_shift=max_shift)
+    q_ref, s_ref = _pow2_rows_per_shift(x, base, h, max_shift=max_shift)
+    assert q.dtype == q_ref.dtype and s.dtype == s_ref.dtype
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_delta_selection_is_the_top_delta_scores_of_the_quantized_blocks(pow2):
+    gen = torch.Generator().manual_seed(8)
+    e = torch.randn(40, 52, generator=gen) * 0.02
+    h_diag = torch.rand(52, generator=gen)
+    base = (torch.rand(40, generator=gen) * 0.05).to(torch.float16).float() if pow2 else None
+    coords, q, s = select_residual("delta", e, (8, 16), 0.3, h_diag=h_diag, base_scale=base)
+    expected = select_top_blocks(delta_scores(e, h_diag, (8, 16), base_scale=base), 0.3)
+    q_all, s_all = quantize_residual_blocks(e, (8, 16), base_scale=base)
+    assert torch.equal(coords, expected)
+    assert torch.equal(q, q_all[coords[:, 0], coords[:, 1]]) and torch.equal(s, s_all[coords[:, 0], coords[:, 1]])
+    with pytest.raises(ValueError, match="h_diag must hold finite values"):
+        select_residual("delta", e, (8, 16), 0.3, h_diag=-h_diag)
+
+
 def test_pow2_rows_keep_to_max_shift():
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(64, 32, generator=gen) * 0.01  # small against the base scale: j = 4 is the best for most rows
