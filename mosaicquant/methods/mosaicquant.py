@@ -36,7 +36,12 @@ Pipeline for a causal LM (Llama / Qwen2 / Qwen3 families):
    the kernels execute (:mod:`mosaicquant.kernels`).
 7. **Activations**: 4-bit per token, symmetric (or asymmetric, ``a_symmetric``), clipped at
    ``a_clip``; with ``transform="pca"`` two 4-bit grids per token (the high-variance subspace and
-   the rest). One quantization serves the base and the residual.
+   the rest). One quantization serves the base and the residual. ``a_clip_search`` chooses each
+   linear input's clip ratios (one per grid) on the calibration inputs instead
+   (:func:`search_act_clip`).
+8. **Weights fitted to the quantized inputs** (``fit_quantized_acts``): before the base, the weight
+   is replaced by the least-squares weight that maps the *quantized* calibration inputs to the float
+   outputs, and GPTQ runs against the quantized inputs' Hessian (:func:`fit_to_quantized_inputs`).
 
 The output head stays in 16 bits. The KV cache is not quantized by default (``kv_bits`` 16, the
 method as SPEC §1 defines it: its linear layers); ``kvbits=4`` adds QuaRot's KV recipe
@@ -47,6 +52,7 @@ result records ``kv_bits``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -72,11 +78,13 @@ from mosaicquant.methods.speed_form import check_w4a4
 from mosaicquant.registry import Supports, register_method
 
 __all__ = ["MosaicQuantConfig", "mosaicquant", "apply_transform", "pca_input_transform", "quantize_linear_mosaic",
-           "residual_base_scale"]
+           "residual_base_scale", "search_act_clip", "act_output_error", "fit_to_quantized_inputs", "A_CLIP_GRID"]
 
 SCORES = ("hessian", "delta", "frobenius", "random", "exact-greedy")
 TRANSFORMS = ("rotation", "pca", "smoothquant", "none")
 RESIDUAL_SCALES = ("free", "pow2")
+#: clip ratios ``a_clip_search`` tries for each activation grid
+A_CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,14 @@ class MosaicQuantConfig(Config):
         a_clip: fraction of each token's activation range kept.
         a_symmetric: symmetric activation grids (default); ``False`` gives asymmetric per-token grids
             (one 16-bit scale and zero point per token and grid).
+        a_clip_search: choose each linear input's activation clip ratios from :data:`A_CLIP_GRID` on the
+            calibration inputs (one per grid: with ``transform="pca"`` the high subspace's and the rest's,
+            by one pass of coordinate descent), minimising the output error ``‖(Qa(x) − x) Wᵀ‖²`` of the
+            linears that read that input with their float weights; ``a_clip`` is the starting point.
+            Off by default; the chosen ratios are recorded (``a_clip_chosen``).
+        fit_quantized_acts: fit the weight to the quantized activations before quantizing it: ``W*``
+            minimises ``‖x Wᵀ − Qa(x) W*ᵀ‖²`` on the calibration inputs (damped by ``percdamp``), and the
+            base is fitted against the Hessian of ``Qa(x)`` (:func:`fit_to_quantized_inputs`). Off by default.
         percdamp: GPTQ damping; act_order: GPTQ column order by decreasing Hessian diagonal.
         residual_damp: damping of the least-squares block fit (hessian score).
         rscale: residual scales, ``pow2`` (default: each kept block row's scale is its base row's
@@ -151,6 +167,8 @@ class MosaicQuantConfig(Config):
     w_group_size: int | None = None
     a_clip: float = 0.9
     a_symmetric: bool = True
+    a_clip_search: bool = False
+    fit_quantized_acts: bool = False
     percdamp: float = 0.01
     act_order: bool = True
     residual_damp: float = 0.01
@@ -323,6 +341,109 @@ def quantize_linear_mosaic(linear, hessian: torch.Tensor, config: MosaicQuantCon
     return layer.to(linear.weight.device), stats
 
 
+def act_output_error(act, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+    """``Σ_W ‖(act(x) − x) Wᵀ‖²``: the output error an activation quantizer alone causes.
+
+    Args:
+        act: the activation quantizer (an :class:`ActQuantSpec` or a quantizer module).
+        x: ``[T, K]`` inputs in the linears' basis.
+        weights: the ``[N_i, K]`` weights of the linears that read ``x``.
+    """
+    d = (act(x) - x).to(torch.float64)
+    n_total = sum(w.shape[0] for w in weights)
+    if n_total > x.shape[1]:
+        gram = sum(w.to(torch.float64).T @ w.to(torch.float64) for w in weights)
+        return float(((d @ gram) * d).sum())
+    return float(sum((d @ w.to(torch.float64).T).square().sum() for w in weights))
+
+
+def _with_clip(act, part: str, clip: float):
+    """A copy of ``act`` with the clip ratio of one of its grids (``"all"``, ``"low"`` or ``"high"``) set."""
+    if isinstance(act, ActQuantSpec):
+        return dataclasses.replace(act, clip_ratio=clip)
+    high, low = act.high, act.low
+    if part == "high":
+        high = dataclasses.replace(high, clip_ratio=clip)
+    else:
+        low = dataclasses.replace(low, clip_ratio=clip)
+    return MixedActQuant(act.high_channels, act.low_channels, act.in_features, high=high, low=low).to(
+        act.high_channels.device)
+
+
+def search_act_clip(act, x: torch.Tensor, weights: list[torch.Tensor], grid=A_CLIP_GRID):
+    """Choose an activation quantizer's clip ratios on calibration inputs.
+
+    Each grid of ``act`` (one for an :class:`ActQuantSpec`; the rest's and then the high subspace's for a
+    :class:`~mosaicquant.methods.mixed.MixedActQuant`, one pass of coordinate descent) takes the ratio of
+    ``grid`` (or its current one) of least :func:`act_output_error`. A high subspace with several passes
+    (:class:`~mosaicquant.methods.mixed.MultiPassActQuant`) keeps its grid.
+
+    Returns:
+        ``(quantizer, error)``: a new quantizer (``act`` is unchanged) and its output error, never above
+        that of ``act``.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> x, w = torch.randn(256, 16, generator=g), [torch.randn(8, 16, generator=g)]
+        >>> q, err = search_act_clip(ActQuantSpec(4), x, w)
+        >>> err <= act_output_error(ActQuantSpec(4), x, w)
+        True
+    """
+    parts = ["all"] if isinstance(act, ActQuantSpec) else ["low"] + (
+        ["high"] if isinstance(act.high, ActQuantSpec) and act.n_high else [])
+    best, best_err = act, act_output_error(act, x, weights)
+    for part in parts:
+        for clip in grid:
+            cand = _with_clip(best, part, clip)
+            err = act_output_error(cand, x, weights)
+            if err < best_err:
+                best, best_err = cand, err
+    return best, best_err
+
+
+def _clip_ratios(act) -> list[float]:
+    """The clip ratios of a quantizer's grids (the rest's first, then the high subspace's), for the record."""
+    if isinstance(act, ActQuantSpec):
+        return [act.clip_ratio]
+    high = getattr(act.high, "clip_ratio", None)
+    return [act.low.clip_ratio] + ([high] if high is not None and act.n_high else [])
+
+
+def fit_to_quantized_inputs(weight: torch.Tensor, x: torch.Tensor, xq: torch.Tensor,
+                            percdamp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight that best maps the quantized inputs to the float outputs, and their Hessian.
+
+    With ``H̃ = xqᵀ xq / T`` and ``C = xᵀ xq / T``, ``W* = W C (H̃ + λI)⁻¹`` (``λ = percdamp · mean diag H̃``)
+    minimises ``‖x Wᵀ − xq W*ᵀ‖²`` (up to the damping). The loss of a quantized ``Ŵ`` splits into that
+    minimum plus ``‖xq (W* − Ŵ)ᵀ‖²``, which GPTQ on ``W*`` against ``H̃`` minimises.
+
+    Args:
+        weight: ``[N, K]`` float weight (in the inputs' basis).
+        x: ``[T, K]`` calibration inputs; xq: the same quantized (``act(x)``).
+        percdamp: relative damping of ``H̃``'s diagonal, ``> 0`` for a well-posed solve.
+
+    Returns:
+        ``(W* [N, K] float32, H̃ [K, K] float32)``.
+
+    Raises:
+        ValueError: shapes that do not match, or ``xq`` with no energy.
+    """
+    if x.shape != xq.shape or x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"shapes do not match: weight {tuple(weight.shape)}, x {tuple(x.shape)}, xq {tuple(xq.shape)}")
+    xd, xqd = x.to(torch.float64), xq.to(torch.float64)
+    t = x.shape[0]
+    hq = xqd.T @ xqd / t
+    cross = xd.T @ xqd / t
+    mean_diag = float(torch.diagonal(hq).mean())
+    if not mean_diag > 0:
+        raise ValueError("the quantized inputs are all zero: nothing to fit the weight to")
+    damped = hq + max(percdamp, 1e-6) * mean_diag * torch.eye(hq.shape[0], dtype=hq.dtype, device=hq.device)
+    # W* damped = W C  ->  damped W*ᵀ = Cᵀ Wᵀ (damped is symmetric)
+    rhs = cross.T @ weight.to(torch.float64).T
+    w_star = torch.linalg.solve(damped, rhs).T
+    return w_star.to(torch.float32), hq.to(torch.float32)
+
+
 def _speed_form(model, config: MosaicQuantConfig, ctx):
     """The method's format with round-to-nearest integers and residual blocks chosen by the ``random`` score."""
     check_w4a4("mosaicquant", config.wbits, config.abits)
@@ -374,6 +495,8 @@ def mosaicquant(model, config: MosaicQuantConfig, ctx):
     kv = enable_kv_quant(model, config.kv_spec()) if config.kvbits < 16 else None
     t_transform = time.perf_counter() - t0
     recovered: dict[str, float] = {}
+    clips: dict[str, list[float]] = {}
+    keep_inputs = config.a_clip_search or config.fit_quantized_acts
 
     def pca_layer(index, layer, stats):
         groups, hadamard = input_groups(stats, method="MosaicQuant transform='pca'")
@@ -391,16 +514,34 @@ def mosaicquant(model, config: MosaicQuantConfig, ctx):
     def quantize_layer(index, layer, stats):
         prefix = f"layers.{index}."
         acts = pca_layer(index, layer, stats) if config.transform == "pca" else {}
+        per_input: dict[int, tuple] = {}  # one input's (x in the linears' basis, quantizer, quantized x)
         for name, st in stats.items():
             linear = layer.get_submodule(name)
             hessian, act = acts.get(name, (st.hessian, None))
+            if keep_inputs:
+                if id(st) not in per_input:
+                    # with pca the basis was set after the inputs were taken; other transforms ran before
+                    transform = input_transform_of(linear) if acts else None
+                    x = st.inputs if transform is None else transform(st.inputs)
+                    shared = [layer.get_submodule(n).weight.data for n, s in stats.items() if s is st]
+                    act_x = config.act_spec() if act is None else act
+                    if config.a_clip_search:
+                        act_x, _ = search_act_clip(act_x, x, shared)
+                        clips[prefix + name] = _clip_ratios(act_x)
+                    per_input[id(st)] = (x, act_x, act_x(x) if config.fit_quantized_acts else None)
+                    st.inputs = None
+                x, act_x, xq = per_input[id(st)]
+                act = copy.deepcopy(act_x)
+                if config.fit_quantized_acts and config.wbits == 4:
+                    w_star, hessian = fit_to_quantized_inputs(linear.weight.data, x, xq, config.percdamp)
+                    linear.weight.data = w_star.to(linear.weight.dtype)
             new, info = quantize_linear_mosaic(linear, hessian, config, ctx.seed * 7919 + index, act=act)
             set_module(layer, name, new)
             if "recovered" in info:
                 recovered[prefix + name] = round(float(info["recovered"]), 5)
 
     calibrate_layerwise(model, calib, quantize_layer, batch_size=config.calib_batch,
-                        keep_hessian=config.wbits < 16, log=ctx.log)
+                        keep_hessian=config.wbits < 16, keep_inputs=keep_inputs, log=ctx.log)
     memory = weight_memory(model)
     base_bytes = memory["base_values"] + memory["base_scales"]
     residual_bytes = memory["residual_values"] + memory["residual_scales"] + memory["residual_indices"]
@@ -416,6 +557,7 @@ def mosaicquant(model, config: MosaicQuantConfig, ctx):
         if memory["linear_bf16_equivalent"] else None,
         distortion_recovered_calib_mean=(sum(recovered.values()) / len(recovered)) if recovered else None,
         distortion_recovered_calib=recovered,
+        **({"a_clip_chosen": clips} if clips else {}),
         timing={"transform_s": round(t_transform, 2), "total_s": round(time.perf_counter() - t0, 2)},
     )
     return model

@@ -53,6 +53,22 @@ def test_float_propagation_hessians_match_direct_computation():
     assert got["model.layers.0.mlp.down_proj"] is not got["model.layers.0.mlp.up_proj"]
 
 
+
+def test_kept_inputs_are_the_inputs_each_linear_saw():
+    model = _tiny()
+    tokens = torch.randint(0, 101, (5, 13), generator=torch.Generator().manual_seed(3))
+    direct = _direct_inputs(model, tokens)
+    got = {}
+
+    def record(index, layer, stats):
+        for name, st in stats.items():
+            got[f"model.layers.{index}.{name}"] = st.inputs
+
+    cal.calibrate_layerwise(model, tokens, record, batch_size=2, propagate="float", keep_inputs=True)
+    for name, x in direct.items():
+        assert got[name].shape == (5 * 13, x.shape[1])
+        assert torch.equal(got[name], x), name
+
 def test_quantized_propagation_feeds_quantized_outputs():
     model = _tiny()
     tokens = torch.randint(0, 101, (3, 11), generator=torch.Generator().manual_seed(2))
