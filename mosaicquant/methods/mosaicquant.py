@@ -148,6 +148,9 @@ class MosaicQuantConfig(Config):
         calib_batch: calibration sequences per forward pass.
         kvbits: KV-cache bits, 2..8, or 16 (default: float cache, no Q/K rotation).
         kv_clip, kv_symmetric: the K/V grid (default asymmetric, clip 0.95, as QuaRot's).
+        kv_rotate_v: with ``kvbits < 16``, quantize V in each head's Hadamard basis (``rotate_v`` of
+            :class:`~mosaicquant.methods.kvcache.KVQuantSpec`; the inverse rotation belongs in o_proj's input).
+            Off by default; the fused decoder does not execute it.
     """
 
     description = "dense 4-bit base + Hessian-selected sparse 4-bit residual blocks, all 4-bit (W4A4)"
@@ -178,6 +181,7 @@ class MosaicQuantConfig(Config):
     kvbits: int = 16
     kv_clip: float = 0.95
     kv_symmetric: bool = False
+    kv_rotate_v: bool = False
 
     def validate(self):
         check_range("budget", self.budget, 0.0, 1.0)
@@ -213,6 +217,8 @@ class MosaicQuantConfig(Config):
         check_range("calib_batch", self.calib_batch, 1, None, integer=True)
         check_range("kvbits", self.kvbits, 2, 8, integer=True, extra=(16,))
         check_range("kv_clip", self.kv_clip, 0.01, 1.0)
+        if self.kv_rotate_v and self.kvbits == 16:
+            raise UserInputError("kv_rotate_v=true needs a quantized KV cache: set kvbits (e.g. kvbits=4)")
 
     @property
     def block_shape(self) -> tuple[int, int]:
@@ -229,7 +235,7 @@ class MosaicQuantConfig(Config):
     def kv_spec(self) -> KVQuantSpec:
         """The KV-cache spec: Q/K rotation and K/V quantization per head and token when ``kvbits < 16``."""
         return KVQuantSpec(bits=self.kvbits, group_size=None, symmetric=self.kv_symmetric, clip_ratio=self.kv_clip,
-                           rotate_qk=self.kvbits < 16)
+                           rotate_qk=self.kvbits < 16, rotate_v=self.kv_rotate_v)
 
 
 def apply_transform(model, transform: str, calib_tokens: torch.Tensor, *, seed: int, online_o: bool = True,
