@@ -39,9 +39,6 @@ Pipeline for a causal LM (Llama / Qwen2 / Qwen3 families):
    the rest). One quantization serves the base and the residual. ``a_clip_search`` chooses each
    linear input's clip ratios (one per grid) on the calibration inputs instead
    (:func:`search_act_clip`).
-8. **Weights fitted to the quantized inputs** (``fit_quantized_acts``): before the base, the weight
-   is replaced by the least-squares weight that maps the *quantized* calibration inputs to the float
-   outputs, and GPTQ runs against the quantized inputs' Hessian (:func:`fit_to_quantized_inputs`).
 
 The output head stays in 16 bits. The KV cache is not quantized by default (``kv_bits`` 16, the
 method as SPEC §1 defines it: its linear layers); ``kvbits=4`` adds QuaRot's KV recipe
@@ -78,7 +75,7 @@ from mosaicquant.methods.speed_form import check_w4a4
 from mosaicquant.registry import Supports, register_method
 
 __all__ = ["MosaicQuantConfig", "mosaicquant", "apply_transform", "pca_input_transform", "quantize_linear_mosaic",
-           "residual_base_scale", "search_act_clip", "act_output_error", "fit_to_quantized_inputs", "A_CLIP_GRID"]
+           "residual_base_scale", "search_act_clip", "act_output_error", "A_CLIP_GRID"]
 
 SCORES = ("hessian", "delta", "frobenius", "random", "exact-greedy")
 TRANSFORMS = ("rotation", "pca", "smoothquant", "none")
@@ -122,9 +119,6 @@ class MosaicQuantConfig(Config):
             by one pass of coordinate descent), minimising the output error ``‖(Qa(x) − x) Wᵀ‖²`` of the
             linears that read that input with their float weights; ``a_clip`` is the starting point.
             Off by default; the chosen ratios are recorded (``a_clip_chosen``).
-        fit_quantized_acts: fit the weight to the quantized activations before quantizing it: ``W*``
-            minimises ``‖x Wᵀ − Qa(x) W*ᵀ‖²`` on the calibration inputs (damped by ``percdamp``), and the
-            base is fitted against the Hessian of ``Qa(x)`` (:func:`fit_to_quantized_inputs`). Off by default.
         percdamp: GPTQ damping; act_order: GPTQ column order by decreasing Hessian diagonal.
         residual_damp: damping of the least-squares block fit (hessian score).
         rscale: residual scales, ``pow2`` (default: each kept block row's scale is its base row's
@@ -171,7 +165,6 @@ class MosaicQuantConfig(Config):
     a_clip: float = 0.9
     a_symmetric: bool = True
     a_clip_search: bool = False
-    fit_quantized_acts: bool = False
     percdamp: float = 0.01
     act_order: bool = True
     residual_damp: float = 0.01
@@ -415,41 +408,6 @@ def _clip_ratios(act) -> list[float]:
     return [act.low.clip_ratio] + ([high] if high is not None and act.n_high else [])
 
 
-def fit_to_quantized_inputs(weight: torch.Tensor, x: torch.Tensor, xq: torch.Tensor,
-                            percdamp: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight that best maps the quantized inputs to the float outputs, and their Hessian.
-
-    With ``H̃ = xqᵀ xq / T`` and ``C = xᵀ xq / T``, ``W* = W C (H̃ + λI)⁻¹`` (``λ = percdamp · mean diag H̃``)
-    minimises ``‖x Wᵀ − xq W*ᵀ‖²`` (up to the damping). The loss of a quantized ``Ŵ`` splits into that
-    minimum plus ``‖xq (W* − Ŵ)ᵀ‖²``, which GPTQ on ``W*`` against ``H̃`` minimises.
-
-    Args:
-        weight: ``[N, K]`` float weight (in the inputs' basis).
-        x: ``[T, K]`` calibration inputs; xq: the same quantized (``act(x)``).
-        percdamp: relative damping of ``H̃``'s diagonal, ``> 0`` for a well-posed solve.
-
-    Returns:
-        ``(W* [N, K] float32, H̃ [K, K] float32)``.
-
-    Raises:
-        ValueError: shapes that do not match, or ``xq`` with no energy.
-    """
-    if x.shape != xq.shape or x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
-        raise ValueError(f"shapes do not match: weight {tuple(weight.shape)}, x {tuple(x.shape)}, xq {tuple(xq.shape)}")
-    xd, xqd = x.to(torch.float64), xq.to(torch.float64)
-    t = x.shape[0]
-    hq = xqd.T @ xqd / t
-    cross = xd.T @ xqd / t
-    mean_diag = float(torch.diagonal(hq).mean())
-    if not mean_diag > 0:
-        raise ValueError("the quantized inputs are all zero: nothing to fit the weight to")
-    damped = hq + max(percdamp, 1e-6) * mean_diag * torch.eye(hq.shape[0], dtype=hq.dtype, device=hq.device)
-    # W* damped = W C  ->  damped W*ᵀ = Cᵀ Wᵀ (damped is symmetric)
-    rhs = cross.T @ weight.to(torch.float64).T
-    w_star = torch.linalg.solve(damped, rhs).T
-    return w_star.to(torch.float32), hq.to(torch.float32)
-
-
 def _speed_form(model, config: MosaicQuantConfig, ctx):
     """The method's format with round-to-nearest integers and residual blocks chosen by the ``random`` score."""
     check_w4a4("mosaicquant", config.wbits, config.abits)
@@ -502,7 +460,6 @@ def mosaicquant(model, config: MosaicQuantConfig, ctx):
     t_transform = time.perf_counter() - t0
     recovered: dict[str, float] = {}
     clips: dict[str, list[float]] = {}
-    keep_inputs = config.a_clip_search or config.fit_quantized_acts
 
     def pca_layer(index, layer, stats):
         groups, hadamard = input_groups(stats, method="MosaicQuant transform='pca'")
@@ -520,34 +477,27 @@ def mosaicquant(model, config: MosaicQuantConfig, ctx):
     def quantize_layer(index, layer, stats):
         prefix = f"layers.{index}."
         acts = pca_layer(index, layer, stats) if config.transform == "pca" else {}
-        per_input: dict[int, tuple] = {}  # one input's (x in the linears' basis, quantizer, quantized x)
+        per_input: dict[int, object] = {}  # one input's chosen quantizer
         for name, st in stats.items():
             linear = layer.get_submodule(name)
             hessian, act = acts.get(name, (st.hessian, None))
-            if keep_inputs:
+            if config.a_clip_search:
                 if id(st) not in per_input:
                     # with pca the basis was set after the inputs were taken; other transforms ran before
                     transform = input_transform_of(linear) if acts else None
                     x = st.inputs if transform is None else transform(st.inputs)
                     shared = [layer.get_submodule(n).weight.data for n, s in stats.items() if s is st]
-                    act_x = config.act_spec() if act is None else act
-                    if config.a_clip_search:
-                        act_x, _ = search_act_clip(act_x, x, shared)
-                        clips[prefix + name] = _clip_ratios(act_x)
-                    per_input[id(st)] = (x, act_x, act_x(x) if config.fit_quantized_acts else None)
+                    per_input[id(st)], _ = search_act_clip(config.act_spec() if act is None else act, x, shared)
+                    clips[prefix + name] = _clip_ratios(per_input[id(st)])
                     st.inputs = None
-                x, act_x, xq = per_input[id(st)]
-                act = copy.deepcopy(act_x)
-                if config.fit_quantized_acts and config.wbits == 4:
-                    w_star, hessian = fit_to_quantized_inputs(linear.weight.data, x, xq, config.percdamp)
-                    linear.weight.data = w_star.to(linear.weight.dtype)
+                act = copy.deepcopy(per_input[id(st)])
             new, info = quantize_linear_mosaic(linear, hessian, config, ctx.seed * 7919 + index, act=act)
             set_module(layer, name, new)
             if "recovered" in info:
                 recovered[prefix + name] = round(float(info["recovered"]), 5)
 
     calibrate_layerwise(model, calib, quantize_layer, batch_size=config.calib_batch,
-                        keep_hessian=config.wbits < 16, keep_inputs=keep_inputs, log=ctx.log)
+                        keep_hessian=config.wbits < 16, keep_inputs=config.a_clip_search, log=ctx.log)
     memory = weight_memory(model)
     base_bytes = memory["base_values"] + memory["base_scales"]
     residual_bytes = memory["residual_values"] + memory["residual_scales"] + memory["residual_indices"]
