@@ -43,8 +43,9 @@ Pipeline for a causal LM (Llama / Qwen2 / Qwen3 families):
 The output head stays in 16 bits. The KV cache is not quantized by default (``kv_bits`` 16, the
 method as SPEC §1 defines it: its linear layers); ``kvbits=4`` adds QuaRot's KV recipe
 (:mod:`mosaicquant.methods.kvcache`: the online Q/K Hadamard, then K/V per head and token,
-asymmetric, clip ``kv_clip`` = 0.95), which the fused decoder executes as a 4-bit cache. Every
-result records ``kv_bits``.
+asymmetric, clip ``kv_clip`` = 0.95), which the fused decoder executes as a 4-bit cache;
+``kv_rotate_v`` also quantizes V in each head's Hadamard basis (simulated only). Every result records
+``kv_bits``.
 """
 
 from __future__ import annotations

@@ -293,6 +293,9 @@ def test_rotate_v_quantizes_values_in_the_hadamard_basis():
     assert (v_rot - v).square().sum() < (v_plain - v).square().sum()
     _, _, v16 = quantize_qkv(q, k, v, KVQuantSpec(bits=16, rotate_v=True))
     assert torch.equal(v16, v)
+    from mosaicquant.harness.runtime import kv_format_reason
+
+    assert kv_format_reason(plain, 16) is None and "Hadamard basis" in kv_format_reason(rotated, 16)
 
 
 def test_enable_rejects_what_does_not_fit():
