@@ -167,6 +167,8 @@ def kv_format_reason(spec, head_dim: int) -> str | None:
         return f"{spec.bits}-bit K/V (the kernels keep 4 or 16 bits)"
     if spec.bits == 4 and spec.group_size not in (None, head_dim):
         return f"K/V groups of {spec.group_size} channels (the kernels take one group per head of {head_dim})"
+    if spec.enabled and spec.rotate_v:
+        return "V quantized in a Hadamard basis (the kernels keep V as it is)"
     return None
 
 

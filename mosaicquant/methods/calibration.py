@@ -41,6 +41,9 @@ class LinearStats:
     absmax: torch.Tensor = None
     n_tokens: int = 0
     keep_hessian: bool = True
+    keep_inputs: bool = False
+    #: the inputs themselves, ``[n_tokens, K]`` float32, when ``keep_inputs`` (else ``None``)
+    inputs: torch.Tensor = None
 
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
@@ -56,6 +59,8 @@ class LinearStats:
             self.hessian, self.n_tokens = accumulate_hessian(self.hessian, x, self.n_tokens)
         else:
             self.n_tokens += x.shape[0]
+        if self.keep_inputs:
+            self.inputs = x.clone() if self.inputs is None else torch.cat([self.inputs, x])
 
     @property
     def diag(self) -> torch.Tensor:
@@ -130,18 +135,20 @@ def _run_layer(layer: nn.Module, inputs) -> list[tuple[torch.Tensor, dict]]:
     return out
 
 
-def collect_stats(layer: nn.Module, inputs, keep_hessian: bool = True) -> dict[str, LinearStats]:
+def collect_stats(layer: nn.Module, inputs, keep_hessian: bool = True,
+                  keep_inputs: bool = False) -> dict[str, LinearStats]:
     """Run ``layer`` on ``inputs`` and return the input statistics of each of its ``nn.Linear``.
 
     Linears that read the same input tensor (q/k/v, gate/up) share one :class:`LinearStats`
-    object, so each distinct input's Hessian is accumulated once.
+    object, so each distinct input's Hessian is accumulated once (and, with ``keep_inputs``, its
+    inputs stored once).
     """
     stats: dict[str, LinearStats] = {}
     seen: dict[int, tuple[torch.Tensor, str]] = {}
     handles = []
     for name, mod in layer.named_modules():
         if isinstance(mod, nn.Linear):
-            stats[name] = LinearStats(mod.in_features, keep_hessian=keep_hessian)
+            stats[name] = LinearStats(mod.in_features, keep_hessian=keep_hessian, keep_inputs=keep_inputs)
 
             def hook(module, args, output, _name=name):
                 x = args[0]
@@ -174,6 +181,7 @@ def calibrate_layerwise(
     batch_size: int = 4,
     propagate: str = "quantized",
     keep_hessian: bool = True,
+    keep_inputs: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> None:
     """Calibrate and quantize a causal LM one decoder layer at a time.
@@ -187,6 +195,8 @@ def calibrate_layerwise(
         batch_size: sequences per forward pass.
         propagate: ``"quantized"`` (next layer sees the quantized layer's output) or ``"float"``.
         keep_hessian: accumulate the full ``K × K`` matrix (else only absmax/count).
+        keep_inputs: also hand over each linear's inputs (``LinearStats.inputs``, one layer's at a
+            time: ``n_samples · seqlen · K`` float32 values per distinct input).
 
     Raises:
         ValueError: bad ``propagate`` or no decoder layers.
@@ -198,7 +208,7 @@ def calibrate_layerwise(
     inputs, kwargs_of = _capture_layer_inputs(model, tokens, batch_size, device)
     for index, layer in enumerate(progress.bar(layers, desc="calibrate + quantize", unit="layer")):
         inputs = _with_kwargs(inputs, kwargs_of[index])
-        stats = collect_stats(layer, inputs, keep_hessian=keep_hessian)
+        stats = collect_stats(layer, inputs, keep_hessian=keep_hessian, keep_inputs=keep_inputs)
         float_out = None if propagate == "quantized" else _run_layer(layer, inputs)
         quantize_layer(index, layer, stats)
         inputs = _run_layer(layer, inputs) if propagate == "quantized" else float_out

@@ -23,7 +23,10 @@ already applied, and computes, per attention module:
 2. ``K ← fake_quantize(K)``, ``V ← fake_quantize(V)`` along the head dimension: one group per
    (token, head) when ``group_size`` is ``None``, else groups of ``group_size`` channels of
    a head; symmetric or asymmetric, with ``clip_ratio`` — the conventions of
-   :func:`mosaicquant.methods.quant.fake_quantize`.
+   :func:`mosaicquant.methods.quant.fake_quantize`. With ``rotate_v`` the values are quantized
+   in the head dimension's Hadamard basis, ``V ← fake_quantize(V H) Hᵀ``: the cache holds ``V H``
+   and the ``Hᵀ``, applied after the attention product, is the per-head rotation QuaRot folds
+   into o_proj's input (the simulation applies it to the dequantized values, the same function).
 3. The wrapped sdpa / eager attention on the transformed tensors.
 
 Simulation notes: the attention function runs after the cache update, so a ``Cache`` keeps
@@ -81,6 +84,8 @@ class KVQuantSpec:
         clip_ratio: fraction of each group's range kept, in (0, 1].
         rotate_qk: online Hadamard over the head dimension on Q and K after RoPE, before K
             is quantized (function-preserving; applied even when ``bits`` is 16).
+        rotate_v: quantize V in the head dimension's Hadamard basis (see the module docstring);
+            no change when ``bits`` is 16.
 
     Raises:
         ValueError: a field out of range (names the value and the allowed set).
@@ -91,6 +96,7 @@ class KVQuantSpec:
     symmetric: bool = True
     clip_ratio: float = 1.0
     rotate_qk: bool = False
+    rotate_v: bool = False
 
     def __post_init__(self):
         if not isinstance(self.bits, int) or isinstance(self.bits, bool) or not (
@@ -101,7 +107,7 @@ class KVQuantSpec:
             not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 1
         ):
             raise ValueError(f"kv group_size={self.group_size!r} is not allowed: None or a positive integer")
-        for name in ("symmetric", "rotate_qk"):
+        for name in ("symmetric", "rotate_qk", "rotate_v"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"kv {name}={getattr(self, name)!r} must be True or False")
         if isinstance(self.clip_ratio, bool) or not isinstance(self.clip_ratio, (int, float)) or not (
@@ -157,15 +163,18 @@ def quantize_qkv(
         ``(query, key, value)`` transformed as the module docstring describes.
 
     Raises:
-        ValueError: the head dimension has no Hadamard matrix (``rotate_qk``) or is not a
-            multiple of ``group_size``.
+        ValueError: the head dimension has no Hadamard matrix (``rotate_qk``, ``rotate_v``) or is
+            not a multiple of ``group_size``.
     """
     if spec.rotate_qk:
         query = apply_hadamard(query)
         key = apply_hadamard(key)
     if spec.enabled:
         key = _fake_quant(key, spec)
-        value = _fake_quant(value, spec)
+        if spec.rotate_v:
+            value = apply_hadamard(_fake_quant(apply_hadamard(value), spec), transpose=True)
+        else:
+            value = _fake_quant(value, spec)
     return query, key, value
 
 
@@ -282,8 +291,8 @@ def enable_kv_quant(model: nn.Module, spec: KVQuantSpec) -> dict:
             raise UserInputError(
                 f"kv group_size={spec.group_size} does not divide the head dimension {head_dim} of '{name}'"
             )
-        if spec.rotate_qk and not is_hadamard_size(head_dim):
-            raise UserInputError(f"rotate_qk: head dimension {head_dim} of '{name}' has no Hadamard matrix")
+        if (spec.rotate_qk or spec.rotate_v) and not is_hadamard_size(head_dim):
+            raise UserInputError(f"rotate_qk / rotate_v: head dimension {head_dim} of '{name}' has no Hadamard matrix")
     register_attention()
     wrapper = KV_ATTENTION_NAMES[base_name]
     if model.config._attn_implementation != wrapper:

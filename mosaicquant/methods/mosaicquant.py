@@ -36,17 +36,21 @@ Pipeline for a causal LM (Llama / Qwen2 / Qwen3 families):
    the kernels execute (:mod:`mosaicquant.kernels`).
 7. **Activations**: 4-bit per token, symmetric (or asymmetric, ``a_symmetric``), clipped at
    ``a_clip``; with ``transform="pca"`` two 4-bit grids per token (the high-variance subspace and
-   the rest). One quantization serves the base and the residual.
+   the rest). One quantization serves the base and the residual. ``a_clip_search`` chooses each
+   linear input's clip ratios (one per grid) on the calibration inputs instead
+   (:func:`search_act_clip`).
 
 The output head stays in 16 bits. The KV cache is not quantized by default (``kv_bits`` 16, the
 method as SPEC §1 defines it: its linear layers); ``kvbits=4`` adds QuaRot's KV recipe
 (:mod:`mosaicquant.methods.kvcache`: the online Q/K Hadamard, then K/V per head and token,
-asymmetric, clip ``kv_clip`` = 0.95), which the fused decoder executes as a 4-bit cache. Every
-result records ``kv_bits``.
+asymmetric, clip ``kv_clip`` = 0.95), which the fused decoder executes as a 4-bit cache;
+``kv_rotate_v`` also quantizes V in each head's Hadamard basis (simulated only). Every result records
+``kv_bits``.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -72,11 +76,13 @@ from mosaicquant.methods.speed_form import check_w4a4
 from mosaicquant.registry import Supports, register_method
 
 __all__ = ["MosaicQuantConfig", "mosaicquant", "apply_transform", "pca_input_transform", "quantize_linear_mosaic",
-           "residual_base_scale"]
+           "residual_base_scale", "search_act_clip", "act_output_error", "A_CLIP_GRID"]
 
 SCORES = ("hessian", "delta", "frobenius", "random", "exact-greedy")
 TRANSFORMS = ("rotation", "pca", "smoothquant", "none")
 RESIDUAL_SCALES = ("free", "pow2")
+#: clip ratios ``a_clip_search`` tries for each activation grid
+A_CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,11 @@ class MosaicQuantConfig(Config):
         a_clip: fraction of each token's activation range kept.
         a_symmetric: symmetric activation grids (default); ``False`` gives asymmetric per-token grids
             (one 16-bit scale and zero point per token and grid).
+        a_clip_search: choose each linear input's activation clip ratios from :data:`A_CLIP_GRID` on the
+            calibration inputs (one per grid: with ``transform="pca"`` the high subspace's and the rest's,
+            by one pass of coordinate descent), minimising the output error ``‖(Qa(x) − x) Wᵀ‖²`` of the
+            linears that read that input with their float weights; ``a_clip`` is the starting point.
+            Off by default; the chosen ratios are recorded (``a_clip_chosen``).
         percdamp: GPTQ damping; act_order: GPTQ column order by decreasing Hessian diagonal.
         residual_damp: damping of the least-squares block fit (hessian score).
         rscale: residual scales, ``pow2`` (default: each kept block row's scale is its base row's
@@ -132,6 +143,9 @@ class MosaicQuantConfig(Config):
         calib_batch: calibration sequences per forward pass.
         kvbits: KV-cache bits, 2..8, or 16 (default: float cache, no Q/K rotation).
         kv_clip, kv_symmetric: the K/V grid (default asymmetric, clip 0.95, as QuaRot's).
+        kv_rotate_v: with ``kvbits < 16``, quantize V in each head's Hadamard basis (``rotate_v`` of
+            :class:`~mosaicquant.methods.kvcache.KVQuantSpec`; the inverse rotation belongs in o_proj's input).
+            Off by default; the fused decoder does not execute it.
     """
 
     description = "dense 4-bit base + Hessian-selected sparse 4-bit residual blocks, all 4-bit (W4A4)"
@@ -151,6 +165,7 @@ class MosaicQuantConfig(Config):
     w_group_size: int | None = None
     a_clip: float = 0.9
     a_symmetric: bool = True
+    a_clip_search: bool = False
     percdamp: float = 0.01
     act_order: bool = True
     residual_damp: float = 0.01
@@ -160,6 +175,7 @@ class MosaicQuantConfig(Config):
     kvbits: int = 16
     kv_clip: float = 0.95
     kv_symmetric: bool = False
+    kv_rotate_v: bool = False
 
     def validate(self):
         check_range("budget", self.budget, 0.0, 1.0)
@@ -195,6 +211,8 @@ class MosaicQuantConfig(Config):
         check_range("calib_batch", self.calib_batch, 1, None, integer=True)
         check_range("kvbits", self.kvbits, 2, 8, integer=True, extra=(16,))
         check_range("kv_clip", self.kv_clip, 0.01, 1.0)
+        if self.kv_rotate_v and self.kvbits == 16:
+            raise UserInputError("kv_rotate_v=true needs a quantized KV cache: set kvbits (e.g. kvbits=4)")
 
     @property
     def block_shape(self) -> tuple[int, int]:
@@ -211,7 +229,7 @@ class MosaicQuantConfig(Config):
     def kv_spec(self) -> KVQuantSpec:
         """The KV-cache spec: Q/K rotation and K/V quantization per head and token when ``kvbits < 16``."""
         return KVQuantSpec(bits=self.kvbits, group_size=None, symmetric=self.kv_symmetric, clip_ratio=self.kv_clip,
-                           rotate_qk=self.kvbits < 16)
+                           rotate_qk=self.kvbits < 16, rotate_v=self.kv_rotate_v)
 
 
 def apply_transform(model, transform: str, calib_tokens: torch.Tensor, *, seed: int, online_o: bool = True,
@@ -323,6 +341,74 @@ def quantize_linear_mosaic(linear, hessian: torch.Tensor, config: MosaicQuantCon
     return layer.to(linear.weight.device), stats
 
 
+def act_output_error(act, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+    """``Σ_W ‖(act(x) − x) Wᵀ‖²``: the output error an activation quantizer alone causes.
+
+    Args:
+        act: the activation quantizer (an :class:`ActQuantSpec` or a quantizer module).
+        x: ``[T, K]`` inputs in the linears' basis.
+        weights: the ``[N_i, K]`` weights of the linears that read ``x``.
+    """
+    d = (act(x) - x).to(torch.float64)
+    n_total = sum(w.shape[0] for w in weights)
+    if n_total > x.shape[1]:
+        gram = sum(w.to(torch.float64).T @ w.to(torch.float64) for w in weights)
+        return float(((d @ gram) * d).sum())
+    return float(sum((d @ w.to(torch.float64).T).square().sum() for w in weights))
+
+
+def _with_clip(act, part: str, clip: float):
+    """A copy of ``act`` with the clip ratio of one of its grids (``"all"``, ``"low"`` or ``"high"``) set."""
+    if isinstance(act, ActQuantSpec):
+        return dataclasses.replace(act, clip_ratio=clip)
+    high, low = act.high, act.low
+    if part == "high":
+        high = dataclasses.replace(high, clip_ratio=clip)
+    else:
+        low = dataclasses.replace(low, clip_ratio=clip)
+    return MixedActQuant(act.high_channels, act.low_channels, act.in_features, high=high, low=low).to(
+        act.high_channels.device)
+
+
+def search_act_clip(act, x: torch.Tensor, weights: list[torch.Tensor], grid=A_CLIP_GRID):
+    """Choose an activation quantizer's clip ratios on calibration inputs.
+
+    Each grid of ``act`` (one for an :class:`ActQuantSpec`; the rest's and then the high subspace's for a
+    :class:`~mosaicquant.methods.mixed.MixedActQuant`, one pass of coordinate descent) takes the ratio of
+    ``grid`` (or its current one) of least :func:`act_output_error`. A high subspace with several passes
+    (:class:`~mosaicquant.methods.mixed.MultiPassActQuant`) keeps its grid.
+
+    Returns:
+        ``(quantizer, error)``: a new quantizer (``act`` is unchanged) and its output error, never above
+        that of ``act``.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> x, w = torch.randn(256, 16, generator=g), [torch.randn(8, 16, generator=g)]
+        >>> q, err = search_act_clip(ActQuantSpec(4), x, w)
+        >>> err <= act_output_error(ActQuantSpec(4), x, w)
+        True
+    """
+    parts = ["all"] if isinstance(act, ActQuantSpec) else ["low"] + (
+        ["high"] if isinstance(act.high, ActQuantSpec) and act.n_high else [])
+    best, best_err = act, act_output_error(act, x, weights)
+    for part in parts:
+        for clip in grid:
+            cand = _with_clip(best, part, clip)
+            err = act_output_error(cand, x, weights)
+            if err < best_err:
+                best, best_err = cand, err
+    return best, best_err
+
+
+def _clip_ratios(act) -> list[float]:
+    """The clip ratios of a quantizer's grids (the rest's first, then the high subspace's), for the record."""
+    if isinstance(act, ActQuantSpec):
+        return [act.clip_ratio]
+    high = getattr(act.high, "clip_ratio", None)
+    return [act.low.clip_ratio] + ([high] if high is not None and act.n_high else [])
+
+
 def _speed_form(model, config: MosaicQuantConfig, ctx):
     """The method's format with round-to-nearest integers and residual blocks chosen by the ``random`` score."""
     check_w4a4("mosaicquant", config.wbits, config.abits)
@@ -374,6 +460,7 @@ def mosaicquant(model, config: MosaicQuantConfig, ctx):
     kv = enable_kv_quant(model, config.kv_spec()) if config.kvbits < 16 else None
     t_transform = time.perf_counter() - t0
     recovered: dict[str, float] = {}
+    clips: dict[str, list[float]] = {}
 
     def pca_layer(index, layer, stats):
         groups, hadamard = input_groups(stats, method="MosaicQuant transform='pca'")
@@ -391,16 +478,27 @@ def mosaicquant(model, config: MosaicQuantConfig, ctx):
     def quantize_layer(index, layer, stats):
         prefix = f"layers.{index}."
         acts = pca_layer(index, layer, stats) if config.transform == "pca" else {}
+        per_input: dict[int, object] = {}  # one input's chosen quantizer
         for name, st in stats.items():
             linear = layer.get_submodule(name)
             hessian, act = acts.get(name, (st.hessian, None))
+            if config.a_clip_search:
+                if id(st) not in per_input:
+                    # with pca the basis was set after the inputs were taken; other transforms ran before
+                    transform = input_transform_of(linear) if acts else None
+                    x = st.inputs if transform is None else transform(st.inputs)
+                    shared = [layer.get_submodule(n).weight.data for n, s in stats.items() if s is st]
+                    per_input[id(st)], _ = search_act_clip(config.act_spec() if act is None else act, x, shared)
+                    clips[prefix + name] = _clip_ratios(per_input[id(st)])
+                    st.inputs = None
+                act = copy.deepcopy(per_input[id(st)])
             new, info = quantize_linear_mosaic(linear, hessian, config, ctx.seed * 7919 + index, act=act)
             set_module(layer, name, new)
             if "recovered" in info:
                 recovered[prefix + name] = round(float(info["recovered"]), 5)
 
     calibrate_layerwise(model, calib, quantize_layer, batch_size=config.calib_batch,
-                        keep_hessian=config.wbits < 16, log=ctx.log)
+                        keep_hessian=config.wbits < 16, keep_inputs=config.a_clip_search, log=ctx.log)
     memory = weight_memory(model)
     base_bytes = memory["base_values"] + memory["base_scales"]
     residual_bytes = memory["residual_values"] + memory["residual_scales"] + memory["residual_indices"]
@@ -416,6 +514,7 @@ def mosaicquant(model, config: MosaicQuantConfig, ctx):
         if memory["linear_bf16_equivalent"] else None,
         distortion_recovered_calib_mean=(sum(recovered.values()) / len(recovered)) if recovered else None,
         distortion_recovered_calib=recovered,
+        **({"a_clip_chosen": clips} if clips else {}),
         timing={"transform_s": round(t_transform, 2), "total_s": round(time.perf_counter() - t0, 2)},
     )
     return model

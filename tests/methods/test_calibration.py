@@ -29,7 +29,7 @@ def _direct_inputs(model, tokens):
     return {n: torch.cat(v) for n, v in seen.items()}
 
 
-def test_float_propagation_hessians_match_direct_computation():
+def test_float_propagation_hessians_and_kept_inputs_match_direct_computation():
     model = _tiny()
     tokens = torch.randint(0, 101, (5, 13), generator=torch.Generator().manual_seed(1))
     direct = _direct_inputs(model, tokens)
@@ -39,7 +39,7 @@ def test_float_propagation_hessians_match_direct_computation():
         for name, st in stats.items():
             got[f"model.layers.{index}.{name}"] = st
 
-    cal.calibrate_layerwise(model, tokens, record, batch_size=2, propagate="float")
+    cal.calibrate_layerwise(model, tokens, record, batch_size=2, propagate="float", keep_inputs=True)
     assert set(got) == set(direct)
     for name, x in direct.items():
         h = x.T @ x / x.shape[0]
@@ -48,6 +48,7 @@ def test_float_propagation_hessians_match_direct_computation():
         assert err < HESSIAN_RTOL, f"{name}: {err:.2e}"
         assert st.n_tokens == 5 * 13
         assert torch.allclose(st.absmax, x.abs().amax(0))
+        assert torch.equal(st.inputs, x), name
     assert got["model.layers.0.self_attn.q_proj"] is got["model.layers.0.self_attn.v_proj"]
     assert got["model.layers.0.mlp.gate_proj"] is got["model.layers.0.mlp.up_proj"]
     assert got["model.layers.0.mlp.down_proj"] is not got["model.layers.0.mlp.up_proj"]

@@ -28,6 +28,7 @@ from mosaicquant.methods.kvcache import (
     enable_kv_quant,
     fake_quantize_ste,
     kv_quant_spec_of,
+    quantize_qkv,
 )
 from mosaicquant.methods.quant import fake_quantize, quantize
 
@@ -270,10 +271,31 @@ def test_ste_quantizer_forward_is_fake_quantize_and_gradient_passes(shape, group
     ({"bits": 4, "clip_ratio": 1.5}, "clip_ratio=1.5"),
     ({"bits": 4, "rotate_qk": "yes"}, "rotate_qk='yes'"),
     ({"bits": 4, "symmetric": 1}, "symmetric=1"),
+    ({"bits": 4, "rotate_v": "yes"}, "rotate_v='yes'"),
 ])
 def test_spec_validation(kwargs, word):
     with pytest.raises(ValueError, match=word.replace("(", r"\(")):
         KVQuantSpec(**kwargs)
+
+
+def test_rotate_v_quantizes_values_in_the_hadamard_basis():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 7, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    v[..., 3] *= 25.0  # one outlier channel, as value projections have
+    plain = KVQuantSpec(bits=4, symmetric=False)
+    rotated = KVQuantSpec(bits=4, symmetric=False, rotate_v=True)
+    h = hadamard_matrix(16) / 4.0
+    _, k_plain, v_plain = quantize_qkv(q, k, v, plain)
+    _, k_rot, v_rot = quantize_qkv(q, k, v, rotated)
+    assert torch.equal(k_rot, k_plain), "rotate_v leaves the keys alone"
+    want = fake_quantize(v @ h, 4, symmetric=False) @ h.T
+    assert torch.allclose(v_rot, want, rtol=HAND_RTOL, atol=HAND_RTOL)
+    assert (v_rot - v).square().sum() < (v_plain - v).square().sum()
+    _, _, v16 = quantize_qkv(q, k, v, KVQuantSpec(bits=16, rotate_v=True))
+    assert torch.equal(v16, v)
+    from mosaicquant.harness.runtime import kv_format_reason
+
+    assert kv_format_reason(plain, 16) is None and "Hadamard basis" in kv_format_reason(rotated, 16)
 
 
 def test_enable_rejects_what_does_not_fit():

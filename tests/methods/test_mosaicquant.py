@@ -124,6 +124,7 @@ def test_residual_reduces_calibration_distortion():
         ({"block": "0"}, "block"),
         ({"kvbits": 1}, "kvbits=1 is out of range"),
         ({"kv_clip": 0.0}, "kv_clip=0.0 is out of range"),
+        ({"kv_rotate_v": True}, "kv_rotate_v=true needs a quantized KV cache"),
         ({"rscale": "exp2"}, "rscale='exp2' is not allowed"),
         ({"rscale_max_shift": 5}, "rscale_max_shift=5 is out of range"),
         ({"rscale_max_shift": -1}, "rscale_max_shift=-1 is out of range"),
@@ -140,6 +141,7 @@ def test_kv_option_is_quarots_recipe():
     assert not MosaicQuantConfig().kv_spec().active
     spec = MosaicQuantConfig(kvbits=4).kv_spec()
     assert (spec.bits, spec.group_size, spec.symmetric, spec.clip_ratio, spec.rotate_qk) == (4, None, False, 0.95, True)
+    assert not spec.rotate_v and MosaicQuantConfig(kvbits=4, kv_rotate_v=True).kv_spec().rotate_v
 
 
 def test_nan_weights_rejected():
