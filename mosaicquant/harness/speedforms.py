@@ -176,7 +176,10 @@ def executable(model: nn.Module, info: dict) -> str:
                 f" g{fmt.group_size}" if fmt.group_size else "")
             return low + (f" + {fmt.k_hi} ch {fmt.hi_bits}-bit" if fmt.k_hi else "")
         formats = sorted({describe(m.fmt) for m in mixed})
-        part = (f"Triton mixed-precision GEMM on {len(mixed)} linears (act-quant with gathered channels; "
+        stacked = [m for m in model.modules() if isinstance(m, FusedProjections) and isinstance(m.quant, MixedQuantLinear)]
+        inside = {id(g.quant) for g in stacked}
+        n_linears = sum(len(g.names) for g in stacked) + sum(1 for m in mixed if id(m) not in inside)
+        part = (f"Triton mixed-precision GEMM on {n_linears} linears (act-quant with gathered channels; "
                 f"{'; '.join(formats[:3])}{'; ...' if len(formats) > 3 else ''})")
         if mixed_groups:
             part += "; one GEMM per " + ", ".join(mixed_groups)
