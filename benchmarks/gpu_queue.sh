@@ -3,6 +3,8 @@
 #   tests   - every kernel test compiled on the GPU, and the harness's GPU tests (timing, floor)
 #   check   - the harness's GPU tests alone
 #   kernels - the ZipperEngine table at the Llama-3-8B linears, M = 1 ... 8192, against BF16 in one run
+#   mixed   - Atom's decode kernels on the Llama-3-8B linears: the mixed quantizer's programs a token and a grid of
+#             mixed-GEMM tiles, against RTN's GEMM and BF16 in one run
 #   nan     - the NaN-propagating quantizers and range-checked decode kernels against their old forms
 #   suite   - the throughput suite on the Llama-3-8B shapes, every method with a speed form under CUDA
 #             graphs, then BF16 and torchao's eager rows without graphs (their steps do not capture)
@@ -29,6 +31,8 @@ case $step in
   kernels)
     python3 benchmarks/kernels/zipper.py --models llama3-8b --layers qkv,o,gate_up,down \
       --ms 1,4,16,64,128,256,512,2048,8192 --budgets 0,10 --out "$out/zipper" 2>&1 | tee "$out/zipper.log" | tail -60 ;;
+  mixed)
+    python3 benchmarks/kernels/mixed_decode.py --ms 4,16,32 --out "$out/mixed_decode" 2>&1 | tee "$out/mixed_decode.log" | tail -20 ;;
   nan)
     python3 benchmarks/kernels/nan_guard.py 2>&1 | tee "$out/nan_guard.log" | tail -40 ;;
   suite)
@@ -54,5 +58,5 @@ case $step in
     python3 benchmarks/kernels/decode_profile.py --out "$out/profile_prefill" --model llama-3-8b-shapes \
       --methods fp16,mosaicquant:budget=0,mosaicquant --runtimes fused --prefill 2048 2>&1 \
       | tee "$out/profile_prefill.log" | tail -30 ;;
-  *) echo "unknown step $step (tests, check, kernels, nan, suite, torchao, profile)"; exit 2 ;;
+  *) echo "unknown step $step (tests, check, kernels, mixed, nan, suite, torchao, profile)"; exit 2 ;;
 esac

@@ -108,6 +108,7 @@ __all__ = [
     "mixed_act_quant",
     "mixed_act_quant_triton",
     "mixed_act_quant_reference",
+    "act_quant_chunks",
     "pick_mixed_config",
     "mixed_gemm",
     "mixed_gemm_triton",
@@ -123,6 +124,10 @@ ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK_GP = 2048
 TILE_PAIRS = 4096
 MAX_BLOCK_H = 4096
+# Small calls deal a token's low groups over programs of their own, up to this many programs an SM: one program a
+# token left a decode call a few programs (Atom's [4, 4096] q/k/v input took 5.9 us and its [4, 14336] down_proj
+# input 11.2 us on the H100, 30 us of a 164 us layer).
+ACT_QUANT_PROGRAMS_PER_SM = 2
 # Weight recovery from a dequantized weight: a candidate grid must put every value within
 # this many steps of an integer (true grids: ~1e-5; a wrong rational grid: >= 1/128)...
 RECOVER_STEP_TOL = 1e-3
@@ -399,12 +404,15 @@ def _mixed_act_quant_kernel(
     HI_DIV: tl.constexpr, HI_QMIN: tl.constexpr, HI_QMAX: tl.constexpr, HI_OFFSET: tl.constexpr,
     HI_VCLAMP: tl.constexpr, HI_ASYM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_GP: tl.constexpr, LO_ONE_PASS: tl.constexpr,
-    BLOCK_H: tl.constexpr, HI_ONE_PASS: tl.constexpr,
+    BLOCK_H: tl.constexpr, HI_ONE_PASS: tl.constexpr, LO_CHUNKS: tl.constexpr,
 ):
+    # programs (token, c): c < LO_CHUNKS quantize the low groups g0 = c * BLOCK_G, (c + LO_CHUNKS) * BLOCK_G, ...;
+    # c == LO_CHUNKS the high part
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     x_row = x_ptr + row * stride_xm
 
-    if HAS_LO:
+    if HAS_LO and chunk < LO_CHUNKS:
         # [groups, pairs, 2] tiles: several small groups per step, or one chunk of a large group.
         g3 = tl.arange(0, BLOCK_G)[:, None, None]
         p3 = tl.arange(0, BLOCK_GP)[None, :, None]
@@ -415,7 +423,7 @@ def _mixed_act_quant_kernel(
         slo_row = slo_ptr + row * stride_slo
         zlo_row = zlo_ptr + row * stride_slo
         qlo_row = qlo_ptr + row * stride_qlo
-        for g0 in range(0, N_GROUPS, BLOCK_G):
+        for g0 in range(chunk * BLOCK_G, N_GROUPS, LO_CHUNKS * BLOCK_G):
             grp = g0 + g3
             if LO_ONE_PASS:
                 j = p3 * 2 + lane
@@ -456,7 +464,7 @@ def _mixed_act_quant_kernel(
                 byte = p0 + p2
                 tl.store(qlo_row + (g0 + g2) * GP + byte, packed, mask=(g0 + g2 < N_GROUPS) & (byte < GP))
 
-    if HAS_HI:
+    if HAS_HI and chunk == LO_CHUNKS:
         offs = tl.arange(0, BLOCK_H)
         if HI_ONE_PASS:
             ok = offs < K_HI
@@ -553,8 +561,10 @@ def mixed_act_quant_triton(
     fmt: MixedFormat,
     perm: torch.Tensor | None = None,
     out: MixedActs | None = None,
+    *,
+    chunks: int | None = None,
 ) -> MixedActs:
-    """Launch the Triton mixed activation quantizer (one program per token).
+    """Launch the Triton mixed activation quantizer (programs per token: its low groups' chunks and its high part).
 
     Args:
         x: ``[M, K]`` BF16/FP16/FP32 activations, unit stride along K.
@@ -565,14 +575,18 @@ def mixed_act_quant_triton(
             reference, :func:`mixed_act_quant` and :class:`MixedQuantLinear` (once, at
             construction) check its values.
         out: optional preallocated :class:`MixedActs` (contiguous scales).
+        chunks: programs a token's low groups are dealt over, each taking every ``chunks``-th tile of groups
+            (default :func:`act_quant_chunks`); the same bits for any value.
 
     Returns:
         :class:`MixedActs`.
 
     Raises:
-        UserInputError: wrong dtype/shape/stride, or a device the Triton path cannot run on.
+        UserInputError: wrong dtype/shape/stride, a ``chunks`` below 1, or a device the Triton path cannot run on.
     """
     _check_act_inputs(x, fmt, perm)
+    if chunks is not None and (not _is_int(chunks) or chunks < 1):
+        raise UserInputError(f"chunks={chunks!r} must be an integer >= 1 (programs a token's low groups are dealt over)")
     check_triton_device(x.device)
     m = x.shape[0]
     if out is None:
@@ -590,10 +604,15 @@ def mixed_act_quant_triton(
     block_gp = min(MAX_BLOCK_GP, triton.next_power_of_2(gp))
     lo_one_pass = gp <= block_gp
     block_g = min(triton.next_power_of_2(max(1, fmt.n_groups)), max(1, TILE_PAIRS // block_gp)) if lo_one_pass else 1
+    if chunks is None:
+        chunks = act_quant_chunks(m, fmt.n_groups, x.device)
+    while block_g > 1 and -(-fmt.n_groups // block_g) < chunks:
+        block_g //= 2
+    lo_chunks = min(chunks, -(-fmt.n_groups // block_g)) if fmt.k_lo else 0
     block_h = min(MAX_BLOCK_H, triton.next_power_of_2(max(1, fmt.k_hi)))
     pairs = max(block_g * block_gp, block_h // 2)
-    num_warps = 4 if pairs <= 1024 else (8 if pairs <= 4096 else 16)
-    _mixed_act_quant_kernel[(m,)](
+    num_warps = 2 if pairs <= 256 else (4 if pairs <= 1024 else (8 if pairs <= 4096 else 16))
+    _mixed_act_quant_kernel[(m, lo_chunks + (fmt.k_hi > 0))](
         x, _arg(perm32, x), _arg(out.q_lo.view(torch.int8), x), _arg(out.s_lo, x), _arg(out.z_lo, x),
         _arg(out.q_hi, x), out.s_hi, _arg(out.z_hi, x),
         fmt.k_lo, fmt.k_hi, fmt.n_groups, x.stride(0), out.q_lo.stride(0), max(1, fmt.n_groups),
@@ -604,11 +623,21 @@ def mixed_act_quant_triton(
         HI_DIV=float(hi_div), HI_QMIN=float(hi_qmin), HI_QMAX=float(hi_qmax), HI_OFFSET=float(hi_off),
         HI_VCLAMP=float(hi_qmax - hi_qmin + 1), HI_ASYM=not fmt.hi_symmetric,
         BLOCK_G=block_g, BLOCK_GP=block_gp, LO_ONE_PASS=lo_one_pass,
-        BLOCK_H=block_h, HI_ONE_PASS=fmt.k_hi <= block_h, num_warps=num_warps,
+        BLOCK_H=block_h, HI_ONE_PASS=fmt.k_hi <= block_h, LO_CHUNKS=lo_chunks, num_warps=num_warps,
         # no FMA contraction: `hi - lo` of clipped ranges must round as quantize's separate ops
         enable_fp_fusion=False,
     )
     return out
+
+
+def act_quant_chunks(m: int, n_groups: int, device: torch.device) -> int:
+    """Programs a token's low groups are dealt over by default: on CUDA enough for
+    :data:`ACT_QUANT_PROGRAMS_PER_SM` programs an SM over the call's ``m`` tokens (at most one a group), on the CPU
+    one (Triton's interpreter pays per program)."""
+    if device.type != "cuda" or n_groups <= 1:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_groups, -(-ACT_QUANT_PROGRAMS_PER_SM * sms // max(1, m))))
 
 
 def _check_perm_values(perm: torch.Tensor, k: int) -> None:

@@ -115,6 +115,34 @@ def test_act_quant_triton_is_bit_exact(m, name):
                 assert torch.equal(got.cpu(), want), f"{name} M={m} {field}: {(got.cpu() != want).sum()} entries differ"
 
 
+@needs_triton()
+@pytest.mark.parametrize("name,chunks", [("atom", 2), ("atom", 5), ("odd", 3), ("odd", 8), ("resq", 4),
+                                         ("low-only", 2), ("high-only", 3)])
+def test_act_quant_dealt_over_programs_is_bit_exact(name, chunks):
+    # a token's low groups dealt over `chunks` programs (the tiles of groups narrowed to give each one), its high
+    # part in one more: the same bits as the reference; "odd" has 8 groups, so 8 chunks are one group a program
+    fmt = FORMATS[name]
+    gen = torch.Generator().manual_seed(chunks + fmt.k)
+    x = _activations(3, fmt.k, gen)
+    perm = torch.randperm(fmt.k, generator=gen)
+    ref = mixed_act_quant_reference(x, fmt, perm)
+    out = _poisoned_acts(3, fmt)
+    mixed_act_quant_triton(x.to(DEVICE), fmt, perm.to(DEVICE), out=out, chunks=chunks)
+    for field in MixedActs._fields:
+        got, want = getattr(out, field), getattr(ref, field)
+        if got is not None:
+            assert torch.equal(got.cpu(), want), f"{name} chunks={chunks} {field}: {(got.cpu() != want).sum()} differ"
+
+
+def test_act_quant_chunks_default_and_bad_values():
+    from mosaicquant.kernels.mixed_gemm import act_quant_chunks
+
+    assert act_quant_chunks(4, 31, torch.device("cpu")) == 1
+    fmt = FORMATS["atom"]
+    with pytest.raises(UserInputError, match=r"chunks=0 must be an integer >= 1"):
+        mixed_act_quant_triton(torch.zeros(2, fmt.k, dtype=torch.bfloat16, device=DEVICE), fmt, chunks=0)
+
+
 def test_act_quant_reference_matches_simulated_quantizer():
     from mosaicquant.methods.mixed import MixedActQuant
 
