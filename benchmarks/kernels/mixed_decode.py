@@ -57,12 +57,19 @@ DRY_LINEARS = {"qkv": (96, 512), "down": (64, 1024)}
 
 
 def grid(spec: str) -> list[MixedTileConfig]:
-    """The tiles of ``--grid`` (``block_n x warps x stages x split`` lists, ``;``-separated)."""
+    """The tiles of ``--grid`` (``block_n x warps x stages x split x groups a step x 16q unpacking`` lists,
+    ``;``-separated)."""
     parts = [[int(v) for v in p.split(",")] for p in spec.split(";")]
-    if len(parts) != 4:
-        raise UserInputError(f"--grid={spec!r}: four ';'-separated lists (block_n; warps; stages; split)")
-    return [MixedTileConfig(16, bn, GROUP // 2, 64, num_warps=w, num_stages=s, split_k=sk)
-            for bn, w, s, sk in itertools.product(*parts)]
+    if len(parts) != 6:
+        raise UserInputError(f"--grid={spec!r}: six ';'-separated lists (block_n; warps; stages; split; "
+                             "groups_per_step; x16 0/1)")
+    return [MixedTileConfig(16, bn, GROUP // 2, 64, num_warps=w, num_stages=s, split_k=sk, groups_per_step=g,
+                            x16=bool(x)) for bn, w, s, sk, g, x in itertools.product(*parts)]
+
+
+def label(cfg: MixedTileConfig) -> str:
+    return (f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}k{cfg.split_k}g{cfg.groups_per_step}"
+            f"{'x' if cfg.x16 else ''}")
 
 
 def atom_format(k: int) -> MixedFormat:
@@ -114,7 +121,7 @@ def bench(name: str, n: int, k: int, ms: list[int], chunk_opts: list, tiles: lis
         default = pick_mixed_config(m, n, fmt, device)
         results = {}
         for cfg in [default] + tiles:
-            key = f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}k{cfg.split_k}"
+            key = label(cfg)
             if key in results:
                 continue
             try:
@@ -124,7 +131,7 @@ def bench(name: str, n: int, k: int, ms: list[int], chunk_opts: list, tiles: lis
                 results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
                 continue
             results[key] = {"us": us, "ok": ok}
-        row["default"] = f"n{default.block_n}w{default.num_warps}s{default.num_stages}k{default.split_k}"
+        row["default"] = label(default)
         row["gemm"] = results
         rows.append(row)
         good = {key: r["us"] for key, r in results.items() if r.get("ok")}
@@ -132,6 +139,7 @@ def bench(name: str, n: int, k: int, ms: list[int], chunk_opts: list, tiles: lis
         print(f"{name} M={m}: bf16 {row['bf16_us']:.2f} rtn {row['rtn_us']:.2f} mixed default {row['default']} "
               f"{results[row['default']].get('us', float('nan')):.2f} best {best} {good.get(best, float('nan')):.2f}; "
               f"quant {row['quant_us']} bits {'ok' if row['quant_bits_ok'] else 'DIFFER'}", flush=True)
+        print("  fastest: " + ", ".join(f"{key} {good[key]:.2f}" for key in sorted(good, key=good.get)[:6]), flush=True)
 
 
 def main(argv=None) -> int:
@@ -139,7 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ms", default="4,16,32")
     parser.add_argument("--layers", default="qkv,o,gate_up,down")
     parser.add_argument("--chunks", default="1,2,4,8,16,auto")
-    parser.add_argument("--grid", default="32,64,128;4,8;3,5,8;1,2,4,8")
+    parser.add_argument("--grid", default="32,64,128;4;3,6;1,2,4;1,2;0,1")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--dry", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): the script runs")
     args = parser.parse_args(argv)

@@ -750,6 +750,8 @@ class MixedTileConfig:
     num_stages: int = 3
     group_m: int = 8
     split_k: int = 1
+    groups_per_step: int = 1
+    x16: bool = False
 
     def __post_init__(self):
         for name, low in (("block_m", 16), ("block_n", 16), ("block_kp", 32), ("block_k8", 32)):
@@ -758,7 +760,7 @@ class MixedTileConfig:
                 raise UserInputError(f"MixedTileConfig.{name}={v!r} must be a power of two >= {low} (tl.dot tiles)")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise UserInputError(f"MixedTileConfig.num_warps={self.num_warps!r} must be one of 1, 2, 4, 8, 16")
-        for name in ("num_stages", "group_m", "split_k"):
+        for name in ("num_stages", "group_m", "split_k", "groups_per_step"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
                 raise UserInputError(f"MixedTileConfig.{name}={v!r} must be an integer >= 1")
@@ -816,7 +818,7 @@ def _mixed_gemm_kernel(
     GP: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, LO_ASYM: tl.constexpr, HI_ASYM: tl.constexpr,
     HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, EVEN_KHI: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, BK8: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_G: tl.constexpr, SPLIT_S: tl.constexpr, USE_ASM: tl.constexpr,
+    SPLIT_G: tl.constexpr, SPLIT_S: tl.constexpr, USE_ASM: tl.constexpr, GPS: tl.constexpr, X16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -836,33 +838,48 @@ def _mixed_gemm_kernel(
         rkp = tl.arange(0, BKP)
         a_base = alo_ptr + safe_m[:, None] * stride_alo + rkp[None, :]
         w_base = wlo_ptr + safe_n[None, :] * stride_wlo + rkp[:, None]
-        for g in range(g_begin, g_end):
-            acc = tl.zeros([BM, BN], dtype=tl.int32)
-            if GP == BKP:
-                acc = mac_int4(acc, tl.load(a_base + g * GP), tl.load(w_base + g * GP), True, USE_ASM)
-            elif GP < BKP:
-                a = tl.load(a_base + g * GP, mask=rkp[None, :] < GP, other=0)
-                w = tl.load(w_base + g * GP, mask=rkp[:, None] < GP, other=0)
-                acc = mac_int4(acc, a, w, True, USE_ASM)
-            else:
-                s_end = tl.minimum((pid_s + 1) * s_per, steps)
-                for kp0 in range(pid_s * s_per * BKP, s_end * BKP, BKP):
-                    if GP % BKP == 0:
-                        a = tl.load(a_base + g * GP + kp0)
-                        w = tl.load(w_base + g * GP + kp0)
-                    else:
-                        a = tl.load(a_base + g * GP + kp0, mask=kp0 + rkp[None, :] < GP, other=0)
-                        w = tl.load(w_base + g * GP + kp0, mask=kp0 + rkp[:, None] < GP, other=0)
-                    acc = mac_int4(acc, a, w, True, USE_ASM)
-            if LO_ASYM:
-                z = tl.load(alo_z_ptr + safe_m * N_GROUPS + g)
-                if SPLIT_S > 1:
-                    z = tl.where(pid_s == 0, z, 0)  # the group's zero-point term once
-                wsum = tl.load(wlo_sum_ptr + safe_n * N_GROUPS + g)
-                acc -= z[:, None] * wsum[None, :]
-            sa = tl.load(alo_s_ptr + safe_m * N_GROUPS + g)
-            sw = tl.load(wlo_s_ptr + safe_n * N_GROUPS + g).to(tl.float32)
-            y += acc.to(tl.float32) * sa[:, None] * sw[None, :]
+        # X16: the integers unpacked as 16 * q, acc holds 256 * the product (exact in int32 and in its fp32 value)
+        for g0 in range(g_begin, g_end, GPS):
+            # GPS groups a step (one BKP-byte step each, GP == BKP), their loads issued together
+            for j in tl.static_range(GPS):
+                g = g0 + j
+                if GPS > 1:
+                    live = g < g_end
+                    g = tl.minimum(g, g_end - 1)  # a step past the range re-reads the last group, scaled by 0
+                acc = tl.zeros([BM, BN], dtype=tl.int32)
+                if GP == BKP:
+                    acc = mac_int4(acc, tl.load(a_base + g * GP), tl.load(w_base + g * GP), True, USE_ASM, X16)
+                elif GP < BKP:
+                    a = tl.load(a_base + g * GP, mask=rkp[None, :] < GP, other=0)
+                    w = tl.load(w_base + g * GP, mask=rkp[:, None] < GP, other=0)
+                    acc = mac_int4(acc, a, w, True, USE_ASM, X16)
+                else:
+                    s_end = tl.minimum((pid_s + 1) * s_per, steps)
+                    for kp0 in range(pid_s * s_per * BKP, s_end * BKP, BKP):
+                        if GP % BKP == 0:
+                            a = tl.load(a_base + g * GP + kp0)
+                            w = tl.load(w_base + g * GP + kp0)
+                        else:
+                            a = tl.load(a_base + g * GP + kp0, mask=kp0 + rkp[None, :] < GP, other=0)
+                            w = tl.load(w_base + g * GP + kp0, mask=kp0 + rkp[:, None] < GP, other=0)
+                        acc = mac_int4(acc, a, w, True, USE_ASM, X16)
+                if LO_ASYM:
+                    z = tl.load(alo_z_ptr + safe_m * N_GROUPS + g)
+                    if SPLIT_S > 1:
+                        z = tl.where(pid_s == 0, z, 0)  # the group's zero-point term once
+                    wsum = tl.load(wlo_sum_ptr + safe_n * N_GROUPS + g)
+                    zterm = z[:, None] * wsum[None, :]
+                    if X16:
+                        zterm = zterm * 256
+                    acc -= zterm
+                sa = tl.load(alo_s_ptr + safe_m * N_GROUPS + g)
+                sw = tl.load(wlo_s_ptr + safe_n * N_GROUPS + g).to(tl.float32)
+                if GPS > 1:
+                    sa = tl.where(live, sa, 0.0)
+                prod = acc.to(tl.float32)
+                if X16:
+                    prod = prod * (1.0 / 256)
+                y += prod * sa[:, None] * sw[None, :]
 
     if HAS_HI:
         # every split takes a share of the 8-bit K steps
@@ -981,7 +998,9 @@ def mixed_gemm_triton(
         LO_ASYM=not fmt.lo_symmetric, HI_ASYM=not fmt.hi_symmetric, HAS_BIAS=bias is not None,
         OUT_FP32=out_fp32, EVEN_KHI=fmt.k_hi % cfg.block_k8 == 0,
         BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, BK8=cfg.block_k8, GROUP_M=cfg.group_m,
-        SPLIT_G=split_g, SPLIT_S=split_s, USE_ASM=not triton_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT_G=split_g, SPLIT_S=split_s, USE_ASM=not triton_interpreting(),
+        GPS=cfg.groups_per_step if fmt.group_bytes == cfg.block_kp else 1, X16=cfg.x16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -191,6 +191,27 @@ def test_gemm_triton_matches_reference(m, n, name):
     assert_close_bf16(out, ref, f"mixed gemm {name} {m}x{n} split-K")
 
 
+@needs_triton()
+@pytest.mark.parametrize("name", ["atom", "odd", "resq", "g256"])
+def test_gemm_groups_a_step_and_x16_unpacking_give_the_same_bits(name):
+    # several groups' loads a step (the last step running past the range: atom has 5 groups of one step) and the
+    # 16 * q unpacking (acc 256 * the product) leave every fp32 output bit as the one-group step's
+    fmt = FORMATS[name]
+    gen = torch.Generator().manual_seed(fmt.k)
+    acts = mixed_act_quant_reference(_activations(13, fmt.k, gen), fmt, torch.randperm(fmt.k, generator=gen))
+    acts = MixedActs(*(None if t is None else t.to(DEVICE) for t in acts))
+    weights = _random_weights(77, fmt, gen)
+    weights = type(weights)(*(t.to(DEVICE) for t in weights))
+    bkp = 32 if fmt.group_bytes <= 32 else 64
+    base = MixedTileConfig(block_m=16, block_n=32, block_kp=bkp, block_k8=32, split_k=2)
+    want = mixed_gemm_triton(acts, weights, fmt, out_fp32=True, config=base)
+    for gps, x16 in ((2, False), (3, True), (1, True)):
+        got = mixed_gemm_triton(acts, weights, fmt, out_fp32=True,
+                                config=MixedTileConfig(block_m=16, block_n=32, block_kp=bkp, block_k8=32, split_k=2,
+                                                       groups_per_step=gps, x16=x16))
+        assert torch.equal(got.cpu(), want.cpu()), f"{name} groups_per_step={gps} x16={x16}"
+
+
 def test_gemm_reference_equals_dequantized_matmul():
     fmt = FORMATS["resq"]
     gen = torch.Generator().manual_seed(4)
