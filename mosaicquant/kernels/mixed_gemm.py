@@ -69,27 +69,42 @@ from torch import nn
 
 from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._common import (
+    chain_launch,
+    chain_mode,
     check_input_features,
     check_same_device,
     check_tensor,
     check_triton_device,
+    gemm_pdl,
     output_buffer,
     resolve_kernel,
     triton_interpreting,
+    use_pdl,
 )
-from mosaicquant.kernels._tiles import LOCK_SLOTS, lock_buffer
+from mosaicquant.kernels._tiles import (
+    DENSE_PREFETCH_MIB,
+    LOCK_SLOTS,
+    PREFETCH_MAX_M,
+    lock_buffer,
+    pdl_default,
+    pdl_launch,
+    prefetch_row_bytes,
+)
 from mosaicquant.kernels._tl import (
     asym_scale,
+    chain_start,
     mac_int4,
     max_nan,
     maximum_nan,
     min_nan,
     minimum_nan,
+    prefetch_rows_l2,
     quant_div,
     round_half_even,
     store_output,
     sym_scale,
     tile_indices,
+    wait_for_inputs,
 )
 from mosaicquant.kernels.w4a4_gemm import int_matmul
 from mosaicquant.methods.format import pack_int4, unpack_int4
@@ -404,8 +419,9 @@ def _mixed_act_quant_kernel(
     HI_DIV: tl.constexpr, HI_QMIN: tl.constexpr, HI_QMAX: tl.constexpr, HI_OFFSET: tl.constexpr,
     HI_VCLAMP: tl.constexpr, HI_ASYM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_GP: tl.constexpr, LO_ONE_PASS: tl.constexpr,
-    BLOCK_H: tl.constexpr, HI_ONE_PASS: tl.constexpr, LO_CHUNKS: tl.constexpr,
+    BLOCK_H: tl.constexpr, HI_ONE_PASS: tl.constexpr, LO_CHUNKS: tl.constexpr, CHAIN: tl.constexpr,
 ):
+    chain_start(CHAIN)  # the GEMM reading our output may start (it waits for us before reading)
     # programs (token, c): c < LO_CHUNKS quantize the low groups g0 = c * BLOCK_G, (c + LO_CHUNKS) * BLOCK_G, ...;
     # c == LO_CHUNKS the high part
     row = tl.program_id(0).to(tl.int64)
@@ -612,6 +628,7 @@ def mixed_act_quant_triton(
     block_h = min(MAX_BLOCK_H, triton.next_power_of_2(max(1, fmt.k_hi)))
     pairs = max(block_g * block_gp, block_h // 2)
     num_warps = 2 if pairs <= 256 else (4 if pairs <= 1024 else (8 if pairs <= 4096 else 16))
+    chain = chain_mode(x.device, m)
     _mixed_act_quant_kernel[(m, lo_chunks + (fmt.k_hi > 0))](
         x, _arg(perm32, x), _arg(out.q_lo.view(torch.int8), x), _arg(out.s_lo, x), _arg(out.z_lo, x),
         _arg(out.q_hi, x), out.s_hi, _arg(out.z_hi, x),
@@ -623,9 +640,9 @@ def mixed_act_quant_triton(
         HI_DIV=float(hi_div), HI_QMIN=float(hi_qmin), HI_QMAX=float(hi_qmax), HI_OFFSET=float(hi_off),
         HI_VCLAMP=float(hi_qmax - hi_qmin + 1), HI_ASYM=not fmt.hi_symmetric,
         BLOCK_G=block_g, BLOCK_GP=block_gp, LO_ONE_PASS=lo_one_pass,
-        BLOCK_H=block_h, HI_ONE_PASS=fmt.k_hi <= block_h, LO_CHUNKS=lo_chunks, num_warps=num_warps,
+        BLOCK_H=block_h, HI_ONE_PASS=fmt.k_hi <= block_h, LO_CHUNKS=lo_chunks, CHAIN=chain, num_warps=num_warps,
         # no FMA contraction: `hi - lo` of clipped ranges must round as quantize's separate ops
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **chain_launch(chain),
     )
     return out
 
@@ -814,11 +831,12 @@ def _mixed_gemm_kernel(
     alo_ptr, alo_s_ptr, alo_z_ptr, wlo_ptr, wlo_s_ptr, wlo_sum_ptr,
     ahi_ptr, ahi_s_ptr, ahi_z_ptr, whi_ptr, whi_s_ptr, whi_sum_ptr,
     bias_ptr, out_ptr, part_ptr, lock_ptr,
-    M, N, N_GROUPS, K_HI, stride_alo, stride_wlo, stride_ahi, stride_whi, stride_om,
+    M, N, N_GROUPS, K_HI, stride_alo, stride_wlo, stride_ahi, stride_whi, stride_om, PF_ROW_BYTES,
     GP: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, LO_ASYM: tl.constexpr, HI_ASYM: tl.constexpr,
     HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, EVEN_KHI: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, BK8: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_G: tl.constexpr, SPLIT_S: tl.constexpr, USE_ASM: tl.constexpr, GPS: tl.constexpr, X16: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -835,6 +853,11 @@ def _mixed_gemm_kernel(
         g_end = tl.minimum(g_begin + g_per, N_GROUPS)
         steps = (GP + BKP - 1) // BKP
         s_per = (steps + SPLIT_S - 1) // SPLIT_S
+        if PREFETCH:  # the weights do not depend on the kernel before: ask L2 for this program's groups first
+            pf_begin = g_begin * GP
+            prefetch_rows_l2(wlo_ptr, safe_n, stride_wlo, pf_begin, tl.minimum(g_end * GP, pf_begin + PF_ROW_BYTES),
+                             LINES=4)
+        wait_for_inputs(PDL)
         rkp = tl.arange(0, BKP)
         a_base = alo_ptr + safe_m[:, None] * stride_alo + rkp[None, :]
         w_base = wlo_ptr + safe_n[None, :] * stride_wlo + rkp[:, None]
@@ -882,6 +905,8 @@ def _mixed_gemm_kernel(
                 y += prod * sa[:, None] * sw[None, :]
 
     if HAS_HI:
+        if not HAS_LO:
+            wait_for_inputs(PDL)
         # every split takes a share of the 8-bit K steps
         h_steps = tl.cdiv(K_HI, BK8)
         h_per = tl.cdiv(h_steps, SPLIT_G * SPLIT_S)
@@ -955,6 +980,8 @@ def mixed_gemm_triton(
     out_fp32: bool = False,
     config: MixedTileConfig | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool | None = None,
+    prefetch_mib: float | None = None,
 ) -> torch.Tensor:
     """Launch the mixed 4-bit + 8-bit Triton GEMM.
 
@@ -966,6 +993,8 @@ def mixed_gemm_triton(
         out_fp32: write fp32 instead of BF16.
         config: tiles (default :func:`pick_mixed_config`).
         out: optional preallocated contiguous ``[M, N]`` output of the output dtype.
+        pdl, prefetch_mib: programmatic dependent launch and the L2 prefetch of the low weights before waiting, as
+            :func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_triton` takes them (``None``: the same defaults).
 
     Returns:
         ``[M, N]`` BF16 (or fp32).
@@ -987,20 +1016,25 @@ def mixed_gemm_triton(
     # split the groups among the programs, or each group's K steps when there are few groups
     split_g, split_s = (split, 1) if fmt.n_groups >= split or fmt.group_bytes <= cfg.block_kp else (1, split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=device) if split > 1 else out
+    if pdl is None and not pdl_default(m, n, fmt.lo_bytes + fmt.k_hi):
+        pdl = False
+    pdl = use_pdl(device, pdl)
+    pf_row = prefetch_row_bytes(n, fmt.lo_bytes, split_g, prefetch_mib, DENSE_PREFETCH_MIB) if fmt.n_groups else 0
     _mixed_gemm_kernel[(tiles, split)](
         _arg(acts.q_lo.view(torch.int8), out), _arg(acts.s_lo, out), _arg(acts.z_lo, out),
         _arg(weights.q_lo.view(torch.int8), out), _arg(weights.s_lo, out), _arg(weights.sum_lo, out),
         _arg(acts.q_hi, out), acts.s_hi, _arg(acts.z_hi, out), _arg(weights.q_hi, out), weights.s_hi,
         weights.sum_hi, _arg(bias, out), out, part, lock_buffer(device) if split > 1 else out,
         m, n, fmt.n_groups, fmt.k_hi, max(1, acts.q_lo.stride(0)), max(1, weights.q_lo.stride(0)),
-        max(1, acts.q_hi.stride(0)), max(1, weights.q_hi.stride(0)), out.stride(0),
+        max(1, acts.q_hi.stride(0)), max(1, weights.q_hi.stride(0)), out.stride(0), pf_row,
         GP=fmt.group_bytes, HAS_LO=fmt.n_groups > 0, HAS_HI=fmt.k_hi > 0,
         LO_ASYM=not fmt.lo_symmetric, HI_ASYM=not fmt.hi_symmetric, HAS_BIAS=bias is not None,
         OUT_FP32=out_fp32, EVEN_KHI=fmt.k_hi % cfg.block_k8 == 0,
         BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, BK8=cfg.block_k8, GROUP_M=cfg.group_m,
         SPLIT_G=split_g, SPLIT_S=split_s, USE_ASM=not triton_interpreting(),
         GPS=cfg.groups_per_step if fmt.group_bytes == cfg.block_kp else 1, X16=cfg.x16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=gemm_pdl(device, m, pdl), PREFETCH=pdl and split_s == 1 and m <= PREFETCH_MAX_M and pf_row > 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out
 
