@@ -3,6 +3,9 @@
 #   tests   - every kernel test compiled on the GPU, and the harness's GPU tests (timing, floor)
 #   check   - the harness's GPU tests alone
 #   kernels - the ZipperEngine table at the Llama-3-8B linears, M = 1 ... 8192, against BF16 in one run
+#   atom    - the mixed kernels' GPU tests (the PDL chain bit for bit, the whole decode step of atom/resq/spinquant
+#             under each chain mode), then the mixed sweep below
+#   atom_step - BF16, RTN and the mixed-precision methods' decode (batches 4, 32), and Atom's step profile
 #   mixed   - Atom's decode kernels on the Llama-3-8B linears: the mixed quantizer's programs a token and a grid of
 #             mixed-GEMM tiles, against RTN's GEMM and BF16 in one run
 #   nan     - the NaN-propagating quantizers and range-checked decode kernels against their old forms
@@ -31,6 +34,16 @@ case $step in
   kernels)
     python3 benchmarks/kernels/zipper.py --models llama3-8b --layers qkv,o,gate_up,down \
       --ms 1,4,16,64,128,256,512,2048,8192 --budgets 0,10 --out "$out/zipper" 2>&1 | tee "$out/zipper.log" | tail -60 ;;
+  atom)
+    timeout 200 python3 -m pytest -q -p no:benchmark -p no:cacheprovider tests/kernels/test_mixed_gemm.py \
+      tests/kernels/test_pdl.py -k "mixed or chain_mode_gives" 2>&1 | tee "$out/atom_tests.log" | tail -5
+    python3 benchmarks/kernels/mixed_decode.py --ms 4,16,32 --out "$out/mixed_decode" 2>&1 | tee "$out/mixed_decode.log" | tail -16 ;;
+  atom_step)
+    python3 -m mosaicquant run --model llama-3-8b-shapes --methods fp16,rtn,atom,resq,spinquant \
+      --suites throughput:batches=4,32 --device cuda --dtype bfloat16 --report --out "$out/atom_suite" 2>&1 \
+      | tee -a "$out/atom_suite.log" | tail -12
+    python3 benchmarks/kernels/decode_profile.py --out "$out/profile_atom" --model llama-3-8b-shapes \
+      --methods atom --batches 4 --runtimes fused --timeline 2>&1 | tee "$out/profile_atom.log" | tail -30 ;;
   mixed)
     python3 benchmarks/kernels/mixed_decode.py --ms 4,16,32 --out "$out/mixed_decode" 2>&1 | tee "$out/mixed_decode.log" | tail -20 ;;
   nan)
@@ -58,5 +71,5 @@ case $step in
     python3 benchmarks/kernels/decode_profile.py --out "$out/profile_prefill" --model llama-3-8b-shapes \
       --methods fp16,mosaicquant:budget=0,mosaicquant --runtimes fused --prefill 2048 2>&1 \
       | tee "$out/profile_prefill.log" | tail -30 ;;
-  *) echo "unknown step $step (tests, check, kernels, mixed, nan, suite, torchao, profile)"; exit 2 ;;
+  *) echo "unknown step $step (tests, check, kernels, atom, atom_step, mixed, nan, suite, torchao, profile)"; exit 2 ;;
 esac
