@@ -95,6 +95,9 @@ class SpinQuantConfig(Config):
     Attributes:
         wbits / abits / kvbits: 2..8, or 16 (unquantized).
         a_clip: fraction of each token's activation range kept, (0, 1].
+        a_symmetric: symmetric per-token activation grids (QuaRot's) instead of the paper's asymmetric ones;
+            the rotations are trained against that grid, and the speed form then runs the W4A4 kernels
+            QuaRot's does rather than the mixed-precision ones (``docs/speed.md``).
         kv_clip: fraction of each K/V group's range kept, (0, 1].
         kv_group_size: K/V group along the head dim (used when smaller than the head dim).
         w_group_size: weight group along the input dim, or None (per output channel).
@@ -114,6 +117,7 @@ class SpinQuantConfig(Config):
     abits: int = 4
     kvbits: int = 4
     a_clip: float = 1.0
+    a_symmetric: bool = False
     kv_clip: float = 1.0
     kv_group_size: int = 128
     w_group_size: int | None = None
@@ -157,8 +161,8 @@ class SpinQuantConfig(Config):
                            rotate_qk=self.kvbits < 16)
 
     def act_spec(self) -> ActQuantSpec:
-        """Per-token asymmetric activation quantizer."""
-        return ActQuantSpec(bits=self.abits, symmetric=False, clip_ratio=self.a_clip)
+        """Per-token activation quantizer (asymmetric unless ``a_symmetric``)."""
+        return ActQuantSpec(bits=self.abits, symmetric=self.a_symmetric, clip_ratio=self.a_clip)
 
 
 # --------------------------------------------------------------------------------------

@@ -248,6 +248,7 @@ def test_config_kv_group_and_validation():
     assert SpinQuantConfig.from_json(loaded.to_json()) == loaded
     assert get_method("spinquant").config is SpinQuantConfig
     assert (cfg.steps, cfg.lr) == (100, 1.5)
+    assert not cfg.act_spec().symmetric and SpinQuantConfig(a_symmetric=True).act_spec().symmetric
 
 
 def test_deepcopy_after_quantization_computes_the_same():

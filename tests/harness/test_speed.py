@@ -258,6 +258,25 @@ def test_asymmetric_activations_run_on_the_mixed_kernels(tiny_shapes):
     assert (kernels.float() - simulated).norm() < 0.5 * (simulated - reference).norm()
 
 
+def test_symmetric_spinquant_runs_on_the_w4a4_kernels(tiny_shapes):
+    # spinquant:a_symmetric=true: QuaRot's activation grid, so the W4A4 kernels QuaRot's speed form runs
+    from mosaicquant.kernels.quant_linear import QuantLinear
+
+    model = shapes.build_shape_model(tiny_shapes, dtype=torch.float32)
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+    ctx = _form("spinquant", model, kvbits=16, a_symmetric=True)
+    assert model.model.layers[0].self_attn.q_proj.act.symmetric
+    with torch.no_grad():
+        simulated = model(input_ids=ids).logits
+        path = executable(model, ctx.info)
+        kernels = model(input_ids=ids).logits
+    assert "mixed-precision" not in path and path.startswith("Triton W4A4: act-quant + dense GEMM"), path
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 8  # q/k/v and gate/up stacked, 2 layers
+    assert (kernels.float() - simulated).norm() < 0.5 * (simulated - reference).norm()
+
+
 def test_float_model_runs_as_is():
     from transformers import LlamaConfig, LlamaForCausalLM
 
