@@ -39,7 +39,7 @@ case $step in
       tests/kernels/test_pdl.py -k "mixed or chain_mode_gives" 2>&1 | tee "$out/atom_tests.log" | tail -5
     python3 benchmarks/kernels/mixed_decode.py --ms 4,16,32 --out "$out/mixed_decode" 2>&1 | tee "$out/mixed_decode.log" | tail -16 ;;
   atom_step)
-    python3 -m mosaicquant run --model llama-3-8b-shapes --methods fp16,rtn,atom,resq,spinquant \
+    python3 -m mosaicquant run --model llama-3-8b-shapes --methods fp16,rtn,quarot,atom,resq,spinquant,spinquant:a_symmetric=true \
       --suites throughput:batches=4,32 --device cuda --dtype bfloat16 --report --out "$out/atom_suite" 2>&1 \
       | tee -a "$out/atom_suite.log" | tail -12
     python3 benchmarks/kernels/decode_profile.py --out "$out/profile_atom" --model llama-3-8b-shapes \
@@ -51,7 +51,7 @@ case $step in
   suite)
     # torchao's steps do not capture, so they run without graphs beside an eager BF16 row
     python3 -m mosaicquant run --model llama-3-8b-shapes \
-      --methods fp16,rtn,quarot,spinquant,resq,atom,mosaicquant,mosaicquant:budget=0 \
+      --methods fp16,rtn,quarot,spinquant,spinquant:a_symmetric=true,resq,atom,mosaicquant,mosaicquant:budget=0 \
       --suites throughput \
       --device cuda --dtype bfloat16 --report --out "$out/suite" 2>&1 | tee -a "$out/suite.log" | tail -40
     python3 -m mosaicquant run --model llama-3-8b-shapes \
