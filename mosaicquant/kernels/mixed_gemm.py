@@ -428,88 +428,90 @@ def _mixed_act_quant_kernel(
     chunk = tl.program_id(1)
     x_row = x_ptr + row * stride_xm
 
-    if HAS_LO and chunk < LO_CHUNKS:
-        # [groups, pairs, 2] tiles: several small groups per step, or one chunk of a large group.
-        g3 = tl.arange(0, BLOCK_G)[:, None, None]
-        p3 = tl.arange(0, BLOCK_GP)[None, :, None]
-        lane = tl.arange(0, 2)[None, None, :]
-        g1 = tl.arange(0, BLOCK_G)
-        g2 = g1[:, None]
-        p2 = tl.arange(0, BLOCK_GP)[None, :]
-        slo_row = slo_ptr + row * stride_slo
-        zlo_row = zlo_ptr + row * stride_slo
-        qlo_row = qlo_ptr + row * stride_qlo
-        for g0 in range(chunk * BLOCK_G, N_GROUPS, LO_CHUNKS * BLOCK_G):
-            grp = g0 + g3
-            if LO_ONE_PASS:
-                j = p3 * 2 + lane
-                pos = grp * GROUP + j
-                ok = (grp < N_GROUPS) & (j < GROUP) & (pos < K_LO)
-                x_all = _load_channels(x_row, perm_ptr, pos, ok, GATHER)
-                mn = min_nan(min_nan(x_all, 2), 1)
-                mx = max_nan(max_nan(x_all, 2), 1)
-            else:
-                run_mn = tl.zeros([BLOCK_G, BLOCK_GP], dtype=tl.float32)
-                run_mx = tl.zeros([BLOCK_G, BLOCK_GP], dtype=tl.float32)
+    if HAS_LO:
+        if chunk < LO_CHUNKS:
+            # [groups, pairs, 2] tiles: several small groups per step, or one chunk of a large group.
+            g3 = tl.arange(0, BLOCK_G)[:, None, None]
+            p3 = tl.arange(0, BLOCK_GP)[None, :, None]
+            lane = tl.arange(0, 2)[None, None, :]
+            g1 = tl.arange(0, BLOCK_G)
+            g2 = g1[:, None]
+            p2 = tl.arange(0, BLOCK_GP)[None, :]
+            slo_row = slo_ptr + row * stride_slo
+            zlo_row = zlo_ptr + row * stride_slo
+            qlo_row = qlo_ptr + row * stride_qlo
+            for g0 in range(chunk * BLOCK_G, N_GROUPS, LO_CHUNKS * BLOCK_G):
+                grp = g0 + g3
+                if LO_ONE_PASS:
+                    j = p3 * 2 + lane
+                    pos = grp * GROUP + j
+                    ok = (grp < N_GROUPS) & (j < GROUP) & (pos < K_LO)
+                    x_all = _load_channels(x_row, perm_ptr, pos, ok, GATHER)
+                    mn = min_nan(min_nan(x_all, 2), 1)
+                    mx = max_nan(max_nan(x_all, 2), 1)
+                else:
+                    run_mn = tl.zeros([BLOCK_G, BLOCK_GP], dtype=tl.float32)
+                    run_mx = tl.zeros([BLOCK_G, BLOCK_GP], dtype=tl.float32)
+                    for p0 in range(0, GP, BLOCK_GP):
+                        j = (p0 + p3) * 2 + lane
+                        pos = grp * GROUP + j
+                        ok = (grp < N_GROUPS) & (j < GROUP) & (pos < K_LO)
+                        x = _load_channels(x_row, perm_ptr, pos, ok, GATHER)
+                        run_mn = minimum_nan(run_mn, min_nan(x, 2))
+                        run_mx = maximum_nan(run_mx, max_nan(x, 2))
+                    mn = min_nan(run_mn, 1)
+                    mx = max_nan(run_mx, 1)
+                # masked lanes read 0, so mn <= 0 <= mx: the ranges of quantize (zero-padded groups)
+                scale, zero = _grid_params(mn, mx, lo_clip, LO_DIV, LO_ASYM)
+                tl.store(slo_row + g0 + g1, scale, mask=g0 + g1 < N_GROUPS)
+                if LO_ASYM:
+                    tl.store(zlo_row + g0 + g1, (zero - LO_OFFSET).to(tl.int32), mask=g0 + g1 < N_GROUPS)
                 for p0 in range(0, GP, BLOCK_GP):
                     j = (p0 + p3) * 2 + lane
                     pos = grp * GROUP + j
                     ok = (grp < N_GROUPS) & (j < GROUP) & (pos < K_LO)
-                    x = _load_channels(x_row, perm_ptr, pos, ok, GATHER)
-                    run_mn = minimum_nan(run_mn, min_nan(x, 2))
-                    run_mx = maximum_nan(run_mx, max_nan(x, 2))
-                mn = min_nan(run_mn, 1)
-                mx = max_nan(run_mx, 1)
-            # masked lanes read 0, so mn <= 0 <= mx: the ranges of quantize (zero-padded groups)
-            scale, zero = _grid_params(mn, mx, lo_clip, LO_DIV, LO_ASYM)
-            tl.store(slo_row + g0 + g1, scale, mask=g0 + g1 < N_GROUPS)
-            if LO_ASYM:
-                tl.store(zlo_row + g0 + g1, (zero - LO_OFFSET).to(tl.int32), mask=g0 + g1 < N_GROUPS)
-            for p0 in range(0, GP, BLOCK_GP):
-                j = (p0 + p3) * 2 + lane
-                pos = grp * GROUP + j
-                ok = (grp < N_GROUPS) & (j < GROUP) & (pos < K_LO)
-                if LO_ONE_PASS:
-                    x = x_all
-                else:
-                    x = _load_channels(x_row, perm_ptr, pos, ok, GATHER)
-                q = _quantize(x, scale[:, None, None], zero[:, None, None], LO_QMIN, LO_QMAX, LO_OFFSET, LO_VCLAMP)
-                q = tl.where(ok, q, 0.0).to(tl.int8)  # padding nibbles stay 0
-                q_even, q_odd = tl.split(q)
-                packed = (q_even & 0xF) | (q_odd << 4)
-                byte = p0 + p2
-                tl.store(qlo_row + (g0 + g2) * GP + byte, packed, mask=(g0 + g2 < N_GROUPS) & (byte < GP))
+                    if LO_ONE_PASS:
+                        x = x_all
+                    else:
+                        x = _load_channels(x_row, perm_ptr, pos, ok, GATHER)
+                    q = _quantize(x, scale[:, None, None], zero[:, None, None], LO_QMIN, LO_QMAX, LO_OFFSET, LO_VCLAMP)
+                    q = tl.where(ok, q, 0.0).to(tl.int8)  # padding nibbles stay 0
+                    q_even, q_odd = tl.split(q)
+                    packed = (q_even & 0xF) | (q_odd << 4)
+                    byte = p0 + p2
+                    tl.store(qlo_row + (g0 + g2) * GP + byte, packed, mask=(g0 + g2 < N_GROUPS) & (byte < GP))
 
-    if HAS_HI and chunk == LO_CHUNKS:
-        offs = tl.arange(0, BLOCK_H)
-        if HI_ONE_PASS:
-            ok = offs < K_HI
-            xh_all = _load_channels(x_row, perm_ptr, K_LO + offs, ok, GATHER)
-            mn_h = min_nan(xh_all, 0)
-            mx_h = max_nan(xh_all, 0)
-        else:
-            run_mn_h = tl.zeros([BLOCK_H], dtype=tl.float32)
-            run_mx_h = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if HAS_HI:
+        if chunk == LO_CHUNKS:
+            offs = tl.arange(0, BLOCK_H)
+            if HI_ONE_PASS:
+                ok = offs < K_HI
+                xh_all = _load_channels(x_row, perm_ptr, K_LO + offs, ok, GATHER)
+                mn_h = min_nan(xh_all, 0)
+                mx_h = max_nan(xh_all, 0)
+            else:
+                run_mn_h = tl.zeros([BLOCK_H], dtype=tl.float32)
+                run_mx_h = tl.zeros([BLOCK_H], dtype=tl.float32)
+                for k0 in range(0, K_HI, BLOCK_H):
+                    k = k0 + offs
+                    xh = _load_channels(x_row, perm_ptr, K_LO + k, k < K_HI, GATHER)
+                    run_mn_h = minimum_nan(run_mn_h, xh)
+                    run_mx_h = maximum_nan(run_mx_h, xh)
+                mn_h = min_nan(run_mn_h, 0)
+                mx_h = max_nan(run_mx_h, 0)
+            scale_h, zero_h = _grid_params(mn_h, mx_h, hi_clip, HI_DIV, HI_ASYM)
+            tl.store(shi_ptr + row, scale_h)
+            if HI_ASYM:
+                tl.store(zhi_ptr + row, (zero_h - HI_OFFSET).to(tl.int32))
+            qhi_row = qhi_ptr + row * stride_qhi
             for k0 in range(0, K_HI, BLOCK_H):
                 k = k0 + offs
-                xh = _load_channels(x_row, perm_ptr, K_LO + k, k < K_HI, GATHER)
-                run_mn_h = minimum_nan(run_mn_h, xh)
-                run_mx_h = maximum_nan(run_mx_h, xh)
-            mn_h = min_nan(run_mn_h, 0)
-            mx_h = max_nan(run_mx_h, 0)
-        scale_h, zero_h = _grid_params(mn_h, mx_h, hi_clip, HI_DIV, HI_ASYM)
-        tl.store(shi_ptr + row, scale_h)
-        if HI_ASYM:
-            tl.store(zhi_ptr + row, (zero_h - HI_OFFSET).to(tl.int32))
-        qhi_row = qhi_ptr + row * stride_qhi
-        for k0 in range(0, K_HI, BLOCK_H):
-            k = k0 + offs
-            if HI_ONE_PASS:
-                xh = xh_all
-            else:
-                xh = _load_channels(x_row, perm_ptr, K_LO + k, k < K_HI, GATHER)
-            qh = _quantize(xh, scale_h, zero_h, HI_QMIN, HI_QMAX, HI_OFFSET, HI_VCLAMP)
-            tl.store(qhi_row + k, qh.to(tl.int8), mask=k < K_HI)
+                if HI_ONE_PASS:
+                    xh = xh_all
+                else:
+                    xh = _load_channels(x_row, perm_ptr, K_LO + k, k < K_HI, GATHER)
+                qh = _quantize(xh, scale_h, zero_h, HI_QMIN, HI_QMAX, HI_OFFSET, HI_VCLAMP)
+                tl.store(qhi_row + k, qh.to(tl.int8), mask=k < K_HI)
 
 
 def _check_act_inputs(x: torch.Tensor, fmt: MixedFormat, perm: torch.Tensor | None) -> None:
@@ -602,7 +604,8 @@ def mixed_act_quant_triton(
     """
     _check_act_inputs(x, fmt, perm)
     if chunks is not None and (not _is_int(chunks) or chunks < 1):
-        raise UserInputError(f"chunks={chunks!r} must be an integer >= 1 (programs a token's low groups are dealt over)")
+        raise UserInputError(f"chunks={chunks!r} must be an integer >= 1 "
+                             "(programs a token's low groups are dealt over)")
     check_triton_device(x.device)
     m = x.shape[0]
     if out is None:
