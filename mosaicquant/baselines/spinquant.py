@@ -97,7 +97,8 @@ class SpinQuantConfig(Config):
         a_clip: fraction of each token's activation range kept, (0, 1].
         a_symmetric: symmetric per-token activation grids (QuaRot's) instead of the paper's asymmetric ones;
             the rotations are trained against that grid, and the speed form then runs the W4A4 kernels
-            QuaRot's does rather than the mixed-precision ones (``docs/speed.md``).
+            QuaRot's does rather than the mixed-precision ones. On SmolLM2-135M (the equal-bits protocol of
+            ``docs/equal-bits.md``, seed 0) perplexity 31.87 against the asymmetric grid's 25.69.
         kv_clip: fraction of each K/V group's range kept, (0, 1].
         kv_group_size: K/V group along the head dim (used when smaller than the head dim).
         w_group_size: weight group along the input dim, or None (per output channel).
