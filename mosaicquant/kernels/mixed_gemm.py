@@ -90,6 +90,7 @@ from mosaicquant.kernels._tiles import (
     pdl_launch,
     prefetch_row_bytes,
 )
+from mosaicquant.kernels._token_split import sm_count
 from mosaicquant.kernels._tl import (
     asym_scale,
     chain_start,
@@ -654,9 +655,9 @@ def act_quant_chunks(m: int, n_groups: int, device: torch.device) -> int:
     """Programs a token's low groups are dealt over by default: on CUDA enough for
     :data:`ACT_QUANT_PROGRAMS_PER_SM` programs an SM over the call's ``m`` tokens (at most one a group), on the CPU
     one (Triton's interpreter pays per program)."""
-    if device.type != "cuda" or n_groups <= 1:
+    sms = sm_count(device)
+    if sms is None or n_groups <= 1:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(n_groups, -(-ACT_QUANT_PROGRAMS_PER_SM * sms // max(1, m))))
 
 
