@@ -6,8 +6,9 @@ each M the script times
 
 - the activation quantizer (``mixed_act_quant_triton``) with a token's groups dealt over 1 program and over the
   ``chunks`` values of ``--chunks`` (``auto``: the default rule); each must give the 1-program bits;
-- the mixed GEMM on its default tiles and on every tile of a grid (tile width, warps, stages, K split); each
-  must match the reference;
+- the quantizer then the GEMM, the pair a decode step runs;
+- the mixed GEMM on its default tiles and on every tile of a grid (tile width, warps, stages, K split, groups a
+  K step, 16q unpacking); each must match the reference;
 - RTN's ``QuantLinear`` GEMM on the same shape (the same 4-bit bytes less Atom's group scales and 8-bit
   channels) and BF16 ``F.linear``.
 
@@ -36,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from zipper import MODELS, ROTATE_BYTES, check, measure_ceilings, time_calls, versions  # noqa: E402
 
-from mosaicquant import settings  # noqa: E402
 from mosaicquant.errors import UserInputError  # noqa: E402
 from mosaicquant.kernels.mixed_gemm import (  # noqa: E402
     MixedFormat,
@@ -117,13 +117,9 @@ def bench(name: str, n: int, k: int, ms: list[int], chunk_opts: list, tiles: lis
             row["quant_us"][f"{c}" if c != "auto" else f"auto({chunks})"] = us
             row.setdefault("quant_bits_ok", True)
             row["quant_bits_ok"] &= same
-        # the pair a decode step runs (quantizer, then GEMM on its default tiles), without and with PDL (chain on)
-        row["pair_us"] = {}
-        for pdl in (False, True):
-            with settings.use(pdl=pdl, pdl_chain="on"):
-                us, _, _ = time_calls([lambda w=w: mixed_gemm_triton(mixed_act_quant_triton(x, fmt, perm), w, fmt)
-                                       for w in ws])
-            row["pair_us"]["pdl" if pdl else "plain"] = us
+        # the pair a decode step runs: the quantizer, then the GEMM on its default tiles
+        row["pair_us"], _, _ = time_calls([lambda w=w: mixed_gemm_triton(mixed_act_quant_triton(x, fmt, perm), w, fmt)
+                                           for w in ws])
         acts = one
         ref = mixed_gemm_reference(acts, ws[0], fmt, out_fp32=True)
         default = pick_mixed_config(m, n, fmt, device)
@@ -146,7 +142,7 @@ def bench(name: str, n: int, k: int, ms: list[int], chunk_opts: list, tiles: lis
         best = min(good, key=good.get) if good else None
         print(f"{name} M={m}: bf16 {row['bf16_us']:.2f} rtn {row['rtn_us']:.2f} mixed default {row['default']} "
               f"{results[row['default']].get('us', float('nan')):.2f} best {best} {good.get(best, float('nan')):.2f}; "
-              f"quant {row['quant_us']} bits {'ok' if row['quant_bits_ok'] else 'DIFFER'}; pair {row['pair_us']}",
+              f"quant {row['quant_us']} bits {'ok' if row['quant_bits_ok'] else 'DIFFER'}; pair {row['pair_us']:.2f}",
               flush=True)
         print("  fastest: " + ", ".join(f"{key} {good[key]:.2f}" for key in sorted(good, key=good.get)[:6]), flush=True)
 
@@ -174,21 +170,20 @@ def main(argv=None) -> int:
     for name in [v for v in args.layers.split(",") if v in linears]:
         n, k = linears[name]
         bench(name, n, k, ms, chunk_opts, tiles, device, rows)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps({"versions": versions(device), "ceilings": ceilings,
-                                                           "rows": rows}, indent=1))
+        if args.out:  # after each linear: a run cut off keeps what it finished
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "results.json").write_text(json.dumps({"versions": versions(device), "ceilings": ceilings,
+                                                               "rows": rows}, indent=1))
     print("\n| layer | M | BF16 us | RTN us | mixed default | best tile | best us | quant 1 prog | quant default "
-          "| pair plain | pair PDL |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| pair |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         good = {key: g["us"] for key, g in r["gemm"].items() if g.get("ok")}
         best = min(good, key=good.get)
         auto = next(v for key, v in r["quant_us"].items() if key.startswith("auto"))
         print(f"| {r['layer']} | {r['m']} | {r['bf16_us']:.2f} | {r['rtn_us']:.2f} | {r['default']} "
               f"{r['gemm'][r['default']].get('us', float('nan')):.2f} | {best} | {good[best]:.2f} | "
-              f"{r['quant_us'].get('1', float('nan')):.2f} | {auto:.2f} | {r['pair_us']['plain']:.2f} | "
-              f"{r['pair_us']['pdl']:.2f} |")
+              f"{r['quant_us'].get('1', float('nan')):.2f} | {auto:.2f} | {r['pair_us']:.2f} |")
     bad = [r for r in rows if not r["quant_bits_ok"] or any(not g.get("ok", True) for g in r["gemm"].values())]
     print(f"checks: {'all passed' if not bad else f'{len(bad)} rows with a failed check'}")
     return 1 if bad else 0

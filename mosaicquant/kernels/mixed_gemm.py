@@ -69,43 +69,28 @@ from torch import nn
 
 from mosaicquant.errors import UserInputError
 from mosaicquant.kernels._common import (
-    chain_launch,
-    chain_mode,
     check_input_features,
     check_same_device,
     check_tensor,
     check_triton_device,
-    gemm_pdl,
     output_buffer,
     resolve_kernel,
     triton_interpreting,
-    use_pdl,
 )
-from mosaicquant.kernels._tiles import (
-    DENSE_PREFETCH_MIB,
-    LOCK_SLOTS,
-    PREFETCH_MAX_M,
-    lock_buffer,
-    pdl_default,
-    pdl_launch,
-    prefetch_row_bytes,
-)
+from mosaicquant.kernels._tiles import LOCK_SLOTS, lock_buffer
 from mosaicquant.kernels._token_split import sm_count
 from mosaicquant.kernels._tl import (
     asym_scale,
-    chain_start,
     mac_int4,
     max_nan,
     maximum_nan,
     min_nan,
     minimum_nan,
-    prefetch_rows_l2,
     quant_div,
     round_half_even,
     store_output,
     sym_scale,
     tile_indices,
-    wait_for_inputs,
 )
 from mosaicquant.kernels.w4a4_gemm import int_matmul
 from mosaicquant.methods.format import pack_int4, unpack_int4
@@ -144,6 +129,8 @@ MAX_BLOCK_H = 4096
 # token left a decode call a few programs (Atom's [4, 4096] q/k/v input took 5.9 us and its [4, 14336] down_proj
 # input 11.2 us on the H100, 30 us of a 164 us layer).
 ACT_QUANT_PROGRAMS_PER_SM = 2
+# Mixed GEMMs of at most this many tokens take the decode tiles of pick_mixed_config
+DECODE_MAX_M = 32
 # Weight recovery from a dequantized weight: a candidate grid must put every value within
 # this many steps of an integer (true grids: ~1e-5; a wrong rational grid: >= 1/128)...
 RECOVER_STEP_TOL = 1e-3
@@ -420,9 +407,8 @@ def _mixed_act_quant_kernel(
     HI_DIV: tl.constexpr, HI_QMIN: tl.constexpr, HI_QMAX: tl.constexpr, HI_OFFSET: tl.constexpr,
     HI_VCLAMP: tl.constexpr, HI_ASYM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_GP: tl.constexpr, LO_ONE_PASS: tl.constexpr,
-    BLOCK_H: tl.constexpr, HI_ONE_PASS: tl.constexpr, LO_CHUNKS: tl.constexpr, CHAIN: tl.constexpr,
+    BLOCK_H: tl.constexpr, HI_ONE_PASS: tl.constexpr, LO_CHUNKS: tl.constexpr,
 ):
-    chain_start(CHAIN)  # the GEMM reading our output may start (it waits for us before reading)
     # programs (token, c): c < LO_CHUNKS quantize the low groups g0 = c * BLOCK_G, (c + LO_CHUNKS) * BLOCK_G, ...;
     # c == LO_CHUNKS the high part
     row = tl.program_id(0).to(tl.int64)
@@ -632,7 +618,6 @@ def mixed_act_quant_triton(
     block_h = min(MAX_BLOCK_H, triton.next_power_of_2(max(1, fmt.k_hi)))
     pairs = max(block_g * block_gp, block_h // 2)
     num_warps = 2 if pairs <= 256 else (4 if pairs <= 1024 else (8 if pairs <= 4096 else 16))
-    chain = chain_mode(x.device, m)
     _mixed_act_quant_kernel[(m, lo_chunks + (fmt.k_hi > 0))](
         x, _arg(perm32, x), _arg(out.q_lo.view(torch.int8), x), _arg(out.s_lo, x), _arg(out.z_lo, x),
         _arg(out.q_hi, x), out.s_hi, _arg(out.z_hi, x),
@@ -644,9 +629,9 @@ def mixed_act_quant_triton(
         HI_DIV=float(hi_div), HI_QMIN=float(hi_qmin), HI_QMAX=float(hi_qmax), HI_OFFSET=float(hi_off),
         HI_VCLAMP=float(hi_qmax - hi_qmin + 1), HI_ASYM=not fmt.hi_symmetric,
         BLOCK_G=block_g, BLOCK_GP=block_gp, LO_ONE_PASS=lo_one_pass,
-        BLOCK_H=block_h, HI_ONE_PASS=fmt.k_hi <= block_h, LO_CHUNKS=lo_chunks, CHAIN=chain, num_warps=num_warps,
+        BLOCK_H=block_h, HI_ONE_PASS=fmt.k_hi <= block_h, LO_CHUNKS=lo_chunks, num_warps=num_warps,
         # no FMA contraction: `hi - lo` of clipped ranges must round as quantize's separate ops
-        enable_fp_fusion=False, **chain_launch(chain),
+        enable_fp_fusion=False,
     )
     return out
 
@@ -794,7 +779,9 @@ def _clamp_pow2(v: int, lo: int, hi: int) -> int:
 def pick_mixed_config(m: int, n: int, fmt: MixedFormat, device: torch.device) -> MixedTileConfig:
     """Choose tiles for a mixed GEMM of ``m`` tokens and ``n`` output channels.
 
-    ``block_kp`` follows the group (one step per Atom group of 128: 64 bytes). On the GPU the
+    ``block_kp`` follows the group (one step per Atom group of 128: 64 bytes). On the GPU calls of
+    up to :data:`DECODE_MAX_M` tokens take the decode tiles measured on the H100 (Atom's format on the
+    Llama-3-8B linears, M = 4 / 16 / 32: ``benchmarks/kernels/mixed_decode.py``); above that the
     table was measured on the H200 (CUDA graphs, Llama-3-8B shapes, Atom and ResQ formats):
     many short groups (a scale fold every step) prefer 64x128 tiles with 4 warps at every M
     above 64, long groups 128x128 with 8 warps above 256 rows; up to 256 rows K is split
@@ -808,9 +795,18 @@ def pick_mixed_config(m: int, n: int, fmt: MixedFormat, device: torch.device) ->
                                block_k8=_clamp_pow2(fmt.k_hi, 32, 256), num_warps=4, num_stages=1)
     short_groups = fmt.group_bytes <= block_kp
     block_k8 = 128 if 64 < fmt.k_hi <= 128 else 64
-    if m <= 16:
-        cfg = MixedTileConfig(16, 64 if n >= 8192 else 32, block_kp, block_k8, num_warps=4, num_stages=4)
-    elif m <= 64:
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if m <= DECODE_MAX_M:
+        # measured on the H100 (benchmarks/results/atom_decode_h100): 16-row tiles, 3 stages, two groups a K
+        # step, 16q unpacking; K split while tiles x split stay within 4 programs an SM
+        block_n = (64 if m <= 16 else 128) if n >= 8192 else (32 if m <= 16 else 64)
+        tiles = -(-m // 16) * -(-n // block_n)
+        split = 1
+        while split < 4 and tiles * (2 * split) <= 4 * sms and fmt.n_groups >= 8 * split:
+            split *= 2
+        return MixedTileConfig(16, block_n, block_kp, 64, num_warps=4, num_stages=3, split_k=split,
+                               groups_per_step=2, x16=True)
+    if m <= 64:
         cfg = MixedTileConfig(_clamp_pow2(m, 16, 64), 64, block_kp, 64, num_warps=4, num_stages=4)
     elif m <= 256 or short_groups:
         cfg = MixedTileConfig(64, 128, block_kp, 64, num_warps=4, num_stages=3)
@@ -820,7 +816,6 @@ def pick_mixed_config(m: int, n: int, fmt: MixedFormat, device: torch.device) ->
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         steps = -(-fmt.group_bytes // block_kp)
         units = max(fmt.n_groups, steps if fmt.n_groups == 1 else 0)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
         # measured: splitting pays while the tiles leave SMs idle, less so as M grows
         cap = 8 if m <= 64 else (4 if m <= 128 else 2)
         split = 1
@@ -835,12 +830,11 @@ def _mixed_gemm_kernel(
     alo_ptr, alo_s_ptr, alo_z_ptr, wlo_ptr, wlo_s_ptr, wlo_sum_ptr,
     ahi_ptr, ahi_s_ptr, ahi_z_ptr, whi_ptr, whi_s_ptr, whi_sum_ptr,
     bias_ptr, out_ptr, part_ptr, lock_ptr,
-    M, N, N_GROUPS, K_HI, stride_alo, stride_wlo, stride_ahi, stride_whi, stride_om, PF_ROW_BYTES,
+    M, N, N_GROUPS, K_HI, stride_alo, stride_wlo, stride_ahi, stride_whi, stride_om,
     GP: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, LO_ASYM: tl.constexpr, HI_ASYM: tl.constexpr,
     HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, EVEN_KHI: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, BK8: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_G: tl.constexpr, SPLIT_S: tl.constexpr, USE_ASM: tl.constexpr, GPS: tl.constexpr, X16: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -857,11 +851,6 @@ def _mixed_gemm_kernel(
         g_end = tl.minimum(g_begin + g_per, N_GROUPS)
         steps = (GP + BKP - 1) // BKP
         s_per = (steps + SPLIT_S - 1) // SPLIT_S
-        if PREFETCH:  # the weights do not depend on the kernel before: ask L2 for this program's groups first
-            pf_begin = g_begin * GP
-            prefetch_rows_l2(wlo_ptr, safe_n, stride_wlo, pf_begin, tl.minimum(g_end * GP, pf_begin + PF_ROW_BYTES),
-                             LINES=4)
-        wait_for_inputs(PDL)
         rkp = tl.arange(0, BKP)
         a_base = alo_ptr + safe_m[:, None] * stride_alo + rkp[None, :]
         w_base = wlo_ptr + safe_n[None, :] * stride_wlo + rkp[:, None]
@@ -909,8 +898,6 @@ def _mixed_gemm_kernel(
                 y += prod * sa[:, None] * sw[None, :]
 
     if HAS_HI:
-        if not HAS_LO:
-            wait_for_inputs(PDL)
         # every split takes a share of the 8-bit K steps
         h_steps = tl.cdiv(K_HI, BK8)
         h_per = tl.cdiv(h_steps, SPLIT_G * SPLIT_S)
@@ -984,8 +971,6 @@ def mixed_gemm_triton(
     out_fp32: bool = False,
     config: MixedTileConfig | None = None,
     out: torch.Tensor | None = None,
-    pdl: bool | None = None,
-    prefetch_mib: float | None = None,
 ) -> torch.Tensor:
     """Launch the mixed 4-bit + 8-bit Triton GEMM.
 
@@ -997,8 +982,6 @@ def mixed_gemm_triton(
         out_fp32: write fp32 instead of BF16.
         config: tiles (default :func:`pick_mixed_config`).
         out: optional preallocated contiguous ``[M, N]`` output of the output dtype.
-        pdl, prefetch_mib: programmatic dependent launch and the L2 prefetch of the low weights before waiting, as
-            :func:`mosaicquant.kernels.w4a4_gemm.w4a4_gemm_triton` takes them (``None``: the same defaults).
 
     Returns:
         ``[M, N]`` BF16 (or fp32).
@@ -1020,25 +1003,20 @@ def mixed_gemm_triton(
     # split the groups among the programs, or each group's K steps when there are few groups
     split_g, split_s = (split, 1) if fmt.n_groups >= split or fmt.group_bytes <= cfg.block_kp else (1, split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=device) if split > 1 else out
-    if pdl is None and not pdl_default(m, n, fmt.lo_bytes + fmt.k_hi):
-        pdl = False
-    pdl = use_pdl(device, pdl)
-    pf_row = prefetch_row_bytes(n, fmt.lo_bytes, split_g, prefetch_mib, DENSE_PREFETCH_MIB) if fmt.n_groups else 0
     _mixed_gemm_kernel[(tiles, split)](
         _arg(acts.q_lo.view(torch.int8), out), _arg(acts.s_lo, out), _arg(acts.z_lo, out),
         _arg(weights.q_lo.view(torch.int8), out), _arg(weights.s_lo, out), _arg(weights.sum_lo, out),
         _arg(acts.q_hi, out), acts.s_hi, _arg(acts.z_hi, out), _arg(weights.q_hi, out), weights.s_hi,
         weights.sum_hi, _arg(bias, out), out, part, lock_buffer(device) if split > 1 else out,
         m, n, fmt.n_groups, fmt.k_hi, max(1, acts.q_lo.stride(0)), max(1, weights.q_lo.stride(0)),
-        max(1, acts.q_hi.stride(0)), max(1, weights.q_hi.stride(0)), out.stride(0), pf_row,
+        max(1, acts.q_hi.stride(0)), max(1, weights.q_hi.stride(0)), out.stride(0),
         GP=fmt.group_bytes, HAS_LO=fmt.n_groups > 0, HAS_HI=fmt.k_hi > 0,
         LO_ASYM=not fmt.lo_symmetric, HI_ASYM=not fmt.hi_symmetric, HAS_BIAS=bias is not None,
         OUT_FP32=out_fp32, EVEN_KHI=fmt.k_hi % cfg.block_k8 == 0,
         BM=cfg.block_m, BN=cfg.block_n, BKP=cfg.block_kp, BK8=cfg.block_k8, GROUP_M=cfg.group_m,
         SPLIT_G=split_g, SPLIT_S=split_s, USE_ASM=not triton_interpreting(),
         GPS=cfg.groups_per_step if fmt.group_bytes == cfg.block_kp else 1, X16=cfg.x16,
-        PDL=gemm_pdl(device, m, pdl), PREFETCH=pdl and split_s == 1 and m <= PREFETCH_MAX_M and pf_row > 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

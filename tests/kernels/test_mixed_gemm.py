@@ -24,6 +24,7 @@ from mosaicquant.kernels.mixed_gemm import (
     mixed_gemm_triton,
     mixed_weights,
     pack_int4_groups,
+    pick_mixed_config,
     unpack_int4_groups,
 )
 from mosaicquant.methods.hadamard import OnlineHadamard
@@ -394,3 +395,22 @@ def test_bad_inputs_raise_clear_errors():
         layer(torch.tensor(1.0))
     with pytest.raises(UserInputError, match="permutation"):
         MixedQuantLinear(fmt, weights, torch.ones(fmt.k, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("m, n, k, want", [
+    # the H100 grid's picks (benchmarks/results/atom_decode_h100): block_n, split
+    (4, 6144, 4096, (32, 2)), (32, 6144, 4096, (64, 2)), (4, 4096, 4096, (32, 4)), (32, 4096, 4096, (64, 4)),
+    (16, 28672, 4096, (64, 1)), (32, 28672, 4096, (128, 1)), (4, 4096, 14336, (32, 4)),
+])
+def test_decode_tiles_follow_the_measured_grid(monkeypatch, m, n, k, want):
+    """On a 132-SM GPU, calls of up to 32 tokens take 16-row tiles, 3 stages, two groups a step, 16q unpacking, and
+    split K while tiles x split stay within 4 programs an SM."""
+    class Props:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    fmt = MixedFormat(k_lo=k - 128, k_hi=128, group_size=128, lo_clip=0.9)
+    cfg = pick_mixed_config(m, n, fmt, torch.device("cuda"))
+    assert (cfg.block_m, cfg.num_stages, cfg.groups_per_step, cfg.x16) == (16, 3, 2, True)
+    assert (cfg.block_n, cfg.split_k) == want
+    assert pick_mixed_config(m + 32, n, fmt, torch.device("cuda")).x16 is False  # above decode: the H200 table

@@ -172,40 +172,6 @@ def test_pdl_chain_in_a_cuda_graph_matches(m):
     assert_close_bf16(captured[0], w4a4_gemm_reference(a, s, qweight, w_scale, k, out_fp32=True), "dense with PDL")
 
 
-@pytest.mark.skipif(not _hopper(), reason="needs a CUDA GPU of compute capability 9.0 or later")
-@pytest.mark.parametrize("m", [1, 4, 13])
-def test_mixed_pdl_chain_in_a_cuda_graph_matches(m):
-    """Atom's gathered quantizer → mixed GEMM with PDL (and the weights' L2 prefetch), captured, equals plain launches."""
-    from mosaicquant.kernels.mixed_gemm import MixedFormat, mixed_act_quant_triton, mixed_gemm_triton, mixed_weights
-
-    gen = torch.Generator().manual_seed(m)
-    fmt = MixedFormat(k_lo=1024 - 128, k_hi=128, group_size=128, lo_clip=0.9)
-    n = 384
-    w = mixed_weights(torch.randint(-8, 8, (n, fmt.k_lo), generator=gen, dtype=torch.int8),
-                      (torch.rand(n, fmt.n_groups, generator=gen) * 0.05 + 0.01).half(),
-                      torch.randint(-127, 128, (n, fmt.k_hi), generator=gen, dtype=torch.int8),
-                      torch.rand(n, generator=gen) * 0.004 + 0.001, fmt)
-    w = type(w)(*(t.cuda() for t in w))
-    x = random_activations(m, fmt.k, gen).cuda()
-    perm = torch.randperm(fmt.k, generator=gen).to(device="cuda", dtype=torch.int32)
-
-    def step(pdl, chain):
-        with settings.use(pdl=pdl, pdl_chain=chain):
-            return mixed_gemm_triton(mixed_act_quant_triton(x, fmt, perm), w, fmt, pdl=pdl)
-
-    plain = step(False, "off")
-    for chain in ("off", "on"):
-        step(True, chain)  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = step(True, chain)
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, plain), f"chain {chain}"
-
-
 # big enough for the decode paths of the Llama-3 linears' kinds: split-token quantizers, split-K
 # fix-ups, the parallel residual (4-16 tokens), the GEMV (1 token)
 _PDL_SHAPES = shapes.ShapeModel("pdl-llama-shapes", "llama", 512, 1536, 2, 8, 2, 64, 1024, False)

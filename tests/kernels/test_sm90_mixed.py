@@ -1,10 +1,9 @@
 """Atom's decode kernels compile for sm_90 (the H100 / H200) without a GPU, in every form the decode sweep times.
 
-The mixed GEMM's decode tiles with groups a K step and the 16q unpacking, under programmatic dependent launch (the
-low weights prefetched into L2, then the wait, then the signal to the kernel after), and the mixed activation
-quantizer with a token's groups dealt over programs and the chain's start: each is compiled for
-``GPUTarget("cuda", 90, 32)`` through the stand-in driver (``tests/kernels/_offline.py``, in a subprocess), and its
-PTX and resources are read.
+The mixed GEMM's decode tiles with groups a K step and the 16q unpacking, and the mixed activation quantizer with a
+token's groups dealt over programs: each is compiled for ``GPUTarget("cuda", 90, 32)`` through the stand-in driver
+(``tests/kernels/_offline.py``, in a subprocess), and its PTX and resources are read. Neither kernel is in the decode
+step's PDL chain (measured slower on the H100: docs/speed.md), so neither waits nor signals.
 """
 
 from __future__ import annotations
@@ -54,54 +53,36 @@ def report(label, compiled):
     regs, stack = usage(ck)
     print(json.dumps({"case": label, "shared": ck.metadata.shared, "regs": regs, "stack": stack,
                       "wait": ptx.count("griddepcontrol.wait"), "signal": ptx.count("griddepcontrol.launch_dependents"),
-                      "prefetch": ptx.count("prefetch.global.L2"),
-                      # PTX offsets of the first wait, load and prefetch (-1: none)
-                      "at": [ptx.find("griddepcontrol.wait"), ptx.find("ld.global"), ptx.find("prefetch.global.L2")]}),
+                      "prefetch": ptx.count("prefetch.global.L2")}),
           flush=True)
 
 
-for chain in (0, 2):
-    mx.chain_mode = lambda device, m, chain=chain: chain
-    mx.chain_launch = lambda chain: {}  # launch options are the driver's, not the compile's
-    for chunks in (1, 31):
-        label = f"quant chain={chain} chunks={chunks}"
-        try:
-            mx.mixed_act_quant_triton(x, fmt, torch.arange(4096, dtype=torch.int32), chunks=chunks)
-            report(label, quant)
-        except Exception as exc:
-            print(json.dumps({"case": label, "error": f"{type(exc).__name__}: {exc}"[:400]}), flush=True)
-for pdl in (False, True):
-    mx.use_pdl = lambda device, want=None, pdl=pdl: pdl
-    mx.gemm_pdl = lambda device, m, want, pdl=pdl: 2 if pdl else 0
-    mx.pdl_launch = lambda want: {}
-    for bn, gps, x16, stages in ((32, 1, False, 4), (64, 2, True, 6), (128, 2, False, 3), (128, 1, True, 6)):
-        label = f"gemm pdl={pdl} n{bn} g{gps} x16={x16} s{stages}"
-        cfg = mx.MixedTileConfig(16, bn, 64, 64, num_warps=4, num_stages=stages, split_k=2, groups_per_step=gps,
-                                 x16=x16)
-        try:
-            mx.mixed_gemm_triton(acts, w, fmt, config=cfg, pdl=pdl, prefetch_mib=8.0)
-            report(label, gemm)
-        except Exception as exc:
-            print(json.dumps({"case": label, "error": f"{type(exc).__name__}: {exc}"[:400]}), flush=True)
+for chunks in (1, 31):
+    label = f"quant chunks={chunks}"
+    try:
+        mx.mixed_act_quant_triton(x, fmt, torch.arange(4096, dtype=torch.int32), chunks=chunks)
+        report(label, quant)
+    except Exception as exc:
+        print(json.dumps({"case": label, "error": f"{type(exc).__name__}: {exc}"[:400]}), flush=True)
+for bn, gps, x16, stages in ((32, 1, False, 4), (32, 2, True, 3), (64, 2, True, 6), (128, 2, False, 3),
+                             (128, 1, True, 6)):
+    label = f"gemm n{bn} g{gps} x16={x16} s{stages}"
+    cfg = mx.MixedTileConfig(16, bn, 64, 64, num_warps=4, num_stages=stages, split_k=2, groups_per_step=gps,
+                             x16=x16)
+    try:
+        mx.mixed_gemm_triton(acts, w, fmt, config=cfg)
+        report(label, gemm)
+    except Exception as exc:
+        print(json.dumps({"case": label, "error": f"{type(exc).__name__}: {exc}"[:400]}), flush=True)
 """
 
 
 @pytest.mark.skipif(not ptxas_available(), reason="Triton's NVIDIA backend has no ptxas here")
-def test_mixed_decode_kernels_compile_for_sm90_with_their_pdl_chain():
+def test_mixed_decode_kernels_compile_for_sm90():
     run, lines = sm90_compile(_COMPILE, timeout=1200)
-    assert run.returncode == 0 and len(lines) == 12, run.stderr[-3000:]
+    assert run.returncode == 0 and len(lines) == 7, run.stderr[-3000:]
     errors = [line for line in lines if "error" in line]
     assert not errors, errors
     for line in lines:
         assert line["shared"] <= SM90_MAX_SHARED and 0 < line["regs"] <= 255 and line["stack"] == 0, line
-        if line["case"].startswith("quant"):
-            # the chain's start: signal the GEMM after (and wait for the kernel before) first thing
-            chained = "chain=2" in line["case"]
-            assert (line["wait"] > 0, line["signal"] > 0) == (chained, chained), line
-            wait, load, _ = line["at"]
-            assert not chained or wait < load, f"the quantizer loads before it waits: {line}"
-        else:
-            pdl = "pdl=True" in line["case"]
-            assert (line["wait"] > 0, line["signal"] > 0, line["prefetch"] > 0) == (pdl, pdl, pdl), line
-            wait, _, prefetch = line["at"]
-            assert not pdl or prefetch < wait, f"the weights' prefetch comes after the wait: {line}"
+        assert line["wait"] == 0 and line["signal"] == 0 and line["prefetch"] == 0, f"a PDL instruction: {line}"
