@@ -3,8 +3,8 @@
 #   tests   - every kernel test compiled on the GPU, and the harness's GPU tests (timing, floor)
 #   check   - the harness's GPU tests alone
 #   kernels - the ZipperEngine table at the Llama-3-8B linears, M = 1 ... 8192, against BF16 in one run
-#   atom    - the mixed kernels' GPU tests (the PDL chain bit for bit, the whole decode step of atom/resq/spinquant
-#             under each chain mode), then the mixed sweep below
+#   atom    - the mixed kernels' GPU tests (the whole decode step of atom/resq/spinquant under each chain mode, bit
+#             for bit), then the mixed sweep below
 #   atom_step - BF16, RTN and the mixed-precision methods' decode (batches 4, 32), and Atom's step profile
 #   mixed   - Atom's decode kernels on the Llama-3-8B linears: the mixed quantizer's programs a token and a grid of
 #             mixed-GEMM tiles, against RTN's GEMM and BF16 in one run
@@ -35,7 +35,7 @@ case $step in
     python3 benchmarks/kernels/zipper.py --models llama3-8b --layers qkv,o,gate_up,down \
       --ms 1,4,16,64,128,256,512,2048,8192 --budgets 0,10 --out "$out/zipper" 2>&1 | tee "$out/zipper.log" | tail -60 ;;
   atom)
-    timeout 200 python3 -m pytest -q -p no:benchmark -p no:cacheprovider tests/kernels/test_mixed_gemm.py \
+    timeout 300 python3 -m pytest -q -n 8 -p no:benchmark -p no:cacheprovider tests/kernels/test_mixed_gemm.py \
       tests/kernels/test_pdl.py -k "mixed or chain_mode_gives" 2>&1 | tee "$out/atom_tests.log" | tail -5
     python3 benchmarks/kernels/mixed_decode.py --ms 4,16,32 --out "$out/mixed_decode" 2>&1 | tee "$out/mixed_decode.log" | tail -16 ;;
   atom_step)
