@@ -794,7 +794,6 @@ def pick_mixed_config(m: int, n: int, fmt: MixedFormat, device: torch.device) ->
         return MixedTileConfig(block_m=16 if m <= 16 else 64, block_n=64, block_kp=block_kp,
                                block_k8=_clamp_pow2(fmt.k_hi, 32, 256), num_warps=4, num_stages=1)
     short_groups = fmt.group_bytes <= block_kp
-    block_k8 = 128 if 64 < fmt.k_hi <= 128 else 64
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if m <= DECODE_MAX_M:
         # measured on the H100 (benchmarks/results/atom_decode_h100): 16-row tiles, 3 stages, two groups a K
